@@ -1,0 +1,152 @@
+"""usp command line. One small function per command; the work happens in usp.config,
+usp.plan, usp.data and usp.launch. Only typer is imported at module level so that
+`usp --help` stays fast; nothing here imports torch."""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
+                  help="usp: YAML in, a checked parallel run plan out, then torchrun or Slurm.")
+config_app = typer.Typer(no_args_is_help=True, help="Browse and copy the config catalogue.")
+app.add_typer(config_app, name="config")
+
+OVERRIDES_HELP = ("conf=<name or recipe.yaml> and Hydra overrides: key=value, +key=value (add), "
+                  "~key (delete), group=option (e.g. model=tiny parallelism=ddp)")
+Overrides = typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
+CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') and exit without running")
+
+
+def _fail(exc: Exception) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    raise typer.Exit(2)
+
+
+def _compose(overrides: Optional[List[str]]):
+    from usp.config.compose import compose_config
+
+    conf, rest = None, []
+    for item in overrides or []:
+        if item.startswith("conf="):
+            conf = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return compose_config(conf, rest)
+
+
+def _print_cfg(cfg, which: str) -> None:
+    from omegaconf import OmegaConf
+
+    if which not in ("job", "all"):
+        _fail(ValueError(f"--cfg {which!r}: use --cfg job"))
+    typer.echo(OmegaConf.to_yaml(cfg, resolve=False), nl=False)
+
+
+def _user_errors():
+    from usp.data.errors import DataError
+    from usp.errors import UspError
+
+    return (UspError, DataError)
+
+
+@app.command()
+def plan(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOption,
+         save: bool = typer.Option(False, "--save", help="also write runs/<name>/plan.yaml")) -> None:
+    """Resolve the config into a run plan and print it; launches nothing."""
+    try:
+        from usp.plan.plan import build_plan
+        from usp.plan.render import render_plan
+
+        composed, choices = _compose(overrides)
+        if cfg:
+            return _print_cfg(composed, cfg)
+        run_plan = build_plan(composed, choices)
+        render_plan(run_plan)
+        if save:
+            from usp.plan.io import write_plan
+
+            typer.echo(f"plan written to {write_plan(run_plan)}")
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@app.command()
+def train(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOption) -> None:
+    """Plan, prepare the data if needed, and train (in-process for one rank, torchrun for several)."""
+    try:
+        from usp.launch.prepare import prepare_run
+
+        composed, choices = _compose(overrides)
+        if cfg:
+            return _print_cfg(composed, cfg)
+        run_plan, plan_path = prepare_run(composed, choices)
+    except _user_errors() as exc:
+        _fail(exc)
+    from usp.launch.local import launch_local
+
+    code = launch_local(run_plan, plan_path)
+    if code:
+        typer.echo(f"usp: training exited with code {code}; per-rank logs in {run_plan.run_dir}/logs", err=True)
+    raise typer.Exit(code)
+
+
+@app.command("prepare-data")
+def prepare_data(overrides: Optional[List[str]] = Overrides) -> None:
+    """Tokenize the data group's corpus once (tokenizer + uint16 train/val token files)."""
+    try:
+        from rich.console import Console
+
+        from usp.data.prepare import ensure_dataset
+
+        composed, _ = _compose(overrides)
+        console = Console()
+        path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"))
+        console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
+                      f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}")
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@config_app.command("list")
+def config_list() -> None:
+    """Config groups with their options, and the recipes."""
+    from usp.config.catalogue import render_catalogue
+
+    render_catalogue()
+
+
+@config_app.command("show")
+def config_show(item: str = typer.Argument(..., help="group=option (e.g. model=tiny) or a recipe name/path")) -> None:
+    """Print one group option or recipe, composed with the schema defaults."""
+    from usp.config.catalogue import show_item
+
+    try:
+        typer.echo(show_item(item), nl=False)
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@config_app.command("cp")
+def config_cp(recipe: str = typer.Argument(..., help="recipe name (see `usp config list`)"),
+              dest: str = typer.Argument(".", help="file or directory to copy to")) -> None:
+    """Copy a recipe into the working directory to edit it; run it with conf=<file>."""
+    from usp.config.catalogue import copy_recipe
+
+    try:
+        path = copy_recipe(recipe, dest)
+        typer.echo(f"copied to {path}; run it with: usp train conf={path}")
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app(prog_name="usp")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Typed schema of a usp config. Registered in Hydra's ConfigStore, so a misspelt key or a
+wrong type is an error at compose time rather than a silent default."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    family: str = "llama"
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None = n_heads (multi-head attention)
+    ffn_dim: int = 384  # SwiGLU hidden size
+    vocab_size: int = -1  # -1 = take it from the data group's tokenizer
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    attention: str = "sdpa"  # sdpa | flash_attn (GPU extra)
+
+
+@dataclass
+class ParallelismConfig:
+    # Degrees; -1 = derive so that their product equals the world size.
+    dp: Optional[int] = None  # shorthand for dp_replicate (plain DDP)
+    dp_replicate: int = -1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    ddp_bucket_mb: int = 25
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant
+    grad_clip: float = 1.0  # 0 = no clipping
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local_cpu"
+    launcher: str = "local"  # local | slurm
+    device: str = "cpu"  # cpu | cuda | xpu
+    backend: str = "auto"  # auto = gloo on cpu, nccl on cuda, xccl on xpu
+    nodes: int = 1
+    procs_per_node: int = 1
+    threads_per_proc: int = 0  # 0 = cpu cores / procs_per_node
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    name: str = "shakespeare"
+    source: str = "shakespeare"  # shakespeare | stdlib | text_files | token_files
+    paths: List[str] = field(default_factory=list)  # text_files: files or globs
+    train_bin: Optional[str] = None  # token_files: uint16 token file for training
+    val_bin: Optional[str] = None  # token_files: uint16 token file for validation
+    tokenizer: str = "bpe"  # bpe (byte-level BPE trained at prepare time) | bytes
+    vocab_size: int = 4096
+    val_fraction: float = 0.05
+    cache_dir: Optional[str] = None  # None = $USP_CACHE_DIR or ~/.cache/usp
+
+
+@dataclass
+class TrainConfig:
+    name: Optional[str] = None  # run name; None = derived from model/parallelism
+    runs_dir: str = "runs"
+    steps: int = 150
+    seq_len: int = 128
+    global_batch: int = 16  # sequences per optimizer step
+    global_batch_tokens: Optional[int] = None  # alternative to global_batch
+    micro_batch: int = 16  # sequences per forward/backward on one rank
+    grad_accum: int = -1  # -1 = derive from global batch / (micro batch x dp)
+    recompute: str = "none"  # none | selective | full
+    seed: int = 1234
+    dtype: str = "auto"  # auto = fp32 on cpu, bf16 autocast on gpu | fp32 | bf16
+    eval_interval: int = 50  # 0 = only at the end
+    eval_batches: int = 4
+    log_interval: int = 10
+    sample_tokens: int = 120  # text sampled from the model at the end; 0 = none
+    sample_prompt: str = "ROMEO:"
+    compile: bool = False
+    deterministic: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    console: str = "auto"  # auto (rich on a TTY, plain otherwise) | rich | plain | quiet
+    wandb: bool = False
+    tensorboard: bool = False
+
+
+@dataclass
+class UspConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SCHEMA_NAME = "usp_schema"
+GROUPS = ("model", "parallelism", "optimizer", "cluster", "data")
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=UspConfig)
+
+
+def schema_fields(section: Any) -> Dict[str, Any]:
+    """Field name -> type annotation of a schema dataclass (used for 'did you mean')."""
+    return dict(section.__dataclass_fields__)

@@ -1,0 +1,33 @@
+"""AdamW with linear warmup and cosine decay (PyTorch's own optimizer and LambdaLR)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(model: torch.nn.Module, opt, device: torch.device) -> torch.optim.Optimizer:
+    if opt.name != "adamw":
+        raise ValueError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
+    # No weight decay on norms (1-D weights), as in Llama/nanoGPT.
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                             fused=device.type == "cuda")
+
+
+def lr_factor(step: int, opt, total_steps: int) -> float:
+    """Multiplier of optimizer.lr at a (0-based) step."""
+    if step < opt.warmup_steps:
+        return (step + 1) / opt.warmup_steps
+    if opt.schedule == "constant":
+        return 1.0
+    progress = (step - opt.warmup_steps) / max(1, total_steps - opt.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer, opt, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, opt, total_steps))

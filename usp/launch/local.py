@@ -1,0 +1,59 @@
+"""Run a plan on this machine: in-process for one rank, torchrun for several.
+
+No torch import here: torchrun is started as `python -m torch.distributed.run`, and the
+in-process path imports the engine only when it is called."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER_MODULE = "usp.engine.worker"
+
+
+def worker_env(plan) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in plan.config["cluster"]["env"].items()})
+    env.setdefault("OMP_NUM_THREADS", str(plan.threads_per_proc))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone",  # local c10d rendezvous on a free port
+        f"--nproc-per-node={plan.procs_per_node}",
+        f"--max-restarts={max_restarts}",
+        "--module", WORKER_MODULE, "--plan", str(plan_path),
+    ]
+
+
+def launch_local(plan, plan_path: Path) -> int:
+    """Run the plan here and return the exit code of the run (0 = success)."""
+    if plan.world_size == 1:
+        from usp.engine.worker import run_worker  # torch is imported only now, to train
+
+        return run_worker(str(plan_path))
+    proc = subprocess.Popen(torchrun_command(plan, plan_path), env=worker_env(plan))
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
+        # them, then make sure nothing is left behind.
+        return _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    for sig, wait in ((None, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        if sig is not None:
+            proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait)
+            break
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            continue
+    print("usp: interrupted; all ranks stopped", file=sys.stderr)
+    return 130

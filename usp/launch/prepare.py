@@ -1,0 +1,47 @@
+"""Everything `usp train` does before processes start: plan, refuse what can't run, check
+the run directory, make sure the tokenized data exists, write plan.yaml."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from usp.errors import LaunchError
+from usp.plan.io import write_plan
+from usp.plan.plan import build_plan, engine_support_errors
+from usp.plan.render import render_plan
+
+
+def prepare_run(cfg, choices: dict, console: Console | None = None):
+    console = console or Console()
+    plan = build_plan(cfg, choices)
+    render_plan(plan, console)
+    errors = engine_support_errors(plan)
+    if errors:
+        raise errors[0]
+    run_dir = check_run_dir(Path(plan.run_dir))
+
+    from usp.data.prepare import ensure_dataset
+
+    with console.status("preparing data") as status:
+        path, meta = ensure_dataset(cfg.data, progress=lambda msg: status.update(f"data: {msg}"))
+    if meta.get("vocab_size", 0) > plan.model.vocab_size:
+        raise LaunchError(f"the tokenizer has {meta['vocab_size']} tokens but the model only "
+                          f"{plan.model.vocab_size}", key="model.vocab_size", value=plan.model.vocab_size,
+                          fix="model.vocab_size=-1 (take it from the data)")
+    console.print(f"data: {meta.get('n_train_tokens', 0):,} train tokens in {path}")
+    return plan, write_plan(plan, run_dir / "plan.yaml")
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    """Create the run directory, or say clearly why it can't be used."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"can't create the run directory {run_dir}: {exc.strerror}", key="train.runs_dir",
+                          value=str(run_dir.parent), fix="train.runs_dir=<a writable directory>") from None
+    if not os.access(run_dir, os.W_OK):
+        raise LaunchError(f"the run directory {run_dir} is not writable", key="train.runs_dir",
+                          value=str(run_dir.parent), fix="train.runs_dir=<a writable directory>")
+    return run_dir

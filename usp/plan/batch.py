@@ -1,0 +1,56 @@
+"""Batch math: global batch = micro batch x grad-accum steps x data-parallel degree."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from usp.errors import PlanError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    seq_len: int
+    micro_batch: int  # sequences per forward/backward on one rank
+    grad_accum: int  # micro batches per optimizer step on one rank
+    dp: int  # data-parallel degree (dp_replicate x dp_shard)
+    global_batch: int  # sequences per optimizer step, whole job
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def tokens_per_rank_step(self) -> int:
+        return self.micro_batch * self.grad_accum * self.seq_len
+
+
+def plan_batch(train, dp: int) -> BatchPlan:
+    seq_len, micro = int(train.seq_len), int(train.micro_batch)
+    if seq_len < 2:
+        raise PlanError("must be at least 2", key="train.seq_len", value=seq_len, fix="train.seq_len=128")
+    if micro < 1:
+        raise PlanError("must be at least 1", key="train.micro_batch", value=micro, fix="train.micro_batch=1")
+    global_batch = int(train.global_batch)
+    if train.global_batch_tokens is not None:
+        tokens = int(train.global_batch_tokens)
+        if tokens % seq_len:
+            raise PlanError(f"is not a multiple of train.seq_len={seq_len}", key="train.global_batch_tokens",
+                            value=tokens, fix=f"train.global_batch_tokens={max(1, round(tokens / seq_len)) * seq_len}")
+        global_batch = tokens // seq_len
+    per_step = micro * dp
+    accum = int(train.grad_accum)
+    if accum == -1:
+        if global_batch % per_step:
+            lower = max(per_step, global_batch // per_step * per_step)
+            raise PlanError(f"is not divisible by train.micro_batch x data-parallel degree = {micro} x {dp} = {per_step}",
+                            key="train.global_batch", value=global_batch,
+                            fix=f"train.global_batch={lower} or {lower + per_step}, or a micro batch that divides "
+                            f"{global_batch // dp if global_batch % dp == 0 else 'it'}")
+        accum = global_batch // per_step
+    elif accum < 1:
+        raise PlanError("must be a positive integer or -1 (derive)", key="train.grad_accum", value=accum,
+                        fix="train.grad_accum=-1")
+    elif micro * accum * dp != global_batch:
+        raise PlanError(f"micro batch x grad-accum x dp = {micro} x {accum} x {dp} = {micro * accum * dp} "
+                        f"!= train.global_batch={global_batch}", key="train.grad_accum", value=accum,
+                        fix="train.grad_accum=-1 to derive it, or change train.global_batch")
+    return BatchPlan(seq_len, micro, accum, dp, global_batch)

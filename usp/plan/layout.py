@@ -1,0 +1,72 @@
+"""Parallel degrees and the rank table: which rank sits on which node, at which mesh
+coordinates. Pure Python; the engine builds its DeviceMesh from exactly this."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from usp.errors import PlanError
+
+# Mesh dimension order, outermost first (as torchtitan): ranks that differ only in tp are
+# neighbours, so a TP group stays inside a node whenever tp <= processes per node.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    node: int
+    local_rank: int
+    coords: dict[str, int]
+
+
+def resolve_degrees(par, world_size: int) -> dict[str, int]:
+    """Degrees of the mesh dims from the parallelism config; one of them may be -1 (derive)."""
+    degrees = {dim: int(getattr(par, dim)) for dim in MESH_DIMS}
+    if getattr(par, "dp", None) is not None:  # `dp` is shorthand for dp_replicate
+        if degrees["dp_replicate"] not in (-1, par.dp):
+            raise PlanError(f"conflicts with parallelism.dp_replicate={degrees['dp_replicate']}",
+                            key="parallelism.dp", value=par.dp, fix="set only one of them")
+        degrees["dp_replicate"] = int(par.dp)
+    for dim, value in degrees.items():
+        if value == 0 or value < -1:
+            raise PlanError("a degree must be a positive integer or -1 (derive)", key=f"parallelism.{dim}",
+                            value=value, fix=f"parallelism.{dim}=1")
+    derived = [d for d, v in degrees.items() if v == -1]
+    fixed = math.prod(v for v in degrees.values() if v != -1)
+    if len(derived) > 1:
+        raise PlanError(f"only one degree may be -1 (derived); got {', '.join(derived)}",
+                        key=f"parallelism.{derived[1]}", value=-1, fix=f"set parallelism.{derived[1]} explicitly")
+    layout = " x ".join(f"{d}={v}" for d, v in degrees.items() if v != 1)
+    if world_size % fixed:
+        raise PlanError(f"the degrees ({layout}) multiply to {fixed}, which does not divide the world size "
+                        f"{world_size} (cluster.nodes x cluster.procs_per_node)", key="parallelism",
+                        value=layout, fix=f"pick degrees whose product divides {world_size}, "
+                        f"or set cluster.procs_per_node / cluster.nodes to match")
+    if derived:
+        degrees[derived[0]] = world_size // fixed
+    elif fixed != world_size:
+        raise PlanError(f"the degrees ({layout or 'all 1'}) multiply to {fixed}, but the world size is {world_size}",
+                        key="parallelism", value=layout or "1", fix="set one degree to -1 to fill the world, "
+                        f"or set cluster.procs_per_node={fixed}")
+    return degrees
+
+
+def rank_table(degrees: dict[str, int], procs_per_node: int) -> list[RankInfo]:
+    shape = [degrees[d] for d in MESH_DIMS]
+    table = []
+    for rank in range(math.prod(shape)):
+        coords, rest = {}, rank
+        for dim, size in reversed(list(zip(MESH_DIMS, shape))):
+            coords[dim] = rest % size
+            rest //= size
+        ordered = {d: coords[d] for d in MESH_DIMS}
+        table.append(RankInfo(rank, rank // procs_per_node, rank % procs_per_node, ordered))
+    return table
+
+
+def layout_tag(degrees: dict[str, int]) -> str:
+    """Short name of a layout for run names, e.g. 'dp2-tp2' ('single' when all degrees are 1)."""
+    short = {"dp_replicate": "dp", "dp_shard": "fsdp"}
+    parts = [f"{short.get(d, d)}{v}" for d, v in degrees.items() if v > 1]
+    return "-".join(parts) or "single"

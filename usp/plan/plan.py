@@ -1,0 +1,156 @@
+"""RunPlan: everything that can be known before a device is touched, derived once from the
+composed config. Written to <run_dir>/plan.yaml, the only file the engine reads."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from usp.errors import PlanError
+from usp.plan.batch import BatchPlan, plan_batch
+from usp.plan.layout import MESH_DIMS, RankInfo, layout_tag, rank_table, resolve_degrees
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class ModelPlan:
+    name: str
+    params: int
+    vocab_size: int
+    flops_per_token: float  # training FLOPs per token: 6N + 12 L h s (see usp/plan/model_math.py)
+    flops_per_step: float
+
+
+@dataclass
+class RunPlan:
+    name: str
+    run_dir: str
+    world_size: int
+    nodes: int
+    procs_per_node: int
+    device: str
+    backend: str
+    threads_per_proc: int
+    degrees: dict[str, int]
+    mesh_dims: list[str]
+    mesh_shape: list[int]
+    batch: BatchPlan
+    model: ModelPlan
+    dataset_dir: str
+    ranks: list[RankInfo]
+    choices: dict[str, str | None]
+    config: dict  # the resolved config this plan was derived from
+    warnings: list[str] = field(default_factory=list)
+    version: int = PLAN_VERSION
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["batch"]["global_batch_tokens"] = self.batch.global_batch_tokens
+        return out
+
+
+def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None) -> RunPlan:
+    """Derive the run plan from a composed config (DictConfig or an object with the same fields)."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    from usp.data.prepare import dataset_dir
+    from usp.plan.model_math import count_params_cfg, flops_per_token_cfg
+
+    cluster, train, model = cfg.cluster, cfg.train, cfg.model
+    nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
+    for key, value in (("cluster.nodes", nodes), ("cluster.procs_per_node", per_node)):
+        if value < 1:
+            raise PlanError("must be at least 1", key=key, value=value, fix=f"{key}=1")
+    world = nodes * per_node
+    degrees = resolve_degrees(cfg.parallelism, world)
+    batch = plan_batch(train, degrees["dp_replicate"] * degrees["dp_shard"])
+
+    vocab = int(model.vocab_size) if int(model.vocab_size) > 0 else _data_vocab(cfg.data)
+    shape = SimpleNamespace(**{**{k: model[k] for k in model}, "vocab_size": vocab})
+    _check_model(shape, degrees, batch)
+    per_token = float(flops_per_token_cfg(shape, batch.seq_len))
+
+    threads = int(cluster.threads_per_proc) or max(1, (cpu_count or os.cpu_count() or 1) // per_node)
+    name = train.name or f"{model.name}-{layout_tag(degrees)}"
+    run_dir = Path(train.runs_dir).expanduser().resolve() / name
+    return RunPlan(
+        name=name, run_dir=str(run_dir), world_size=world, nodes=nodes, procs_per_node=per_node,
+        device=cluster.device, backend=_backend(cluster), threads_per_proc=threads,
+        degrees=degrees, mesh_dims=list(MESH_DIMS), mesh_shape=[degrees[d] for d in MESH_DIMS],
+        batch=batch,
+        model=ModelPlan(model.name, count_params_cfg(shape), vocab, per_token, per_token * batch.global_batch_tokens),
+        dataset_dir=str(dataset_dir(cfg.data)), ranks=rank_table(degrees, per_node),
+        choices=dict(choices or {}), config=OmegaConf.to_container(cfg, resolve=True),
+        warnings=_warnings(cfg, degrees, batch),
+    )
+
+
+def _data_vocab(data) -> int:
+    return 256 if data.tokenizer == "bytes" and data.source != "token_files" else int(data.vocab_size)
+
+
+def _backend(cluster) -> str:
+    if cluster.backend != "auto":
+        return cluster.backend
+    return {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}.get(cluster.device, "gloo")
+
+
+def _check_model(m, degrees: dict[str, int], batch: BatchPlan) -> None:
+    kv = m.n_kv_heads or m.n_heads
+    if m.dim % m.n_heads:
+        raise PlanError(f"model.dim={m.dim} is not divisible by the number of heads", key="model.n_heads",
+                        value=m.n_heads, fix="pick n_heads that divides model.dim")
+    if m.n_heads % kv:
+        raise PlanError(f"model.n_heads={m.n_heads} is not a multiple of the KV heads", key="model.n_kv_heads",
+                        value=kv, fix="n_kv_heads must divide n_heads")
+    if (m.dim // m.n_heads) % 2:
+        raise PlanError(f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs of channels",
+                        key="model.n_heads", value=m.n_heads, fix="make model.dim / model.n_heads even")
+    tp, pp, cp = degrees["tp"], degrees["pp"], degrees["cp"]
+    for key, heads in (("model.n_heads", m.n_heads), ("model.n_kv_heads", kv)):
+        if heads % tp:
+            raise PlanError(f"{heads} heads can't be split over parallelism.tp={tp}", key=key, value=heads,
+                            fix=f"parallelism.tp in {_divisors(heads)}")
+    if m.n_layers < pp:
+        raise PlanError(f"{m.n_layers} layers can't fill parallelism.pp={pp} pipeline stages", key="parallelism.pp",
+                        value=pp, fix=f"parallelism.pp <= {m.n_layers}")
+    if cp > 1 and batch.seq_len % (2 * cp):
+        raise PlanError(f"zigzag context parallelism splits the sequence into 2 x cp = {2 * cp} chunks",
+                        key="train.seq_len", value=batch.seq_len,
+                        fix=f"train.seq_len={math.ceil(batch.seq_len / (2 * cp)) * 2 * cp}")
+    if m.vocab_size > 65535:
+        raise PlanError("token files are uint16: the vocabulary must be below 65536", key="model.vocab_size",
+                        value=m.vocab_size, fix="data.vocab_size <= 65535")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _warnings(cfg, degrees: dict[str, int], batch: BatchPlan) -> list[str]:
+    out = []
+    if degrees["tp"] > int(cfg.cluster.procs_per_node):
+        out.append(f"parallelism.tp={degrees['tp']} spans nodes (procs_per_node={cfg.cluster.procs_per_node}): "
+                   "TP all-reduces would cross the inter-node link")
+    return out
+
+
+def engine_support_errors(plan: RunPlan) -> list[PlanError]:
+    """Layouts this version of the engine cannot run yet (the plan still describes them)."""
+    errors = []
+    for dim in ("dp_shard", "tp", "pp", "cp"):
+        if plan.degrees[dim] > 1:
+            errors.append(PlanError("this version's engine runs data parallel (DDP) only; the layout is planned "
+                                    "but can't be trained yet", key=f"parallelism.{dim}", value=plan.degrees[dim],
+                                    fix=f"parallelism.{dim}=1 (use parallelism.dp_replicate for more ranks)"))
+    if int(plan.config["parallelism"]["ep"]) > 1:
+        errors.append(PlanError("expert parallelism needs a MoE model, not available in this version",
+                                key="parallelism.ep", value=plan.config["parallelism"]["ep"], fix="parallelism.ep=1"))
+    if plan.nodes > 1 and plan.config["cluster"]["launcher"] == "local":
+        errors.append(PlanError("the local launcher runs on one machine", key="cluster.nodes", value=plan.nodes,
+                                fix="cluster.nodes=1, or a Slurm cluster group"))
+    return errors
