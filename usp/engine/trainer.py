@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from usp.data.prepare import load_meta
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
 from usp.engine.console import Console, rank_logger
 from usp.engine.dist import DistContext, all_reduce_mean
@@ -32,10 +31,9 @@ class Trainer:
         self.global_tokens = int(batch["global_batch"]) * self.seq_len
         self.autocast = _autocast(train.dtype, ctx.device)
 
-        dataset = Path(plan["dataset_dir"])
-        self.meta = load_meta(dataset)
-        self.train_tokens = TokenFile(dataset / "train.bin")
-        self.val_tokens = TokenFile(dataset / "val.bin")
+        dataset, self.meta = Path(plan["dataset_dir"]), plan["data_meta"]
+        self.train_tokens = TokenFile(dataset / self.meta["train_bin"])  # absolute for token_files
+        self.val_tokens = TokenFile(dataset / self.meta["val_bin"])
         self.sampler = BatchSampler(len(self.train_tokens), self.seq_len, int(batch["global_batch"]), self.micro,
                                     ctx.dp_rank, ctx.dp_size, int(train.seed))
         # Validation uses global-batch-sized batches so every layout evaluates the same sequences.

@@ -31,6 +31,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None):
                           f"{plan.model.vocab_size}", key="model.vocab_size", value=plan.model.vocab_size,
                           fix="model.vocab_size=-1 (take it from the data)")
     console.print(f"data: {meta.get('n_train_tokens', 0):,} train tokens in {path}")
+    plan.dataset_dir, plan.data_meta = str(path), dict(meta)
     return plan, write_plan(plan, run_dir / "plan.yaml")
 
 

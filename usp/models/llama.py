@@ -1,0 +1,225 @@
+"""Llama-style decoder in plain PyTorch (RMSNorm, RoPE, GQA attention via SDPA, SwiGLU).
+
+Layout follows torchtitan so later parallelism passes can work on FQNs:
+`tok_embeddings`, `layers` (ModuleDict keyed "0".."L-1"), `norm`, `output`.
+A pipeline stage may delete layers or set `tok_embeddings` / `norm` / `output` to None;
+forward then passes hidden states through instead.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None = n_heads
+    ffn_dim: int = 384
+    vocab_size: int = 4096
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.dim={self.dim} must divide by n_heads={self.n_heads}, "
+                f"and n_heads by n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_config(cls, model_cfg: Any, vocab_size: Optional[int] = None) -> "LlamaArgs":
+        """Take the architecture fields from a ModelConfig; `vocab_size` overrides the config's
+        (which is -1 until the tokenizer is known)."""
+        kw = {f.name: getattr(model_cfg, f.name) for f in fields(cls) if hasattr(model_cfg, f.name)}
+        if vocab_size is not None:
+            kw["vocab_size"] = vocab_size
+        if kw.get("vocab_size", -1) <= 0:
+            raise ValueError("model.vocab_size is unresolved; pass the tokenizer's vocab_size")
+        return cls(**kw)
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float = 10000.0,
+                    device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim // 2), in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (b, s, heads, head_dim) by the angles of its tokens' positions.
+
+    `cos`/`sin` are (s, head_dim // 2): the tables already indexed at the tokens' absolute
+    positions, so a shard of the sequence (context parallelism) rotates exactly like the
+    same tokens inside the full sequence. Pairs are interleaved (x[2i], x[2i+1]) as in Meta's
+    Llama. Computed in float32 and cast back.
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+# ----------------------------------------------------------------------- blocks
+
+def _sdpa_supports_gqa() -> bool:
+    # enable_gqa arrived in torch 2.5; fall back to repeating KV heads on older versions.
+    try:
+        q, kv = torch.zeros(1, 2, 1, 2), torch.zeros(1, 1, 1, 2)
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # view(..., -1, head_dim) rather than n_heads: tensor parallelism shards the heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, head_dim)
+        if k.shape[1] != q.shape[1]:
+            if _SDPA_GQA:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ------------------------------------------------------------------------ model
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs, max_seq_len: int = 2048) -> None:
+        super().__init__()
+        self.args, self.max_seq_len = args, max_seq_len
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from args, so they stay out of checkpoints.
+        cos, sin = precompute_rope(args.head_dim, max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens (b, s) int ids, or (b, s, dim) hidden states when `tok_embeddings` is None.
+        positions: absolute positions (s,) of the tokens; default arange(s).
+        Returns logits (b, s, vocab), or hidden states when `norm`/`output` are None."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        s = h.shape[1]
+        if positions is None:
+            positions = torch.arange(s, device=h.device)
+        elif positions.shape != (s,):
+            raise ValueError(f"positions must have shape ({s},), got {tuple(positions.shape)}")
+        else:
+            positions = positions.to(self.rope_cos.device)
+        # Keep the rotation in fp32 even if the module was cast to bf16.
+        cos, sin = self.rope_cos[positions].float(), self.rope_sin[positions].float()
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Deterministic init: Linear/Embedding weights ~ N(0, init_std), output projections
+        (wo, w2) scaled by 1/sqrt(2 n_layers), norms = 1; RoPE tables recomputed (so a model
+        materialised from the meta device works).
+
+        Each parameter draws from its own CPU generator seeded from (seed, FQN), so the
+        values do not depend on the global RNG, on which device the model lives, or on which
+        layers this rank holds (pipeline stages get the same weights as the full model).
+        """
+        seed = 0 if seed is None else seed
+        std = self.args.init_std
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():  # deduplicates the tied weight
+            fqn = name.replace("_checkpoint_wrapped_module.", "")
+            module_name = fqn.rsplit(".", 2)[-2]  # e.g. "wo", "ffn_norm", "tok_embeddings"
+            if module_name.endswith("norm"):
+                p.fill_(1.0)
+                continue
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+            sd = out_std if module_name in ("wo", "w2") else std
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, sd, generator=g))
+        cos, sin = precompute_rope(self.args.head_dim, self.max_seq_len, self.args.rope_theta,
+                                   device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @classmethod
+    def from_config(cls, model_cfg: Any, vocab_size: Optional[int] = None,
+                    max_seq_len: int = 2048) -> "Llama":
+        return cls(LlamaArgs.from_config(model_cfg, vocab_size), max_seq_len=max_seq_len)
