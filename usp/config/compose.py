@@ -107,6 +107,10 @@ def _known_fix(message: str) -> str | None:
     if "does not support deletion" in message:
         return ("keys of a typed section can't be deleted, set a value instead "
                 "(~ deletes free-form keys such as cluster.env.NAME)")
+    if "An item is already at" in message:
+        return "the key exists already: drop the leading + (use key=value)"
+    if "To append to your config use" in message:
+        return "that key is new here: add it with a leading +, e.g. +" + message.split("use +", 1)[1].split()[0]
     if "Ambiguous value" in message:
         return "a comma list is a sweep: run it with `usp sweep`, or quote the value: key='a,b'"
     if "Error parsing override" in message:

@@ -83,7 +83,7 @@ class TrainConfig:
     seq_len: int = 128
     global_batch: int = 16  # sequences per optimizer step
     global_batch_tokens: Optional[int] = None  # alternative to global_batch
-    micro_batch: int = 16  # sequences per forward/backward on one rank
+    micro_batch: int = -1  # sequences per forward/backward on one rank; -1 = global / (dp x grad_accum)
     grad_accum: int = -1  # -1 = derive from global batch / (micro batch x dp)
     recompute: str = "none"  # none | selective | full
     seed: int = 1234

@@ -77,6 +77,9 @@ def fingerprint(data_cfg: Any) -> str:
 
 
 def dataset_dir(data_cfg: Any, fp: Optional[str] = None) -> Path:
+    if getattr(data_cfg, "source", None) == "token_files":  # the user's files: nothing is cached
+        train_bin = getattr(data_cfg, "train_bin", None)
+        return Path(train_bin).expanduser().resolve().parent if train_bin else cache_root(data_cfg)
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(getattr(data_cfg, "name", None) or "data"))
     return cache_root(data_cfg) / f"{name}-{fp or fingerprint(data_cfg)}"
 

@@ -1,6 +1,7 @@
 """Process group, device and DeviceMesh for one worker, all taken from the plan."""
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,6 +69,11 @@ def all_reduce_mean(value: float, ctx: DistContext) -> float:
     return t.item() / ctx.dp_size
 
 
-def teardown() -> None:
+def teardown(clean: bool) -> None:
+    """Destroy the process group. After a clean run all ranks meet at a barrier first, so no
+    collective is in flight; after an error they don't (a peer may be gone)."""
+    gc.collect()
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

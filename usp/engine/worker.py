@@ -22,13 +22,19 @@ def run_worker(plan_path: str) -> int:
     if cfg["deterministic"]:
         torch.use_deterministic_algorithms(True, warn_only=True)
     ctx = udist.setup(plan)
+    clean = False
     try:
         trainer = Trainer(plan, ctx)
         summary = trainer.fit()
         if ctx.is_main:
             _final_report(trainer, summary)
+        # Free DDP (its Reducer holds the process group) while the group is still alive:
+        # otherwise gloo's destructor runs inside the Reducer's dealloc with the GIL held and
+        # deadlocks joining its worker thread.
+        del trainer
+        clean = True
     finally:
-        udist.teardown()
+        udist.teardown(clean)
     return 0
 
 

