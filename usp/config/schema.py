@@ -21,6 +21,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention: str = "sdpa"  # sdpa | flash_attn (GPU extra)
+    # Mixture of experts (n_experts > 0 replaces every block's MLP with a MoE layer).
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
+    shared_expert: bool = False  # one always-on expert beside the routed ones
+    aux_loss_coef: float = 0.01  # load-balancing loss weight
+    capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
 
 
 @dataclass
@@ -32,8 +39,18 @@ class ParallelismConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1
+    ep: int = 1  # expert parallel: carved out of the data-parallel ranks (dp_replicate x dp_shard x cp)
+    # Data parallel flavour. dp_shard > 1 = FSDP2 (ZeRO-3, or ZeRO-2 with reshard_after_forward
+    # false); dp_replicate x dp_shard = HSDP; dp_shard = 1: DDP, or ZeRO-1 with zero1 true.
+    zero1: bool = False
+    reshard_after_forward: bool = True
     ddp_bucket_mb: int = 25
+    ddp_comm_hook: str = "none"  # none | bf16 | fp16 | powersgd (DDP gradient compression)
+    powersgd_rank: int = 2
+    # Pipeline parallel
+    pp_schedule: str = "1f1b"  # afab | 1f1b | interleaved_1f1b | interleaved_zb | zbv
+    pp_virtual_stages: int = 1  # stages per pp rank (interleaved / zbv schedules need 2)
+    pp_layers: Optional[List[int]] = None  # layers per stage, e.g. [3, 5]; None = balanced by the plan
 
 
 @dataclass
