@@ -281,7 +281,7 @@ def test_hydra_does_not_hijack_process(tmp_path, monkeypatch):
 # --- catalogue -----------------------------------------------------------------------------------
 
 def test_paths_catalogue():
-    assert group_options("model") == ["tiny"]
+    assert {"tiny", "llama3_2_1b", "llama3_1_8b", "llama3_1_70b", "llama3_1_405b"} <= set(group_options("model"))
     assert {"local_cpu", "local_cpu2", "local_gpu"} <= set(group_options("cluster"))
     assert {"tiny_ddp", "tiny_demo"} <= set(recipe_names())
 

@@ -381,12 +381,26 @@ def test_token_files_can_be_planned(tmp_path):
 
 # --- engine support --------------------------------------------------------------------------------
 
+PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node=4", "parallelism.pp=2"]
+
+
 @pytest.mark.parametrize("overrides,keys", [
     (["parallelism=ddp", "cluster=local_cpu2", "train.micro_batch=8"], []),
-    (["cluster.procs_per_node=2", "parallelism.tp=2"], ["parallelism.tp"]),
-    (["cluster.procs_per_node=2", "parallelism.dp_shard=2", "train.micro_batch=8"], ["parallelism.dp_shard"]),
-    (["cluster.procs_per_node=4", "parallelism.tp=2", "parallelism.pp=2"], ["parallelism.tp", "parallelism.pp"]),
-    (["parallelism.ep=2"], ["parallelism.ep"]),
+    (["cluster.procs_per_node=2", "parallelism.tp=2"], []),
+    (["cluster.procs_per_node=2", "parallelism.dp_shard=2", "train.micro_batch=8"], []),
+    (PP4 + ["parallelism.tp=2", "train.micro_batch=4"], []),
+    (["parallelism.ep=2"], ["parallelism.ep", "parallelism.ep"]),  # dense model; ep doesn't divide dp 1
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8"], []),
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.tp=2"], ["parallelism.tp"]),
+    (PP4 + ["parallelism.cp=2", "train.micro_batch=4"], ["parallelism.cp"]),
+    (["cluster=local_cpu2", "parallelism.dp_shard=2", "parallelism.zero1=true"], ["parallelism.zero1"]),
+    (["cluster=local_cpu2", "parallelism=ddp", "parallelism.ddp_comm_hook=bf16"], ["parallelism.ddp_comm_hook"]),
+    (["cluster=local_cpu2", "parallelism=ddp", "parallelism.ddp_comm_hook=powersgd"], []),
+    (PP4 + ["parallelism.dp_shard=2", "parallelism.dp_replicate=1", "train.micro_batch=2",
+            "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"], ["parallelism.reshard_after_forward"]),
+    (PP4 + ["parallelism.dp_shard=2", "parallelism.dp_replicate=1", "train.micro_batch=2",
+            "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2",
+            "parallelism.reshard_after_forward=false"], []),
     (["cluster.nodes=2", "train.micro_batch=8"], ["cluster.nodes"]),
     (["cluster.nodes=2", "train.micro_batch=8", "cluster.launcher=slurm"], []),
 ])

@@ -56,7 +56,11 @@ def _user_errors():
 
 @app.command()
 def plan(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOption,
-         save: bool = typer.Option(False, "--save", help="also write runs/<name>/plan.yaml")) -> None:
+         save: bool = typer.Option(False, "--save", help="also write runs/<name>/plan.yaml"),
+         strict: bool = typer.Option(False, "--strict", help="a TP group spanning nodes is an error, not a warning"),
+         force: bool = typer.Option(False, "--force", help="plan even if the layout is predicted not to fit"),
+         search: bool = typer.Option(False, "--search", help="rank the layouts that fit by predicted throughput"),
+         top: int = typer.Option(5, "--top", help="with --search: how many layouts to show")) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
     try:
         from usp.plan.plan import build_plan
@@ -65,12 +69,32 @@ def plan(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOpt
         composed, choices = _compose(overrides)
         if cfg:
             return _print_cfg(composed, cfg)
-        run_plan = build_plan(composed, choices)
+        if search:
+            from usp.plan.search import run_search
+
+            run_search(composed, top)
+            return
+        run_plan = build_plan(composed, choices, force=force, strict=strict, training=False)
         render_plan(run_plan)
         if save:
             from usp.plan.io import write_plan
 
             typer.echo(f"plan written to {write_plan(run_plan)}")
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@app.command()
+def estimate(overrides: Optional[List[str]] = Overrides,
+             hours: Optional[float] = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
+             devices: Optional[int] = typer.Option(None, "--devices", help="device count: how many hours?"),
+             mfu: Optional[float] = typer.Option(None, "--mfu", help="MFU to assume (default: the time model's)")) -> None:
+    """Memory per device, and devices / hours / cost for a token budget (train.tokens=...)."""
+    try:
+        from usp.plan.estimate import run_estimate
+
+        composed, choices = _compose(overrides)
+        run_estimate(composed, choices, hours=hours, devices=devices, mfu=mfu)
     except _user_errors() as exc:
         _fail(exc)
 

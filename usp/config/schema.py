@@ -76,6 +76,15 @@ class ClusterConfig:
     nodes: int = 1
     procs_per_node: int = 1
     threads_per_proc: int = 0  # 0 = cpu cores / procs_per_node
+    # Hardware, for the planner's memory and time model (figures and sources: docs/hardware.md).
+    device_name: str = "cpu"
+    device_memory_gb: float = 24.0  # per device (per process on CPU), GiB
+    peak_tflops_bf16: float = 0.15  # dense peak per device; CPU values are placeholders to calibrate
+    peak_tflops_fp32: float = 0.15
+    intra_node_gbps: float = 5.0  # per-device link bandwidth inside a node, GB/s (one direction)
+    inter_node_gbps: float = 1.25  # per-device bandwidth between nodes, GB/s
+    price_per_device_hour: float = 0.0  # 0 = unknown
+    timeout_s: int = 600  # collective timeout: a hung collective fails after this long
     env: Dict[str, str] = field(default_factory=dict)
 
 
@@ -100,6 +109,7 @@ class TrainConfig:
     seq_len: int = 128
     global_batch: int = 16  # sequences per optimizer step
     global_batch_tokens: Optional[int] = None  # alternative to global_batch
+    tokens: Optional[float] = None  # training token budget (usp estimate: devices / hours / cost)
     micro_batch: int = -1  # sequences per forward/backward on one rank; -1 = global / (dp x grad_accum)
     grad_accum: int = -1  # -1 = derive from global batch / (micro batch x dp)
     recompute: str = "none"  # none | selective | full

@@ -1,9 +1,13 @@
-"""Process group, device and DeviceMesh for one worker, all taken from the plan."""
+"""Process group, device and the one DeviceMesh of a run, all taken from the plan.
+
+The mesh always has the five dims of the plan (pp, dp_replicate, dp_shard, cp, tp), size-1
+dims included, so code can ask for any dim without special cases. Groups over several dims
+(e.g. dp_replicate x dp_shard x cp for the loss) are flattened sub-meshes, cached by name."""
 from __future__ import annotations
 
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -17,35 +21,101 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh | None  # only the dims with degree > 1; None for one process
-    dp_rank: int
-    dp_size: int
+    degrees: dict[str, int]
+    coords: dict[str, int]
+    mesh: DeviceMesh | None  # None for a single process
+    _flat: dict = field(default_factory=dict)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
-    def dp_group(self):
-        return self.mesh["dp_replicate"].get_group() if self.mesh is not None and self.dp_size > 1 else None
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads a different slice of the global batch."""
+        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp_replicate"] * self.degrees["dp_shard"] + self.coords["dp_shard"]
+
+    def size(self, *dims: str) -> int:
+        out = 1
+        for d in dims:
+            out *= self.degrees[d]
+        return out
+
+    def submesh(self, *dims: str) -> DeviceMesh | None:
+        """The (flattened, if several) mesh over `dims`; None when it has one rank."""
+        if self.mesh is None or self.size(*dims) == 1:
+            return None
+        if len(dims) == 1:
+            return self.mesh[dims[0]]
+        name = "_".join(dims)
+        if name not in self._flat:
+            self._flat[name] = self.mesh[dims]._flatten(name)
+        return self._flat[name]
+
+    def group(self, *dims: str):
+        mesh = self.submesh(*dims)
+        return mesh.get_group() if mesh is not None else None
+
+    def expert_groups(self, ep: int, ranks: list[dict]):
+        """(ep group, expert-data-parallel group) for expert parallelism carved out of
+        dp_replicate: consecutive blocks of `ep` data-parallel ranks exchange tokens (ep group);
+        ranks at the same offset in different blocks hold the same experts (edp group).
+        Every rank creates every group, in the same order, as torch.distributed requires."""
+        if "ep" in self._flat:
+            return self._flat["ep"]
+        slices: dict[tuple, list[int]] = {}
+        for r in ranks:  # the data-parallel ranks of each (pp, dp_shard, cp, tp) slice, in dp order
+            c = r["coords"]
+            slices.setdefault((c["pp"], c["dp_shard"], c["cp"], c["tp"]), []).append(r["rank"])
+        ep_group = edp_group = None
+        for dp_ranks in slices.values():
+            blocks = [dp_ranks[i:i + ep] for i in range(0, len(dp_ranks), ep)]
+            for block in blocks:
+                group = dist.new_group(block)
+                ep_group = group if self.rank in block else ep_group
+            for offset in range(ep):
+                same_experts = [block[offset] for block in blocks]
+                group = dist.new_group(same_experts) if len(same_experts) > 1 else None
+                edp_group = group if self.rank in same_experts else edp_group
+        mine = (ep_group, edp_group)
+        self._flat["ep"] = mine
+        return mine
 
 
-def setup(plan: dict) -> DistContext:
+def init_process_group(plan: dict) -> None:
+    """Once per process, before building any context."""
     torch.set_num_threads(int(plan["threads_per_proc"]))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != plan["world_size"]:
         raise RuntimeError(f"launched with WORLD_SIZE={world} but the plan expects {plan['world_size']} ranks")
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        device = _device(plan["device"], int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = timedelta(seconds=int(plan["config"]["cluster"].get("timeout_s", 600)))
+        dist.init_process_group(backend=plan["backend"], timeout=timeout,
+                                device_id=device if device.type != "cpu" else None)
+
+
+def make_context(plan: dict) -> DistContext:
+    """Device and mesh for this rank under `plan` (the process group must already exist for
+    several ranks). Can be called again with another plan of the same world size."""
+    world = int(plan["world_size"])
+    rank = dist.get_rank() if world > 1 else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device(plan["device"], local_rank)
     mesh = None
     if world > 1:
-        dist.init_process_group(backend=plan["backend"], timeout=timedelta(minutes=10),
-                                device_id=device if device.type != "cpu" else None)
-        names = [d for d, s in zip(plan["mesh_dims"], plan["mesh_shape"]) if s > 1]
-        shape = [s for s in plan["mesh_shape"] if s > 1]
-        mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=tuple(names))
-    coords = plan["ranks"][rank]["coords"]
-    return DistContext(rank, world, local_rank, device, mesh, coords["dp_replicate"], plan["degrees"]["dp_replicate"])
+        mesh = init_device_mesh(device.type, tuple(plan["mesh_shape"]), mesh_dim_names=tuple(plan["mesh_dims"]))
+    coords = dict(plan["ranks"][rank]["coords"])
+    return DistContext(rank, world, local_rank, device, dict(plan["degrees"]), coords, mesh)
+
+
+def setup(plan: dict) -> DistContext:
+    init_process_group(plan)
+    return make_context(plan)
 
 
 def _device(kind: str, local_rank: int) -> torch.device:
@@ -60,13 +130,16 @@ def _device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_mean(value: float, ctx: DistContext) -> float:
-    """Mean of a Python float over the data-parallel ranks (for logging only)."""
-    if ctx.dp_size == 1:
+def all_reduce_mean(value: float, ctx: DistContext, *dims: str) -> float:
+    """Mean of a Python float over the ranks of `dims` (default: every rank that computes a
+    loss on different tokens, i.e. dp_replicate x dp_shard x cp). For logging only."""
+    dims = dims or ("dp_replicate", "dp_shard", "cp")
+    group = ctx.group(*dims)
+    if group is None:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, group=ctx.dp_group)
-    return t.item() / ctx.dp_size
+    dist.all_reduce(t, group=group)
+    return t.item() / ctx.size(*dims)
 
 
 def teardown(clean: bool) -> None:

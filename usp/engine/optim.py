@@ -1,4 +1,5 @@
-"""AdamW with linear warmup and cosine decay (PyTorch's own optimizer and LambdaLR)."""
+"""AdamW with linear warmup and cosine decay (PyTorch's own optimizer and LambdaLR); ZeRO-1
+shards its states over the data-parallel ranks with ZeroRedundancyOptimizer."""
 from __future__ import annotations
 
 import math
@@ -6,16 +7,21 @@ import math
 import torch
 
 
-def build_optimizer(model: torch.nn.Module, opt, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.nn.Parameter], opt, device: torch.device,
+                    zero1_group=None) -> torch.optim.Optimizer:
     if opt.name != "adamw":
         raise ValueError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
     # No weight decay on norms (1-D weights), as in Llama/nanoGPT.
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                             fused=device.type == "cuda")
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    kw = dict(lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+    if zero1_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kw)
+    return torch.optim.AdamW(groups, fused=device.type == "cuda", **kw)
 
 
 def lr_factor(step: int, opt, total_steps: int) -> float:

@@ -29,6 +29,12 @@ class LlamaArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Mixture of experts (usp.models.moe): n_experts > 0 replaces every block's MLP.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
+    shared_expert: bool = False
+    capacity_factor: float = 0.0  # 0 = dropless
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -105,6 +111,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core_attention = None  # optional (q, k, v) -> o replacing SDPA (context parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -114,7 +121,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, head_dim)
-        if k.shape[1] != q.shape[1]:
+        if self.core_attention is not None:
+            o = self.core_attention(q, k, v)
+        elif k.shape[1] != q.shape[1]:
             if _SDPA_GQA:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             else:
@@ -145,7 +154,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        if args.n_experts > 0:
+            from usp.models.moe import MoE
+
+            self.feed_forward = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -166,6 +180,7 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so they stay out of checkpoints.
         cos, sin = precompute_rope(args.head_dim, max_seq_len, args.rope_theta)
+        self.sequence_shards = 1  # > 1 when hidden states are sequence-sharded (tensor + sequence parallel)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
@@ -175,7 +190,9 @@ class Llama(nn.Module):
         positions: absolute positions (s,) of the tokens; default arange(s).
         Returns logits (b, s, vocab), or hidden states when `norm`/`output` are None."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        s = h.shape[1]
+        # Sequence length of the whole input: under sequence parallelism h is only this rank's
+        # slice of the sequence (tensor parallel sets sequence_shards).
+        s = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
         if positions is None:
             positions = torch.arange(s, device=h.device)
         elif positions.shape != (s,):
@@ -212,8 +229,12 @@ class Llama(nn.Module):
                 p.fill_(1.0)
                 continue
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
-            sd = out_std if module_name in ("wo", "w2") else std
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, sd, generator=g))
+            sd = out_std if module_name in ("wo", "w2") or fqn.endswith("experts.w2") else std
+            # An expert-parallel slice of stacked expert weights draws the full (E, ...) tensor, keeps its rows.
+            start, n_full = getattr(p, "_ep_shard", (0, None))
+            full = torch.empty(p.shape if n_full is None else (n_full, *p.shape[1:]), dtype=torch.float32)
+            full.normal_(0.0, sd, generator=g)
+            p.copy_(full if n_full is None else full[start:start + p.shape[0]])
         cos, sin = precompute_rope(self.args.head_dim, self.max_seq_len, self.args.rope_theta,
                                    device=self.rope_cos.device)
         self.rope_cos.copy_(cos)

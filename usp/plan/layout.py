@@ -73,3 +73,16 @@ def layout_tag(degrees: dict[str, int]) -> str:
     short = {"dp_replicate": "dp", "dp_shard": "fsdp"}
     parts = [f"{short.get(d, d)}{v}" for d, v in degrees.items() if v > 1]
     return "-".join(parts) or "single"
+
+
+def data_parallel_kind(degrees: dict[str, int], zero1: bool = False) -> str:
+    """How gradients are reduced across data-parallel (and context-parallel) ranks:
+    none | ddp | zero1 | fsdp | hsdp | replicate (FSDP2 replication, for DTensor models)."""
+    shard = degrees["dp_shard"] * degrees["cp"]
+    if shard > 1:
+        return "hsdp" if degrees["dp_replicate"] > 1 else "fsdp"
+    if degrees["dp_replicate"] == 1:
+        return "none"
+    if degrees["tp"] > 1 or degrees["pp"] > 1:
+        return "replicate"
+    return "zero1" if zero1 else "ddp"

@@ -6,10 +6,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from usp.errors import PlanError
 from usp.plan.batch import BatchPlan, plan_batch
-from usp.plan.layout import MESH_DIMS, RankInfo, layout_tag, rank_table, resolve_degrees
+from usp.plan.pipeline_plan import plan_pipeline
+from usp.plan.layout import MESH_DIMS, RankInfo, data_parallel_kind, layout_tag, rank_table, resolve_degrees
+
+if TYPE_CHECKING:
+    from usp.plan.memory import MemoryPlan
+    from usp.plan.timing import TimingPlan
 
 PLAN_VERSION = 1
 
@@ -44,6 +50,9 @@ class RunPlan:
     config: dict  # the resolved config this plan was derived from
     warnings: list[str] = field(default_factory=list)
     data_meta: dict = field(default_factory=dict)  # filled in once the dataset is prepared
+    pipeline: dict | None = None  # stage split and schedule when parallelism.pp > 1
+    memory: MemoryPlan | None = None  # predicted memory per rank and stage (usp/plan/memory.py)
+    timing: TimingPlan | None = None  # predicted step time, tokens/s, MFU (usp/plan/timing.py)
     version: int = PLAN_VERSION
 
     def to_dict(self) -> dict:
@@ -52,14 +61,18 @@ class RunPlan:
         return out
 
 
-def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None) -> RunPlan:
-    """Derive the run plan from a composed config (DictConfig or an object with the same fields)."""
+def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *, force: bool = False,
+               strict: bool = False, training: bool = True) -> RunPlan:
+    """Derive the run plan from a composed config (DictConfig or an object with the same fields).
+    force: a predicted OOM is a warning, not an error. strict: a TP group across nodes is an error.
+    training=False (`usp plan`, `usp estimate`): limits of the data pipeline are warnings."""
     import os
 
     from omegaconf import OmegaConf
 
     from usp.data.prepare import dataset_dir
     from usp.plan.model_math import count_params_cfg, flops_per_token_cfg
+    from usp.plan.validate import analyse, derive_batch
 
     cluster, train, model = cfg.cluster, cfg.train, cfg.model
     nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
@@ -68,17 +81,18 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None) -
             raise PlanError("must be at least 1", key=key, value=value, fix=f"{key}=1")
     world = nodes * per_node
     degrees = resolve_degrees(cfg.parallelism, world)
-    batch = plan_batch(train, degrees["dp_replicate"] * degrees["dp_shard"])
+    batch = derive_batch(train, degrees)
 
     vocab = int(model.vocab_size) if int(model.vocab_size) > 0 else _data_vocab(cfg.data)
     shape = SimpleNamespace(**{**{k: model[k] for k in model}, "vocab_size": vocab})
-    _check_model(shape, degrees, batch)
+    _check_model(shape, degrees, batch, training)
     per_token = float(flops_per_token_cfg(shape, batch.seq_len))
+    pipeline = plan_pipeline(cfg.parallelism, shape, degrees, batch.grad_accum)
 
     threads = int(cluster.threads_per_proc) or max(1, (cpu_count or os.cpu_count() or 1) // per_node)
     name = train.name or f"{model.name}-{layout_tag(degrees)}"
     run_dir = Path(train.runs_dir).expanduser().resolve() / name
-    return RunPlan(
+    plan = RunPlan(
         name=name, run_dir=str(run_dir), world_size=world, nodes=nodes, procs_per_node=per_node,
         device=cluster.device, backend=_backend(cluster), threads_per_proc=threads,
         degrees=degrees, mesh_dims=list(MESH_DIMS), mesh_shape=[degrees[d] for d in MESH_DIMS],
@@ -86,8 +100,10 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None) -
         model=ModelPlan(model.name, count_params_cfg(shape), vocab, per_token, per_token * batch.global_batch_tokens),
         dataset_dir=str(dataset_dir(cfg.data)), ranks=rank_table(degrees, per_node),
         choices=dict(choices or {}), config=OmegaConf.to_container(cfg, resolve=True),
-        warnings=_warnings(cfg, degrees, batch),
+        warnings=_warnings(cfg, degrees, batch), pipeline=pipeline,
     )
+    analyse(plan, cfg, force=force, strict=strict, training=training)
+    return plan
 
 
 def _data_vocab(data) -> int:
@@ -100,7 +116,7 @@ def _backend(cluster) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}.get(cluster.device, "gloo")
 
 
-def _check_model(m, degrees: dict[str, int], batch: BatchPlan) -> None:
+def _check_model(m, degrees: dict[str, int], batch: BatchPlan, training: bool = True) -> None:
     for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
         if int(getattr(m, key)) < 1:
             raise PlanError("must be at least 1", key=f"model.{key}", value=getattr(m, key),
@@ -130,7 +146,7 @@ def _check_model(m, degrees: dict[str, int], batch: BatchPlan) -> None:
         raise PlanError(f"zigzag context parallelism splits the sequence into 2 x cp = {2 * cp} chunks",
                         key="train.seq_len", value=batch.seq_len,
                         fix=f"train.seq_len={math.ceil(batch.seq_len / (2 * cp)) * 2 * cp}")
-    if m.vocab_size > 65535:
+    if training and m.vocab_size > 65535:
         raise PlanError("token files are uint16: the vocabulary must be below 65536", key="model.vocab_size",
                         value=m.vocab_size, fix="data.vocab_size <= 65535")
 
@@ -148,17 +164,40 @@ def _warnings(cfg, degrees: dict[str, int], batch: BatchPlan) -> list[str]:
 
 
 def engine_support_errors(plan: RunPlan) -> list[PlanError]:
-    """Layouts this version of the engine cannot run yet (the plan still describes them)."""
-    errors = []
-    for dim in ("dp_shard", "tp", "pp", "cp"):
-        if plan.degrees[dim] > 1:
-            errors.append(PlanError("this version's engine runs data parallel (DDP) only; the layout is planned "
-                                    "but can't be trained yet", key=f"parallelism.{dim}", value=plan.degrees[dim],
-                                    fix=f"parallelism.{dim}=1 (use parallelism.dp_replicate for more ranks)"))
-    if int(plan.config["parallelism"]["ep"]) > 1:
-        errors.append(PlanError("expert parallelism needs a MoE model, not available in this version",
-                                key="parallelism.ep", value=plan.config["parallelism"]["ep"], fix="parallelism.ep=1"))
-    if plan.nodes > 1 and plan.config["cluster"]["launcher"] == "local":
-        errors.append(PlanError("the local launcher runs on one machine", key="cluster.nodes", value=plan.nodes,
-                                fix="cluster.nodes=1, or a Slurm cluster group"))
-    return errors
+    """Layouts the engine cannot train (the plan may still describe them for estimates)."""
+    deg, par, model = plan.degrees, plan.config["parallelism"], plan.config["model"]
+    ep, experts, kind = int(par["ep"]), int(model.get("n_experts", 0)), data_parallel_kind(deg, bool(par["zero1"]))
+    rules = [
+        (ep > 1 and experts == 0, "parallelism.ep", ep, "expert parallelism needs a MoE model", "model=moe_tiny"),
+        (ep > 1 and experts % ep != 0, "parallelism.ep", ep, f"{experts} experts can't be split over ep={ep}",
+         "parallelism.ep that divides model.n_experts"),
+        (ep > 1 and deg["dp_replicate"] % ep != 0, "parallelism.ep", ep,
+         f"expert parallelism is carved out of dp_replicate={deg['dp_replicate']}, which ep must divide",
+         f"parallelism.dp_replicate={ep} (or a multiple)"),
+        (ep > 1 and max(deg["dp_shard"], deg["cp"], deg["tp"], deg["pp"]) > 1, "parallelism.ep", ep,
+         "expert parallelism composes with dp_replicate only in this version (not FSDP, CP, TP or PP)",
+         "parallelism.dp_shard=1 parallelism.cp=1 parallelism.tp=1 parallelism.pp=1"),
+        (experts > 0 and deg["tp"] > 1, "parallelism.tp", deg["tp"], "tensor parallelism of MoE layers is not "
+         "implemented", "parallelism.tp=1 (use parallelism.ep for the experts)"),
+        (experts > 0 and deg["pp"] > 1, "parallelism.pp", deg["pp"], "pipeline parallelism of MoE models is not "
+         "implemented (the load-balancing loss spans stages)", "parallelism.pp=1"),
+        (deg["cp"] > 1 and deg["pp"] > 1, "parallelism.cp", deg["cp"], "context parallelism inside a pipeline "
+         "is not implemented", "parallelism.cp=1 or parallelism.pp=1"),
+        (par["pp_schedule"] in ("interleaved_zb", "zbv") and deg["pp"] > 1 and kind in ("fsdp", "hsdp")
+         and bool(par["reshard_after_forward"]), "parallelism.reshard_after_forward", True,
+         "ZeRO-3 reshards parameters before a zero-bubble schedule's deferred weight-gradient pass, which then "
+         "computes wrong gradients (measured: 8.7% loss error after 5 steps)",
+         "parallelism.reshard_after_forward=false (ZeRO-2), or pp_schedule=1f1b / interleaved_1f1b"),
+        (bool(par["zero1"]) and kind != "zero1", "parallelism.zero1", True, f"ZeRO-1 applies to plain DDP; this "
+         f"layout uses {kind}", "parallelism.zero1=false (FSDP already shards the optimizer states)"),
+        (par["ddp_comm_hook"] != "none" and kind != "ddp", "parallelism.ddp_comm_hook", par["ddp_comm_hook"],
+         f"communication hooks apply to plain DDP; this layout uses {kind}", "parallelism.ddp_comm_hook=none"),
+        (par["ddp_comm_hook"] == "bf16" and plan.device not in ("cuda", "xpu"), "parallelism.ddp_comm_hook", "bf16",
+         "PyTorch's bf16 compression hook needs NCCL (CUDA) or XCCL (XPU), not gloo",
+         "parallelism.ddp_comm_hook=fp16 or powersgd on CPU"),
+        (model.get("attention") == "flash_attn" and plan.device != "cuda", "model.attention", "flash_attn",
+         "flash-attn runs on CUDA only", "model.attention=sdpa"),
+        (plan.nodes > 1 and plan.config["cluster"]["launcher"] == "local", "cluster.nodes", plan.nodes,
+         "the local launcher runs on one machine", "cluster.nodes=1, or a Slurm cluster group"),
+    ]
+    return [PlanError(why, key=key, value=value, fix=fix) for bad, key, value, why, fix in rules if bad]

@@ -39,6 +39,10 @@ def render_plan(plan, console: Console | None = None) -> None:
         summary.add_row(key, value)
     console.print(summary)
     console.print(rank_table(plan))
+    if getattr(plan, "memory", None) is not None:
+        console.print(memory_table(plan.memory))
+    if getattr(plan, "timing", None) is not None:
+        console.print(timing_table(plan.timing))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
 
@@ -55,4 +59,95 @@ def rank_table(plan) -> Table:
         table.add_row(str(r.rank), str(r.node), str(r.local_rank), *(str(r.coords[d]) for d in plan.mesh_dims))
     if len(ranks) > MAX_RANK_ROWS:
         table.caption = f"{len(ranks)} ranks; all of them are in plan.yaml"
+    return table
+
+
+# --- planner predictions (usp/plan/memory.py, timing.py, search.py) ------------------------------------
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f}"
+
+
+def memory_table(mem):
+    """Memory per device by term, one column per pipeline stage that differs (GiB, predicted)."""
+    from usp.plan.memory import TERM_LABELS, TERMS
+
+    stages = mem.distinct_stages()
+    table = Table(title=f"memory per device, predicted (GiB; {mem.dtype}, {mem.device_name}: "
+                        f"{mem.capacity_gib:g} GiB)", title_justify="left")
+    table.add_column("term")
+    for st in stages:
+        ranks = f"rank {st.first_rank}" if st.n_ranks == 1 else f"ranks {st.first_rank}-{st.first_rank + st.n_ranks - 1}"
+        name = "all ranks" if len(mem.stages) == 1 else f"stage {st.stage} ({ranks})"
+        table.add_column(name, justify="right")
+    for term in TERMS:
+        label = TERM_LABELS[term]
+        if term == "activations":
+            label += " (" + ", ".join(f"{st.in_flight:g}" for st in stages) + " micro batch(es) in flight)"
+        table.add_row(label, *(_gib(getattr(st, term)) for st in stages))
+    verdict = "fits" if mem.fits else "[bold red]OUT OF MEMORY[/]"
+    table.add_row("[bold]total[/]", *(f"[bold]{_gib(st.total)}[/]" for st in stages))
+    table.add_row("params on the rank (after TP/EP)", *(human(st.params) for st in stages))
+    table.add_row("layers", *(str(st.layers) for st in stages))
+    return _with_notes(table, [f"peak {mem.peak_gib:.2f} GiB on stage {mem.peak_stage}: {verdict}", *mem.assumptions])
+
+
+def timing_table(tim):
+    """Step time and its terms, throughput, MFU / HFU (predicted)."""
+    table = Table(title=f"time per step, predicted ({tim.dtype}, peak {tim.peak_tflops:g} TFLOPS/device)",
+                  title_justify="left")
+    for col, just in (("term", "left"), ("value", "right"), ("how", "left")):
+        table.add_column(col, justify=just)
+    rows = [
+        ("FLOPs / token", human(tim.model_flops_per_token, "FLOP"),
+         f"6·N_active + 12·L·h·s; {human(tim.hw_flops_per_token, 'FLOP')} done by the hardware (recompute)"),
+        ("tokens / step", f"{tim.tokens_per_step:,}", f"over {tim.world} device(s)"),
+        ("kernel efficiency", f"{tim.efficiency:.2f}", "fraction of peak reached by the matmuls"),
+        ("compute", f"{tim.compute_s:.4g} s", f"busiest pp rank: {tim.micro_batch_s:.4g} s per micro batch"),
+    ]
+    for c in tim.comm:
+        if c.group <= 1:
+            continue
+        link = "inter-node" if c.crosses_nodes else "intra-node"
+        rows.append((c.name, f"{c.seconds:.4g} s",
+                     f"{human(c.bytes_per_step, 'B')}/rank over {c.dims} ({c.group} ranks, {link} {c.gbps:g} GB/s), "
+                     f"exposed {c.exposed_s:.4g} s"))
+    rows += [
+        ("pipeline bubble", f"{tim.bubble_s:.4g} s", f"{tim.bubble_fraction:.3f} of the compute path"),
+        ("[bold]step[/]", f"[bold]{tim.step_s:.4g} s[/]",
+         f"compute + exposed TP/CP/EP/PP {tim.exposed_path_comm_s:.3g} s + bubble + exposed DP "
+         f"{tim.exposed_dp_comm_s:.3g} s"),
+        ("tokens / s", f"{tim.tokens_per_s:,.0f}", f"{tim.tokens_per_s_per_device:,.0f} per device"),
+        ("[bold]MFU[/]", f"[bold]{tim.mfu:.1%}[/]", "model FLOPs / (step time x devices x peak)"),
+        ("HFU", f"{tim.hfu:.1%}", "counting recomputed FLOPs"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return _with_notes(table, tim.assumptions)
+
+
+def _with_notes(table: Table, notes: list[str]):
+    """A table followed by its assumptions, one dim line each."""
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(table, *(Text.from_markup(f"[dim]  · {n}[/]") for n in notes))
+
+
+def search_table(result) -> Table:
+    """The top layouts of a search (usp plan --search)."""
+    table = Table(title=f"best layouts for {result.model} on {result.world} device(s), seq {result.seq_len}, "
+                        f"global batch {result.global_batch} (predicted)", title_justify="left")
+    for col in ("#", "layout", "data parallel", "pipeline", "micro x accum", "max micro", "recompute",
+                "peak GiB", "step s", "tokens/s/device", "MFU"):
+        table.add_column(col, justify="left" if col in ("layout", "data parallel", "pipeline", "recompute") else "right")
+    for i, c in enumerate(result.top, 1):
+        lay, tim = c.layout, c.timing
+        pipe = "-" if lay.pp == 1 else lay.pp_schedule + (f" v={lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else "")
+        table.add_row(str(i), lay.label(), lay.dp_label(), pipe, f"{lay.micro_batch} x {lay.grad_accum}",
+                      str(c.max_micro_batch), lay.recompute, f"{c.peak_gib:.1f}", f"{tim.step_s:.3g}",
+                      f"{tim.tokens_per_s_per_device:,.0f}", f"{tim.mfu:.1%}")
+    table.caption = (f"{result.fitting} fitting layouts of {result.evaluated} memory predictions, "
+                     f"searched in {result.seconds:.2f} s")
+    table.caption_justify = "left"
     return table

@@ -1,0 +1,184 @@
+"""Expert-parallel checks, run under torchrun (2 processes, ep = dp = 2) by tests/test_moe.py.
+
+Every rank feeds DIFFERENT data: rank r takes batch r of a fixed global batch. Each rank also
+builds the single-process reference itself (same seed, all experts) and compares; the
+reported errors are maximised over ranks."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.dist.harness import run_cases  # noqa: E402
+from usp.engine.parallel.expert import apply_expert_parallel, expert_param_names, reduce_gradients  # noqa: E402
+from usp.models.llama import Llama, LlamaArgs  # noqa: E402
+from usp.models.moe import moe_aux_loss  # noqa: E402
+
+dist.init_process_group("gloo")
+WORLD, RANK = dist.get_world_size(), dist.get_rank()
+EP = dist.group.WORLD  # ep = dp = world: the edp group has one rank
+torch.set_num_threads(1)
+
+# moe_tiny's shape (conf/model/moe_tiny.yaml) with a small vocabulary.
+TINY = dict(dim=128, n_layers=2, n_heads=4, ffn_dim=256, vocab_size=256, tie_embeddings=True,
+            n_experts=4, top_k=2)
+B_LOCAL, SEQ, AUX_COEF = 2, 16, 0.01
+
+
+def _max_over(*vals: float) -> list:
+    t = torch.tensor(vals, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _models(seed: int = 0, **kw):
+    ref = Llama(LlamaArgs(**{**TINY, **kw}), max_seq_len=SEQ)
+    ref.init_weights(seed)
+    ep = apply_expert_parallel(copy.deepcopy(ref), EP)
+    return ref, ep
+
+
+def _global_batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, TINY["vocab_size"], (B_LOCAL * WORLD, SEQ + 1), generator=g)
+    return toks[:, :-1], toks[:, 1:]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t[RANK * B_LOCAL:(RANK + 1) * B_LOCAL]
+
+
+def _ce(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _grad_errors(ref, ep) -> dict:
+    """Max |grad_ep - grad_ref|; expert grads against the slice this rank owns."""
+    ref_p, worst, n = dict(ref.named_parameters()), {"dense": 0.0, "expert": 0.0}, 0
+    experts = set(expert_param_names(ep))
+    for name, p in ep.named_parameters():
+        g_ref = ref_p[name].grad
+        kind = "expert" if name in experts else "dense"
+        if kind == "expert":
+            start = p._ep_shard[0]
+            g_ref = g_ref[start:start + p.shape[0]]
+        worst[kind] = max(worst[kind], (p.grad - g_ref).abs().max().item())
+        n += 1
+    return {**dict(zip(("dense", "expert"), _max_over(worst["dense"], worst["expert"]))), "n": n}
+
+
+def layer_forward(capacity_factor: float, shared: bool) -> dict:
+    """One MoE layer: EP output and input gradient on this rank's tokens vs single-process MoE."""
+    ref, ep = _models(capacity_factor=capacity_factor, shared_expert=shared)
+    m_ref, m_ep = ref.layers["0"].feed_forward, ep.layers["0"].feed_forward
+    g = torch.Generator().manual_seed(2)
+    xg, dyg = torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g), torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g)
+    x_ref, x_ep = _local(xg).clone().requires_grad_(), _local(xg).clone().requires_grad_()
+    y_ref, y_ep = m_ref(x_ref), m_ep(x_ep)
+    dense = m_ref.dense_reference(x_ref.detach())
+    y_ref.backward(_local(dyg))
+    y_ep.backward(_local(dyg))
+    fwd, vs_dense, dx, aux = _max_over((y_ep - y_ref).abs().max().item(), (y_ep - dense).abs().max().item(),
+                                       (x_ep.grad - x_ref.grad).abs().max().item(),
+                                       abs(m_ep.aux_loss.item() - m_ref.aux_loss.item()))
+    dropped = torch.tensor([m_ep.tokens_dropped])
+    dist.all_reduce(dropped)
+    return {"fwd_err": fwd, "vs_dense_reference": vs_dense, "dx_err": dx, "aux_err": aux,
+            "dropped": int(dropped), "n_local_experts": m_ep.experts.n_local}
+
+
+def llama_grads(with_aux: bool) -> dict:
+    """Full tiny MoE Llama: EP + reduce_gradients after backward of each rank's mean loss, vs one
+    process. CE only: the reference is ONE forward on the whole global batch. With the aux loss
+    (a per-batch statistic), the reference averages the per-rank-batch losses."""
+    ref, ep = _models()
+    x, y = _global_batch()
+    if with_aux:
+        loss_ref = sum(_ce(ref, _local_b(x, r), _local_b(y, r)) + AUX_COEF * moe_aux_loss(ref)
+                       for r in range(WORLD)) / WORLD
+        loss_ep = _ce(ep, _local(x), _local(y)) + AUX_COEF * moe_aux_loss(ep)
+    else:
+        loss_ref, loss_ep = _ce(ref, x, y), _ce(ep, _local(x), _local(y))
+    loss_ref.backward()
+    loss_ep.backward()
+    reduce_gradients(ep, dp_group=dist.group.WORLD, ep_group=EP, edp_group=None)
+    mean_loss = loss_ep.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss /= WORLD
+    errs = _grad_errors(ref, ep)
+    (loss_err,) = _max_over(abs(mean_loss.item() - loss_ref.item()))
+    return {"dense_grad_err": errs["dense"], "expert_grad_err": errs["expert"], "loss_err": loss_err,
+            "n_params": errs["n"], "n_expert_params": len(expert_param_names(ep))}
+
+
+def _local_b(t: torch.Tensor, r: int) -> torch.Tensor:
+    return t[r * B_LOCAL:(r + 1) * B_LOCAL]
+
+
+def adamw_steps() -> dict:
+    """3 AdamW steps (loss = CE + aux): EP losses (averaged over ranks) vs one process."""
+    ref, ep = _models()
+    x, y = _global_batch(3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    opt_ep = torch.optim.AdamW(ep.parameters(), lr=3e-3, weight_decay=0.1)
+    rels, losses = [], []
+    for _ in range(3):
+        opt_ref.zero_grad()
+        opt_ep.zero_grad()
+        loss_ref = sum(_ce(ref, _local_b(x, r), _local_b(y, r)) + AUX_COEF * moe_aux_loss(ref)
+                       for r in range(WORLD)) / WORLD
+        loss_ep = _ce(ep, _local(x), _local(y)) + AUX_COEF * moe_aux_loss(ep)
+        loss_ref.backward()
+        loss_ep.backward()
+        reduce_gradients(ep, dist.group.WORLD, EP, None)
+        mean = loss_ep.detach().clone()
+        dist.all_reduce(mean)
+        mean /= WORLD
+        rels.append(abs(mean.item() - loss_ref.item()) / abs(loss_ref.item()))
+        losses.append(loss_ref.item())
+        opt_ref.step()
+        opt_ep.step()
+    ref_p = dict(ref.named_parameters())
+    perr = 0.0
+    for name, p in ep.named_parameters():
+        r = ref_p[name].detach()
+        if hasattr(p, "_ep_shard"):
+            r = r[p._ep_shard[0]:p._ep_shard[0] + p.shape[0]]
+        perr = max(perr, (p.detach() - r).abs().max().item())
+    rel, perr = _max_over(max(rels), perr)
+    return {"loss_max_rel_err": rel, "param_max_abs_err": perr, "losses": losses}
+
+
+def init_after_ep() -> dict:
+    """init_weights on an expert-parallel model gives this rank's slice of the full init."""
+    ref, ep = _models(seed=0)
+    ep.init_weights(seed=5)
+    ref.init_weights(seed=5)
+    err = 0.0
+    for name, p in ep.named_parameters():
+        r = ref.get_parameter(name).detach()
+        if hasattr(p, "_ep_shard"):
+            r = r[p._ep_shard[0]:p._ep_shard[0] + p.shape[0]]
+        err = max(err, (p.detach() - r).abs().max().item())
+    (err,) = _max_over(err)
+    return {"err": err}
+
+
+CASES = {
+    "layer_dropless": lambda: layer_forward(0.0, False),
+    "layer_capacity": lambda: layer_forward(1.0, False),
+    "layer_shared": lambda: layer_forward(0.0, True),
+    "llama_grads_ce": lambda: llama_grads(False),
+    "llama_grads_aux": lambda: llama_grads(True),
+    "adamw_3_steps": adamw_steps,
+    "init_after_ep": init_after_ep,
+}
+
+if __name__ == "__main__":
+    run_cases(CASES)

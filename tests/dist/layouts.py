@@ -1,0 +1,63 @@
+"""The parity matrix: layout name -> overrides, by world size. Global batch 16 sequences."""
+# Layouts whose loss is *not* exactly the reference's, with the tolerance that applies.
+APPROXIMATE = {"ddp_fp16_compression": 1e-3, "ddp_powersgd": 1e-2}
+PP = ["model.tie_embeddings=false", "model.n_layers=4"]
+
+LAYOUTS = {
+    2: {
+        "ddp": ["parallelism.dp_replicate=2"],
+        "ddp_grad_accum": ["parallelism.dp_replicate=2", "train.micro_batch=4"],
+        "zero1": ["parallelism.dp_replicate=2", "parallelism.zero1=true"],
+        "fsdp_zero2": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.reshard_after_forward=false"],
+        "fsdp_zero3_grad_accum": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "train.micro_batch=4"],
+        "tp_sp": ["parallelism.dp_replicate=1", "parallelism.tp=2"],
+        "tp_sp_padded_vocab": ["parallelism.dp_replicate=1", "parallelism.tp=2", "model.vocab_size=4099"],
+        "tp_sp_recompute_selective": ["parallelism.dp_replicate=1", "parallelism.tp=2", "train.recompute=selective"],
+        "fsdp_recompute_full": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "train.recompute=full"],
+        "cp": ["parallelism.dp_replicate=1", "parallelism.cp=2"],
+        # the load-balancing loss is a per-rank batch statistic: exact parity only without it
+        "ep": ["model=moe_tiny", "model.aux_loss_coef=0", "parallelism.dp_replicate=2", "parallelism.ep=2"],
+        "ep_grad_accum": ["model=moe_tiny", "model.aux_loss_coef=0", "parallelism.dp_replicate=2",
+                          "parallelism.ep=2", "train.micro_batch=4"],
+        "ddp_fp16_compression": ["parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=fp16"],
+        "ddp_powersgd": ["parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=powersgd"],
+        "pp_afab": PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=afab",
+                         "train.micro_batch=4"],
+        "pp_1f1b": PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=1f1b",
+                         "train.micro_batch=4"],
+        "pp_interleaved_1f1b": PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "train.micro_batch=4",
+                                     "parallelism.pp_schedule=interleaved_1f1b", "parallelism.pp_virtual_stages=2"],
+        "pp_zbv": PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "train.micro_batch=4",
+                        "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"],
+    },
+    4: {
+        "dp_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2"],
+        "fsdp_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2"],
+        "hsdp": ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"],
+        "cp_x_dp": ["parallelism.dp_replicate=2", "parallelism.cp=2"],
+        "cp_x_fsdp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.cp=2"],
+        "tp_x_pp": PP + ["parallelism.dp_replicate=1", "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=4"],
+        "dp_x_pp": PP + ["parallelism.dp_replicate=2", "parallelism.pp=2", "train.micro_batch=4"],
+        "fsdp_x_pp_1f1b": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
+                                "train.micro_batch=2"],
+        "fsdp_x_pp_interleaved_1f1b": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                            "parallelism.pp=2", "train.micro_batch=2",
+                                            "parallelism.pp_schedule=interleaved_1f1b", "parallelism.pp_virtual_stages=2"],
+        "dp_x_pp_zbv": PP + ["parallelism.dp_replicate=2", "parallelism.pp=2", "train.micro_batch=2",
+                             "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"],
+        "zero2_x_pp_interleaved_zb": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
+                                          "train.micro_batch=2", "parallelism.pp_schedule=interleaved_zb",
+                                          "parallelism.reshard_after_forward=false",
+                                          "parallelism.pp_virtual_stages=2"],
+    },
+    8: {
+        # 3-D: ZeRO-3 data x tensor(+sequence) x pipeline
+        "fsdp_x_tp_x_pp": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",
+                                "parallelism.pp=2", "train.micro_batch=4"],
+        # 4-D in the playbook's sense on 8 ranks: HSDP (replicate x shard) x TP x SP
+        "hsdp_x_tp": ["parallelism.dp_replicate=2", "parallelism.dp_shard=2", "parallelism.tp=2"],
+        # ZeRO-3 x context x tensor(+sequence)
+        "fsdp_x_cp_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.cp=2",
+                           "parallelism.tp=2"],
+    },
+}

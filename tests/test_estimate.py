@@ -1,0 +1,86 @@
+"""`usp estimate`: devices for a deadline, hours for a device count, cost, and the memory table.
+FLOPs/token x tokens = devices x hours x 3600 x peak x MFU, checked by hand."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from usp.config.compose import compose_config
+from usp.errors import PlanError
+from usp.plan.estimate import DEFAULT_MFU, estimate
+from usp.plan.model_math import flops_per_token_cfg
+
+USP = str(Path(sys.executable).parent / "usp")
+PEAK = 989e12
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def est(*overrides: str, **kw):
+    cfg, choices = compose_config(None, list(overrides))
+    return estimate(cfg, choices, **kw)
+
+
+def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="200")
+    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_devices_for_a_deadline_by_hand():
+    e, plan = est("model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", hours=720, mfu=0.4)
+    cfg, _ = compose_config(None, ["model=llama3_1_70b"])
+    fpt = flops_per_token_cfg(cfg.model, 128)  # 6·N + 12·L·h·s at the config's seq_len
+    assert e.flops_per_token == fpt and e.total_flops == fpt * 15e12
+    exact = fpt * 15e12 / (720 * 3600 * PEAK * 0.4)
+    assert e.nodes == math.ceil(exact / 8) and e.devices == e.nodes * 8
+    assert e.hours == pytest.approx(fpt * 15e12 / (e.devices * PEAK * 0.4) / 3600) and e.hours <= 720
+    assert e.mfu_source == "given (--mfu)" and e.cost is None
+    assert 5000 < e.devices < 9000  # 6.3e24 FLOPs in 30 days at 40 % of 989 TFLOPS
+
+
+def test_hours_for_devices_and_cost():
+    e, _ = est("model=llama3_1_8b", "train.tokens=1e12", "train.seq_len=4096", "cluster=slurm_h100",
+               "cluster.price_per_device_hour=2.5", devices=64, mfu=0.45)
+    hours = e.total_flops / (64 * PEAK * 0.45) / 3600
+    assert e.hours == pytest.approx(hours) and e.devices == 64 and e.nodes == 8
+    assert e.cost == pytest.approx(64 * hours * 2.5)
+
+
+def test_mfu_from_the_time_model_or_the_search():
+    fits, plan = est("model=llama3_1_8b", "train.tokens=1e12", "train.seq_len=4096", "train.global_batch=256",
+                     "cluster=slurm_h100", "parallelism.dp_replicate=1", "parallelism.dp_shard=8",
+                     "train.micro_batch=2")
+    assert plan.memory.fits and fits.mfu == plan.timing.mfu and "configured layout" in fits.mfu_source
+    assert fits.devices == 8  # the cluster's, without --hours / --devices
+    big, plan = est("model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", hours=720)
+    assert not plan.memory.fits and "searched" in big.mfu_source and 0.1 < big.mfu < 0.6 != DEFAULT_MFU
+    assert any("does not fit" in n for n in big.notes)
+
+
+@pytest.mark.parametrize("kw,key", [(dict(hours=10, devices=8), "--hours"), (dict(hours=-1), "--hours"),
+                                    (dict(mfu=1.5), "--mfu"), (dict(hours=10), "train.tokens")])
+def test_estimate_errors(kw, key):
+    with pytest.raises(PlanError) as info:
+        est(**kw)
+    assert info.value.key == key and info.value.fix
+
+
+def test_usp_estimate_cli(tmp_path):
+    r = usp("estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720",
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "memory per device" in out and "optimizer states" in out  # the breakdown table
+    assert "devices" in out and "node(s) x 8" in out and "hours" in out and "MFU" in out
+    r = usp("estimate", "train.tokens=1e9", "--devices", "1", "--mfu", "0.3", cwd=tmp_path)
+    assert r.returncode == 0 and "30.0% (given (--mfu))" in r.stdout
+    r = usp("estimate", "--hours", "5", cwd=tmp_path)
+    assert r.returncode == 2 and "train.tokens" in r.stderr

@@ -1,0 +1,241 @@
+"""Mixture of experts: MoE layer vs its slow reference, routing / aux loss, MoE param math
+(incl. Mixtral-8x7B), and expert parallelism vs a single process (one 2-process launch,
+cases in tests/dist/cases_expert.py)."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist.harness import launch
+from usp.models.llama import Llama, LlamaArgs
+from usp.models.moe import MoE, moe_aux_loss, moe_layers
+from usp.plan.model_math import (active_params, active_params_cfg, count_params, count_params_cfg,
+                                 flops_per_token, flops_per_token_cfg, param_breakdown)
+
+REPO = Path(__file__).resolve().parents[1]
+ARCH = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+MOE = ("n_experts", "top_k", "moe_ffn_dim", "shared_expert")
+
+
+def moe_layer(dim=32, n_experts=4, top_k=2, ffn_dim=48, seed=0, **kw) -> MoE:
+    args = SimpleNamespace(dim=dim, n_experts=n_experts, top_k=top_k, ffn_dim=ffn_dim, moe_ffn_dim=0,
+                           shared_expert=False, capacity_factor=0.0)
+    for k, v in kw.items():
+        setattr(args, k, v)
+    torch.manual_seed(seed)
+    m = MoE(args)
+    with torch.no_grad():  # larger than the 0.02 init: decisive routing, O(1) outputs
+        for name, p in m.named_parameters():
+            p.normal_(0.0, 0.3 if name.startswith("router") else 0.1)
+    return m
+
+
+def compose_model(name: str):
+    from usp.config.compose import compose_config
+
+    cfg, _ = compose_config(None, [f"model={name}"])
+    return cfg.model
+
+
+# -------------------------------------------------------------- layer vs reference
+
+@pytest.mark.parametrize("capacity_factor,shared,top_k", [(0.0, False, 2), (0.0, True, 1), (1.0, False, 2),
+                                                          (0.5, True, 2), (0.75, False, 3)])
+def test_forward_and_grads_match_dense_reference(capacity_factor, shared, top_k):
+    m = moe_layer(capacity_factor=capacity_factor, shared_expert=shared, top_k=top_k)
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(3, 20, 32, generator=g), torch.randn(3, 20, 32, generator=g)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = m(x1)
+    if capacity_factor:
+        assert m.tokens_dropped > 0  # the capacity limit is exercised
+    else:
+        assert m.tokens_dropped == 0
+    grads = torch.autograd.grad(y, [x1, *m.parameters()], dy)
+    ref = m.dense_reference(x2)
+    ref_grads = torch.autograd.grad(ref, [x2, *m.parameters()], dy)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_capacity_keeps_first_tokens_in_order():
+    m = moe_layer(n_experts=4, top_k=1, capacity_factor=1.0)
+    T = 16
+    top_e = torch.zeros(T, 1, dtype=torch.long)  # every token wants expert 0; capacity = 4
+    tok, slot, e_sorted, counts = m.dispatch_plan(top_e)
+    assert tok.tolist() == [0, 1, 2, 3] and counts.tolist() == [4, 0, 0, 0] and m.tokens_dropped == 12
+
+
+def test_topk_weights_renormalised():
+    m = moe_layer(n_experts=6, top_k=3)
+    x = torch.randn(50, 32, generator=torch.Generator().manual_seed(2))
+    w, e, probs = m.route(x)
+    torch.testing.assert_close(w.sum(-1), torch.ones(50))
+    torch.testing.assert_close(w, probs.gather(1, e) / probs.gather(1, e).sum(-1, keepdim=True))
+    assert (probs.gather(1, e).min(-1).values >= probs.topk(3, -1).values[:, -1]).all()
+
+
+def test_aux_loss_formula_and_uniform_routing():
+    E, k = 4, 2
+    m = moe_layer(dim=E, n_experts=E, top_k=k)
+    x = torch.randn(40, E, generator=torch.Generator().manual_seed(3))
+    m(x)
+    probs = F.softmax(m.router(x), -1)
+    f = torch.bincount(probs.topk(k, -1).indices.flatten(), minlength=E).float() / (40 * k)
+    torch.testing.assert_close(m.aux_loss, E * (f * probs.mean(0)).sum())
+    assert m.aux_loss.requires_grad  # gradient reaches the router through P
+    # Perfectly uniform: token i prefers experts i and i+1 (cyclic), so f_e = P_e = 1/E by symmetry.
+    with torch.no_grad():
+        m.router.weight.copy_(torch.eye(E))
+    x = torch.stack([3 * F.one_hot(torch.tensor(i), E) + 1.5 * F.one_hot(torch.tensor((i + 1) % E), E)
+                     for i in range(E)]).float().repeat(5, 1)
+    m(x)
+    assert abs(m.aux_loss.item() - 1.0) < 1e-6
+    # Everything on one expert pair: well above 1.
+    m(x[:1].repeat(8, 1))
+    assert m.aux_loss.item() > 1.5
+
+
+# ------------------------------------------------------------------- model + math
+
+def _cfg_with_vocab(name: str, vocab: int):
+    cfg = compose_model(name)
+    return SimpleNamespace(**{**{k: getattr(cfg, k) for k in (*ARCH, *MOE, "capacity_factor", "aux_loss_coef")},
+                              "vocab_size": vocab})
+
+
+def test_moe_tiny_llama_trains_and_counts_params():
+    cfg = _cfg_with_vocab("moe_tiny", 256)
+    model = Llama.from_config(cfg, vocab_size=256, max_seq_len=32)
+    assert len(moe_layers(model)) == cfg.n_layers == 2
+    n = sum(p.numel() for p in model.parameters())
+    assert n == count_params(**{k: getattr(cfg, k) for k in (*ARCH, *MOE)}) == count_params_cfg(cfg)
+    b = param_breakdown(**{k: getattr(cfg, k) for k in (*ARCH, *MOE)})
+    assert b["mlp"] == sum(p.numel() for p in model.layers["0"].feed_forward.parameters())
+    assert b["experts"] == sum(p.numel() for p in model.layers["0"].feed_forward.experts.parameters())
+    ffn = model.layers["0"].feed_forward.experts  # init: N(0, std), w2 scaled like the dense w2
+    assert abs(ffn.w1.std().item() - 0.02) < 1e-3
+    assert abs(ffn.w2.std().item() - 0.02 / math.sqrt(2 * cfg.n_layers)) < 1e-3
+    toks = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        logits = model(toks[:, :-1])
+        aux = moe_aux_loss(model)
+        loss = F.cross_entropy(logits.flatten(0, 1), toks[:, 1:].flatten()) + cfg.aux_loss_coef * aux
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert 0.5 < aux.item() / cfg.n_layers < 2.0
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_init_is_deterministic_per_name():
+    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=50, n_experts=4)
+    a, b = Llama(args, max_seq_len=8), Llama(args, max_seq_len=8)
+    a.init_weights(7)
+    b.init_weights(7)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("kw", [dict(n_experts=4, top_k=2), dict(n_experts=3, top_k=1, shared_expert=True),
+                                dict(n_experts=8, top_k=2, moe_ffn_dim=24, n_kv_heads=2, tie_embeddings=False)])
+def test_param_count_matches_moe_models(kw):
+    full = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=None, ffn_dim=64, vocab_size=50, tie_embeddings=True,
+                moe_ffn_dim=0, shared_expert=False)
+    full.update(kw)
+    m = Llama(LlamaArgs(**full), max_seq_len=8)
+    assert sum(p.numel() for p in m.parameters()) == count_params(**full) == count_params_cfg(SimpleNamespace(**full))
+    ffn = m.layers["0"].feed_forward
+    one = sum(p[0].numel() for p in ffn.experts.parameters())
+    shared = sum(p.numel() for p in ffn.shared_expert.parameters()) if ffn.shared_expert else 0
+    per_token_mlp = full["top_k"] * one + ffn.router.weight.numel() + shared
+    dense_part = count_params(**full) - full["n_layers"] * param_breakdown(**full)["mlp"]
+    assert active_params(**full) == dense_part + full["n_layers"] * per_token_mlp
+    seq = 16
+    matmul = full["n_layers"] * (param_breakdown(**full)["attention"] + per_token_mlp) + 50 * 32
+    assert flops_per_token(**{k: v for k, v in full.items() if k != "tie_embeddings"}, seq_len=seq) \
+        == 6 * matmul + 12 * 2 * 32 * seq == flops_per_token_cfg(SimpleNamespace(**full), seq)
+
+
+def test_dense_math_unchanged_by_moe_defaults():
+    a = (128, 2, 4, None, 384, 4096, True)
+    assert count_params(*a) == active_params(*a) == 950_912
+    assert count_params(*a, n_experts=0, top_k=5) == 950_912
+
+
+def test_mixtral_8x7b_param_count():
+    cfg = compose_model("mixtral_8x7b")
+    total, active = count_params_cfg(cfg), active_params_cfg(cfg)
+    assert round(total / 1e9, 1) == 46.7  # published: 46.7B total
+    assert round(active / 1e9, 1) == 12.9  # published: 12.9B active per token
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == \
+        (4096, 32, 32, 8, 14336, 32000)
+    assert (cfg.n_experts, cfg.top_k, cfg.tie_embeddings, cfg.rope_theta) == (8, 2, False, 1e6)
+
+
+def test_model_math_stays_torch_free():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = ("import usp.plan.model_math as m, sys; m.active_params(64, 2, 4, None, 128, 100, True, 4, 2);"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env)
+
+
+# -------------------------------------------------------------- expert parallelism
+
+@pytest.fixture(scope="module")
+def ep_results():
+    return launch(Path(__file__).parent / "dist" / "cases_expert.py", 2)
+
+
+def _ok(results, case):
+    r = results[case]
+    assert r["ok"], r.get("trace", r)
+    return r
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["layer_dropless", "layer_capacity", "layer_shared"])
+def test_ep_layer_matches_single_process(ep_results, case):
+    r = _ok(ep_results, case)
+    print(case, r)
+    assert r["n_local_experts"] == 2
+    assert (r["dropped"] > 0) == (case == "layer_capacity")
+    assert max(r["fwd_err"], r["vs_dense_reference"], r["dx_err"], r["aux_err"]) < 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["llama_grads_ce", "llama_grads_aux"])
+def test_ep_llama_gradients_match_single_process(ep_results, case):
+    r = _ok(ep_results, case)
+    print(case, r)
+    assert r["n_expert_params"] == 6 and r["n_params"] == 22
+    assert max(r["dense_grad_err"], r["expert_grad_err"], r["loss_err"]) < 1e-6
+
+
+@pytest.mark.distributed
+def test_ep_adamw_losses_match_single_process(ep_results):
+    r = _ok(ep_results, "adamw_3_steps")
+    print(r)
+    assert r["loss_max_rel_err"] < 1e-6
+    assert r["losses"][-1] < r["losses"][0]
+    # AdamW turns float32 rounding of near-zero gradients into ~lr-sized steps (see test_pipeline.py).
+    assert r["param_max_abs_err"] < 1e-4
+
+
+@pytest.mark.distributed
+def test_ep_init_weights_gives_the_owned_slice(ep_results):
+    assert _ok(ep_results, "init_after_ep")["err"] == 0.0

@@ -1,0 +1,56 @@
+"""The parity matrix: every parallel layout the engine supports, alone and composed, trains
+the tiny model for 5 AdamW steps (some with gradient accumulation) next to a single-process
+reference of the same model, seed and global batch. A layout passes only if its loss matches
+at every step and its final parameters match the reference's.
+
+One torchrun launch per world size runs all layouts of that size (tests/dist/layouts.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dist.harness import launch
+from dist.layouts import APPROXIMATE, LAYOUTS
+
+LOSS_RTOL = 1e-5  # fp32 loss per step, relative
+# AdamW divides by sqrt(second moment): rounding differences of ~1e-7 in near-zero gradients
+# become ~1e-5 parameter differences after a few steps; 1e-4 absolute bounds that (measured max 8.5e-5).
+PARAM_ATOL = 1e-4
+SCRIPT = Path(__file__).parent / "dist" / "cases_parallel.py"
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def results(shakespeare):
+    """{world: {layout: result}}, one launch per world size, run lazily and cached."""
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            cache[world] = launch(SCRIPT, world, timeout=900)
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world,layout", [(w, name) for w, layouts in LAYOUTS.items() for name in layouts])
+def test_layout_matches_single_process(results, world, layout):
+    result = results(world).get(layout)
+    assert result is not None, f"{layout} did not run"
+    assert result["ok"], result.get("trace") or result
+    assert result["steps"] == result["steps_expected"] == 5
+    assert not result["missing_params"], result["missing_params"]
+    rtol = APPROXIMATE.get(layout, LOSS_RTOL)
+    assert result["max_rel_loss_diff"] <= rtol, result["rows"]
+    if layout not in APPROXIMATE:
+        assert result["max_param_diff"] <= PARAM_ATOL, result["max_param_diff"]
+
+
+def test_matrix_covers_the_required_compositions():
+    names = {name for layouts in LAYOUTS.values() for name in layouts}
+    required = {"ddp", "zero1", "fsdp_zero2", "fsdp_zero3_grad_accum", "tp_sp", "cp", "ep", "pp_afab", "pp_1f1b",
+                "pp_interleaved_1f1b", "pp_zbv", "dp_x_tp", "fsdp_x_tp", "tp_x_pp", "dp_x_pp", "cp_x_dp", "ep",
+                "hsdp", "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full"}
+    assert required <= names, required - names

@@ -1,0 +1,438 @@
+"""The planner: catalogue parameter counts, hardware figures, memory per rank against hand
+computations (Ultra-Scale Playbook formulas, docs/planner.md), the time model, every validation
+rule through the real `usp plan`, and the no-torch import boundary. No torch, all fast."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from usp.config.compose import compose_config
+from usp.errors import PlanError
+from usp.plan.layout import rank_table
+from usp.plan.memory import in_flight, memory_plan, stage_memory
+from usp.plan.model_math import count_params_cfg, flops_per_token_cfg
+from usp.plan.plan import build_plan
+from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
+from usp.plan.timing import timing_plan
+
+REPO = Path(__file__).resolve().parents[1]
+USP = str(Path(sys.executable).parent / "usp")
+BF16, FP32 = Precision("bf16", 2, 2, 12, 2), Precision("fp32", 4, 4, 8, 4)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def usp(*args: str, cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="250", **(extra_env or {}))
+    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def cfg_for(*overrides: str):
+    return compose_config(None, list(overrides))
+
+
+def plan_for(*overrides: str, **kw):
+    cfg, choices = cfg_for(*overrides)
+    return build_plan(cfg, choices, training=False, **kw)
+
+
+def arch(name: str) -> Arch:
+    cfg, _ = cfg_for(f"model={name}")
+    return Arch.from_model(cfg.model)
+
+
+def h100(nodes: int = 1) -> Hardware:
+    cfg, _ = cfg_for("cluster=slurm_h100", f"cluster.nodes={nodes}")
+    return Hardware.from_cluster(cfg.cluster)
+
+
+# --- catalogue -------------------------------------------------------------------------------------
+
+PUBLISHED = {  # Meta's model cards: parameters, to 3 significant digits
+    "llama3_2_1b": 1.24e9, "llama3_2_3b": 3.21e9, "llama3_1_8b": 8.03e9, "llama3_1_70b": 70.6e9,
+    "llama3_1_405b": 405.9e9,
+}
+EXACT = {  # embedding + layers x (attention + SwiGLU + 2 norms) + final norm (+ untied head)
+    "llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824, "llama3_1_8b": 8_030_261_248,
+    "llama3_1_70b": 70_553_706_496, "llama3_1_405b": 405_853_388_800,
+}
+
+
+def sig3(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_catalogue_parameter_counts(name):
+    cfg, _ = cfg_for(f"model={name}")
+    n = count_params_cfg(cfg.model)
+    assert n == EXACT[name]
+    assert sig3(n) == sig3(PUBLISHED[name])
+    m = cfg.model
+    assert m.vocab_size == 128256 and m.rope_theta == 500000.0
+    assert m.tie_embeddings == name.startswith("llama3_2")
+    # hand check of the 8B: 128256·4096 embedding and head, 32 x (2·4096² + 2·4096·1024 + 3·4096·14336 + 2·4096)
+    if name == "llama3_1_8b":
+        assert n == 2 * 128256 * 4096 + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096
+    text = (REPO / "conf" / "model" / f"{name}.yaml").read_text()
+    assert text.startswith("# ") and "Llama" in text.splitlines()[0]
+
+
+CLUSTERS = {"slurm_h100": (80, 989, 8, "cuda"), "h200": (141, 989, 8, "cuda"), "a100_80gb": (80, 312, 8, "cuda"),
+            "mi300x": (192, 1307, 8, "cuda"), "supermuc_ng_p2": (128, 839, 4, "xpu")}
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_cluster_hardware(name):
+    cfg, _ = cfg_for(f"cluster={name}")
+    c = cfg.cluster
+    memory, peak, per_node, device = CLUSTERS[name]
+    assert (c.device_memory_gb, c.peak_tflops_bf16, c.procs_per_node, c.device) == (memory, peak, per_node, device)
+    assert c.launcher == "local" and c.intra_node_gbps > c.inter_node_gbps > 0
+    assert (REPO / "conf" / "cluster" / f"{name}.yaml").read_text().startswith("# ")
+
+
+def test_hardware_doc_has_every_figure():
+    doc = (REPO / "docs" / "hardware.md").read_text()
+    assert "| figure | value | source |" in doc
+    for needle in ("989", "141", "312", "1307", "839", "450", "50 GB/s", "placeholder", "0.15 TFLOPS"):
+        assert needle in doc, needle
+
+
+def test_local_cpu_defaults_work():
+    cfg, _ = cfg_for()
+    hw = Hardware.from_cluster(cfg.cluster)
+    assert hw.device == "cpu" and hw.memory_gib > 0 and hw.peak_tflops_fp32 > 0
+    plan = plan_for()
+    assert plan.memory.fits and plan.memory.dtype == "fp32" and plan.timing.mfu > 0
+    assert plan.warnings == []
+
+
+# --- memory: hand computations ----------------------------------------------------------------------
+
+PSI_8B = EXACT["llama3_1_8b"]
+H, V, L, S = 4096, 128256, 32, 4096
+LAYER_8B = 2 * H * H + 2 * H * 1024 + 3 * H * 14336 + 2 * H  # 218,112,000
+
+
+def mem8b(**kw) -> object:
+    lay = Layout(**{"dp_replicate": 8, "micro_batch": 1, "grad_accum": 1, **kw})
+    return stage_memory(arch("llama3_1_8b"), lay, S, h100(), BF16, 0)
+
+
+def overhead(subtotal: float, fixed_gib: float = 1.0) -> float:
+    return fixed_gib * GIB + 0.05 * subtotal
+
+
+def test_memory_ddp_mixed_precision():
+    """DDP, bf16 mixed precision: 2Ψ + 2Ψ + 12Ψ, plus DDP's bucket copy of the gradients (2Ψ)."""
+    st = mem8b()
+    assert st.params == PSI_8B
+    assert (st.parameters, st.gradients, st.optimizer, st.comm_buffers) == (2 * PSI_8B, 2 * PSI_8B, 12 * PSI_8B,
+                                                                             2 * PSI_8B)
+    acts = 34 * S * 1 * H * L  # s·b·h·34 per layer, bf16 bytes, one micro batch in flight
+    logits = 4 * S * 1 * V  # fp32 logits
+    assert st.activations == acts and st.logits == logits and st.gathered == 0
+    subtotal = 18 * PSI_8B + acts + logits
+    assert st.total == pytest.approx(subtotal + overhead(subtotal))
+    assert st.total / GIB == pytest.approx(162.25, abs=0.01)  # 174.2e9 bytes: 8B never fits 80 GiB with DDP
+
+
+def test_memory_zero1_zero2_zero3():
+    n = 8
+    z1 = mem8b(zero1=True)  # ZeRO-1: 2Ψ + 2Ψ + 12Ψ/N
+    assert (z1.parameters, z1.gradients, z1.optimizer) == (2 * PSI_8B, 2 * PSI_8B, 12 * PSI_8B / n)
+    z2 = mem8b(dp_replicate=1, dp_shard=8, reshard_after_forward=False)  # ZeRO-2: 2Ψ + (2Ψ + 12Ψ)/N
+    assert (z2.parameters, z2.gradients, z2.optimizer) == (2 * PSI_8B, 2 * PSI_8B / n, 12 * PSI_8B / n)
+    assert z2.comm_buffers == 0 and z2.gathered == 0
+    z3 = mem8b(dp_replicate=1, dp_shard=8)  # ZeRO-3: (2Ψ + 2Ψ + 12Ψ)/N + the unsharded units
+    assert z3.parameters + z3.gradients + z3.optimizer == pytest.approx(16 * PSI_8B / n)
+    root = 2 * V * H + H  # embedding + head + final norm: FSDP2's root unit
+    assert z3.gathered == pytest.approx((2 + 2) * root + (2 * 2 + 2) * LAYER_8B)
+    # with gradient accumulation the engine keeps unsharded gradients between micro batches
+    z3_accum = mem8b(dp_replicate=1, dp_shard=8, micro_batch=1, grad_accum=4)
+    assert z3_accum.gradients == 2 * PSI_8B and z3_accum.optimizer == 12 * PSI_8B / n
+
+
+def test_memory_hsdp_shards_within_dp_shard_x_cp():
+    st = mem8b(dp_replicate=2, dp_shard=2, cp=2)
+    assert st.optimizer == pytest.approx(12 * PSI_8B / 4)  # N = dp_shard x cp, replicated over dp_replicate
+
+
+def test_memory_activations_tp_sp_cp_recompute():
+    base = dict(dp_replicate=1, tp=8)
+    st = mem8b(**base)
+    # TP + sequence parallel: s·b·h·34/t per layer
+    assert st.activation_per_layer == 34 * S * H / 8 and st.activations == 34 * S * H / 8 * L
+    vocab_pad = 128256  # divisible by 8
+    assert st.logits == 4 * S * vocab_pad / 8
+    # TP divides the layer weights by t; norms stay whole; vocab-parallel embedding and head
+    assert st.params == L * ((LAYER_8B - 2 * H) / 8 + 2 * H) + 2 * V * H / 8 + H
+    cp = mem8b(dp_replicate=1, cp=2)  # CP halves s
+    assert cp.activation_per_layer == 34 * (S / 2) * H
+    b2 = mem8b(micro_batch=2)
+    assert b2.activations == 2 * mem8b().activations
+    full = mem8b(recompute="full", **base)  # layer input per layer (2 bytes x s·b·h/t) + one layer's full set
+    assert full.activations == 2 * S * H / 8 * L + 34 * S * H / 8
+    sel = mem8b(recompute="selective", **base)  # SDPA stores no scores: nothing left for selective to drop
+    assert sel.activations == st.activations
+
+
+def test_memory_fp32_on_cpu():
+    """Plain fp32 training: 4Ψ + 4Ψ + 8Ψ (+ 4Ψ buckets under DDP); activations twice the bf16 bytes."""
+    a = arch("llama3_2_1b")
+    cfg, _ = cfg_for("cluster=local_cpu2")
+    hw = Hardware.from_cluster(cfg.cluster)
+    lay = Layout(dp_replicate=2, micro_batch=1, grad_accum=1)
+    st = stage_memory(a, lay, 512, hw, FP32, 0)
+    psi = EXACT["llama3_2_1b"]
+    assert (st.parameters, st.gradients, st.optimizer, st.comm_buffers) == (4 * psi, 4 * psi, 8 * psi, 4 * psi)
+    assert st.activation_per_layer == 34 * 512 * 2048 * 2
+    subtotal = 20 * psi + st.activations + st.logits
+    assert st.total == pytest.approx(subtotal + overhead(subtotal, 0.3))
+    assert Precision.resolve("auto", "cpu") == FP32 and Precision.resolve("auto", "cuda") == BF16
+
+
+@pytest.mark.parametrize("schedule,v,m,expected", [
+    ("1f1b", 1, 8, [4, 3, 2, 1]),  # min(m, p - r)
+    ("1f1b", 1, 2, [2, 2, 2, 1]),
+    ("afab", 1, 8, [8, 8, 8, 8]),  # all forwards first: every micro batch
+    ("interleaved_1f1b", 2, 8, [5.5, 4.5, 3.5, 2.5]),  # (2(p-1-r) + (v-1)p + 1) / v chunks (Megatron)
+    ("zbv", 2, 8, [4, 4, 4, 4]),
+])
+def test_micro_batches_in_flight(schedule, v, m, expected):
+    lay = Layout(pp=4, pp_schedule=schedule, pp_virtual_stages=v, grad_accum=m)
+    assert [in_flight(lay, r) for r in range(4)] == expected
+
+
+def test_pipeline_stages_hold_embedding_and_head():
+    """70B on pp=4 (1f1b): stage 0 the embedding, stage 3 the head; every layer placed once;
+    activations follow the in-flight count (4, 3, 2, 1 micro batches)."""
+    a = arch("llama3_1_70b")
+    lay = Layout(pp=4, tp=8, dp_replicate=1, micro_batch=1, grad_accum=8)
+    mem = memory_plan(a, lay, S, h100(4), BF16)
+    st = mem.stages
+    assert [s.holds_embedding for s in st] == [True, False, False, False]
+    assert [s.holds_head for s in st] == [False, False, False, True]
+    assert sum(s.layers for s in st) == 80
+    layer = a.layer_params
+    per_rank = (layer - 2 * 8192) / 8 + 2 * 8192
+    emb = V * 8192 / 8
+    assert st[0].params == int(st[0].layers * per_rank + emb)
+    assert st[3].params == int(st[3].layers * per_rank + emb + 8192)
+    assert st[0].layers < st[1].layers  # the split gives the embedding stage fewer layers
+    assert [s.in_flight for s in st] == [4, 3, 2, 1]
+    assert st[1].activations == 34 * S * 8192 / 8 * st[1].layers * 3
+    assert st[3].logits == 4 * S * V / 8 and st[0].logits == 0
+    assert mem.peak_stage == max(range(4), key=lambda i: st[i].total)
+
+
+def test_moe_experts_sliced_by_ep():
+    cfg, _ = cfg_for("model=tiny", "model.n_experts=8", "model.top_k=2", "model.vocab_size=4096")
+    a = Arch.from_model(cfg.model)
+    one = stage_memory(a, Layout(dp_replicate=4, ep=1), 128, h100(), BF16, 0)
+    four = stage_memory(a, Layout(dp_replicate=4, ep=4), 128, h100(), BF16, 0)
+    experts = a.n_layers * a.expert_params
+    assert one.params - four.params == pytest.approx(experts - experts / 4)
+
+
+# --- time -------------------------------------------------------------------------------------------
+
+def test_flops_match_model_math_and_hfu():
+    cfg, _ = cfg_for("model=llama3_1_8b")
+    a = Arch.from_model(cfg.model)
+    lay = Layout(dp_replicate=8, micro_batch=1, grad_accum=4)
+    t = timing_plan(a, lay, S, 32, h100(), BF16)
+    assert t.model_flops_per_token == flops_per_token_cfg(cfg.model, S)
+    assert t.model_flops_per_step == t.model_flops_per_token * 32 * S
+    assert t.hfu == pytest.approx(t.mfu)
+    full = timing_plan(a, replace(lay, recompute="full"), S, 32, h100(), BF16)
+    assert full.hfu == pytest.approx(full.mfu * 4 / 3)  # the forward again: 8Ψ vs 6Ψ per token
+    assert 0 < t.mfu < t.efficiency <= 0.5
+    assert t.step_s == pytest.approx(t.compute_s + t.exposed_path_comm_s + t.bubble_s + t.exposed_dp_comm_s)
+    assert t.tokens_per_s_per_device == pytest.approx(32 * S / t.step_s / 8)
+
+
+def test_ddp_all_reduce_volume_and_overlap():
+    a = arch("llama3_2_1b")
+    lay = Layout(dp_replicate=16, micro_batch=1, grad_accum=1)
+    t = timing_plan(a, lay, 2048, 16, h100(2), BF16)
+    (ar,) = [c for c in t.comm if c.name.startswith("DP gradient")]
+    assert ar.bytes_per_step == pytest.approx(2 * 15 / 16 * 2 * EXACT["llama3_2_1b"])  # 2(n-1)/n x 2Ψ
+    assert ar.crosses_nodes and ar.gbps == 50  # 16 ranks on 2 nodes: the inter-node link
+    assert ar.exposed_s == pytest.approx(max(0.0, ar.seconds - 0.8 * ar.window_s))
+
+
+@pytest.mark.parametrize("schedule,v,expected", [("1f1b", 1, 3 / 8), ("afab", 1, 3 / 8),
+                                                 ("interleaved_1f1b", 2, 3 / 16), ("zbv", 2, 0.0)])
+def test_bubble(schedule, v, expected):
+    lay = Layout(pp=4, tp=2, pp_schedule=schedule, pp_virtual_stages=v, micro_batch=1, grad_accum=8)
+    t = timing_plan(arch("llama3_1_8b"), lay, S, 8, h100(), BF16)
+    assert t.bubble_fraction == pytest.approx(expected)
+
+
+def test_tp_comm_uses_the_link_it_crosses():
+    a = arch("llama3_1_8b")
+    inside = timing_plan(a, Layout(tp=8, dp_replicate=2, micro_batch=1, grad_accum=1), S, 2, h100(2), BF16)
+    (tp,) = [c for c in inside.comm if c.dims == "tp"]
+    assert not tp.crosses_nodes and tp.exposed_s == tp.seconds  # TP is never overlapped
+    assert tp.bytes_per_step == pytest.approx(8 * 7 / 8 * S * H * 2 * L)  # 4 collectives x 2 passes per layer
+
+
+@pytest.mark.parametrize("degrees,per_node", [
+    (dict(pp=1, dp_replicate=4, dp_shard=1, cp=1, tp=2), 4), (dict(pp=1, dp_replicate=3, dp_shard=1, cp=1, tp=2), 3),
+    (dict(pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=2), 8), (dict(pp=2, dp_replicate=1, dp_shard=3, cp=2, tp=2), 4),
+    (dict(pp=4, dp_replicate=2, dp_shard=1, cp=2, tp=1), 6),
+])
+def test_group_crosses_nodes_matches_the_rank_table(degrees, per_node):
+    table = rank_table(degrees, per_node)
+    for dims in (("tp",), ("cp",), ("pp",), ("dp_replicate",), ("dp_shard", "cp"), ("dp_replicate", "cp")):
+        groups: dict = {}
+        for r in table:
+            key = tuple(v for d, v in r.coords.items() if d not in dims)
+            groups.setdefault(key, set()).add(r.node)
+        brute = any(len(nodes) > 1 for nodes in groups.values())
+        assert group_crosses_nodes(degrees, per_node, dims) == brute, dims
+
+
+def test_plan_carries_memory_and_timing(tmp_path):
+    plan = plan_for("model=llama3_1_8b", "cluster=slurm_h100", "train.seq_len=4096", "train.global_batch=256",
+                    "parallelism.dp_replicate=1", "parallelism.dp_shard=8", "train.micro_batch=2")
+    assert plan.memory.fits and plan.memory.zero_stage == 3 and len(plan.memory.stages) == 1
+    assert 0.3 < plan.timing.mfu < 0.55
+    data = plan.to_dict()
+    assert data["memory"]["stages"][0]["total"] == plan.memory.stages[0].total
+    assert data["timing"]["comm"][0]["name"].startswith("FSDP")
+    from usp.plan.io import read_plan, write_plan
+
+    assert read_plan(write_plan(plan, tmp_path / "plan.yaml")) == data
+
+
+def test_pipeline_batch_derivation_fills_the_pipeline():
+    plan = plan_for("cluster.procs_per_node=4", "parallelism.pp=4", "model.n_layers=4", "model.tie_embeddings=false")
+    assert plan.batch.grad_accum == 4 and plan.batch.micro_batch == 4
+
+
+# --- validation rules through the CLI -----------------------------------------------------------------
+
+UNTIED4 = ["model.n_layers=4", "model.tie_embeddings=false"]
+RULES = [
+    # (overrides, key in the message, words)
+    (["cluster.procs_per_node=8", "parallelism.tp=3"], "parallelism", "does not divide"),
+    (["cluster.procs_per_node=8", "parallelism.tp=8"], "model.n_heads", "can't be split"),
+    (["cluster.procs_per_node=2", "parallelism.pp=2", "parallelism.pp_schedule=interleaved_1f1b",
+      "parallelism.pp_virtual_stages=4", *UNTIED4], "parallelism.pp_virtual_stages", "layers"),
+    (["cluster.procs_per_node=4", "parallelism.pp=4", "train.micro_batch=8", *UNTIED4], "train.grad_accum",
+     "stages"),
+    (["cluster.procs_per_node=4", "parallelism.pp=4", "parallelism.pp_schedule=interleaved_1f1b",
+      "parallelism.pp_virtual_stages=2", "train.micro_batch=8", "model.n_layers=8", "model.tie_embeddings=false"],
+     "train.grad_accum", "micro batches"),
+    (["cluster=local_cpu2", "parallelism=ddp", "train.micro_batch=16"], "train.global_batch", "not divisible"),
+    (["cluster.procs_per_node=3", "parallelism.cp=3"], "train.seq_len", "2 x cp"),
+    (["cluster.procs_per_node=3", "model.n_experts=4", "parallelism.ep=3", "train.global_batch=24"],
+     "parallelism.ep", "experts"),
+    (["cluster.procs_per_node=2", "model.n_experts=4", "parallelism.tp=2", "parallelism.ep=2"], "parallelism.ep",
+     "must divide"),
+    (["model=llama3_1_8b", "cluster=slurm_h100"], "parallelism", "out of memory"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,words", RULES)
+def test_rule_through_cli(tmp_path, overrides, key, words):
+    r = usp("plan", *overrides, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"{key}=" in r.stderr and words in r.stderr and "fix:" in r.stderr, r.stderr
+
+
+def test_tp_across_nodes_warns_and_strict_refuses(tmp_path):
+    # 2 nodes x 3 processes, tp=2: the TP group of ranks 2 and 3 straddles the node boundary
+    args = ["cluster.nodes=2", "cluster.procs_per_node=3", "parallelism.tp=2", "train.global_batch=24"]
+    r = usp("plan", *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "warning" in r.stdout and "spans nodes" in r.stdout
+    r = usp("plan", "--strict", *args, cwd=tmp_path)
+    assert r.returncode == 2 and "parallelism.tp=2" in r.stderr and "spans nodes" in r.stderr
+
+
+def test_oom_error_names_stage_consumers_and_a_layout_that_fits(tmp_path):
+    args = ["model=llama3_1_70b", "cluster=slurm_h100", "cluster.nodes=2", "parallelism.tp=8", "parallelism.pp=2",
+            "train.seq_len=4096", "train.global_batch=16"]
+    with pytest.raises(PlanError) as info:
+        plan_for(*args)
+    err = str(info.value)
+    assert info.value.key == "parallelism" and "out of memory" in err
+    assert re.search(r"pipeline stage \d \(ranks \d+-\d+\)", err)
+    consumers = re.search(r"top consumers: (.*)", err).group(1)
+    assert consumers.count("GiB") == 3
+    suggested = re.search(r"a layout that fits: (.*?) \(predicted", info.value.fix).group(1).split()
+    fitted = plan_for(*args, *suggested)  # the suggestion really fits
+    assert fitted.memory.fits
+    forced = plan_for(*args, force=True)  # --force: a warning instead
+    assert not forced.memory.fits and any("out of memory" in w for w in forced.warnings)
+    r = usp("plan", "--force", *args, cwd=tmp_path)
+    assert r.returncode == 0 and "OUT OF MEMORY" in r.stdout
+
+
+def test_training_still_refuses_a_vocab_over_uint16():
+    cfg, choices = cfg_for("model=llama3_2_1b", "cluster=slurm_h100")
+    with pytest.raises(PlanError) as info:
+        build_plan(cfg, choices)
+    assert info.value.key == "model.vocab_size"
+    plan = build_plan(cfg, choices, training=False)
+    assert any("uint16" in w for w in plan.warnings)
+
+
+# --- usp plan output and the import boundary ------------------------------------------------------------
+
+def test_usp_plan_shows_memory_and_time_tables(tmp_path):
+    r = usp("plan", "model=llama3_1_70b", "cluster=slurm_h100", "cluster.nodes=4", "parallelism.tp=8",
+            "parallelism.pp=4", "parallelism.pp_schedule=interleaved_1f1b", "parallelism.pp_virtual_stages=2",
+            "train.seq_len=4096", "train.global_batch=32", "train.micro_batch=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "memory per device" in out and "stage 0 (ranks 0-7)" in out and "stage 3 (ranks 24-31)" in out
+    assert "optimizer states" in out and "framework overhead" in out and "micro batch(es) in flight" in out
+    assert "time per step" in out and "MFU" in out and "pipeline bubble" in out and "TP all-gather" in out
+
+
+@pytest.mark.parametrize("args", [
+    ("plan",), ("plan", "model=llama3_1_8b", "cluster=slurm_h100", "--force"),
+    ("plan", "--search", "model=llama3_2_1b", "cluster=slurm_h100"),
+    ("estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720"),
+])
+def test_no_torch_import(tmp_path, args):
+    r = usp(*args, cwd=tmp_path, extra_env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    modules = [line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+    assert len(modules) > 100  # the profile really ran
+    assert not [m for m in modules if m == "torch" or m.startswith("torch.")]
+
+
+def test_planner_modules_import_no_torch():
+    code = ("import sys; import usp.plan.memory, usp.plan.timing, usp.plan.validate, usp.plan.search, "
+            "usp.plan.estimate, usp.plan.specs; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("embed,head", [(0, 0), (500, 500), (1000, 1), (1, 1000), (262, 263)])
+def test_uniform_split_equals_pipeline_split(embed, head):
+    """The planner's fast split is the engine's split (usp.plan.pipeline_split.split_layers)."""
+    from usp.plan.memory import uniform_split
+    from usp.plan.pipeline_split import split_layers
+
+    cases = [(n, s) for n in range(2, 27) for s in range(2, min(n, 12) + 1)] + [(80, 32), (126, 63), (80, 80)]
+    for n, stages in cases:
+        expected = tuple(len(x) for x in split_layers(n, stages, embed, head, 218))
+        assert uniform_split(n, stages, embed, head, 218) == expected, (n, stages)

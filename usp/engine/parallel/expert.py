@@ -1,0 +1,160 @@
+"""Expert parallelism (EP) for `usp.models.moe.MoE` layers, with all_to_all token dispatch.
+
+The EP group is carved out of the data-parallel ranks: every rank of an EP group reads
+DIFFERENT data, routes its own tokens, and sends each token to the rank that holds its expert.
+EP rank r of an EP group of size ep keeps experts [r*E/ep, (r+1)*E/ep) of every MoE layer.
+
+Forward of one MoE layer on one rank (see `ep_dispatch_combine`):
+  1. route locally (router, top-k, capacity drops all happen on the source rank, so the result
+     equals a single process running the MoE on this rank's tokens);
+  2. exchange per-expert token counts (all_to_all_single of an (E,) int64 tensor);
+  3. exchange the tokens, sorted by destination rank then expert (all_to_all #1); the local
+     expert of each received token follows from the count matrix, so no ids are sent;
+  4. run the local experts (tokens regrouped by local expert);
+  5. send the outputs back (all_to_all #2, reversed splits); the caller weights them by the
+     gate and scatter-adds them into token order.
+Both all_to_alls are differentiable (`_AllToAll`: backward = the reverse all_to_all).
+(`torch.distributed._functional_collectives.all_to_all_single_autograd` gives the right
+values and gradients on gloo too, but 2 of 9 test launches died with "terminate called
+without an active exception" at process exit, so a plain autograd.Function is used.)
+
+Gradient reduction (the trainer must NOT let DDP all-reduce expert parameters; call
+`reduce_gradients` after backward instead, or give DDP only the non-expert parameters):
+  Let dp = number of data-parallel ranks whose losses are averaged (the EP group lies inside
+  them), L = (1/dp) * sum_s L_s the global loss, L_s the mean loss of rank s's batch.
+  * non-expert parameters (attention, norms, embeddings, router, shared expert) are replicated
+    on all dp ranks and rank s's backward gives dL_s/dθ:
+        grad = all_reduce_SUM(grad, dp_group) / dp            (the usual DP average)
+  * expert parameters: after backward the owner of expert e already holds
+    sum_{s in its EP group} dL_s/dw_e (the reverse all_to_all brings back the gradient of
+    every token of the EP group that was routed to e). The other copies of expert e live on
+    the edp group (ranks with the same EP rank in the other EP groups, dp/ep ranks), which
+    cover the remaining data, so
+        grad = all_reduce_SUM(grad, edp_group) / dp           (divide by dp, NOT by edp size)
+    With ep = dp the edp group has one rank (None): grad / dp only. With ep = 1 the edp group
+    is the dp group and this is the ordinary average.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from usp.models.moe import GroupedExperts, MoE, moe_layers
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 with uneven splits; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: List[int], in_splits: List[int], group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(gx, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return gx, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
+    """Differentiable uneven all_to_all_single: x's rows [sum(in_splits[:d]), +in_splits[d]) go
+    to rank d of `group`; returns the rows received, out_splits[s] from rank s, in rank order."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+def ep_dispatch_combine(moe: MoE, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """routed (N, dim): this rank's token copies sorted by global expert id; counts (E,) int64:
+    copies per global expert. Returns the expert outputs (N, dim) in the same order."""
+    group, ep = moe.ep_group, dist.get_world_size(moe.ep_group)
+    n_local = moe.experts.n_local
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    recv = recv_counts.view(ep, n_local)  # recv[s, j] = copies from rank s for local expert j
+    send_splits = counts.view(ep, n_local).sum(1).tolist()
+    recv_splits = recv.sum(1).tolist()
+    x = all_to_all(routed, recv_splits, send_splits, group)
+    # Received rows are grouped by source rank, then local expert: regroup by local expert.
+    local_e = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
+                                      recv.flatten().to(x.device))
+    order = torch.argsort(local_e, stable=True)
+    y_sorted = moe.experts(x[order], recv.sum(0).tolist())
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return all_to_all(y_sorted[inverse], send_splits, recv_splits, group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
+    """Shard every MoE layer's experts over `ep_group`, in place: EP rank r keeps rows
+    [r*E/ep, (r+1)*E/ep) of the already-initialised full stacked weights (so the values match a
+    single process), and forwards dispatch tokens with all_to_all. Apply before building the
+    optimizer and before any DDP/FSDP wrapping. Returns the model."""
+    ep, r = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for m in moe_layers(model):
+        E, ex = m.n_experts, m.experts
+        if E % ep:
+            raise ValueError(f"model.n_experts={E} must divide by parallelism.ep={ep}")
+        if ex.n_local != E:
+            raise RuntimeError("apply_expert_parallel: experts are already sharded")
+        n, start = E // ep, r * (E // ep)
+        for name in ("w1", "w2", "w3"):
+            full = getattr(ex, name)
+            p = nn.Parameter(full.detach()[start:start + n].clone(), requires_grad=full.requires_grad)
+            p._ep_shard = (start, E)  # Llama.init_weights draws the full tensor and keeps this slice
+            setattr(ex, name, p)
+        ex.expert_start = start
+        m.ep_group = ep_group
+    return model
+
+
+def is_expert_param(model: nn.Module, param: torch.Tensor) -> bool:
+    """True for a stacked expert weight (sharded by EP), False for everything else."""
+    return any(param is p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+
+
+def expert_param_names(model: nn.Module) -> List[str]:
+    """FQNs (as model.named_parameters() spells them) of the expert-sharded parameters."""
+    ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    return [n for n, p in model.named_parameters() if id(p) in ids]
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _sum_then_scale(params: Iterable[torch.Tensor], group, scale: float) -> None:
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    for p in params:  # an expert that got no tokens anywhere has no grad: reduce zeros
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    if _group_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat.mul_(scale)
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module, dp_group, ep_group=None, edp_group=None) -> None:
+    """After backward of each rank's own mean loss, make every gradient the gradient of the mean
+    of the dp ranks' losses (module docstring): non-expert grads SUM over dp_group / dp, expert
+    grads SUM over edp_group / dp. A group of None means a group of one rank (no
+    communication). ep_group is only used to check dp = ep * edp."""
+    dp, ep, edp = _group_size(dp_group), _group_size(ep_group), _group_size(edp_group)
+    if dp != ep * edp:
+        raise ValueError(f"dp size {dp} != ep size {ep} x edp size {edp}")
+    experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    expert = [p for p in model.parameters() if id(p) in experts]
+    _sum_then_scale(dense, dp_group, 1.0 / dp)
+    _sum_then_scale(expert, edp_group, 1.0 / dp)

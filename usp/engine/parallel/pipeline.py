@@ -1,0 +1,144 @@
+"""Pipeline parallelism (PP) with `torch.distributed.pipelining`.
+
+The model's layers are cut into `num_stages` contiguous stages (`usp.plan.pipeline_split`);
+each pp rank holds one stage (afab, 1f1b) or several (interleaved: stages r, r+pp, ...;
+zbv: stages r and 2pp-1-r). A stage is the full Llama with the layers it does not own deleted,
+and without the embedding (all but the first stage) or the final norm + LM head (all but the
+last): parameter names (FQNs) stay those of the full model, so checkpoints and per-name init
+line up, and `Llama.forward` passes hidden states through the missing parts.
+
+Loss scaling
+------------
+The schedule splits the batch into `n_microbatches` equal micro batches, calls `loss_fn` on
+each micro batch's output on the last stage and backpropagates every micro-batch loss
+separately; gradients add up in `.grad`. To get exactly the gradient of the single-process
+mean loss over the whole batch, each micro-batch loss must be its mean divided by
+n_microbatches: sum_k mean_k / n = mean over the batch (micro batches are equal-sized).
+
+torch >= 2.6 can do this division itself: schedules take `scale_grads=True` (the default) and
+then divide every `.grad` of the stage by n_microbatches after the backward. We turn that off
+(`scale_grads=False`) and divide the loss instead, because (1) the per-micro-batch losses the
+schedule reports then sum to the batch mean, and (2) `scale_grads` divides whatever is in
+`.grad`, including gradients accumulated by an earlier `step()` before `zero_grad`.
+Measured against a single process on the same batch (tests/dist/cases_pipeline.py, every
+schedule): divided loss + scale_grads=False gives parameters bit-identical to a single process
+that accumulates the same micro batches, and equal to a full-batch step to 2e-14 in float64;
+divided loss + the default scale_grads=True gives gradients exactly n times too small. So `build_pipeline` takes the plain per-micro-batch mean loss (e.g. cross entropy) and
+wraps it; do not divide it yourself. (With ignore_index / padded tokens, micro-batch means
+would weigh tokens unequally: pass a token-sum loss divided by the batch's token count.)
+
+Zero-bubble schedules (interleaved_zb, zbv) split the backward into input- and weight-gradient
+passes (`torch.autograd.grad` on the stage's graph); nothing special is needed for this model.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
+
+SCHEDULE_CLASSES = {
+    "afab": ScheduleGPipe,  # all forwards, then all backwards
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE = ("afab", "1f1b")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of one micro batch: logits (b, s, vocab), targets (b, s).
+    Computed in at least float32 (bf16 logits are upcast, float64 stays float64)."""
+    logits = logits.flatten(0, 1)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
+
+
+def build_stage_module(model: nn.Module, layer_ids: Sequence[int], is_first: bool, is_last: bool) -> nn.Module:
+    """Cut a full Llama down to one stage, in place: keep `layer_ids`, the embedding only on the
+    first stage, the final norm and LM head only on the last. FQNs are unchanged."""
+    keep = {str(i) for i in layer_ids}
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if not is_first:
+        model.tok_embeddings = None
+    if not is_last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequence[Sequence[int]],
+                   stage_indices: Sequence[int], pp_group: dist.ProcessGroup, device: torch.device,
+                   n_microbatches: int, schedule_name: str,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+                   parallelize_fn: Callable[[nn.Module], nn.Module] = lambda m: m,
+                   ) -> Tuple[object, List[nn.Module]]:
+    """Build this rank's stages and the schedule that runs them.
+
+    model_factory: returns a full model with the same weights on every rank (per-name seeded
+      init); called once per local stage, then cut down (`build_stage_module`).
+    stage_layer_ids: layer ids of every stage (`split_layers`), len = number of stages.
+    stage_indices: the stages this rank holds (`stage_ranks(...)[pp_rank]`).
+    loss_fn: the plain mean loss of one micro batch; it is divided by n_microbatches here (see
+      the module docstring), so the schedule's micro-batch losses sum to the batch mean.
+    parallelize_fn: applied to each cut-down stage before it becomes a PipelineStage (TP, FSDP,
+      DDP, recompute...); it may return a wrapper (e.g. DDP).
+    Returns (schedule, stage_modules) with stage_modules (as returned by parallelize_fn) in the
+    order of stage_indices.
+    """
+    if schedule_name not in SCHEDULE_CLASSES:
+        raise ValueError(f"unknown pipeline schedule {schedule_name!r}; choose from {list(SCHEDULE_CLASSES)}")
+    num_stages = len(stage_layer_ids)
+    modules, stages = [], []
+    for idx in stage_indices:
+        module = parallelize_fn(build_stage_module(model_factory(), stage_layer_ids[idx],
+                                                   is_first=idx == 0, is_last=idx == num_stages - 1).to(device))
+        modules.append(module)
+        stages.append(PipelineStage(module, idx, num_stages, device, group=pp_group))
+
+    def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / n_microbatches
+
+    cls = SCHEDULE_CLASSES[schedule_name]
+    if schedule_name in SINGLE_STAGE:
+        if len(stages) != 1:
+            raise ValueError(f"schedule {schedule_name!r} runs one stage per rank, got {len(stages)}")
+        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    return schedule, modules
+
+
+def pipeline_step(schedule, stage_modules: Sequence[nn.Module], is_first: bool, is_last: bool,
+                  x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """One forward + backward over this pp group's batch (x: tokens, y: targets, both (b, s);
+    b must divide into the schedule's micro batches). Gradients accumulate into the stage
+    modules' .grad; the caller zeroes them and steps the optimizer. is_first / is_last: whether
+    this rank holds the first / last stage (with zbv rank 0 holds both). Returns the batch-mean
+    loss (detached) on the rank holding the last stage, None on the others."""
+    if is_first != any(m.tok_embeddings is not None for m in stage_modules):
+        raise ValueError("is_first does not match the stage modules (first stage holds the embedding)")
+    args = (x,) if is_first else ()
+    losses: Optional[list] = [] if is_last else None
+    schedule.step(*args, target=y if is_last else None, losses=losses, return_outputs=False)
+    if not is_last:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).sum()  # micro-batch losses are mean / n
+
+
+def broadcast_loss(loss: Optional[torch.Tensor], pp_group: dist.ProcessGroup, last_rank: int,
+                   device: torch.device = torch.device("cpu")) -> float:
+    """Send the loss from the pp rank holding the last stage (`last_rank`, a rank inside
+    pp_group: `usp.plan.pipeline_split.last_stage_rank`) to every pp rank, for logging."""
+    buf = torch.zeros((), dtype=torch.float64, device=device)
+    if dist.get_rank(pp_group) == last_rank:
+        buf.copy_(loss.detach())
+    dist.broadcast(buf, src=dist.get_global_rank(pp_group, last_rank), group=pp_group)
+    return float(buf.item())

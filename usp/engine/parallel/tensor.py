@@ -1,0 +1,71 @@
+"""Tensor + sequence parallelism (Megatron-style) with DTensor's `parallelize_module`.
+
+Per block: attention wq/wk/wv and MLP w1/w3 are column-parallel (each TP rank holds a slice of
+the heads / hidden units), wo and w2 row-parallel; the norms run sequence-parallel (activations
+between blocks are sharded along the sequence, Shard(1)), so the all-reduces of plain TP become
+all-gather + reduce-scatter pairs. The embedding is row-parallel over the vocabulary; the LM head
+is column-parallel and keeps its logits sharded over the vocabulary for `loss_parallel`.
+
+A vocabulary that does not divide by tp is padded (the plan says by how much); the padded
+logits are masked to -inf so the loss, and every gradient, is the unpadded model's."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return -(-vocab // tp) * tp
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, real_vocab: int) -> None:
+    """Shard `model` (a Llama or a pipeline stage of one) over `tp_mesh` in place."""
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    tied = model.tok_embeddings is not None and model.output is not None and \
+        model.output.weight is model.tok_embeddings.weight
+    parallelize_module(model, tp_mesh, top)
+    if tied:  # each style distributed its own copy; share the (identically sharded) one again
+        model.output.weight = model.tok_embeddings.weight
+
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+    model.sequence_shards = tp_mesh.size()  # hidden states between blocks are sequence-sharded
+    if model.output is not None and model.output.weight.shape[0] > real_vocab:
+        _mask_padded_logits(model.output, tp_mesh, real_vocab)
+
+
+def _mask_padded_logits(output: nn.Module, tp_mesh: DeviceMesh, real_vocab: int) -> None:
+    total = output.weight.shape[0]
+    mask = torch.zeros(total, device=output.weight.device)
+    mask[real_vocab:] = float("-inf")
+    mask = distribute_tensor(mask, tp_mesh, [Shard(0)])  # sharded like the logits' last dim
+    output.register_forward_hook(lambda module, inputs, logits: logits + mask)

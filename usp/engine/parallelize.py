@@ -1,0 +1,41 @@
+"""Apply the parallelisms of the plan to one model (or one pipeline stage), always in the
+same order (as torchtitan): TP/SP -> CP -> EP -> activation recomputation -> compile ->
+FSDP / ZeRO / DDP. Each step lives in its own file under usp/engine/parallel/."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from usp.engine.dist import DistContext
+from usp.engine.parallel.data import apply_ddp, apply_fsdp
+from usp.plan.layout import data_parallel_kind
+from usp.engine.recompute import apply_recompute
+
+
+def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
+    cfg, deg = plan["config"], ctx.degrees
+    par, train = cfg["parallelism"], cfg["train"]
+    if deg["tp"] > 1:
+        from usp.engine.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, ctx.submesh("tp"), plan["model"]["vocab_size"])
+    if deg["cp"] > 1:
+        from usp.engine.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, ctx.group("cp"))
+    if int(par["ep"]) > 1:
+        from usp.engine.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, ctx.expert_groups(int(par["ep"]), plan["ranks"])[0])
+    apply_recompute(model, train["recompute"])
+    if train["compile"]:
+        for name, block in list(model.layers.named_children()):
+            model.layers[name] = torch.compile(block)
+    kind = data_parallel_kind(deg, bool(par["zero1"]))
+    if int(par["ep"]) > 1:
+        return model  # expert parallel: gradients are reduced by expert.reduce_gradients
+    if kind in ("fsdp", "hsdp", "replicate"):
+        return apply_fsdp(model, ctx, reshard_after_forward=bool(par["reshard_after_forward"]) and kind != "replicate")
+    if kind in ("ddp", "zero1"):
+        return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
+    return model

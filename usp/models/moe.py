@@ -1,0 +1,174 @@
+"""Mixture-of-Experts feed-forward layer (token-choice top-k routing, SwiGLU experts).
+
+Layout (FQNs under a block's `feed_forward`):
+  router.weight  (E, dim)            softmax gate, no bias
+  experts.w1/w3  (E, dim, hidden)    stacked per-expert SwiGLU weights, so expert parallelism
+  experts.w2     (E, hidden, dim)    can slice dim 0 (see usp.engine.parallel.expert)
+  shared_expert.*                    optional always-on `FeedForward` (hidden = expert hidden)
+
+Routing: p = softmax(router(x)) in fp32; each token picks its top_k experts and their
+weights are renormalised to sum to 1. With capacity_factor > 0 an expert takes at most
+C = ceil(cf * T * top_k / E) of the T local tokens' assignments; assignments are ranked in
+token order (token 0 slot 0, token 0 slot 1, token 1 slot 0, ...) and the overflow is dropped
+(the token keeps its residual, no renormalisation). capacity_factor = 0 is dropless.
+
+Load-balancing loss (Switch / GShard): aux = E * sum_e f_e * P_e, f_e = share of the T*top_k
+assignments (before capacity drops) that chose e, P_e = mean router probability of e. It is 1
+for perfectly uniform routing. Each forward stores it in `self.aux_loss`; the trainer adds
+`aux_loss_coef * moe_aux_loss(model)` (the sum over layers) to the loss.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights. Under expert parallelism this module holds only the
+    experts [expert_start, expert_start + n_local) of `n_experts`."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.n_experts, self.expert_start = n_experts, 0
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        for p in (self.w1, self.w2, self.w3):
+            nn.init.normal_(p, std=0.02)  # placeholder; Llama.init_weights sets the real values
+
+    @property
+    def n_local(self) -> int:
+        return self.w1.shape[0]
+
+    def expert(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert j on tokens x (n, dim)."""
+        return (F.silu(x @ self.w1[j]) * (x @ self.w3[j])) @ self.w2[j]
+
+    def forward(self, x: torch.Tensor, counts: list) -> torch.Tensor:
+        """x (n, dim) sorted by local expert, counts[j] tokens for local expert j."""
+        outs = [self.expert(j, chunk) for j, chunk in enumerate(torch.split(x, counts)) if counts[j] > 0]
+        return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[-1]) + 0 * x.sum()
+
+
+class MoE(nn.Module):
+    def __init__(self, args: Any) -> None:
+        super().__init__()
+        from usp.models.llama import FeedForward  # llama imports this module
+
+        dim, self.n_experts, self.top_k = args.dim, args.n_experts, args.top_k
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        hidden = args.moe_ffn_dim or args.ffn_dim
+        self.capacity_factor = float(args.capacity_factor)
+        self.router = nn.Linear(dim, self.n_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden, self.n_experts)
+        self.shared_expert: Optional[nn.Module] = FeedForward(dim, hidden) if args.shared_expert else None
+        self.ep_group = None  # set by usp.engine.parallel.expert.apply_expert_parallel
+        self.aux_loss: torch.Tensor = torch.zeros(())
+        self.tokens_dropped = 0  # assignments dropped by the capacity limit in the last forward
+
+    # ------------------------------------------------------------------ routing
+
+    def capacity(self, n_tokens: int) -> int:
+        """Max assignments per expert for n_tokens local tokens; 0 = unlimited (dropless)."""
+        if self.capacity_factor <= 0:
+            return 0
+        return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
+
+    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim) -> top-k weights (T, k) (renormalised, x's dtype), expert ids (T, k),
+        router probabilities (T, E) fp32. Also sets self.aux_loss."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        top_w, top_e = probs.topk(self.top_k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        f = torch.bincount(top_e.flatten(), minlength=self.n_experts).float() / top_e.numel()
+        self.aux_loss = self.n_experts * (f * probs.mean(dim=0)).sum()
+        return top_w.to(x.dtype), top_e, probs
+
+    def dispatch_plan(self, top_e: torch.Tensor):
+        """Flattened assignments sorted (stably) by expert, capacity applied.
+        Returns (token index, slot index into top_k-flattened weights, expert id), each (N,),
+        sorted by expert with token order kept inside an expert, and counts per expert (E,)."""
+        T = top_e.shape[0]
+        flat_e = top_e.flatten()
+        order = torch.argsort(flat_e, stable=True)
+        e_sorted = flat_e[order]
+        counts = torch.bincount(flat_e, minlength=self.n_experts)
+        cap = self.capacity(T)
+        if cap:
+            starts = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(order.numel(), device=order.device) - starts[e_sorted]
+            keep = pos < cap
+            self.tokens_dropped = int((~keep).sum())
+            order, e_sorted = order[keep], e_sorted[keep]
+            counts = counts.clamp(max=cap)
+        else:
+            self.tokens_dropped = 0
+        return order // self.top_k, order, e_sorted, counts
+
+    # ----------------------------------------------------------------- forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_w, top_e, _ = self.route(x)
+        tok, slot, _, counts = self.dispatch_plan(top_e)
+        routed = x[tok]
+        if self.ep_group is None:
+            y = self.experts(routed, counts.tolist())
+        else:
+            from usp.engine.parallel.expert import ep_dispatch_combine
+
+            y = ep_dispatch_combine(self, routed, counts)
+        y = y * top_w.flatten()[slot].unsqueeze(-1)
+        out = torch.zeros_like(x).index_add_(0, tok, y)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out.reshape(shape)
+
+    def dense_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Slow, obviously-correct forward (single process, all experts present): every expert
+        runs on every token, then a (T, E) combine matrix built token by token selects and
+        weights them. Same result as forward, up to float rounding."""
+        E, k = self.n_experts, self.top_k
+        if self.experts.n_local != E:
+            raise RuntimeError("dense_reference needs all experts (not expert-parallel)")
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        T = x.shape[0]
+        probs = torch.softmax(x @ self.router.weight.t().float(), dim=-1)
+        p_val = probs.detach().tolist()
+        cap = self.capacity(T) or T * k
+        taken = [0] * E
+        zero = probs.new_zeros(())
+        rows = []
+        for t in range(T):
+            ranked = sorted(range(E), key=lambda e: -p_val[t][e])[:k]
+            total = sum(probs[t, e] for e in ranked)
+            row = [zero] * E
+            for e in ranked:
+                if taken[e] < cap:
+                    taken[e] += 1
+                    row[e] = probs[t, e] / total
+            rows.append(torch.stack(row))
+        combine = torch.stack(rows).to(x.dtype)  # (T, E) gate weight of every (token, expert)
+        all_out = torch.stack([self.experts.expert(e, x) for e in range(E)], dim=1)  # (T, E, dim)
+        out = (combine.unsqueeze(-1) * all_out).sum(dim=1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out.reshape(shape)
+
+
+def moe_layers(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum over MoE layers of the load-balancing losses of the last forward (0 for a dense model).
+    Multiply by model.aux_loss_coef and add to the training loss."""
+    losses = [m.aux_loss for m in moe_layers(model)]
+    return torch.stack(losses).sum() if losses else torch.zeros(())

@@ -1,0 +1,307 @@
+"""Predicted memory per rank, per pipeline stage (docs/planner.md has the formulas and sources).
+
+Every rank of one pipeline stage holds the same amount (TP, CP and data-parallel ranks split
+work evenly), so the breakdown is per pp rank ("stage" below; with interleaved / V schedules a
+pp rank holds several virtual stages). Terms, in bytes (Ψ = parameters this rank holds after
+TP / EP slicing, N = ranks that shard them, P/G/K = bytes per param / grad / optimizer state:
+bf16 mixed precision 2/2/12, fp32 training 4/4/8):
+
+  parameters   PΨ, or PΨ/N under ZeRO-3 (FSDP2 reshard_after_forward=true)
+  gradients    GΨ, or GΨ/N under ZeRO-2/3 (but unsharded when grad_accum > 1: the engine turns
+               gradient sync off on inner micro batches and FSDP2 then keeps full gradients)
+  optimizer    KΨ, or KΨ/N under ZeRO-1/2/3
+  activations  per layer per micro batch (Megatron accounting, bf16): s·b·h·34 (no TP),
+               s·b·h·34/t (TP + sequence parallel, which the engine always uses with TP),
+               + 5·a·s²·b/t only when attention materialises the scores (never with SDPA / flash);
+               full recompute keeps the layer input (s·b·h/t values) per layer plus one layer's
+               full set while it is recomputed; CP divides s by c; fp32 doubles everything.
+               Times the layers of the stage, times the micro batches in flight at the peak.
+  in flight    pp = 1: 1; afab: m; 1f1b: min(m, p - r) on pp rank r; interleaved (v virtual
+               stages): min(m·v, 2(p-1-r) + (v-1)p + 1) chunks of L/(pv) layers (Megatron);
+               zbv: min(m, p) (ZB-V's peak equals 1F1B's).
+  logits       4·s·b·V/t bytes (fp32 logits for the loss, vocab-parallel under TP) on the rank
+               that holds the last stage; afab keeps all m micro batches' logits.
+  gathered     ZeRO-3: the root unit (embedding + head, never resharded between forward and
+               backward by FSDP2) unsharded (P + G bytes) + two transformer blocks' parameters
+               (the one computing and the prefetched next, P bytes each) + one block's unsharded
+               gradient before the reduce-scatter (G bytes).
+  comm buffers DDP / ZeRO-1: a flat copy of the gradients in buckets (PyTorch's default
+               gradient_as_bucket_view=False).
+  overhead     a fixed allowance (CUDA/XPU context, NCCL and cuBLAS workspaces: 1 GiB; CPU:
+               Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
+
+FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
+DEFAULT_FIXED_OVERHEAD_GIB = 1.0
+FRAGMENTATION = 0.05
+MEGATRON_COEFF = 34  # bytes per s·b·h per layer in bf16: 4 (norm inputs) + 11 (attention) + 19 (MLP)
+SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
+FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
+
+TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "comm_buffers", "overhead")
+TERM_LABELS = {
+    "parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer states",
+    "activations": "activations", "logits": "logits + loss", "gathered": "FSDP all-gathered params",
+    "comm_buffers": "comm buffers (DDP buckets)", "overhead": "framework overhead",
+}
+
+
+@dataclass
+class StageMemory:
+    stage: int  # pp rank
+    first_rank: int
+    n_ranks: int  # ranks of this pp rank (all with the same memory)
+    virtual_stages: list[int]
+    layers: int
+    holds_embedding: bool
+    holds_head: bool
+    params: int  # parameters on one rank of this stage (after TP / EP slicing, before data-parallel sharding)
+    in_flight: float  # micro batches alive at the peak (units of this rank's layers)
+    activation_per_layer: float  # bytes, one layer, one micro batch (stored between forward and backward)
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    gathered: float = 0.0
+    comm_buffers: float = 0.0
+    overhead: float = 0.0
+    total: float = 0.0
+
+    def top(self, n: int = 3) -> list[tuple[str, float]]:
+        terms = sorted(((TERM_LABELS[t], getattr(self, t)) for t in TERMS), key=lambda kv: -kv[1])
+        return terms[:n]
+
+    def key(self) -> tuple:
+        return tuple(round(getattr(self, t)) for t in TERMS)
+
+
+@dataclass
+class MemoryPlan:
+    dtype: str
+    dp_kind: str
+    zero_stage: int
+    shard_degree: int
+    recompute: str
+    capacity_gib: float
+    device_name: str
+    stages: list[StageMemory]
+    peak_stage: int
+    peak_gib: float
+    fits: bool
+    activation_formula: str
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> StageMemory:
+        return self.stages[self.peak_stage]
+
+    def distinct_stages(self) -> list[StageMemory]:
+        """Stage 0, the peak and the last stage, without repeats (what the tables show)."""
+        picks = sorted({0, self.peak_stage, len(self.stages) - 1})
+        out, seen = [], set()
+        for i in picks:
+            key = self.stages[i].key()
+            if key not in seen:
+                seen.add(key)
+                out.append(self.stages[i])
+        return out
+
+
+# --- pipeline stages ---------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1024)
+def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None) -> tuple:
+    """(layers per virtual stage, virtual stages per pp rank), from usp.plan.pipeline_split:
+    the split the engine uses."""
+    from usp.plan.pipeline_split import split_layers, stage_ranks
+
+    n_stages = pp * virtual
+    if n_stages == 1:
+        return (arch.n_layers,), ((0,),)
+    head = arch.dim + (0 if arch.tie_embeddings else arch.embed_params)  # as usp.plan.pipeline_plan
+    if pp_layers or n_stages > arch.n_layers:  # explicit split, or let split_layers raise its error
+        counts = tuple(len(s) for s in split_layers(arch.n_layers, n_stages, arch.embed_params, head,
+                                                    arch.layer_params, explicit=list(pp_layers) if pp_layers else None))
+    else:
+        counts = uniform_split(arch.n_layers, n_stages, arch.embed_params, head, arch.layer_params)
+    ranks = stage_ranks(pp, virtual, schedule if schedule in ("zbv",) else "1f1b")
+    return counts, tuple(tuple(r) for r in ranks)
+
+
+def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tuple:
+    """The split of usp.plan.pipeline_split.split_layers for equal layers, in O(n²) instead of
+    its O(stages·n²) dynamic program (the search calls it for every pp): the first and last stage
+    sizes are enumerated, the middle stages share the rest evenly (extra layers first), and the
+    same objective picks the winner: the smallest (max stage cost, sum of squared costs), then
+    the largest earlier stages. tests/test_planner.py checks it against split_layers."""
+    if stages == 1:
+        return (n,)
+    k = stages - 2
+    best_key, best = None, None
+    for first in range(1, n - stages + 2):
+        c_first = first * layer + embed
+        for last in range(n - first - k, 0, -1):  # a smaller last stage = larger middle ones: preferred on ties
+            rest = n - first - last
+            if k == 0:
+                if rest:
+                    continue
+                mid_max, mid_sq = 0, 0
+            else:
+                q, r = divmod(rest, k)
+                mid_max = (q + (1 if r else 0)) * layer
+                mid_sq = r * ((q + 1) * layer) ** 2 + (k - r) * (q * layer) ** 2
+            c_last = last * layer + head
+            key = (max(c_first, c_last, mid_max), c_first * c_first + c_last * c_last + mid_sq, -first, last)
+            if best_key is None or key < best_key:
+                best_key, best = key, (first, rest, last)
+    first, rest, last = best
+    q, r = divmod(rest, k) if k else (0, 0)
+    return (first, *([q + 1] * r + [q] * (k - r)), last)
+
+
+def in_flight(layout: Layout, r: int) -> float:
+    """Micro batches whose activations pp rank r holds at its peak, in units of its layers."""
+    p, m, v = layout.pp, layout.grad_accum, layout.virtual
+    if p == 1:
+        return 1.0
+    sched = layout.pp_schedule
+    if sched == "afab":
+        return float(m)
+    if sched in ("interleaved_1f1b", "interleaved_zb"):
+        return min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1) / v
+    if sched == "zbv":
+        return float(min(m, p))
+    return float(min(m, p - r))
+
+
+# --- the per-layer numbers ---------------------------------------------------------------------------
+
+def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precision) -> tuple[float, float]:
+    """(bytes kept per layer per micro batch between forward and backward, bytes of one layer's
+    full activation set). Megatron accounting in bf16 bytes, scaled by prec.act / 2."""
+    s, b, t, h = seq_len / layout.cp, layout.micro_batch, layout.tp, arch.dim
+    coeff = MEGATRON_COEFF
+    if arch.moe:  # the MLP's 19 s·b·h is paid once per routed copy of a token (+ the shared expert)
+        coeff = 15 + 19 * (arch.top_k + (1 if arch.shared_expert else 0))
+    scores = 5 * arch.n_heads * s * s * b if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
+    scale = prec.act / 2
+    full_set = (s * b * h * coeff / t + scores / t) * scale
+    if layout.recompute == "full":
+        return s * b * h * prec.act / t, full_set
+    return full_set, full_set
+
+
+def activation_formula(layout: Layout) -> str:
+    t = "" if layout.tp == 1 else "/t"
+    s = "(s/c)" if layout.cp > 1 else "s"
+    if layout.recompute == "full":
+        return f"full recompute: {s}·b·h{t} per layer + one layer's {s}·b·h·34{t} (bf16 bytes)"
+    return f"{s}·b·h·34{t} per layer (bf16 bytes; SDPA keeps no a·s² scores)"
+
+
+# --- the breakdown ---------------------------------------------------------------------------------
+
+def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:
+    t, ep = layout.tp, max(1, layout.ep) if arch.moe else 1
+    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
+    held = ranks[r]
+    n_virtual = len(counts)
+    layers = sum(counts[i] for i in held)
+    holds_emb, holds_head = 0 in held, (n_virtual - 1) in held
+    vocab_pad = -(-arch.vocab_size // t) * t
+    dense_layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params
+    expert_layer = arch.expert_params / (ep * t)
+    emb = vocab_pad * arch.dim / t if holds_emb else 0
+    head = 0
+    if holds_head:
+        tied_here = arch.tie_embeddings and holds_emb
+        head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
+    dense = layers * dense_layer + emb + head
+    experts = layers * expert_layer
+    params = dense + experts
+
+    zero, n = layout.zero_stage, layout.shard_degree
+    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    sharded = dense / n + experts / n_exp  # params after data-parallel sharding
+    st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
+                     virtual_stages=list(held), layers=layers, holds_embedding=holds_emb, holds_head=holds_head,
+                     params=int(params), in_flight=in_flight(layout, r), activation_per_layer=0.0)
+    st.parameters = prec.param * (sharded if zero == 3 else params)
+    grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
+    st.gradients = prec.grad * (sharded if grads_sharded else params)
+    st.optimizer = prec.optim * (sharded if zero >= 1 else params)
+
+    kept, full_set = activation_per_layer(arch, layout, seq_len, prec)
+    st.activation_per_layer = kept
+    st.activations = kept * layers * st.in_flight + (full_set if layout.recompute == "full" and layers else 0)
+    if holds_head:
+        n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
+        st.logits = 4 * (seq_len / layout.cp) * layout.micro_batch * vocab_pad / t * n_logits
+    if zero == 3:
+        unit = dense_layer + expert_layer
+        root = emb + head
+        st.gathered = (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit if layers else \
+            (prec.param + prec.grad) * root
+    if layout.dp_kind in ("ddp", "zero1"):
+        st.comm_buffers = prec.grad * params
+    subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
+    st.overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * subtotal
+    st.total = subtotal + st.overhead
+    return st
+
+
+def candidate_stages(arch: Arch, layout: Layout) -> list[int]:
+    """The pp ranks that can hold the peak: the last one (LM head, logits) and, for each
+    distinct layer count, the first rank with it (in-flight micro batches never grow with the
+    pp rank, and rank 0 also holds the embedding)."""
+    if layout.pp == 1:
+        return [0]
+    return list(_candidates(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers))
+
+
+@lru_cache(maxsize=1024)
+def _candidates(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None) -> tuple:
+    counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers)
+    firsts: dict[int, int] = {}
+    for r, held in enumerate(ranks):
+        firsts.setdefault(sum(counts[i] for i in held), r)
+    return tuple(sorted(set(firsts.values()) | {pp - 1}))
+
+
+def peak_bytes(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> tuple[float, int]:
+    """(largest stage total, its pp rank), for the search: only the candidate stages."""
+    best = (-1.0, 0)
+    for r in candidate_stages(arch, layout):
+        total = stage_memory(arch, layout, seq_len, hw, prec, r).total
+        if total > best[0]:
+            best = (total, r)
+    return best
+
+
+def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> MemoryPlan:
+    stages = [stage_memory(arch, layout, seq_len, hw, prec, r) for r in range(layout.pp)]
+    peak = max(range(len(stages)), key=lambda i: stages[i].total)
+    peak_gib = stages[peak].total / GIB
+    assumptions = [
+        f"{prec.name}: {prec.param} B/param, {prec.grad} B/grad, {prec.optim} B/param of AdamW state"
+        + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)"),
+        f"data parallel: {layout.dp_label()}, sharded over {layout.shard_degree} rank(s)",
+        f"activations: {activation_formula(layout)}",
+        f"overhead: {FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB)} GiB fixed + "
+        f"{FRAGMENTATION:.0%} fragmentation",
+    ]
+    if layout.zero_stage >= 2 and FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1:
+        assumptions.append("FSDP with grad_accum > 1: gradients unsharded between micro batches (no reduce-scatter "
+                           "on inner micro batches)")
+    return MemoryPlan(dtype=prec.name, dp_kind=layout.dp_kind, zero_stage=layout.zero_stage,
+                      shard_degree=layout.shard_degree, recompute=layout.recompute, capacity_gib=hw.memory_gib,
+                      device_name=hw.device_name, stages=stages, peak_stage=peak, peak_gib=peak_gib,
+                      fits=peak_gib <= hw.memory_gib, activation_formula=activation_formula(layout),
+                      assumptions=assumptions)

@@ -1,0 +1,263 @@
+"""Layout search: enumerate the parallel layouts of a model on a cluster, drop those that break a
+rule or do not fit in memory, rank the rest by predicted throughput (usp.plan.timing).
+
+Searched: tp (divisors of the GPUs per node that divide the heads and KV heads), pp (with 1f1b,
+interleaved_1f1b v=2 and zbv; not for tied embeddings), cp (seq_len divisible by 2·cp, cp <= 8),
+the data-parallel rest split into dp_replicate x dp_shard (DDP or ZeRO-1 when nothing is sharded;
+FSDP ZeRO-3 or ZeRO-2, HSDP when both > 1), ep for MoE models, recompute none / full, and every
+micro batch that divides the per-rank batch. Fixed: the model, seq_len, the global batch and the
+cluster (every device is used). Selective recompute is not searched: with SDPA the model gives it
+the memory and FLOPs of `none`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from usp.errors import PlanError
+from usp.plan.memory import peak_bytes
+from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
+from usp.plan.timing import TimingPlan, timing_plan
+
+MAX_CP = 8
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
+MICRO_BATCHES_TIMED = 3  # the largest fitting micro batches whose time is predicted, per layout
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    peak_gib: float
+    peak_stage: int
+    max_micro_batch: int  # the largest micro batch that fits with this layout's other choices
+    timing: TimingPlan
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.timing.tokens_per_s_per_device
+
+    def describe(self) -> str:
+        lay = self.layout
+        sched = f", {lay.pp_schedule}" + (f" v={lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else "") \
+            if lay.pp > 1 else ""
+        return f"{lay.label()} ({lay.dp_label()}{sched}, micro {lay.micro_batch}, recompute {lay.recompute})"
+
+
+@dataclass
+class SearchResult:
+    model: str
+    world: int
+    seq_len: int
+    global_batch: int
+    capacity_gib: float
+    top: list[Candidate]
+    evaluated: int  # layouts whose memory was predicted
+    fitting: int  # layouts (with their best micro batch) that fit
+    seconds: float
+    pure_dp: Optional[Candidate] = None  # the best layout with tp = pp = cp = 1, for comparison
+    other_shape: Optional[Candidate] = None  # the best layout with another tp / pp / schedule
+    plain_ddp: Optional[Candidate] = None  # the best plain DDP layout (the naive choice), if one fits
+    pure_dp_peak_gib: Optional[float] = None  # its smallest predicted peak when none fits
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Optional[Candidate]:
+        return self.top[0] if self.top else None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedule_ok(schedule: str, pp: int, virtual: int, m: int) -> bool:
+    """The pipeline rules of usp.plan.validate (torch's, plus m >= pp for the 1F1B family)."""
+    if pp == 1:
+        return True
+    if m < pp:
+        return schedule == "afab"
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, m // pp)
+        return m % rounds == 0
+    return True
+
+
+def _flavours(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int):
+    """(zero1, reshard_after_forward) choices that differ for this split."""
+    if dp_shard * cp > 1:
+        return [(False, True), (False, False)]  # ZeRO-3, ZeRO-2 (FSDP2 / HSDP)
+    if dp_replicate > 1 and tp == 1 and pp == 1:
+        return [(False, True), (True, True)]  # DDP, ZeRO-1
+    return [(False, True)]
+
+
+def enumerate_layouts(arch: Arch, hw: Hardware, seq_len: int, global_batch: int,
+                      recomputes=("none", "full")):
+    """Every rule-abiding (layout without micro batch, per-rank batch) for this world size."""
+    world, ppn = hw.world, hw.procs_per_node
+    tps = [t for t in divisors(min(ppn, world)) if arch.n_heads % t == 0 and arch.n_kv_heads % t == 0
+           and world % t == 0]
+    for tp in tps:
+        for pp in divisors(world // tp):
+            if pp > arch.n_layers or (pp > 1 and arch.tie_embeddings):
+                continue
+            schedules = [("1f1b", 1)] if pp == 1 else [(s, v) for s, v in SCHEDULES if pp * v <= arch.n_layers]
+            for cp in divisors(world // (tp * pp)):
+                if cp > MAX_CP or (cp > 1 and seq_len % (2 * cp)):
+                    continue
+                rest = world // (tp * pp * cp)
+                for dp_shard in divisors(rest):
+                    dp_rep = rest // dp_shard
+                    if global_batch % rest:
+                        continue
+                    eps = [1]
+                    if arch.moe:
+                        group = rest * cp
+                        eps = [e for e in divisors(arch.n_experts) if group % e == 0]
+                    for sched, v in schedules:
+                        for zero1, reshard in _flavours(dp_rep, dp_shard, cp, tp, pp):
+                            for ep in eps:
+                                for rc in recomputes:
+                                    yield Layout(pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
+                                                 zero1=zero1, reshard_after_forward=reshard, pp_schedule=sched,
+                                                 pp_virtual_stages=v, recompute=rc), global_batch // rest
+
+
+def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch: int, top_k: int = 5,
+           recomputes=("none", "full")) -> SearchResult:
+    start = time.perf_counter()
+    cap = hw.memory_gib * GIB
+    fitting: list[Candidate] = []
+    evaluated = 0
+    pure_dp_min = None
+    for base, local in enumerate_layouts(arch, hw, seq_len, global_batch, recomputes):
+        micro = [b for b in divisors(local) if schedule_ok(base.pp_schedule, base.pp, base.virtual, local // b)]
+        if not micro:
+            continue
+        # memory grows with the micro batch: bisect for the largest that fits
+        lo, hi, best_i = 0, len(micro) - 1, -1
+        peaks = {}
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            lay = replace(base, micro_batch=micro[mid], grad_accum=local // micro[mid])
+            peaks[mid] = peak_bytes(arch, lay, seq_len, hw, prec)
+            evaluated += 1
+            if peaks[mid][0] <= cap:
+                best_i, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        is_pure_dp = base.tp == base.pp == base.cp == 1
+        if best_i < 0:
+            if is_pure_dp:
+                smallest = min(p[0] for p in peaks.values()) / GIB
+                pure_dp_min = smallest if pure_dp_min is None else min(pure_dp_min, smallest)
+            continue
+        best_here = None
+        for i in range(best_i, max(-1, best_i - MICRO_BATCHES_TIMED), -1):
+            lay = replace(base, micro_batch=micro[i], grad_accum=local // micro[i])
+            peak, stage = peaks.get(i) or peak_bytes(arch, lay, seq_len, hw, prec)
+            cand = Candidate(lay, peak / GIB, stage, micro[best_i],
+                             timing_plan(arch, lay, seq_len, global_batch, hw, prec))
+            if best_here is None or cand.tokens_per_s_per_device > best_here.tokens_per_s_per_device:
+                best_here = cand
+        fitting.append(best_here)
+    fitting.sort(key=_rank_key)
+    pure = next((c for c in fitting if c.layout.tp == c.layout.pp == c.layout.cp == 1), None)
+    top, seen = [], set()
+    for c in fitting:  # equal predictions of equal shape: keep the simplest (first)
+        key = (_rank_key(c)[0], round(c.peak_gib, 1), c.layout.tp, c.layout.pp, c.layout.pp_schedule,
+               c.layout.zero_stage, c.layout.recompute)
+        if key not in seen:
+            seen.add(key)
+            top.append(c)
+        if len(top) == top_k:
+            break
+    shape = lambda c: (c.layout.tp, c.layout.pp, c.layout.pp_schedule)  # noqa: E731
+    other = next((c for c in fitting if shape(c) != shape(fitting[0])), None) if fitting else None
+    ddp = next((c for c in fitting if c.layout.dp_kind == "ddp"), None)
+    result = SearchResult(model=arch.name, world=hw.world, seq_len=seq_len, global_batch=global_batch,
+                          capacity_gib=hw.memory_gib, top=top, evaluated=evaluated, fitting=len(fitting),
+                          seconds=0.0, pure_dp=pure, pure_dp_peak_gib=None if pure else pure_dp_min,
+                          other_shape=other, plain_ddp=ddp)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Throughput first (to 3 significant digits); among equals the simpler layout (fewer CP, PP,
+    TP ranks; no recompute; the lower ZeRO stage), then the smaller memory peak."""
+    tps = float(f"{c.tokens_per_s_per_device:.3g}")
+    lay = c.layout
+    return (-tps, lay.cp, lay.pp, lay.tp, lay.recompute != "none", lay.zero_stage, lay.dp_shard, c.peak_gib)
+
+
+def explain(result: SearchResult) -> list[str]:
+    """Why the best layout wins, from the time model's terms."""
+    best = result.best
+    if best is None:
+        return [f"no layout of {result.model} fits in {result.capacity_gib:g} GiB per device on {result.world} "
+                f"device(s) at this global batch; add devices (usp estimate) or shorten train.seq_len"]
+    lines = [f"best: {best.describe()}: {_terms(best.timing)}"]
+    others = []
+    if result.other_shape is not None:
+        others.append(("the best other tp/pp/schedule", result.other_shape))
+    if result.pure_dp is not None and result.pure_dp is not best:
+        others.append(("the best pure data parallel", result.pure_dp))
+    if result.plain_ddp is not None and result.plain_ddp not in (best, result.pure_dp):
+        others.append(("plain DDP", result.plain_ddp))
+    for what, other in others:
+        ratio = best.tokens_per_s_per_device / other.tokens_per_s_per_device
+        if ratio < 1.005:
+            lines.append(f"vs {what} {other.describe()}: the same predicted throughput ({other.peak_gib:.1f} vs "
+                         f"{best.peak_gib:.1f} GiB); ties go to the simpler layout")
+            continue
+        lines.append(f"vs {what} {other.describe()}: {ratio:.2f}x the throughput; {_terms(other.timing)}"
+                     f"; {_biggest_gap(best.timing, other.timing)}")
+    if result.pure_dp is None and result.pure_dp_peak_gib is not None:
+        lines.append(f"pure data parallel does not fit: {result.pure_dp_peak_gib:.1f} GiB at best > "
+                     f"{result.capacity_gib:g} GiB")
+    return lines
+
+
+def _terms(t: TimingPlan) -> str:
+    return (f"step {t.step_s:.3g} s = compute {t.compute_s:.3g} + exposed TP/CP/EP/PP comm "
+            f"{t.exposed_path_comm_s:.3g} + bubble {t.bubble_s:.3g} + exposed DP comm {t.exposed_dp_comm_s:.3g} "
+            f"(kernel efficiency {t.efficiency:.2f}, MFU {t.mfu:.1%})")
+
+
+def _biggest_gap(best: TimingPlan, other: TimingPlan) -> str:
+    """Name the step-time term that costs the other layout the most, per token."""
+    def per_token(t: TimingPlan) -> dict:
+        n = t.tokens_per_step
+        return {"compute (kernel efficiency, recompute, pipeline stage imbalance)": t.compute_s / n,
+                "exposed TP/CP/EP/PP communication": t.exposed_path_comm_s / n,
+                "pipeline bubble": t.bubble_s / n, "exposed data-parallel communication": t.exposed_dp_comm_s / n}
+    a, b = per_token(best), per_token(other)
+    name = max(a, key=lambda k: b[k] - a[k])
+    return f"it loses most on {name}"
+
+
+def search_config(cfg, top_k: int = 5) -> SearchResult:
+    """Search for a composed config: its model, seq_len, global batch, cluster and dtype."""
+    from usp.plan.validate import planner_context
+
+    ctx = planner_context(cfg)
+    if ctx.hw.world < 1:
+        raise PlanError("must be at least 1", key="cluster.nodes", value=ctx.hw.nodes, fix="cluster.nodes=1")
+    return search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=top_k)
+
+
+def run_search(cfg, top_k: int = 5, console=None) -> SearchResult:
+    """`usp plan --search`: print the top layouts, why the best wins, and how to use it."""
+    from rich.console import Console
+
+    from usp.plan.render import search_table
+
+    console = console or Console()
+    result = search_config(cfg, top_k)
+    console.print(search_table(result))
+    for line in explain(result):
+        console.print(line, highlight=False, markup=False)
+    if result.best is not None:
+        console.print("use it: usp plan " + " ".join(result.best.layout.overrides()), highlight=False, markup=False)
+    return result

@@ -1,0 +1,314 @@
+"""Inputs of the planner's memory and time model, as small frozen dataclasses: the model's
+shape (`Arch`), the hardware (`Hardware`), the numeric precision (`Precision`) and one
+parallel layout (`Layout`). Built once from a composed config (or by the layout search), then
+handed to usp.plan.memory and usp.plan.timing. Pure Python: never imports torch."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
+from typing import Optional
+
+from usp.plan.layout import MESH_DIMS
+from usp.plan.model_math import param_breakdown
+
+GIB = 1024 ** 3
+RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPES = ("auto", "fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Model shape with the parameter counts the planner needs (per layer, unsharded)."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0
+    shared_expert: bool = False
+    attention: str = "sdpa"
+
+    @classmethod
+    def from_model(cls, m, vocab_size: Optional[int] = None) -> "Arch":
+        g = lambda k, d=None: getattr(m, k, d) if not isinstance(m, dict) else m.get(k, d)  # noqa: E731
+        return cls(name=str(g("name", "model")), dim=int(g("dim")), n_layers=int(g("n_layers")),
+                   n_heads=int(g("n_heads")), n_kv_heads=int(g("n_kv_heads") or g("n_heads")),
+                   ffn_dim=int(g("ffn_dim")), vocab_size=int(vocab_size or g("vocab_size")),
+                   tie_embeddings=bool(g("tie_embeddings", True)), n_experts=int(g("n_experts", 0) or 0),
+                   top_k=int(g("top_k", 2) or 2), moe_ffn_dim=int(g("moe_ffn_dim", 0) or 0),
+                   shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def parts(self) -> dict:
+        return _parts(self)
+
+    @property
+    def attn_params(self) -> int:  # per layer, matmul weights
+        return self.parts["attention"]
+
+    @property
+    def expert_params(self) -> int:  # per layer, all routed experts (0 for a dense model)
+        return self.parts.get("experts", 0)
+
+    @property
+    def dense_mlp_params(self) -> int:  # per layer, MLP weights that are not routed experts
+        p = self.parts
+        return p["mlp"] - p.get("experts", 0) - p.get("router", 0)
+
+    @property
+    def router_params(self) -> int:
+        return self.parts.get("router", 0)
+
+    @property
+    def norm_params(self) -> int:  # per layer
+        return 2 * self.dim
+
+    @property
+    def layer_params(self) -> int:
+        p = self.parts
+        return p["attention"] + p["mlp"] + p["norms"]
+
+    @property
+    def active_layer_matmul_params(self) -> int:
+        """Matmul weights one token goes through in one layer (top_k experts for MoE)."""
+        p = self.parts
+        return p["attention"] + p.get("active_mlp", p["mlp"])
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def total_params(self) -> int:
+        head = 0 if self.tie_embeddings else self.embed_params
+        return self.embed_params + self.n_layers * self.layer_params + self.dim + head
+
+
+@lru_cache(maxsize=256)
+def _parts(a: Arch) -> dict:
+    return param_breakdown(a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size, a.tie_embeddings,
+                           a.n_experts, a.top_k, a.moe_ffn_dim, a.shared_expert)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One cluster's devices and links (ClusterConfig's hardware fields)."""
+
+    device: str
+    device_name: str
+    memory_gib: float
+    peak_tflops_bf16: float
+    peak_tflops_fp32: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    price_per_device_hour: float
+    nodes: int
+    procs_per_node: int
+
+    @classmethod
+    def from_cluster(cls, c) -> "Hardware":
+        g = lambda k, d: getattr(c, k, d) if not isinstance(c, dict) else c.get(k, d)  # noqa: E731
+        return cls(device=str(g("device", "cpu")), device_name=str(g("device_name", "cpu")),
+                   memory_gib=float(g("device_memory_gb", 24.0)), peak_tflops_bf16=float(g("peak_tflops_bf16", 0.15)),
+                   peak_tflops_fp32=float(g("peak_tflops_fp32", 0.15)),
+                   intra_node_gbps=float(g("intra_node_gbps", 5.0)), inter_node_gbps=float(g("inter_node_gbps", 1.25)),
+                   price_per_device_hour=float(g("price_per_device_hour", 0.0)),
+                   nodes=int(g("nodes", 1)), procs_per_node=int(g("procs_per_node", 1)))
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    def peak_flops(self, precision: "Precision") -> float:
+        return 1e12 * (self.peak_tflops_bf16 if precision.name == "bf16" else self.peak_tflops_fp32)
+
+    def with_nodes(self, nodes: int) -> "Hardware":
+        return replace(self, nodes=nodes)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per value. bf16 = mixed precision (the playbook's 2 + 2 + 12: bf16 params and grads,
+    fp32 master weights + Adam m, v); fp32 = plain fp32 training (4 + 4 + 8)."""
+
+    name: str  # bf16 | fp32
+    param: int
+    grad: int
+    optim: int
+    act: int
+
+    @classmethod
+    def resolve(cls, dtype: str, device: str) -> "Precision":
+        if dtype not in DTYPES:
+            from usp.errors import PlanError
+
+            raise PlanError(f"unknown dtype; choose one of {', '.join(DTYPES)}", key="train.dtype", value=dtype,
+                            fix="train.dtype=auto")
+        bf16 = dtype == "bf16" or (dtype == "auto" and device != "cpu")
+        return cls("bf16", 2, 2, 12, 2) if bf16 else cls("fp32", 4, 4, 8, 4)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: degrees, data-parallel flavour, pipeline schedule, batch split, recompute."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    zero1: bool = False
+    reshard_after_forward: bool = True
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_layers: Optional[tuple] = None
+    micro_batch: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    ddp_bucket_mb: int = 25
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def from_config(cls, degrees: dict, par, batch, recompute: str) -> "Layout":
+        g = lambda k, d: getattr(par, k, d) if not isinstance(par, dict) else par.get(k, d)  # noqa: E731
+        pp_layers = g("pp_layers", None)
+        return cls(**{d: int(degrees[d]) for d in MESH_DIMS}, ep=int(g("ep", 1)), zero1=bool(g("zero1", False)),
+                   reshard_after_forward=bool(g("reshard_after_forward", True)),
+                   pp_schedule=str(g("pp_schedule", "1f1b")), pp_virtual_stages=int(g("pp_virtual_stages", 1)),
+                   pp_layers=tuple(int(x) for x in pp_layers) if pp_layers is not None else None,
+                   micro_batch=int(batch.micro_batch), grad_accum=int(batch.grad_accum), recompute=str(recompute),
+                   ddp_bucket_mb=int(g("ddp_bucket_mb", 25)))
+
+    @cached_property
+    def degrees(self) -> dict:
+        return {d: getattr(self, d) for d in MESH_DIMS}
+
+    @cached_property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def virtual(self) -> int:
+        return self.pp_virtual_stages if self.pp > 1 else 1
+
+    @property
+    def schedule(self) -> str:
+        return self.pp_schedule if self.pp > 1 else "none"
+
+    @cached_property
+    def dp_kind(self) -> str:
+        return data_parallel_kind(self.degrees, self.zero1)
+
+    @cached_property
+    def zero_stage(self) -> int:
+        """0 = DDP/replicated, 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3 (FSDP2 reshard_after_forward)."""
+        kind = self.dp_kind
+        if kind in ("fsdp", "hsdp"):
+            return 3 if self.reshard_after_forward else 2
+        return 1 if kind == "zero1" else 0
+
+    @cached_property
+    def shard_degree(self) -> int:
+        """Ranks that split the parameters / grads / optimizer states of one model replica."""
+        kind = self.dp_kind
+        if kind in ("fsdp", "hsdp"):
+            return self.dp_shard * self.cp
+        if kind == "zero1":
+            return self.dp_replicate * self.cp
+        return 1
+
+    @cached_property
+    def data_group(self) -> int:
+        """Ranks holding the same weights (their gradients are averaged): dp_replicate x dp_shard x cp."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    def label(self) -> str:
+        parts = [f"{n}{getattr(self, d)}" for d, n in (("pp", "pp"), ("dp_replicate", "dp"), ("dp_shard", "fsdp"),
+                                                        ("cp", "cp"), ("tp", "tp"), ("ep", "ep")) if getattr(self, d) > 1]
+        return "-".join(parts) or "single"
+
+    def dp_label(self) -> str:
+        kind = self.dp_kind
+        if kind in ("fsdp", "hsdp"):
+            return f"{kind.upper()} ZeRO-{self.zero_stage}"
+        return {"ddp": "DDP", "zero1": "DDP + ZeRO-1", "replicate": "replicated (FSDP2, 1-rank shards)",
+                "none": "no data parallel"}[kind]
+
+    def overrides(self) -> list[str]:
+        """Config overrides that reproduce this layout."""
+        out = [f"parallelism.{d}={getattr(self, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp")]
+        if self.ep > 1:
+            out.append(f"parallelism.ep={self.ep}")
+        if self.dp_kind in ("fsdp", "hsdp"):
+            out.append(f"parallelism.reshard_after_forward={str(self.reshard_after_forward).lower()}")
+        if self.dp_kind in ("ddp", "zero1"):
+            out.append(f"parallelism.zero1={str(self.zero1).lower()}")
+        if self.pp > 1:
+            out += [f"parallelism.pp_schedule={self.pp_schedule}",
+                    f"parallelism.pp_virtual_stages={self.pp_virtual_stages}"]
+        out += [f"train.micro_batch={self.micro_batch}", f"train.recompute={self.recompute}"]
+        return out
+
+
+def data_parallel_kind(degrees: dict, zero1: bool = False) -> str:
+    """none | ddp | zero1 | fsdp | hsdp | replicate. The same rule as the engine's
+    usp.engine.parallel.data.data_parallel_kind (kept torch-free here): FSDP2 shards over
+    dp_shard x cp; dp_replicate alone is DDP (or ZeRO-1), or FSDP2 replication with TP/PP."""
+    shard = degrees["dp_shard"] * degrees["cp"]
+    if shard > 1:
+        return "hsdp" if degrees["dp_replicate"] > 1 else "fsdp"
+    if degrees["dp_replicate"] == 1:
+        return "none"
+    if degrees["tp"] > 1 or degrees["pp"] > 1:
+        return "replicate"
+    return "zero1" if zero1 else "ddp"
+
+
+def group_crosses_nodes(degrees: dict, procs_per_node: int, dims: tuple) -> bool:
+    """Does any process group along `dims` hold ranks of different nodes? Exactly the rank
+    table's placement (usp.plan.layout.rank_table: row-major over MESH_DIMS, node = rank //
+    procs_per_node), computed per group (first and last rank) instead of per rank."""
+    return _crosses(tuple(degrees[d] for d in MESH_DIMS), procs_per_node, tuple(sorted(MESH_DIMS.index(d) for d in dims)))
+
+
+@lru_cache(maxsize=65536)
+def _crosses(shape: tuple, per_node: int, idx: tuple) -> bool:
+    if not idx or all(shape[i] == 1 for i in idx):
+        return False
+    world = math.prod(shape)
+    if world <= per_node:
+        return False
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    span = sum((shape[i] - 1) * strides[i] for i in idx)
+    if span >= per_node:
+        return True
+    # every group base: coordinates 0 along idx, anything along the other dims
+    others = [i for i in range(len(shape)) if i not in idx]
+    bases = [0]
+    for i in others:
+        bases = [b + c * strides[i] for b in bases for c in range(shape[i])]
+    return any(b // per_node != (b + span) // per_node for b in bases)
