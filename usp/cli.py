@@ -27,16 +27,20 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
-def _compose(overrides: Optional[List[str]]):
-    from usp.config.compose import compose_config
-
+def _split_conf(overrides: Optional[List[str]]) -> tuple[Optional[str], List[str]]:
     conf, rest = None, []
     for item in overrides or []:
         if item.startswith("conf="):
             conf = item.split("=", 1)[1]
         else:
             rest.append(item)
-    return compose_config(conf, rest)
+    return conf, rest
+
+
+def _compose(overrides: Optional[List[str]]):
+    from usp.config.compose import compose_config
+
+    return compose_config(*_split_conf(overrides))
 
 
 def _print_cfg(cfg, which: str) -> None:
@@ -113,9 +117,61 @@ def train(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOp
         _fail(exc)
     from usp.launch.local import launch_local
 
-    code = launch_local(run_plan, plan_path)
+    try:
+        code = launch_local(run_plan, plan_path)
+    except Exception:  # one rank runs in-process: show its traceback, then the same summary as torchrun's
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     if code:
+        from usp.launch.status import print_failure_summary
+
+        print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
         typer.echo(f"usp: training exited with code {code}; per-rank logs in {run_plan.run_dir}/logs", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(run_dir: Optional[str] = typer.Argument(None, help="run directory (default: the newest under ./runs)")) -> None:
+    """State of a run: progress, checkpoints, restarts, and the root cause if it failed (exit 1)."""
+    try:
+        from usp.launch.status import show_status
+
+        code = show_status(run_dir)
+    except _user_errors() as exc:
+        _fail(exc)
+    raise typer.Exit(code)
+
+
+@app.command()
+def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<N> checkpoint directory)"),
+           step: Optional[int] = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
+           out: Optional[str] = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
+           fmt: str = typer.Option("torch", "--format", help="torch (torch.load) | safetensors")) -> None:
+    """Write one consolidated model state dict (full tensors, FQN keys) + config.json from a checkpoint."""
+    try:
+        from usp.engine.export import export_model  # imports torch: only for this command
+
+        result = export_model(run_dir, step=step, out=out, fmt=fmt)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(result.describe())
+
+
+@app.command()
+def verify(overrides: Optional[List[str]] = Overrides,
+           steps: int = typer.Option(5, help="optimizer steps to compare"),
+           rtol: float = typer.Option(1e-5, help="relative loss tolerance per step"),
+           param_atol: float = typer.Option(1e-4, help="absolute tolerance on the final parameters")) -> None:
+    """Run a layout at small scale next to a single-process reference and compare them step by step."""
+    try:
+        from usp.launch.verify import verify as run
+
+        conf, rest = _split_conf(overrides)
+        code = run(conf, rest, steps, rtol, param_atol)
+    except _user_errors() as exc:
+        _fail(exc)
     raise typer.Exit(code)
 
 

@@ -1,6 +1,10 @@
 """The parity matrix: layout name -> overrides, by world size. Global batch 16 sequences."""
 # Layouts whose loss is *not* exactly the reference's, with the tolerance that applies.
 APPROXIMATE = {"ddp_fp16_compression": 1e-3, "ddp_powersgd": 1e-2}
+# Final-parameter tolerance where the default (1e-4) is too tight for a stated reason: experts
+# that receive few tokens get near-zero gradients, which AdamW's 1/sqrt(v) scales up
+# (measured 1.85e-4 on layers.0.feed_forward.experts.w1, with the loss equal to 5.6e-7).
+PARAM_ATOL = {"ep": 5e-4, "ep_grad_accum": 5e-4}
 PP = ["model.tie_embeddings=false", "model.n_layers=4"]
 
 LAYOUTS = {

@@ -121,7 +121,20 @@ class TrainConfig:
     sample_tokens: int = 120  # text sampled from the model at the end; 0 = none
     sample_prompt: str = "ROMEO:"
     compile: bool = False
+    max_restarts: int = 0  # torchrun restarts the whole job this often after a rank dies (resuming)
+    nan_policy: str = "stop"  # stop (checkpoint the last good step, exit) | skip (drop the step)
     deterministic: bool = True
+    measure_memory: bool = True  # measure the peak tensor memory of one step (usp/engine/memory_probe.py)
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    interval: int = 0  # save every N optimizer steps; 0 = only at the end
+    keep_last: int = 2  # complete checkpoints kept (older ones are deleted)
+    async_mode: str = "none"  # none | async (torch.distributed.checkpoint.async_save: training goes on)
+    resume: str = "auto"  # auto (newest complete checkpoint of the run) | never | <path to a step_N dir>
+    dir: Optional[str] = None  # None = <run_dir>/checkpoints
 
 
 @dataclass
@@ -139,6 +152,7 @@ class UspConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 

@@ -12,7 +12,8 @@ def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     log.setLevel(logging.INFO)
     log.propagate = False
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log", mode="w")
+    # Appended, not truncated: a restarted or resumed run keeps the history of earlier attempts.
+    handler = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log", mode="a")
     handler.setFormatter(logging.Formatter("%(asctime)s rank%(rank)s %(message)s".replace("%(rank)s", str(rank))))
     log.handlers[:] = [handler]
     return log

@@ -8,9 +8,15 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep_until: int = 0):
+        """A fresh run (keep_until=0) starts a fresh file; a resumed run keeps the records up to
+        the step it resumed from and drops those a crashed attempt logged after it."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w")  # a fresh run starts a fresh file
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= keep_until] if keep_until and path.exists() else []
+        self._file = open(path, "w")
+        for record in kept:
+            self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.config.reference import reference_overrides
 from usp.engine.dist import make_context
 from usp.engine.trainer import Trainer
 
@@ -25,21 +26,13 @@ def plan_dict(overrides: list[str], world: int, runs_dir: str) -> dict:
     from usp.plan.plan import build_plan
 
     base = [f"cluster.procs_per_node={world}", "cluster.nodes=1", f"train.runs_dir={runs_dir}",
-            "logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0"]
+            "logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
+            "checkpoint.enabled=false"]
     cfg, choices = compose_config(None, base + list(overrides))
     plan = build_plan(cfg, choices)
     path, meta = ensure_dataset(cfg.data)
     plan.dataset_dir, plan.data_meta = str(path), dict(meta)
     return plan.to_dict()
-
-
-def reference_overrides(overrides: list[str]) -> list[str]:
-    """The same run on one process: every parallel degree 1, the same global batch."""
-    dims = ("dp", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-    kept = [o for o in overrides if not o.lstrip("+").startswith(tuple(f"parallelism.{d}=" for d in dims))
-            and not o.startswith(("train.micro_batch=", "train.grad_accum=", "parallelism.pp_", "parallelism.zero1",
-                                  "parallelism.ddp_comm_hook", "parallelism=", "cluster"))]
-    return kept + ["parallelism=single", "parallelism.dp_replicate=1", "train.micro_batch=-1", "train.grad_accum=-1"]
 
 
 def run_layout(plan: dict) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -91,35 +84,40 @@ def compare(reference: list[dict], layout: list[dict], ref_params: dict, params:
         worst = max(worst, rel)
         rows.append({"step": r["step"], "ref_loss": r["loss"], "loss": l["loss"], "rel_diff": rel,
                      "grad_norm_diff": abs(r["grad_norm"] - l["grad_norm"])})
-    param_err, missing = 0.0, []
+    param_err, worst_param, missing = 0.0, None, []
     for name, ref in ref_params.items():
         other = params.get(name)
         if other is None:
             missing.append(name)
             continue
         other = other[: ref.shape[0]] if other.shape != ref.shape else other  # padded vocab rows
-        param_err = max(param_err, float((other - ref).abs().max()))
-    return {"rows": rows, "max_rel_loss_diff": worst, "max_param_diff": param_err, "missing_params": missing,
-            "steps": len(rows), "steps_expected": len(reference)}
+        err = float((other - ref).abs().max())
+        if err > param_err:
+            param_err, worst_param = err, name
+    return {"rows": rows, "max_rel_loss_diff": worst, "max_param_diff": param_err, "worst_param": worst_param,
+            "missing_params": missing, "steps": len(rows), "steps_expected": len(reference)}
 
 
-def reference_run(overrides: list[str]) -> tuple[list[dict], dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        plan = plan_dict(reference_overrides(overrides), 1, tmp)
-        ctx = make_context(plan)
-        trainer = Trainer(plan, ctx, write_outputs=False)
+def verify_plans(plan: dict, reference: dict) -> dict:
+    """Rank 0 trains the single-process reference, then every rank trains the layout; rank 0
+    returns the comparison (other ranks return {})."""
+    ref = None
+    if plan["world_size"] == 1 or dist.get_rank() == 0:
+        ctx = make_context(reference)
+        trainer = Trainer(reference, ctx, write_outputs=False)
         trainer.fit()
-        return trainer.history, gather_full_params(trainer)
+        ref = (trainer.history, gather_full_params(trainer))
+        del trainer
+    history, params = run_layout(plan)
+    if ref is None:
+        return {}
+    return compare(ref[0], history, ref[1], params)
 
 
 def verify_case(overrides: list[str], world: int) -> dict:
-    """Rank 0 runs the reference, then every rank runs the layout; rank 0 compares."""
-    ref = reference_run(overrides) if dist.get_rank() == 0 else None
+    """Plan a layout and its reference from overrides (tests), then verify_plans."""
     with tempfile.TemporaryDirectory() as tmp:
-        history, params = run_layout(plan_dict(overrides, world, tmp))
-    if dist.get_rank() != 0:
-        return {}
-    return compare(ref[0], history, ref[1], params)
+        return verify_plans(plan_dict(overrides, world, tmp), plan_dict(reference_overrides(overrides), 1, tmp))
 
 
 def passed(result: dict, rtol: float, param_atol: float) -> bool:

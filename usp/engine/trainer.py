@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
 from usp.engine.console import Console, rank_logger
+from usp.engine.checkpoint import Checkpointer
 from usp.engine.dist import DistContext, all_reduce_mean
 from usp.engine.grad_norm import clip_grad_norm
+from usp.engine.memory_probe import MemoryProbe
 from usp.engine.metrics import MetricsWriter
 from usp.engine.model_setup import build_model
 from usp.engine.optim import build_optimizer, build_scheduler
@@ -48,12 +52,21 @@ class Trainer:
 
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
-        params = list(self.parts.parameters())
-        self.optimizer = build_optimizer(params, self.cfg.optimizer, ctx.device,
-                                         zero1_group=ctx.group("dp_replicate") if self.cfg.parallelism.zero1 else None)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.optimizer, self.steps)
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl") if ctx.is_main and write_outputs else None
+        # One optimizer (and LR schedule) per model part: pipeline ranks may hold several stages,
+        # and checkpoints map each optimizer's state to its part's parameter names.
+        zero1 = ctx.group("dp_replicate") if self.cfg.parallelism.zero1 else None
+        self.optimizers = [build_optimizer(list(m.parameters()), self.cfg.optimizer, ctx.device, zero1_group=zero1)
+                           for m in self.parts.modules]
+        self.schedulers = [build_scheduler(o, self.cfg.optimizer, self.steps) for o in self.optimizers]
+        self.scheduler = self.schedulers[0]
+        self.checkpointer = Checkpointer(plan, ctx, self.parts, self.optimizers, self.schedulers, self.sampler, self.log)
+        self.start_step = self.checkpointer.resume()
+        self.last_completed_step = self.start_step
+        self.stop_requested = False  # set by SIGTERM / SIGUSR1 (see usp/engine/signals.py)
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", keep_until=self.start_step) \
+            if ctx.is_main and write_outputs else None
         self.console = Console(self.cfg.logging.console, self.steps, enabled=ctx.is_main)
+        self.probe = MemoryProbe.create(self)  # None unless train.measure_memory
 
     # -- one optimizer step ------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float]:
@@ -63,6 +76,9 @@ class Trainer:
             loss = self._pipeline_step(step)
         else:
             loss = self._accumulate(step)
+        loss = all_reduce_mean(loss, self.ctx)
+        if not math.isfinite(loss):
+            return self._non_finite(step, loss, what="loss", value=loss)
         if int(self.cfg.parallelism.ep) > 1:
             from usp.engine.parallel.expert import reduce_gradients
 
@@ -70,12 +86,36 @@ class Trainer:
             reduce_gradients(self.parts.modules[0], self.ctx.group("dp_replicate"), ep_group, edp_group)
         clip = float(self.cfg.optimizer.grad_clip)
         grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return all_reduce_mean(loss, self.ctx), grad_norm
+        if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
+            return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
+        self._optimizer_step()
+        return loss, grad_norm
+
+    def _optimizer_step(self, apply: bool = True) -> None:
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            if apply:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+
+    def _non_finite(self, step: int, loss: float, what: str, value: float) -> tuple[float, float]:
+        """NaN/inf loss or gradient norm (the same on every rank: both are reduced over all
+        ranks), found before the optimizer step. train.nan_policy=skip drops the step; stop keeps
+        the weights of the last good step, checkpoints them and stops."""
+        message = f"non-finite {what} {value} at step {step + 1}"
+        if self.cfg.train.nan_policy == "skip":
+            self.log.info("%s: step skipped (train.nan_policy=skip)", message)
+            self.console.print(f"usp: {message}: step skipped")
+            self._optimizer_step(apply=False)
+            return loss, float("nan")
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.checkpointer.save(self.last_completed_step, blocking=True)
+        raise NonFiniteLoss(f"{message}; stopped with a checkpoint of step {self.last_completed_step} "
+                            "(train.nan_policy=stop; lower optimizer.lr or set train.nan_policy=skip)")
 
     def _accumulate(self, step: int) -> float:
+        """Mean loss of this rank's micro batches (before the all-reduce over data-parallel ranks)."""
         model, total = self.parts.modules[0], 0.0
         micro_batches = self.sampler.micro_batches(step)
         for i, starts in enumerate(micro_batches):
@@ -122,40 +162,63 @@ class Trainer:
                       self.global_tokens, ctx.world_size, ctx.device, ctx.degrees)
         started = time.perf_counter()
         loss, val_loss, first_loss, self.history = float("nan"), None, None, []
+        if self.start_step >= self.steps:
+            self.log.info("nothing to do: resumed at step %d of %d", self.start_step, self.steps)
         try:
-            for step in range(self.steps):
+            for step in range(self.start_step, self.steps):
                 t0 = time.perf_counter()
-                loss, grad_norm = self.train_step(step)
+                with self.probe.step(step) if self.probe else contextlib.nullcontext():
+                    loss, grad_norm = self.train_step(step)
                 dt = time.perf_counter() - t0
                 first_loss = loss if first_loss is None else first_loss
                 done = step + 1
                 is_eval = done == self.steps or (train.eval_interval and done % train.eval_interval == 0)
                 val_loss = self.evaluate() if is_eval else None
                 record = None
-                if is_eval or done == 1 or done % max(1, train.log_interval) == 0:
+                measured = self.probe is not None and self.probe.is_measured(step)
+                if is_eval or done == 1 or done % max(1, train.log_interval) == 0 or measured:
                     record = {"step": done, "loss": loss, "val_loss": val_loss,
                               "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                               "tokens": done * self.global_tokens, "step_time_s": dt,
                               "tokens_per_s": self.global_tokens / dt,
                               "tokens_per_s_per_device": self.global_tokens / dt / ctx.world_size,
                               "elapsed_s": time.perf_counter() - started}
+                    if self.probe:
+                        record.update(self.probe.record(step))
                     self.history.append(record)
                     self.log.info("step %d loss %.6f val %s lr %.3e gnorm %.4f", done, loss, val_loss,
                                   record["lr"], grad_norm)
                     if self.metrics:
                         self.metrics.write(record)
                 self.console.step(done, record)
+                self.last_completed_step = done
+                if self.checkpointer.due(done):
+                    self.checkpointer.save(done)
+                if self._should_stop():
+                    self.checkpointer.save(done, blocking=True)
+                    raise Preempted(done)
+            self.checkpointer.save(self.steps, blocking=True)
         finally:
             self.console.close()
         elapsed = time.perf_counter() - started
         summary = {"steps": self.steps, "tokens": self.steps * self.global_tokens, "time_s": elapsed,
                    "tokens_per_s": self.steps * self.global_tokens / elapsed, "first_loss": first_loss,
                    "final_loss": loss, "final_val_loss": val_loss, "world_size": ctx.world_size}
+        if self.probe:
+            summary.update(self.probe.summary(self.history))
         self.log.info("done: %s", json.dumps(summary))
         if self.metrics:
             self.metrics.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _should_stop(self) -> bool:
+        """A stop signal may reach ranks at different steps: agree (max over all ranks) so every
+        rank stops after the same step."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     # -- helpers -----------------------------------------------------------------------
     def _batch(self, tokens: TokenFile, starts):
@@ -188,6 +251,18 @@ class Trainer:
         from usp.models.moe import moe_aux_loss
 
         return coef * moe_aux_loss(self.parts.modules[0]) / self.accum
+
+
+class Preempted(Exception):
+    """Stopped by SIGTERM/SIGUSR1 after checkpointing; the worker exits with EXIT_PREEMPTED."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped by a signal after step {step}, checkpoint written")
+        self.step = step
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
 
 
 def _item(loss) -> float:

@@ -3,30 +3,47 @@ torchrun once per rank (or called in-process for a single rank). Reads only plan
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from usp.engine import dist as udist
-from usp.engine.trainer import Trainer
+from usp.engine.failure import record_failures
+from usp.engine import signals
+from usp.engine.trainer import Preempted, Trainer
 from usp.plan.io import read_plan
 
 
 @record  # on failure torchrun reports this rank's traceback in its summary
+@record_failures  # ... and logs/failure_rank<R>.json says where and why (read by `usp status`)
 def run_worker(plan_path: str) -> int:
+    """Train one rank; returns 0, or EXIT_PREEMPTED after a stop signal and a checkpoint."""
     plan = read_plan(Path(plan_path))
     cfg = plan["config"]["train"]
     torch.manual_seed(int(cfg["seed"]))
     if cfg["deterministic"]:
         torch.use_deterministic_algorithms(True, warn_only=True)
     ctx = udist.setup(plan)
-    clean = False
+    clean, code = False, 0
     try:
         trainer = Trainer(plan, ctx)
-        summary = trainer.fit()
-        if ctx.is_main:
+        signals.install(trainer)
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restarts and ctx.is_main:
+            log_event(trainer.run_dir, "restart", restart=restarts, resumed_from_step=trainer.start_step)
+        try:
+            summary = trainer.fit()
+        except Preempted as stop:
+            summary, code = None, signals.EXIT_PREEMPTED
+            if ctx.is_main:
+                log_event(trainer.run_dir, "preempted", step=stop.step)
+                print(f"usp: {stop}; exit code {code} (resume by running the same command)", flush=True)
+        if summary is not None and ctx.is_main:
             _final_report(trainer, summary)
         # Free DDP (its Reducer holds the process group) while the group is still alive:
         # otherwise gloo's destructor runs inside the Reducer's dealloc with the GIL held and
@@ -35,7 +52,14 @@ def run_worker(plan_path: str) -> int:
         clean = True
     finally:
         udist.teardown(clean)
-    return 0
+    return code
+
+
+def log_event(run_dir: Path, event: str, **fields) -> None:
+    """One line per run-level event (restart, preemption) in logs/events.jsonl."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "logs" / "events.jsonl", "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 def _final_report(trainer: Trainer, summary: dict) -> None:
@@ -68,12 +92,24 @@ def _sample_text(trainer: Trainer) -> str | None:
     train = trainer.cfg.train
     if train.sample_tokens <= 0 or trainer.meta.get("tokenizer") in (None, "none"):
         return None
+    if not _whole_model_on_rank0(trainer):
+        return None
     tok = load_tokenizer(Path(trainer.plan["dataset_dir"]))
     prompt = tok.encode(train.sample_prompt)
     out = generate(trainer.raw_model, prompt, int(train.sample_tokens), trainer.seq_len, int(train.seed))
     text = train.sample_prompt + tok.decode(out)
     (trainer.run_dir / "sample.txt").write_text(text + "\n")
     return text
+
+
+def _whole_model_on_rank0(trainer: Trainer) -> bool:
+    """Sampling runs on rank 0 alone: only when its model is whole (not sharded or pipelined)."""
+    from usp.plan.layout import data_parallel_kind
+
+    deg = trainer.ctx.degrees
+    return (trainer.raw_model is not None and max(deg["tp"], deg["pp"], deg["cp"]) == 1
+            and int(trainer.cfg.parallelism.ep) == 1
+            and data_parallel_kind(deg, bool(trainer.cfg.parallelism.zero1)) in ("none", "ddp", "zero1"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,13 +4,16 @@ No torch import here: torchrun is started as `python -m torch.distributed.run`, 
 in-process path imports the engine only when it is called."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 WORKER_MODULE = "usp.engine.worker"
+EXIT_PREEMPTED = 75  # same as usp.engine.signals.EXIT_PREEMPTED (no torch import here)
 
 
 def worker_env(plan) -> dict[str, str]:
@@ -32,18 +35,31 @@ def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
 
 
 def launch_local(plan, plan_path: Path) -> int:
-    """Run the plan here and return the exit code of the run (0 = success)."""
+    """Run the plan here and return the exit code of the run: 0 = success, EXIT_PREEMPTED (75)
+    = stopped by a signal after a checkpoint (run the same command again to resume)."""
     if plan.world_size == 1:
         from usp.engine.worker import run_worker  # torch is imported only now, to train
 
         return run_worker(str(plan_path))
-    proc = subprocess.Popen(torchrun_command(plan, plan_path), env=worker_env(plan), preexec_fn=_die_with_parent)
+    started = time.time()
+    cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
+    proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:
         # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
         # them, then make sure nothing is left behind.
         return _stop(proc)
+    # torchrun reports any worker failure as 1: recover the workers' "preempted" exit.
+    return EXIT_PREEMPTED if code and preempted_since(Path(plan.run_dir), started) else code
+
+
+def preempted_since(run_dir: Path, since: float) -> bool:
+    events = run_dir / "logs" / "events.jsonl"
+    if not events.exists():
+        return False
+    lines = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return bool(lines) and lines[-1]["event"] == "preempted" and lines[-1]["time"] >= since
 
 
 def _die_with_parent() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from usp.errors import LaunchError
+from usp.launch.checkpoints import check_checkpoint_dir
 from usp.plan.io import write_plan
 from usp.plan.plan import build_plan, engine_support_errors
 from usp.plan.render import render_plan
@@ -21,6 +22,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None):
     if errors:
         raise errors[0]
     run_dir = check_run_dir(Path(plan.run_dir))
+    check_checkpoint_dir(plan)  # writable, with room for keep_last + 1 checkpoints
 
     from usp.data.prepare import ensure_dataset
 

@@ -6,29 +6,58 @@ pp rank holds several virtual stages). Terms, in bytes (Ψ = parameters this ran
 TP / EP slicing, N = ranks that shard them, P/G/K = bytes per param / grad / optimizer state:
 bf16 mixed precision 2/2/12, fp32 training 4/4/8):
 
-  parameters   PΨ, or PΨ/N under ZeRO-3 (FSDP2 reshard_after_forward=true)
+  parameters   PΨ, or PΨ/N under ZeRO-3 (FSDP2 reshard_after_forward=true), PΨ + PΨ/N under ZeRO-2
   gradients    GΨ, or GΨ/N under ZeRO-2/3 (but unsharded when grad_accum > 1: the engine turns
                gradient sync off on inner micro batches and FSDP2 then keeps full gradients)
   optimizer    KΨ, or KΨ/N under ZeRO-1/2/3
-  activations  per layer per micro batch (Megatron accounting, bf16): s·b·h·34 (no TP),
-               s·b·h·34/t (TP + sequence parallel, which the engine always uses with TP),
-               + 5·a·s²·b/t only when attention materialises the scores (never with SDPA / flash);
-               full recompute keeps the layer input (s·b·h/t values) per layer plus one layer's
-               full set while it is recomputed; CP divides s by c; fp32 doubles everything.
-               Times the layers of the stage, times the micro batches in flight at the peak.
+  activations  values kept per token per layer between forward and backward, counted from what this
+               repo's Llama block keeps (measured on CPU with torch's MemTracker, docs/planner.md),
+               t = tp, kv = n_kv_heads·head_dim, f = ffn_dim:
+                 each RMSNorm: its input and x·rstd, 2h/t (sequence-sharded under TP + SP);
+                 each norm's output, the input of the projections: h (DTensor's ColwiseParallel
+                 keeps the input all-gathered over the sequence, so not divided by t);
+                 attention: q, k, v after RoPE (h + 2kv)/t and the SDPA output h/t;
+                 SwiGLU: w1 and w3 outputs, silu output, their product: 4f/t;
+                 MoE MLP: router probabilities (E) + per routed copy (top_k) the token, the
+                 expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert.
+               Dense: (6h + 2kv + 4f)/t + 2h values (Megatron's GPT count is 17h); bytes = values x
+               the activation dtype's size (prec.act); + 5·a·s²·b/t only when attention materialises
+               the scores (never with SDPA / flash). Full recompute keeps the block input (h/t);
+               selective (the engine's policy: keep matmul and attention outputs) keeps the input,
+               q/k/v, the SDPA output, the MLP's matmul outputs and the two row-parallel outputs (h
+               each: partial sums over the whole sequence under TP). CP divides s by c. Times the
+               layers of the stage, times the micro batches in flight; the stage with the LM head
+               also keeps the final norm's (2h/t + h).
   in flight    pp = 1: 1; afab: m; 1f1b: min(m, p - r) on pp rank r; interleaved (v virtual
                stages): min(m·v, 2(p-1-r) + (v-1)p + 1) chunks of L/(pv) layers (Megatron);
                zbv: min(m, p) (ZB-V's peak equals 1F1B's).
-  logits       4·s·b·V/t bytes (fp32 logits for the loss, vocab-parallel under TP) on the rank
-               that holds the last stage; afab keeps all m micro batches' logits.
-  gathered     ZeRO-3: the root unit (embedding + head, never resharded between forward and
-               backward by FSDP2) unsharded (P + G bytes) + two transformer blocks' parameters
-               (the one computing and the prefetched next, P bytes each) + one block's unsharded
-               gradient before the reduce-scatter (G bytes).
+  logits       the loss on the rank that holds the last stage, in fp32, vocab-parallel under TP:
+               the log-probabilities kept for backward, 4·s·b·V/t bytes (afab: all m micro
+               batches'), and, while the loss is differentiated, 2 more such buffers (the gradients
+               of the log-probabilities and of the logits), 3 with TP (loss_parallel's backward also
+               materialises exp(log-probs)). With pp > 1, torch.distributed.pipelining also keeps
+               each micro batch's stage output until its backward: the logits (s·b·V/t values)
+               on the last stage, the hidden states (s·b·h/t) on the others (under activations).
+  gathered     ZeRO-3, during backward: the root unit (embedding + final norm + head, whose
+               backward spans the whole backward) unsharded (P + G bytes) + two transformer blocks'
+               parameters (the one computing and the prefetched next, P bytes each) + one block's
+               unsharded gradient before the reduce-scatter (G bytes). ZeRO-2 keeps the sharded
+               parameters (P·Ψ/N, updated by the optimizer) and the all-gathered ones (P·Ψ) from
+               the forward until backward.
   comm buffers DDP / ZeRO-1: a flat copy of the gradients in buckets (PyTorch's default
                gradient_as_bucket_view=False).
+  peak         the terms above are not all alive at once. Parameters, optimizer states, buckets and
+               the kept activations / log-probs are; on top of them the peak holds the larger of
+                 loss backward: the loss's 2 (3) extra buffers (+ the gradients when grad_accum > 1:
+                   earlier micro batches' gradients; with m = 1 none exist yet, the engine zeroes
+                   them with set_to_none), on the stage with the LM head;
+                 layer backward: the gradients + the ZeRO-3 gathered units + the layer being
+                   recomputed (full / selective recompute: its full set minus what was kept).
+               `peak_phase` names the winner; the terms of the other phase are 0 in the breakdown.
   overhead     a fixed allowance (CUDA/XPU context, NCCL and cuBLAS workspaces: 1 GiB; CPU:
                Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
+               Not tensor memory: the engine's memory probe (usp/engine/memory_probe.py) compares
+               the total WITHOUT it with the measured tensor peak.
 """
 from __future__ import annotations
 
@@ -40,7 +69,8 @@ from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
 DEFAULT_FIXED_OVERHEAD_GIB = 1.0
 FRAGMENTATION = 0.05
-MEGATRON_COEFF = 34  # bytes per s·b·h per layer in bf16: 4 (norm inputs) + 11 (attention) + 19 (MLP)
+LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
+VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum
 SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
@@ -64,6 +94,7 @@ class StageMemory:
     params: int  # parameters on one rank of this stage (after TP / EP slicing, before data-parallel sharding)
     in_flight: float  # micro batches alive at the peak (units of this rank's layers)
     activation_per_layer: float  # bytes, one layer, one micro batch (stored between forward and backward)
+    peak_phase: str = ""  # "loss backward" | "layer backward": the moment of the peak (module docstring)
     parameters: float = 0.0
     gradients: float = 0.0
     optimizer: float = 0.0
@@ -183,27 +214,46 @@ def in_flight(layout: Layout, r: int) -> float:
 
 # --- the per-layer numbers ---------------------------------------------------------------------------
 
+def activation_values(arch: Arch, layout: Layout) -> tuple[float, float]:
+    """(values kept per token per layer between forward and backward, values of one layer's full
+    set), for the Llama block of usp/models/llama.py as the engine runs it (module docstring)."""
+    h, kv, t, f = arch.dim, arch.kv_dim, layout.tp, arch.ffn_dim
+    norm = 2 * h / t  # RMSNorm input and x·rstd (sequence-sharded under TP + SP)
+    attention = norm + h + (h + 2 * kv) / t + h / t  # + norm output (all-gathered), q/k/v after RoPE, SDPA out
+    if arch.moe:
+        fe = arch.moe_ffn_dim or arch.ffn_dim
+        mlp = norm + h + arch.n_experts + arch.top_k * (3 * h + 4 * fe) / t + (4 * fe / t if arch.shared_expert else 0)
+        mlp_matmuls = arch.n_experts + arch.top_k * (2 * fe + h) / t + ((2 * fe / t + h) if arch.shared_expert else 0)
+    else:
+        mlp = norm + h + 4 * f / t  # + w1, w3 outputs, silu, product
+        mlp_matmuls = 2 * f / t + h  # w1, w3 outputs; w2's (a partial sum over the whole sequence under TP)
+    full = attention + mlp
+    if layout.recompute == "full":
+        return h / t, full  # the block input
+    if layout.recompute == "selective":  # matmul / attention outputs: q, k, v, SDPA out, wo out + the MLP's
+        return h / t + (h + 2 * kv) / t + h / t + h + mlp_matmuls, full
+    return full, full
+
+
 def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precision) -> tuple[float, float]:
     """(bytes kept per layer per micro batch between forward and backward, bytes of one layer's
-    full activation set). Megatron accounting in bf16 bytes, scaled by prec.act / 2."""
-    s, b, t, h = seq_len / layout.cp, layout.micro_batch, layout.tp, arch.dim
-    coeff = MEGATRON_COEFF
-    if arch.moe:  # the MLP's 19 s·b·h is paid once per routed copy of a token (+ the shared expert)
-        coeff = 15 + 19 * (arch.top_k + (1 if arch.shared_expert else 0))
-    scores = 5 * arch.n_heads * s * s * b if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
-    scale = prec.act / 2
-    full_set = (s * b * h * coeff / t + scores / t) * scale
-    if layout.recompute == "full":
-        return s * b * h * prec.act / t, full_set
-    return full_set, full_set
+    full activation set): activation_values x tokens of the micro batch x prec.act bytes."""
+    s, b, t = seq_len / layout.cp, layout.micro_batch, layout.tp
+    scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
+        if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
+    kept, full = activation_values(arch, layout)
+    return s * b * kept * prec.act + scores, s * b * full * prec.act + scores
 
 
 def activation_formula(layout: Layout) -> str:
     t = "" if layout.tp == 1 else "/t"
     s = "(s/c)" if layout.cp > 1 else "s"
+    full = f"(6h + 2kv + 4f){t} + 2h" if t else "8h + 2kv + 4f"
     if layout.recompute == "full":
-        return f"full recompute: {s}·b·h{t} per layer + one layer's {s}·b·h·34{t} (bf16 bytes)"
-    return f"{s}·b·h·34{t} per layer (bf16 bytes; SDPA keeps no a·s² scores)"
+        return f"full recompute: {s}·b·h{t} values per layer + one layer's {s}·b·({full}) while recomputed"
+    if layout.recompute == "selective":
+        return f"selective recompute: {s}·b·(matmul + attention outputs) values per layer (docs/planner.md)"
+    return f"{s}·b·({full}) values per layer (Llama block as the engine runs it; SDPA keeps no a·s² scores)"
 
 
 # --- the breakdown ---------------------------------------------------------------------------------
@@ -233,22 +283,45 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
                      virtual_stages=list(held), layers=layers, holds_embedding=holds_emb, holds_head=holds_head,
                      params=int(params), in_flight=in_flight(layout, r), activation_per_layer=0.0)
-    st.parameters = prec.param * (sharded if zero == 3 else params)
+    # ZeRO-2 (FSDP2 without resharding) keeps its sharded parameters next to the all-gathered ones
+    st.parameters = prec.param * (sharded if zero == 3 else params + (sharded if zero == 2 and n > 1 else 0))
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
-    st.gradients = prec.grad * (sharded if grads_sharded else params)
+    grads = prec.grad * (sharded if grads_sharded else params)
     st.optimizer = prec.optim * (sharded if zero >= 1 else params)
 
     kept, full_set = activation_per_layer(arch, layout, seq_len, prec)
     st.activation_per_layer = kept
-    st.activations = kept * layers * st.in_flight + (full_set if layout.recompute == "full" and layers else 0)
+    tokens = (seq_len / layout.cp) * layout.micro_batch
+    final_norm = tokens * (2 * arch.dim / t + arch.dim) * prec.act if holds_head else 0  # input, x·rstd, output
+    st.activations = (kept * layers + final_norm) * st.in_flight
+    if layout.pp > 1 and not holds_head:  # torch.distributed.pipelining keeps each micro batch's stage output
+        st.activations += tokens * arch.dim / t * prec.act * st.in_flight
+    recompute = full_set - kept if layout.recompute != "none" and layers else 0  # the layer being recomputed
+    loss_extra = 0.0
     if holds_head:
+        one = 4 * tokens * vocab_pad / t  # fp32, vocab-parallel under TP
         n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
-        st.logits = 4 * (seq_len / layout.cp) * layout.micro_batch * vocab_pad / t * n_logits
+        st.logits = one * n_logits  # log-probabilities kept for backward
+        if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
+            st.logits += tokens * vocab_pad / t * prec.act * n_logits
+        loss_extra = one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
+    gathered = 0.0
     if zero == 3:
         unit = dense_layer + expert_layer
         root = emb + head
-        st.gathered = (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit if layers else \
+        gathered = (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit if layers else \
             (prec.param + prec.grad) * root
+    # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some) or
+    # a layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer), whichever is larger.
+    loss_phase = loss_extra + (grads if layout.grad_accum > 1 else 0)
+    if holds_head and loss_phase > grads + gathered + recompute:
+        st.peak_phase = "loss backward"
+        st.logits += loss_extra
+        st.gradients = grads if layout.grad_accum > 1 else 0.0
+    else:
+        st.peak_phase = "layer backward"
+        st.gradients, st.gathered = grads, gathered
+        st.activations += recompute
     if layout.dp_kind in ("ddp", "zero1"):
         st.comm_buffers = prec.grad * params
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
@@ -294,8 +367,12 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)"),
         f"data parallel: {layout.dp_label()}, sharded over {layout.shard_degree} rank(s)",
         f"activations: {activation_formula(layout)}",
+        f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers ({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} "
+        "vocab-parallel) while the loss is differentiated",
+        f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer backward's "
+        "gradients + gathered units + recomputed layer",
         f"overhead: {FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB)} GiB fixed + "
-        f"{FRAGMENTATION:.0%} fragmentation",
+        f"{FRAGMENTATION:.0%} fragmentation (not tensor memory)",
     ]
     if layout.zero_stage >= 2 and FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1:
         assumptions.append("FSDP with grad_accum > 1: gradients unsharded between micro batches (no reduce-scatter "

@@ -197,6 +197,9 @@ def engine_support_errors(plan: RunPlan) -> list[PlanError]:
          "parallelism.ddp_comm_hook=fp16 or powersgd on CPU"),
         (model.get("attention") == "flash_attn" and plan.device != "cuda", "model.attention", "flash_attn",
          "flash-attn runs on CUDA only", "model.attention=sdpa"),
+        (ep > 1 and plan.config["checkpoint"]["enabled"], "checkpoint.enabled", True,
+         "checkpoints of expert-parallel runs are not supported yet (expert weights differ per rank)",
+         "checkpoint.enabled=false"),
         (plan.nodes > 1 and plan.config["cluster"]["launcher"] == "local", "cluster.nodes", plan.nodes,
          "the local launcher runs on one machine", "cluster.nodes=1, or a Slurm cluster group"),
     ]

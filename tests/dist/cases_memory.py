@@ -1,0 +1,85 @@
+"""Planner memory calibration worker: each layout of MEMORY_LAYOUTS trains the tiny model (default
+config: seq_len 128, global batch 16) for 2 steps with train.measure_memory on; the second step
+runs under the memory probe (usp/engine/memory_probe.py). Rank 0 records, per layout, the
+planner's tensor memory (its total without the overhead allowance) for the peak stage and the
+measured peak (max over ranks). Single-process layouts run on rank 0 only, in the same launch.
+Launched by tests/test_memory_calibration.py and scripts/bench_memory.py."""
+import os
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.distributed as dist  # noqa: E402
+
+from dist.harness import run_cases  # noqa: E402
+
+STEPS = ["train.steps=2", "optimizer.warmup_steps=1", "train.eval_batches=1", "train.measure_memory=true"]
+SINGLE = ["parallelism.dp_replicate=1"]
+# name -> (world size, overrides)
+MEMORY_LAYOUTS = {
+    "single": (1, SINGLE),
+    "recompute_full": (1, SINGLE + ["train.recompute=full"]),
+    "recompute_selective": (1, SINGLE + ["train.recompute=selective"]),
+    "ddp": (2, ["parallelism.dp_replicate=2"]),
+    "zero1": (2, ["parallelism.dp_replicate=2", "parallelism.zero1=true"]),
+    "fsdp_zero3": (2, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"]),
+    "fsdp_zero2": (2, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                       "parallelism.reshard_after_forward=false"]),
+    "tp": (2, ["parallelism.dp_replicate=1", "parallelism.tp=2"]),
+}
+
+# More layouts for scripts/bench_memory.py --extra (not asserted by the test): a byte vocabulary
+# (V = 256) moves the peak from the loss backward to a layer's backward; accumulation, MoE, PP.
+BYTES = ["data.tokenizer=bytes"]
+PP = ["model.tie_embeddings=false", "model.n_layers=4", "parallelism.dp_replicate=1", "parallelism.pp=2",
+      "train.micro_batch=4"]
+EXTRA_LAYOUTS = {
+    "single_V256": (1, SINGLE + BYTES),
+    "recompute_full_V256": (1, SINGLE + BYTES + ["train.recompute=full"]),
+    "recompute_selective_V256": (1, SINGLE + BYTES + ["train.recompute=selective"]),
+    "moe_single": (1, SINGLE + ["model=moe_tiny", "model.aux_loss_coef=0"]),
+    "ddp_grad_accum": (2, ["parallelism.dp_replicate=2", "train.micro_batch=4"]),
+    "ddp_V256": (2, ["parallelism.dp_replicate=2"] + BYTES),
+    "fsdp_zero3_V256": (2, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"] + BYTES),
+    "fsdp_zero2_V256": (2, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                            "parallelism.reshard_after_forward=false"] + BYTES),
+    "fsdp_zero3_grad_accum": (2, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "train.micro_batch=4"]),
+    "tp_V256": (2, ["parallelism.dp_replicate=1", "parallelism.tp=2"] + BYTES),
+    "tp_recompute_selective": (2, ["parallelism.dp_replicate=1", "parallelism.tp=2", "train.recompute=selective"]),
+    "pp_1f1b": (2, PP + ["parallelism.pp_schedule=1f1b"]),
+    "pp_afab": (2, PP + ["parallelism.pp_schedule=afab"]),
+}
+
+
+def measure_layout(world: int, overrides: list[str]) -> dict:
+    from usp.engine.dist import make_context
+    from usp.engine.parity import plan_dict
+    from usp.engine.trainer import Trainer
+
+    if world == 1 and dist.get_rank() != 0:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = plan_dict(STEPS + overrides, world, tmp)
+        trainer = Trainer(plan, make_context(plan), write_outputs=False)
+        summary = trainer.fit()
+        record = next(r for r in trainer.history if "memory_measured_gib" in r)
+        del trainer
+    return {"world": world, "predicted_gib": summary["memory_predicted_peak_gib"],
+            "predicted_total_gib": summary["memory_predicted_peak_total_gib"],
+            "measured_gib": summary["memory_measured_peak_gib"], "measured_by": summary["memory_measured_by"],
+            "rank0_measured_gib": record["memory_measured_gib"], "rank0_predicted_gib": record["memory_predicted_gib"],
+            "measured_breakdown_gib": record["memory_measured_breakdown_gib"],
+            "predicted_breakdown_gib": record["memory_predicted_breakdown_gib"],
+            "step_time_measured_s": summary.get("step_time_measured_s"),
+            "step_time_predicted_s": summary.get("step_time_predicted_s")}
+
+
+if __name__ == "__main__":
+    world = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a broken case fails, not hangs
+    layouts = {**MEMORY_LAYOUTS, **EXTRA_LAYOUTS} if "--extra" in sys.argv else MEMORY_LAYOUTS
+    cases = {name: (lambda w=w, ov=ov: measure_layout(w, ov)) for name, (w, ov) in layouts.items() if w <= world}
+    run_cases(cases)

@@ -1,0 +1,168 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, publish atomically, resume.
+
+A checkpoint is <dir>/step_<N:08d>/: the DCP files of {"model", "optim"} (FQN keys, the
+optimizer state flattened by FQN too, so a checkpoint loads under any other layout: DCP
+reshards), one rng_rank<R>.pt per rank, and from rank 0 trainer_state.json (step, LR
+schedule, data position), plan.yaml (the layout it was saved under) and manifest.json
+(every file with its size) written last. It is written under .tmp-step_<N> and renamed into
+place once complete, so a reader never sees half a checkpoint; a checkpoint whose files don't
+match its manifest (truncated, missing) is skipped with a message, and the previous one used."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from usp.launch.checkpoints import checkpoint_dir, list_checkpoints
+from usp.plan.io import write_text_atomic
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class Checkpointer:
+    def __init__(self, plan: dict, ctx, parts, optimizers: list, schedulers: list, sampler, log):
+        cfg = plan["config"]["checkpoint"]
+        self.plan, self.ctx, self.parts, self.optimizers = plan, ctx, parts, optimizers
+        self.schedulers, self.sampler, self.log = schedulers, sampler, log
+        self.enabled, self.interval = bool(cfg["enabled"]), int(cfg["interval"])
+        self.keep_last, self.async_mode, self.resume_mode = int(cfg["keep_last"]), cfg["async_mode"], cfg["resume"]
+        self.dir = checkpoint_dir(plan)
+        self.last_saved: int | None = None
+        self._pending = None  # (future, tmp dir, step) of an async save
+
+    # -- what goes in ------------------------------------------------------------------
+    def _state(self) -> dict:
+        model, optim = {}, {}
+        for module, optimizer in zip(self.parts.modules, self.optimizers):
+            m, o = get_state_dict(module, optimizer, options=OPTIONS)
+            model.update(m)
+            optim.update(o)
+        return {"model": model, "optim": optim}
+
+    # -- save ----------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.enabled and self.interval > 0 and step % self.interval == 0
+
+    def save(self, step: int, blocking: bool = False) -> None:
+        """Save `step`; blocking=True also finishes (publishes) any async save in flight."""
+        if not self.enabled:
+            return
+        if self.last_saved == step:  # already saved, maybe still being written in the background
+            if blocking:
+                self.wait()
+            return
+        self.wait()
+        tmp = self.dir / f".tmp-step_{step:08d}"
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+        started = time.perf_counter()
+        if self.async_mode == "async" and not blocking:
+            self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
+        else:
+            dcp.save(self._state(), checkpoint_id=str(tmp))
+            self._publish(tmp, step, started)
+        self.last_saved = step
+
+    def wait(self) -> None:
+        """Finish a pending async save (its files, then the atomic publish)."""
+        if self._pending is not None:
+            future, tmp, step, started = self._pending
+            self._pending = None
+            future.result()
+            self._publish(tmp, step, started)
+
+    def _publish(self, tmp: Path, step: int, started: float) -> None:
+        self._barrier()  # every rank's files are written
+        if self.ctx.is_main:
+            state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
+                     "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time()}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            shutil.copyfile(Path(self.plan["run_dir"]) / "plan.yaml", tmp / "plan.yaml") \
+                if (Path(self.plan["run_dir"]) / "plan.yaml").exists() else None
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            write_text_atomic(tmp / "manifest.json", json.dumps({"step": step, "files": files}, indent=1))
+            final = self.dir / f"step_{step:08d}"
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+            self._retain()
+            self.log.info("checkpoint step %d saved to %s in %.2f s", step, final, time.perf_counter() - started)
+        self._barrier()
+
+    def _retain(self) -> None:
+        complete = [c for c in list_checkpoints(self.dir) if c[2]]
+        for _, path, _, _ in complete[:-self.keep_last] if self.keep_last > 0 else []:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- resume --------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the checkpoint that checkpoint.resume asks for; return the step to start at."""
+        if not self.enabled or self.resume_mode == "never":
+            return 0
+        if self.resume_mode == "auto":
+            found = list_checkpoints(self.dir)
+            for step, path, complete, problem in reversed(found):
+                if not complete:
+                    self._say(f"checkpoint {path.name} is incomplete ({problem}); using an older one")
+                    continue
+                try:
+                    return self._load(path)
+                except Exception as exc:  # a file that matches its manifest can still be unreadable
+                    self._say(f"checkpoint {path.name} could not be loaded ({type(exc).__name__}: "
+                              f"{str(exc)[:200]}); using an older one")
+            return 0
+        path = Path(self.resume_mode).expanduser()
+        entry = [c for c in list_checkpoints(path.parent) if c[1].resolve() == path.resolve()]
+        if not entry or not entry[0][2]:
+            raise RuntimeError(f"checkpoint.resume={self.resume_mode!r}: not a complete checkpoint "
+                               f"({entry[0][3] if entry else 'no manifest.json'})")
+        return self._load(path)
+
+    def _load(self, path: Path) -> int:
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(path))
+        for module, optimizer in zip(self.parts.modules, self.optimizers):
+            set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
+        trainer_state = json.loads((path / "trainer_state.json").read_text())
+        for scheduler in self.schedulers:  # one per model part, all on the same schedule
+            scheduler.load_state_dict(trainer_state["scheduler"])
+        self.sampler.load_state_dict(trainer_state["sampler"])
+        rng = path / f"rng_rank{self.ctx.rank}.pt"
+        if rng.exists():  # same rank count: restore this rank's RNG; else keep the seeded one
+            torch.set_rng_state(torch.load(rng))
+        self.last_saved = int(trainer_state["step"])
+        self._say(f"resumed from {path} (step {trainer_state['step']}, saved under "
+                  f"{_layout(trainer_state['degrees'])}, now {_layout(self.ctx.degrees)})")
+        return int(trainer_state["step"])
+
+    def _say(self, message: str) -> None:
+        self.log.info(message)
+        if self.ctx.is_main:
+            print(f"usp: {message}", flush=True)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _layout(degrees: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in degrees.items() if v > 1) or "one process"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,196 @@
+"""`usp export`: one checkpoint -> one file with the whole model, usable without usp.
+
+Reads the model part of a torch.distributed.checkpoint (DCP) save in a single process with
+DCP's own loader (`_load_state_dict_from_keys`: full, unsharded tensors whatever layout saved
+them), and writes {FQN: tensor} with torch.save (or safetensors) plus config.json with the
+architecture. Tied weights are stored once (torch: two keys share one storage; safetensors:
+the duplicate key is dropped) and listed under "tied_weights" in config.json."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from usp.errors import UspError
+from usp.launch.checkpoints import check_manifest, checkpoint_dir, list_checkpoints
+from usp.plan.io import read_plan, write_text_atomic
+
+FORMATS = ("torch", "safetensors")
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile
+
+
+class ExportError(UspError):
+    """The checkpoint can't be exported as asked."""
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    config_path: Path
+    checkpoint: Path
+    step: int
+    n_tensors: int
+    n_params: int
+    tied: dict
+    non_finite: list  # keys of tensors holding NaN / inf
+
+    def describe(self) -> str:
+        lines = [f"exported step {self.step} ({self.n_params:,} parameters, {self.n_tensors} tensors) "
+                 f"from {self.checkpoint}",
+                 f"  weights: {self.path} ({self.path.stat().st_size / 2 ** 20:.1f} MiB)",
+                 f"  config:  {self.config_path}"]
+        lines += [f"  tied:    {k} = {v} (stored once)" for k, v in self.tied.items()]
+        if self.non_finite:
+            lines.append(f"  warning: {len(self.non_finite)} tensor(s) hold NaN or inf values, e.g. {self.non_finite[0]}")
+        if self.path.suffix == ".safetensors":
+            lines.append("  load:    safetensors.torch.load_model(model, path)  (restores tied weights)")
+        else:
+            lines.append("  load:    model.load_state_dict(torch.load(path, weights_only=True))")
+        return "\n".join(lines)
+
+
+def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The model's full tensors from a DCP checkpoint directory, keyed by FQN (single process)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is unavailable or uninitialized": intended
+        loaded = _load_state_dict_from_keys({"model"}, checkpoint_id=str(ckpt))
+    model = loaded.get("model")
+    if not isinstance(model, dict) or not model:
+        raise ExportError(f"{ckpt} has no model state (expected the key 'model' in the DCP save)")
+    out = {}
+    for key, value in model.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        for part in _WRAPPER_PARTS:
+            key = key.replace(part, "")
+        out[key] = value.detach().contiguous()
+    return out
+
+
+def export_model(source, step: int | None = None, out=None, fmt: str = "torch") -> ExportResult:
+    """Export the newest complete checkpoint of run directory `source` (or `step`, or `source`
+    itself when it is a step_<N> directory) to `out` (default <run dir>/export/model_step<N>.<ext>)."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}", key="--format", value=fmt, fix="--format torch or --format safetensors")
+    if fmt == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise ExportError("the safetensors package is not installed", key="--format", value=fmt,
+                              fix="pip install safetensors (or --format torch)") from None
+    ckpt, run_dir = _pick_checkpoint(Path(source), step)
+    plan = _plan_of(ckpt, run_dir)
+    ckpt_step = int(json.loads((ckpt / "manifest.json").read_text()).get("step", _dir_step(ckpt)))
+    state = load_model_state(ckpt)
+    model_cfg = _model_config(plan)
+
+    vocab = int(model_cfg["vocab_size"])
+    padding = 0
+    for key in ("tok_embeddings.weight", "output.weight"):  # tensor parallel pads the vocabulary
+        if key in state and state[key].shape[0] > vocab:
+            padding = state[key].shape[0] - vocab
+            state[key] = state[key][:vocab].clone()
+    tied = {}
+    if model_cfg.get("tie_embeddings") and "tok_embeddings.weight" in state:
+        emb, head = state["tok_embeddings.weight"], state.get("output.weight")
+        if head is None or (head.shape == emb.shape and torch.allclose(head, emb, rtol=0, atol=0, equal_nan=True)):
+            tied = {"output.weight": "tok_embeddings.weight"}
+            if fmt == "torch":
+                state["output.weight"] = emb  # one storage: torch.save writes it once
+            else:
+                state.pop("output.weight", None)
+
+    ext = ".pt" if fmt == "torch" else ".safetensors"
+    path = Path(out) if out else run_dir / "export" / f"model_step{ckpt_step:08d}{ext}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if fmt == "torch":
+            torch.save(state, tmp)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(state, str(tmp), metadata={"format": "pt", "tied_weights": json.dumps(tied)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+    unique = {id(t): t for k, t in state.items()}
+    n_params = sum(t.numel() for t in unique.values())
+    config = {
+        "architecture": "llama (usp.models.llama.Llama: RMSNorm, RoPE, GQA attention, SwiGLU)",
+        "model": model_cfg,
+        "max_seq_len": int(plan["batch"]["seq_len"]),
+        "dtype": str(next(iter(state.values())).dtype).replace("torch.", ""),
+        "weights": path.name, "weights_format": fmt, "tied_weights": tied,
+        "vocab_padding_removed": padding, "n_params": n_params, "step": ckpt_step,
+        "source_checkpoint": str(ckpt), "run": plan.get("name"), "model_name": plan["config"]["model"].get("name"),
+    }
+    config_path = path.parent / "config.json"
+    write_text_atomic(config_path, json.dumps(config, indent=2) + "\n")
+    non_finite = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return ExportResult(path, config_path, ckpt, ckpt_step, len(state), n_params, tied, non_finite)
+
+
+def _model_config(plan: dict) -> dict:
+    """The architecture as the keyword arguments of usp.models.llama.LlamaArgs, vocab resolved."""
+    from usp.models.llama import LlamaArgs
+
+    cfg = dict(plan["config"]["model"])
+    cfg["vocab_size"] = int(plan["model"]["vocab_size"])
+    names = [f.name for f in fields(LlamaArgs)]
+    out = {k: cfg[k] for k in names if k in cfg}
+    if out.get("n_kv_heads") is None:
+        out["n_kv_heads"] = out.get("n_heads")
+    return out
+
+
+def _pick_checkpoint(source: Path, step: int | None) -> tuple[Path, Path]:
+    """(checkpoint directory, run directory)."""
+    if (source / "manifest.json").is_file() or source.name.startswith("step_"):
+        problem = check_manifest(source)
+        if problem:
+            raise ExportError(f"{source} is not a complete checkpoint: {problem}", key="RUN_DIR", value=str(source),
+                              fix="pick a complete one (usp status <run dir> lists them)")
+        run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
+        return source, run_dir
+    if not source.is_dir():
+        raise ExportError(f"no such run directory {source}", key="RUN_DIR", value=str(source))
+    plan_file = source / "plan.yaml"
+    where = checkpoint_dir(read_plan(plan_file)) if plan_file.is_file() else source / "checkpoints"
+    found = list_checkpoints(where)
+    complete = [c for c in found if c.complete]
+    if step is not None:
+        match = [c for c in found if c.step == step and c.path.name.startswith("step_")]
+        if not match:
+            raise ExportError(f"no checkpoint of step {step} in {where}", key="--step", value=step,
+                              fix=f"one of the complete steps: {[c.step for c in complete] or 'none'}")
+        if not match[0].complete:
+            raise ExportError(f"the checkpoint of step {step} is incomplete: {match[0].problem}", key="--step",
+                              value=step, fix=f"one of the complete steps: {[c.step for c in complete] or 'none'}")
+        return match[0].path, source
+    if not complete:
+        raise ExportError(f"no complete checkpoint in {where}", key="RUN_DIR", value=str(source),
+                          fix="train with checkpoint.enabled=true (a checkpoint is saved at the end), "
+                              "or pass a step_<N> directory")
+    return complete[-1].path, source
+
+
+def _plan_of(ckpt: Path, run_dir: Path) -> dict:
+    for path in (ckpt / "plan.yaml", run_dir / "plan.yaml"):
+        if path.is_file():
+            return read_plan(path)
+    raise ExportError(f"neither {ckpt} nor {run_dir} has a plan.yaml: the model architecture is unknown")
+
+
+def _dir_step(ckpt: Path) -> int:
+    try:
+        return int(ckpt.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return 0
