@@ -57,7 +57,7 @@ def test_hours_for_devices_and_cost():
 def test_mfu_from_the_time_model_or_the_search():
     fits, plan = est("model=llama3_1_8b", "train.tokens=1e12", "train.seq_len=4096", "train.global_batch=256",
                      "cluster=slurm_h100", "parallelism.dp_replicate=1", "parallelism.dp_shard=8",
-                     "train.micro_batch=2")
+                     "train.micro_batch=1")  # micro batch 2 needs recompute to fit 80 GiB (docs/planner.md)
     assert plan.memory.fits and fits.mfu == plan.timing.mfu and "configured layout" in fits.mfu_source
     assert fits.devices == 8  # the cluster's, without --hours / --devices
     big, plan = est("model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", hours=720)

@@ -389,8 +389,10 @@ PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node
     (["cluster.procs_per_node=2", "parallelism.tp=2"], []),
     (["cluster.procs_per_node=2", "parallelism.dp_shard=2", "train.micro_batch=8"], []),
     (PP4 + ["parallelism.tp=2", "train.micro_batch=4"], []),
-    (["parallelism.ep=2"], ["parallelism.ep", "parallelism.ep"]),  # dense model; ep doesn't divide dp 1
-    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8"], []),
+    (["parallelism.ep=2"], ["parallelism.ep", "parallelism.ep", "checkpoint.enabled"]),  # dense; ep ∤ dp 1
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8"], ["checkpoint.enabled"]),
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8",
+      "checkpoint.enabled=false"], []),
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.tp=2"], ["parallelism.tp"]),
     (PP4 + ["parallelism.cp=2", "train.micro_batch=4"], ["parallelism.cp"]),
     (["cluster=local_cpu2", "parallelism.dp_shard=2", "parallelism.zero1=true"], ["parallelism.zero1"]),
@@ -508,3 +510,10 @@ def test_cli_plan_error_is_one_clear_message(tmp_path):
 def test_cli_zero_heads_no_traceback(tmp_path):
     out = usp("plan", "model.n_heads=0", cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_cli_plan_prints_the_pipeline_stage_split(tmp_path):
+    out = usp("plan", "cluster.procs_per_node=2", "parallelism.pp=2", "model.tie_embeddings=false",
+              "model.n_layers=4", "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "pipeline: zbv, 4 stages" in out.stdout and "final norm + LM head" in out.stdout

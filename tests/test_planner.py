@@ -124,6 +124,18 @@ def test_local_cpu_defaults_work():
 PSI_8B = EXACT["llama3_1_8b"]
 H, V, L, S = 4096, 128256, 32, 4096
 LAYER_8B = 2 * H * H + 2 * H * 1024 + 3 * H * 14336 + 2 * H  # 218,112,000
+KV, FFN = 1024, 14336
+
+
+def layer_values(t: int = 1) -> float:
+    """Activation values kept per token per layer (docs/planner.md): per RMSNorm its input and x·rstd
+    (2h/t) and its output, the projections' input (h, all-gathered under TP); q, k, v after RoPE
+    (h + 2kv)/t; the SDPA output h/t; SwiGLU's w1, w3, silu, product 4f/t."""
+    return (6 * H + 2 * KV + 4 * FFN) / t + 2 * H  # 8B: 92,160 (Megatron's GPT count: 17h = 69,632)
+
+
+def final_norm_values(t: int = 1) -> float:
+    return 2 * H / t + H  # the last stage's final norm: input, x·rstd, output (the head's input)
 
 
 def mem8b(**kw) -> object:
@@ -141,24 +153,35 @@ def test_memory_ddp_mixed_precision():
     assert st.params == PSI_8B
     assert (st.parameters, st.gradients, st.optimizer, st.comm_buffers) == (2 * PSI_8B, 2 * PSI_8B, 12 * PSI_8B,
                                                                              2 * PSI_8B)
-    acts = 34 * S * 1 * H * L  # s·b·h·34 per layer, bf16 bytes, one micro batch in flight
-    logits = 4 * S * 1 * V  # fp32 logits
+    acts = 2 * S * 1 * (layer_values() * L + final_norm_values())  # bf16 values, one micro batch in flight
+    logits = 4 * S * 1 * V  # fp32 log-probabilities kept for backward
     assert st.activations == acts and st.logits == logits and st.gathered == 0
+    # the peak is in a layer's backward: the gradients (2Ψ) outweigh the loss backward's 2 more
+    # logits-sized buffers (2 x 4·S·V = 4.2e9 bytes), which are therefore not part of it
+    assert st.peak_phase == "layer backward" and 2 * PSI_8B > 2 * logits
     subtotal = 18 * PSI_8B + acts + logits
     assert st.total == pytest.approx(subtotal + overhead(subtotal))
-    assert st.total / GIB == pytest.approx(162.25, abs=0.01)  # 174.2e9 bytes: 8B never fits 80 GiB with DDP
+    assert st.total / GIB == pytest.approx(168.13, abs=0.01)  # 180.5e9 bytes: 8B never fits 80 GiB with DDP
 
 
 def test_memory_zero1_zero2_zero3():
     n = 8
     z1 = mem8b(zero1=True)  # ZeRO-1: 2Ψ + 2Ψ + 12Ψ/N
     assert (z1.parameters, z1.gradients, z1.optimizer) == (2 * PSI_8B, 2 * PSI_8B, 12 * PSI_8B / n)
-    z2 = mem8b(dp_replicate=1, dp_shard=8, reshard_after_forward=False)  # ZeRO-2: 2Ψ + (2Ψ + 12Ψ)/N
-    assert (z2.parameters, z2.gradients, z2.optimizer) == (2 * PSI_8B, 2 * PSI_8B / n, 12 * PSI_8B / n)
+    # ZeRO-2: 2Ψ (all-gathered, kept from forward to backward) + 2Ψ/N (FSDP2's sharded parameters) + (2Ψ + 12Ψ)/N
+    z2 = mem8b(dp_replicate=1, dp_shard=8, reshard_after_forward=False)
+    assert (z2.parameters, z2.optimizer) == (2 * PSI_8B + 2 * PSI_8B / n, 12 * PSI_8B / n)
     assert z2.comm_buffers == 0 and z2.gathered == 0
+    # its peak is the loss backward: 2 more fp32 logits-sized buffers (2 x 4·S·V = 4.2e9) outweigh the
+    # sharded gradients (2Ψ/N = 2.0e9), which do not exist yet then (one micro batch per step)
+    logits = 4 * S * V
+    assert z2.peak_phase == "loss backward" and 2 * logits > 2 * PSI_8B / n
+    assert z2.gradients == 0 and z2.logits == 3 * logits
     z3 = mem8b(dp_replicate=1, dp_shard=8)  # ZeRO-3: (2Ψ + 2Ψ + 12Ψ)/N + the unsharded units
     assert z3.parameters + z3.gradients + z3.optimizer == pytest.approx(16 * PSI_8B / n)
-    root = 2 * V * H + H  # embedding + head + final norm: FSDP2's root unit
+    root = 2 * V * H + H  # embedding + head + final norm: FSDP2's root unit, unsharded during all of backward
+    # the peak is a layer's backward: gradients + gathered units (7.5e9) > the loss backward's 4.2e9
+    assert z3.peak_phase == "layer backward" and z3.logits == logits
     assert z3.gathered == pytest.approx((2 + 2) * root + (2 * 2 + 2) * LAYER_8B)
     # with gradient accumulation the engine keeps unsharded gradients between micro batches
     z3_accum = mem8b(dp_replicate=1, dp_shard=8, micro_batch=1, grad_accum=4)
@@ -173,20 +196,30 @@ def test_memory_hsdp_shards_within_dp_shard_x_cp():
 def test_memory_activations_tp_sp_cp_recompute():
     base = dict(dp_replicate=1, tp=8)
     st = mem8b(**base)
-    # TP + sequence parallel: s·b·h·34/t per layer
-    assert st.activation_per_layer == 34 * S * H / 8 and st.activations == 34 * S * H / 8 * L
+    # TP + sequence parallel: the norms, q/k/v, attention and MLP values divided by t, the two
+    # all-gathered projection inputs (2h) not (DTensor keeps them gathered over the sequence)
+    assert st.activation_per_layer == 2 * S * layer_values(8)
+    assert st.activations == 2 * S * (layer_values(8) * L + final_norm_values(8))
     vocab_pad = 128256  # divisible by 8
     assert st.logits == 4 * S * vocab_pad / 8
     # TP divides the layer weights by t; norms stay whole; vocab-parallel embedding and head
     assert st.params == L * ((LAYER_8B - 2 * H) / 8 + 2 * H) + 2 * V * H / 8 + H
     cp = mem8b(dp_replicate=1, cp=2)  # CP halves s
-    assert cp.activation_per_layer == 34 * (S / 2) * H
+    assert cp.activation_per_layer == 2 * (S / 2) * layer_values()
     b2 = mem8b(micro_batch=2)
     assert b2.activations == 2 * mem8b().activations
-    full = mem8b(recompute="full", **base)  # layer input per layer (2 bytes x s·b·h/t) + one layer's full set
-    assert full.activations == 2 * S * H / 8 * L + 34 * S * H / 8
-    sel = mem8b(recompute="selective", **base)  # SDPA stores no scores: nothing left for selective to drop
-    assert sel.activations == st.activations
+    # full recompute: the layer input per layer (2 bytes x s·b·h/t) + the layer being recomputed (its full
+    # set less its input), which with the gradients outweighs the loss backward's 3 vocab-parallel buffers
+    full = mem8b(recompute="full", **base)
+    assert full.peak_phase == "layer backward"
+    assert full.activations == 2 * S * (H / 8 * L + final_norm_values(8)) + 2 * S * (layer_values(8) - H / 8)
+    # selective (the engine's policy keeps the matmul and attention outputs): the input, q/k/v, SDPA
+    # output, wo output (h: a partial sum over the whole sequence under TP), w1/w3 outputs, w2 output (h)
+    sel = mem8b(recompute="selective", **base)
+    kept = H / 8 + (H + 2 * KV) / 8 + H / 8 + H + 2 * FFN / 8 + H
+    assert sel.activation_per_layer == 2 * S * kept
+    assert sel.activations == 2 * S * (kept * L + final_norm_values(8)) + 2 * S * (layer_values(8) - kept)
+    assert full.activations < sel.activations < st.activations
 
 
 def test_memory_fp32_on_cpu():
@@ -198,7 +231,8 @@ def test_memory_fp32_on_cpu():
     st = stage_memory(a, lay, 512, hw, FP32, 0)
     psi = EXACT["llama3_2_1b"]
     assert (st.parameters, st.gradients, st.optimizer, st.comm_buffers) == (4 * psi, 4 * psi, 8 * psi, 4 * psi)
-    assert st.activation_per_layer == 34 * 512 * 2048 * 2
+    # fp32: 4 bytes per value; 1B: h 2048, kv 512 (8 KV heads x 64), f 8192: 8h + 2kv + 4f values per token
+    assert st.activation_per_layer == 4 * 512 * (8 * 2048 + 2 * 512 + 4 * 8192)
     subtotal = 20 * psi + st.activations + st.logits
     assert st.total == pytest.approx(subtotal + overhead(subtotal, 0.3))
     assert Precision.resolve("auto", "cpu") == FP32 and Precision.resolve("auto", "cuda") == BF16
@@ -233,8 +267,14 @@ def test_pipeline_stages_hold_embedding_and_head():
     assert st[3].params == int(st[3].layers * per_rank + emb + 8192)
     assert st[0].layers < st[1].layers  # the split gives the embedding stage fewer layers
     assert [s.in_flight for s in st] == [4, 3, 2, 1]
-    assert st[1].activations == 34 * S * 8192 / 8 * st[1].layers * 3
-    assert st[3].logits == 4 * S * V / 8 and st[0].logits == 0
+    # 70B per layer: (6h + 2kv + 4f)/t + 2h values, h 8192, kv 1024, f 28672, t 8; + the stage output
+    # (h/t) that torch.distributed.pipelining keeps per micro batch in flight; bf16
+    per_layer = (6 * 8192 + 2 * 1024 + 4 * 28672) / 8 + 2 * 8192
+    assert st[1].activations == 2 * S * (per_layer * st[1].layers + 8192 / 8) * 3
+    # last stage, grad_accum 8: the peak is the loss backward (earlier micro batches' gradients exist
+    # in both phases): log-probs kept (fp32) + the stage output (the logits, bf16) + 3 vocab-parallel buffers
+    assert st[3].peak_phase == "loss backward"
+    assert st[3].logits == (4 + 2 + 3 * 4) * S * V / 8 and st[0].logits == 0
     assert mem.peak_stage == max(range(4), key=lambda i: st[i].total)
 
 
@@ -308,7 +348,8 @@ def test_group_crosses_nodes_matches_the_rank_table(degrees, per_node):
 
 def test_plan_carries_memory_and_timing(tmp_path):
     plan = plan_for("model=llama3_1_8b", "cluster=slurm_h100", "train.seq_len=4096", "train.global_batch=256",
-                    "parallelism.dp_replicate=1", "parallelism.dp_shard=8", "train.micro_batch=2")
+                    "parallelism.dp_replicate=1", "parallelism.dp_shard=8", "train.micro_batch=1")
+    # (micro batch 2 no longer fits 80 GiB without recompute: 92k activation values per token per layer)
     assert plan.memory.fits and plan.memory.zero_stage == 3 and len(plan.memory.stages) == 1
     assert 0.3 < plan.timing.mfu < 0.55
     data = plan.to_dict()

@@ -51,6 +51,7 @@ EXTRA_LAYOUTS = {
     "tp_recompute_selective": (2, ["parallelism.dp_replicate=1", "parallelism.tp=2", "train.recompute=selective"]),
     "pp_1f1b": (2, PP + ["parallelism.pp_schedule=1f1b"]),
     "pp_afab": (2, PP + ["parallelism.pp_schedule=afab"]),
+    "pp_zbv": (2, PP + ["parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"]),
 }
 
 
@@ -63,6 +64,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         plan = plan_dict(STEPS + overrides, world, tmp)
+        memory = plan["memory"]
         trainer = Trainer(plan, make_context(plan), write_outputs=False)
         summary = trainer.fit()
         record = next(r for r in trainer.history if "memory_measured_gib" in r)
@@ -73,6 +75,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
             "rank0_measured_gib": record["memory_measured_gib"], "rank0_predicted_gib": record["memory_predicted_gib"],
             "measured_breakdown_gib": record["memory_measured_breakdown_gib"],
             "predicted_breakdown_gib": record["memory_predicted_breakdown_gib"],
+            "peak_phase": memory["stages"][memory["peak_stage"]]["peak_phase"],
             "step_time_measured_s": summary.get("step_time_measured_s"),
             "step_time_predicted_s": summary.get("step_time_predicted_s")}
 

@@ -12,7 +12,12 @@ AdamW states already exist) runs under a probe:
   works through DDP, ZeroRedundancyOptimizer, FSDP2 (it follows `storage.resize_`, which FSDP2
   uses to free unsharded parameters) and DTensor (it sees the local tensors).
   DDP's gradient buckets are allocated by the C++ reducer when DDP is built, outside any
-  tracker: their size comes from the reducer's own logging data (`bucket_sizes`) and is added.
+  tracker: their size comes from the reducer's own logging data (`bucket_sizes`) and is added
+  (DDP's one-time bucket rebuild is triggered just before the measured step, not inside it).
+  Micro batches and pipeline schedules run a module several times per step, which MemTracker
+  refuses: a subclass restarts that module's statistics instead. The zero-bubble schedules'
+  split backward breaks MemTracker's module hooks: there it runs without them (same total,
+  coarser categories).
 
 Both count tensor bytes only: no allocator fragmentation, no CUDA context / NCCL workspaces, no
 Python or gloo memory. So the prediction they are compared with is the planner's tensor
@@ -117,14 +122,38 @@ def _step_tracker(base):
     return StepTracker
 
 
+class _NoModuleHooks:
+    """Stands in for MemTracker's ModTracker: no module hooks at all. The zero-bubble pipeline
+    schedules split each backward into an input and a weight pass (autograd.grad on part of the
+    graph), which ModTracker's backward hooks break; without them every storage is still followed
+    (the total is the same), only the categories are coarser (gradients count as activations)."""
+
+    is_bw = False
+    parents = {"Global"}
+
+    def register_user_hooks(self, *hooks):
+        pass
+
+    def clear_user_hooks(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        pass
+
+
 class MemTrackerProbe:
     """Peak of live tensor bytes on CPU with torch's MemTracker (categories at the peak)."""
 
     name = "MemTracker"
 
-    def __init__(self, modules, optimizers):
-        self.modules, self.optimizers = modules, optimizers
+    def __init__(self, modules, optimizers, module_hooks: bool = True):
+        self.modules, self.optimizers, self.module_hooks = modules, optimizers, module_hooks
         self.result: dict[str, Any] = {}
+        if not module_hooks:
+            self.name = "MemTracker (no module hooks)"
 
     @contextlib.contextmanager
     def measure(self):
@@ -132,6 +161,8 @@ class MemTrackerProbe:
 
         rebuild_ddp_buckets(self.modules)
         tracker = _step_tracker(MemTracker)()
+        if not self.module_hooks:
+            tracker._mod_tracker = _NoModuleHooks()
         tracker.track_external(*self.modules, *self.optimizers)
         tracker.track_external(*(o.optim for o in self.optimizers if hasattr(o, "optim")))  # ZeRO-1's local one
         with tracker:
@@ -201,12 +232,8 @@ class MemoryProbe:
         start = int(getattr(trainer, "start_step", 0))
         if start >= trainer.steps:
             return None
-        # PyTorch's MemTracker (the CPU backend) refuses a module that runs forward more than
-        # once per tracked region: pipeline schedules and gradient accumulation do.
-        repeated = trainer.ctx.degrees["pp"] > 1 or trainer.accum > 1
-        if trainer.ctx.device.type != "cuda" and repeated:
-            trainer.log.info("memory: not measured on CPU with pipeline stages or gradient accumulation")
-            return None
+        # Pipeline schedules and gradient accumulation run a module's forward several times per
+        # step: PyTorch's MemTracker refuses that, the probe's subclass (_step_tracker) handles it.
         return cls(trainer, step=min(start + 1, trainer.steps - 1))  # the second step: AdamW states exist
 
     def _backend(self):
@@ -215,7 +242,9 @@ class MemoryProbe:
         optimizers = list(getattr(t, "optimizers", None) or [t.optimizer])
         if t.ctx.device.type == "cuda":
             return CudaAllocatorProbe(modules, optimizers, t.ctx.device)
-        return MemTrackerProbe(modules, optimizers)
+        par = t.plan["config"]["parallelism"]
+        split_backward = t.ctx.degrees["pp"] > 1 and par["pp_schedule"] in ("interleaved_zb", "zbv")
+        return MemTrackerProbe(modules, optimizers, module_hooks=not split_backward)
 
     def is_measured(self, step: int) -> bool:
         return step == self.at

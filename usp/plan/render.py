@@ -39,12 +39,29 @@ def render_plan(plan, console: Console | None = None) -> None:
         summary.add_row(key, value)
     console.print(summary)
     console.print(rank_table(plan))
+    if getattr(plan, "pipeline", None):
+        console.print(pipeline_table(plan.pipeline))
     if getattr(plan, "memory", None) is not None:
         console.print(memory_table(plan.memory))
     if getattr(plan, "timing", None) is not None:
         console.print(timing_table(plan.timing))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def pipeline_table(pipe: dict) -> Table:
+    """Which layers each pipeline stage holds, and which pp rank runs it."""
+    owner = {stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages}
+    n = len(pipe["stage_layers"])
+    table = Table(title=f"pipeline: {pipe['schedule']}, {n} stages, {pipe['n_microbatches']} micro batches per step",
+                  title_justify="left")
+    for col in ("stage", "pp rank", "layers", "also holds"):
+        table.add_column(col)
+    for stage, layers in enumerate(pipe["stage_layers"]):
+        extra = ", ".join(x for x, on in (("embedding", stage == 0), ("final norm + LM head", stage == n - 1)) if on)
+        span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        table.add_row(str(stage), str(owner[stage]), f"{span} ({len(layers)})", extra)
+    return table
 
 
 def rank_table(plan) -> Table:
@@ -89,6 +106,7 @@ def memory_table(mem):
     table.add_row("[bold]total[/]", *(f"[bold]{_gib(st.total)}[/]" for st in stages))
     table.add_row("params on the rank (after TP/EP)", *(human(st.params) for st in stages))
     table.add_row("layers", *(str(st.layers) for st in stages))
+    table.add_row("peak during", *(st.peak_phase for st in stages))
     return _with_notes(table, [f"peak {mem.peak_gib:.2f} GiB on stage {mem.peak_stage}: {verdict}", *mem.assumptions])
 
 
