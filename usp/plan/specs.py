@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import Optional
 
-from usp.plan.layout import MESH_DIMS
+from usp.plan.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
 from usp.plan.model_math import param_breakdown
 
 GIB = 1024 ** 3
@@ -272,20 +272,6 @@ class Layout:
                     f"parallelism.pp_virtual_stages={self.pp_virtual_stages}"]
         out += [f"train.micro_batch={self.micro_batch}", f"train.recompute={self.recompute}"]
         return out
-
-
-def data_parallel_kind(degrees: dict, zero1: bool = False) -> str:
-    """none | ddp | zero1 | fsdp | hsdp | replicate. The same rule as the engine's
-    usp.engine.parallel.data.data_parallel_kind (kept torch-free here): FSDP2 shards over
-    dp_shard x cp; dp_replicate alone is DDP (or ZeRO-1), or FSDP2 replication with TP/PP."""
-    shard = degrees["dp_shard"] * degrees["cp"]
-    if shard > 1:
-        return "hsdp" if degrees["dp_replicate"] > 1 else "fsdp"
-    if degrees["dp_replicate"] == 1:
-        return "none"
-    if degrees["tp"] > 1 or degrees["pp"] > 1:
-        return "replicate"
-    return "zero1" if zero1 else "ddp"
 
 
 def group_crosses_nodes(degrees: dict, procs_per_node: int, dims: tuple) -> bool:
