@@ -333,7 +333,7 @@ def test_threads_and_backend():
     (["cluster.procs_per_node=3", "parallelism.cp=3"], "train.seq_len", "2 x cp = 6"),
     (["model.dim=120", "model.n_heads=8"], "model.n_heads", "odd"),
     (["model.dim=130"], "model.n_heads", "not divisible"),
-    (["model.vocab_size=70000"], "model.vocab_size", "uint16"),
+    (["model.vocab_size=-1", "data.vocab_size=70000"], "data.vocab_size", "uint16"),
     (["cluster.nodes=0"], "cluster.nodes", "at least 1"),
     (["cluster.procs_per_node=0"], "cluster.procs_per_node", "at least 1"),
     (["parallelism.tp=2"], "parallelism", "does not divide"),

@@ -99,7 +99,7 @@ def test_cluster_hardware(name):
     c = cfg.cluster
     memory, peak, per_node, device = CLUSTERS[name]
     assert (c.device_memory_gb, c.peak_tflops_bf16, c.procs_per_node, c.device) == (memory, peak, per_node, device)
-    assert c.launcher == "local" and c.intra_node_gbps > c.inter_node_gbps > 0
+    assert c.launcher == "slurm" and c.intra_node_gbps > c.inter_node_gbps > 0
     assert (REPO / "conf" / "cluster" / f"{name}.yaml").read_text().startswith("# ")
 
 
@@ -426,13 +426,15 @@ def test_oom_error_names_stage_consumers_and_a_layout_that_fits(tmp_path):
     assert r.returncode == 0 and "OUT OF MEMORY" in r.stdout
 
 
-def test_training_still_refuses_a_vocab_over_uint16():
+def test_a_large_model_vocab_trains_but_a_data_vocab_over_uint16_is_refused():
+    """Token ids come from the data's tokenizer (uint16 files): a 128k-row embedding is fine."""
     cfg, choices = cfg_for("model=llama3_2_1b", "cluster=slurm_h100")
+    assert build_plan(cfg, choices).model.vocab_size == 128256
+    cfg, choices = cfg_for("model=llama3_2_1b", "cluster=slurm_h100", "data.vocab_size=70000")
     with pytest.raises(PlanError) as info:
         build_plan(cfg, choices)
-    assert info.value.key == "model.vocab_size"
-    plan = build_plan(cfg, choices, training=False)
-    assert any("uint16" in w for w in plan.warnings)
+    assert info.value.key == "data.vocab_size" and "uint16" in str(info.value)
+    assert build_plan(cfg, choices, training=False).model.vocab_size == 128256
 
 
 # --- usp plan output and the import boundary ------------------------------------------------------------

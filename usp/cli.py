@@ -103,15 +103,25 @@ def estimate(overrides: Optional[List[str]] = Overrides,
         _fail(exc)
 
 
+DryRunOption = typer.Option(False, "--dry-run", help="Slurm: write runs/<name>/job.sbatch and print it; submit nothing")
+
+
 @app.command()
-def train(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOption) -> None:
-    """Plan, prepare the data if needed, and train (in-process for one rank, torchrun for several)."""
+def train(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOption,
+          dry_run: bool = DryRunOption) -> None:
+    """Plan, prepare the data if needed, and train: here (in-process for one rank, torchrun for
+    several), or as a Slurm job when the cluster group says launcher: slurm."""
     try:
         from usp.launch.prepare import prepare_run
 
         composed, choices = _compose(overrides)
         if cfg:
             return _print_cfg(composed, cfg)
+        if composed.cluster.launcher == "slurm":
+            return _submit(composed, choices, overrides, dry_run, "train")
+        if dry_run:
+            _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
+                             "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
         run_plan, plan_path = prepare_run(composed, choices)
     except _user_errors() as exc:
         _fail(exc)
@@ -130,6 +140,55 @@ def train(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOp
         print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
         typer.echo(f"usp: training exited with code {code}; per-rank logs in {run_plan.run_dir}/logs", err=True)
     raise typer.Exit(code)
+
+
+@app.command()
+def submit(overrides: Optional[List[str]] = Overrides, dry_run: bool = DryRunOption) -> None:
+    """Plan the run and submit it to Slurm (sbatch); prints the job id and where the logs go."""
+    try:
+        composed, choices = _compose(overrides)
+        if composed.cluster.launcher != "slurm":
+            from usp.errors import LaunchError
+
+            raise LaunchError("usp submit needs a Slurm cluster group", key="cluster.launcher",
+                              value=composed.cluster.launcher, fix="cluster=local_slurm (or slurm_h100, ...), "
+                              "or `usp train` to run here")
+        _submit(composed, choices, overrides, dry_run, "submit")
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
+    from usp.launch.prepare import prepare_run
+    from usp.launch.submit import check_submittable, submit_run
+
+    run_plan, plan_path = prepare_run(composed, choices, prepare_data=not dry_run, check=check_submittable)
+    submit_run(run_plan, plan_path, ["usp", verb, *(overrides or [])], dry_run=dry_run)
+
+
+@app.command()
+def cancel(run_dir: Optional[str] = typer.Argument(None, help="run or sweep directory (default: the newest under ./runs)")) -> None:
+    """Cancel the run's Slurm job (scancel; every task of a sweep's job array)."""
+    try:
+        from usp.launch.jobs import cancel_run
+
+        cancel_run(run_dir)
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@app.command()
+def logs(run_dir: Optional[str] = typer.Argument(None, help="run directory (default: the newest under ./runs)"),
+         rank: Optional[int] = typer.Option(None, "--rank", help="this rank's log (default: the job's batch output)"),
+         tail: int = typer.Option(0, "--tail", help="only the last N lines (0 = all)"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing as the log grows (Ctrl-C stops)")) -> None:
+    """Print a run's log: the Slurm batch output (torchrun and rank 0), or one rank's log."""
+    try:
+        from usp.launch.jobs import show_logs
+
+        show_logs(run_dir, rank=rank, tail=tail, follow=follow)
+    except _user_errors() as exc:
+        _fail(exc)
 
 
 @app.command()
@@ -222,6 +281,61 @@ def config_cp(recipe: str = typer.Argument(..., help="recipe name (see `usp conf
         typer.echo(f"copied to {path}; run it with: usp train conf={path}")
     except _user_errors() as exc:
         _fail(exc)
+
+
+@app.command()
+def sweep(overrides: Optional[List[str]] = typer.Argument(None, show_default=False, help=(
+              OVERRIDES_HELP + "; a comma list sweeps a key: train.micro_batch=4,8,16 parallelism.tp=1,2")),
+          name: Optional[str] = typer.Option(None, "--name", help="sweep directory runs/<name>/ "
+                                             "(default: sweep-<date>-<time>); the same name again resumes it"),
+          dry_run: bool = typer.Option(False, "--dry-run", help="plan every point, write sweep.json (and the Slurm "
+                                       "array script), run nothing"),
+          max_parallel: int = typer.Option(0, "--max-parallel", help="Slurm: at most N array tasks at once (0 = no limit)")) -> None:
+    """Plan the grid of the comma-list overrides and train every point the planner accepts: one
+    after another here, or as one Slurm job array with a Slurm cluster group; rejected points are
+    listed with the reason and skipped."""
+    try:
+        import time
+
+        from usp.launch.sweep import expand_grid, launch_sweep, plan_grid, render_sweep
+
+        conf, rest = _split_conf(overrides)
+        grid_sweep = plan_grid(conf, expand_grid(rest), name or time.strftime("sweep-%Y%m%d-%H%M%S"))
+        render_sweep(grid_sweep)
+        if not grid_sweep.accepted:
+            typer.echo(f"usp sweep: the planner rejected all {len(grid_sweep.points)} points (reasons above); "
+                       "change the swept values", err=True)
+            raise typer.Exit(1)
+        if dry_run:
+            if grid_sweep.launcher == "slurm":
+                from usp.launch.slurm_sweep import submit_sweep_slurm
+
+                submit_sweep_slurm(grid_sweep, max_parallel=max_parallel, dry_run=True)
+            return
+        failed = launch_sweep(grid_sweep, **({"max_parallel": max_parallel} if grid_sweep.launcher == "slurm" else {}))
+    except _user_errors() as exc:
+        _fail(exc)
+    if grid_sweep.launcher == "slurm":
+        typer.echo(f"{len(grid_sweep.accepted) - failed} point(s) submitted, {failed} could not be; when they have run: "
+                   f"usp report {grid_sweep.dir}")
+        raise typer.Exit(1 if failed else 0)
+    render_sweep(grid_sweep)
+    typer.echo(f"{failed} of {len(grid_sweep.accepted)} point(s) failed; report: usp report {grid_sweep.dir}")
+    raise typer.Exit(1 if failed else 0)
+
+
+@app.command()
+def report(paths: List[str] = typer.Argument(..., help="run directories and/or sweep directories", show_default=False),
+           out: Optional[str] = typer.Option(None, "--out", help="output directory "
+                                             "(default: <first run or sweep dir>/report)")) -> None:
+    """Plots (loss, lr, throughput, memory, step time) and report.md for runs or a sweep (no torch)."""
+    try:
+        from usp.report import write_report
+
+        result = write_report(paths, out)
+    except _user_errors() as exc:
+        _fail(exc)
+    typer.echo(f"report: {result.markdown} ({len(result.plots)} plots)")
 
 
 def main() -> None:  # pragma: no cover - console entry

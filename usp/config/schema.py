@@ -68,6 +68,33 @@ class OptimizerConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """How a cluster=<slurm group> job is requested (usp/launch/templates/job.sbatch.j2).
+    Nodes, processes per node and GPUs come from the plan: never typed here."""
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: str = "01:00:00"  # time limit: [D-]HH:MM:SS or minutes
+    cpus_per_task: int = 0  # the one task per node runs torchrun and all its ranks; 0 = procs x threads
+    mem: Optional[str] = None  # per node, e.g. 200G; "0" = all of it; None = the partition default
+    gpu_request: str = "gpus_per_node"  # gpus_per_node | gres | none (how GPUs are asked for)
+    constraint: Optional[str] = None
+    exclusive: bool = False
+    sbatch_extra: List[str] = field(default_factory=list)  # more #SBATCH options, e.g. "--reservation=big"
+    setup: List[str] = field(default_factory=list)  # shell lines run first: module load, venv, NCCL env
+    srun_extra: List[str] = field(default_factory=list)  # more srun options, e.g. container flags
+    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
+    container_mounts: Optional[str] = None  # pyxis/enroot: srun --container-mounts
+    python: Optional[str] = None  # interpreter on the nodes; None = the one running usp
+    # c10d rendezvous port on the head node. None = 20000 + job id % 10000, so jobs (and array
+    # tasks) sharing a node don't meet in one store; set a fixed one where a firewall needs it.
+    rdzv_port: Optional[int] = None
+    signal_lead_s: int = 180  # USR1 this long before the time limit: checkpoint, then requeue
+    max_requeues: int = 3  # requeues after preemption / time limit / node failure
+    log_dir: Optional[str] = None  # None = <run_dir>/logs
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local_cpu"
     launcher: str = "local"  # local | slurm
@@ -86,6 +113,7 @@ class ClusterConfig:
     price_per_device_hour: float = 0.0  # 0 = unknown
     timeout_s: int = 600  # collective timeout: a hung collective fails after this long
     env: Dict[str, str] = field(default_factory=dict)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # used when launcher=slurm
 
 
 @dataclass
@@ -123,7 +151,9 @@ class TrainConfig:
     compile: bool = False
     max_restarts: int = 0  # torchrun restarts the whole job this often after a rank dies (resuming)
     nan_policy: str = "stop"  # stop (checkpoint the last good step, exit) | skip (drop the step)
-    deterministic: bool = True
+    # None = on for CPU (exact parity and resume), off on an accelerator (its deterministic kernels
+    # are slower); true on CUDA also sets CUBLAS_WORKSPACE_CONFIG (usp/launch/local.py)
+    deterministic: Optional[bool] = None
     measure_memory: bool = True  # measure the peak tensor memory of one step (usp/engine/memory_probe.py)
 
 
@@ -140,8 +170,24 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     console: str = "auto"  # auto (rich on a TTY, plain otherwise) | rich | plain | quiet
+    # metrics.jsonl is always written; these add backends (rank 0 only, see usp/engine/tracking.py).
     wandb: bool = False
-    tensorboard: bool = False
+    # offline (<run_dir>/wandb, `wandb sync` later) | online | disabled; None = $WANDB_MODE, else
+    # online if $WANDB_API_KEY is set, else offline (usp/engine/tracking.py: wandb_mode)
+    wandb_mode: Optional[str] = None
+    wandb_project: str = "usp"
+    wandb_entity: Optional[str] = None
+    wandb_tags: List[str] = field(default_factory=list)
+    wandb_init_timeout_s: float = 30.0  # online only: after this, fall back to offline with a warning
+    tensorboard: bool = False  # event files in <run_dir>/tensorboard
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = False  # torch.profiler trace per rank in <run_dir>/profile (usp/engine/profiler.py)
+    steps: List[int] = field(default_factory=lambda: [10, 12])  # [first, last] optimizer step, inclusive
+    memory: bool = False  # CUDA memory snapshot of those steps (GPU only)
+    record_shapes: bool = False
 
 
 @dataclass
@@ -154,6 +200,7 @@ class UspConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 SCHEMA_NAME = "usp_schema"

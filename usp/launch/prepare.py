@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 
@@ -14,16 +15,33 @@ from usp.plan.plan import build_plan, engine_support_errors
 from usp.plan.render import render_plan
 
 
-def prepare_run(cfg, choices: dict, console: Console | None = None):
+def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data: bool = True,
+                check: Callable | None = None):
+    """prepare_data=False (a Slurm --dry-run): plan and write plan.yaml, tokenize nothing.
+    check(plan): the launcher's own refusals, run before anything is written."""
     console = console or Console()
     plan = build_plan(cfg, choices)
     render_plan(plan, console)
     errors = engine_support_errors(plan)
     if errors:
         raise errors[0]
+    if check is not None:
+        check(plan)
+    gpus = visible_nvidia_gpus()
+    if gpus and plan.device == "cpu" and plan.config["cluster"]["launcher"] == "local":
+        console.print(f"[yellow]note:[/] {gpus} NVIDIA GPU(s) visible here, but cluster.device=cpu: "
+                      f"cluster=local_gpu cluster.procs_per_node={gpus} trains on them (bf16, NCCL)", highlight=False)
     run_dir = check_run_dir(Path(plan.run_dir))
-    check_checkpoint_dir(plan)  # writable, with room for keep_last + 1 checkpoints
+    try:
+        check_checkpoint_dir(plan)  # writable, with room for keep_last + 1 checkpoints
+    except LaunchError as exc:
+        if prepare_data:
+            raise
+        # A dry run may be written far from the cluster's file system: say it, don't stop.
+        console.print(f"[yellow]warning (checked again on submit):[/] {exc}", highlight=False)
 
+    if not prepare_data:
+        return plan, write_plan(plan, run_dir / "plan.yaml")
     from usp.data.prepare import ensure_dataset
 
     with console.status("preparing data") as status:
@@ -35,6 +53,16 @@ def prepare_run(cfg, choices: dict, console: Console | None = None):
     console.print(f"data: {meta.get('n_train_tokens', 0):,} train tokens in {path}")
     plan.dataset_dir, plan.data_meta = str(path), dict(meta)
     return plan, write_plan(plan, run_dir / "plan.yaml")
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver sees (no torch, no nvidia-smi)
+
+
+def visible_nvidia_gpus() -> int:
+    try:
+        return sum(1 for _ in NVIDIA_GPUS.iterdir())
+    except OSError:
+        return 0
 
 
 def check_run_dir(run_dir: Path) -> Path:

@@ -240,7 +240,11 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     else:
         state, code = "[yellow]incomplete / running[/]", 0
         if events and events[-1].get("event") == "preempted":
-            state += f" (preempted at step {events[-1].get('step')}; resume by running the same command)"
+            from usp.launch.slurm import read_jobs  # a Slurm job requeues itself; a local run needs the user
+
+            how = "its Slurm job requeues and resumes by itself" if read_jobs(run_dir) else \
+                "resume by running the same command"
+            state += f" (preempted at step {events[-1].get('step')}; {how})"
 
     table = Table(title=escape(f"run: {(plan or {}).get('name', run_dir.name)}"), show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
@@ -279,6 +283,11 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
         table.add_row("earlier failures", f"{len(report.earlier)} failure record(s) from before the latest launch "
                                           "or restart (recovered or superseded)")
     console.print(table)
+    from usp.launch.jobs import slurm_table  # (imports this module)
+
+    job_table = slurm_table(run_dir)
+    if job_table is not None:
+        console.print(job_table)
     _render_checkpoints(run_dir, plan, console)
     if code == 1:
         render_failure(run_dir, plan, report, console)

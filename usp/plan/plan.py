@@ -61,6 +61,9 @@ class RunPlan:
         return out
 
 
+LAUNCHERS = ("local", "slurm")
+
+
 def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *, force: bool = False,
                strict: bool = False, training: bool = True) -> RunPlan:
     """Derive the run plan from a composed config (DictConfig or an object with the same fields).
@@ -79,17 +82,30 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     for key, value in (("cluster.nodes", nodes), ("cluster.procs_per_node", per_node)):
         if value < 1:
             raise PlanError("must be at least 1", key=key, value=value, fix=f"{key}=1")
+    if cluster.launcher not in LAUNCHERS:
+        raise PlanError(f"unknown launcher; choose one of {', '.join(LAUNCHERS)}", key="cluster.launcher",
+                        value=cluster.launcher, fix="cluster.launcher=local, or cluster=local_slurm")
     world = nodes * per_node
     degrees = resolve_degrees(cfg.parallelism, world)
     batch = derive_batch(train, degrees)
 
     vocab = int(model.vocab_size) if int(model.vocab_size) > 0 else _data_vocab(cfg.data)
     shape = SimpleNamespace(**{**{k: model[k] for k in model}, "vocab_size": vocab})
+    if training and _data_vocab(cfg.data) > 65535:  # token ids come from the data's tokenizer
+        raise PlanError("token files are uint16: the tokenizer's vocabulary must be below 65536",
+                        key="data.vocab_size", value=_data_vocab(cfg.data), fix="data.vocab_size=32000 (or less)")
     _check_model(shape, degrees, batch, training)
     per_token = float(flops_per_token_cfg(shape, batch.seq_len))
     pipeline = plan_pipeline(cfg.parallelism, shape, degrees, batch.grad_accum)
 
     threads = int(cluster.threads_per_proc) or max(1, (cpu_count or os.cpu_count() or 1) // per_node)
+    if cluster.launcher == "slurm" and not int(cluster.threads_per_proc):
+        if not int(cluster.slurm.cpus_per_task):  # this (login) machine's CPU count says nothing about the nodes
+            raise PlanError("a Slurm job needs the nodes' CPU count: cluster.slurm.cpus_per_task and "
+                            "cluster.threads_per_proc are both 0", key="cluster.slurm.cpus_per_task", value=0,
+                            fix=f"cluster.slurm.cpus_per_task=<CPUs per node> (split over {per_node} processes), "
+                                "or cluster.threads_per_proc=<threads per process>")
+        threads = max(1, int(cluster.slurm.cpus_per_task) // per_node)  # the nodes' CPUs, not this machine's
     name = train.name or f"{model.name}-{layout_tag(degrees)}"
     run_dir = Path(train.runs_dir).expanduser().resolve() / name
     plan = RunPlan(
@@ -146,9 +162,6 @@ def _check_model(m, degrees: dict[str, int], batch: BatchPlan, training: bool = 
         raise PlanError(f"zigzag context parallelism splits the sequence into 2 x cp = {2 * cp} chunks",
                         key="train.seq_len", value=batch.seq_len,
                         fix=f"train.seq_len={math.ceil(batch.seq_len / (2 * cp)) * 2 * cp}")
-    if training and m.vocab_size > 65535:
-        raise PlanError("token files are uint16: the vocabulary must be below 65536", key="model.vocab_size",
-                        value=m.vocab_size, fix="data.vocab_size <= 65535")
 
 
 def _divisors(n: int) -> list[int]:
@@ -197,6 +210,12 @@ def engine_support_errors(plan: RunPlan) -> list[PlanError]:
          "parallelism.ddp_comm_hook=fp16 or powersgd on CPU"),
         (model.get("attention") == "flash_attn" and plan.device != "cuda", "model.attention", "flash_attn",
          "flash-attn runs on CUDA only", "model.attention=sdpa"),
+        (model.get("attention", "sdpa") not in ("sdpa", "flash_attn"), "model.attention", model.get("attention"),
+         "unknown attention kernel", "model.attention=sdpa (or flash_attn on CUDA)"),
+        (model.get("attention") == "flash_attn" and plan.config["train"]["dtype"] == "fp32", "train.dtype", "fp32",
+         "flash-attn computes in bf16/fp16 only", "train.dtype=auto (bf16 on GPU), or model.attention=sdpa"),
+        (model.get("attention") == "flash_attn" and deg["cp"] > 1, "model.attention", "flash_attn",
+         "context parallelism brings its own (ring) attention", "model.attention=sdpa"),
         (ep > 1 and plan.config["checkpoint"]["enabled"], "checkpoint.enabled", True,
          "checkpoints of expert-parallel runs are not supported yet (expert weights differ per rank)",
          "checkpoint.enabled=false"),

@@ -127,16 +127,54 @@ def analyse(plan, cfg, *, force: bool = False, strict: bool = False, training: b
     hw = Hardware.from_cluster(cfg.cluster)
     layout = Layout.from_config(plan.degrees, cfg.parallelism, plan.batch, str(cfg.train.recompute))
     warnings = check_rules(ctx.arch, layout, hw, strict=strict)
+    warnings += check_observability(cfg, training)
     plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec)
     plan.timing = timing_plan(ctx.arch, layout, plan.batch.seq_len, plan.batch.global_batch, hw, ctx.prec)
-    if not training and plan.model.vocab_size > 65535:
-        warnings.append(f"model.vocab_size={plan.model.vocab_size}: token files are uint16 (< 65536), so `usp train` "
-                        "refuses this vocabulary for now; planned for sizing only")
     plan.warnings.extend(w for w in warnings if w not in plan.warnings)
     if not plan.memory.fits:
         if not force:
             raise oom_error(plan, ctx, layout)
         plan.warnings.append(f"--force: {oom_error(plan, ctx, layout, search=False)}")
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+CONSOLE_MODES = ("auto", "rich", "plain", "quiet")
+
+
+def check_observability(cfg, training: bool = True) -> list[str]:
+    """logging.* and profile.*: raise the first PlanError; return warnings. A missing tracking
+    package is an error for `usp train`, a warning for `usp plan` (it may run elsewhere)."""
+    from importlib.util import find_spec  # finds the package without importing it (wandb costs ~1 s)
+
+    log, prof, steps = getattr(cfg, "logging", None), getattr(cfg, "profile", None), int(cfg.train.steps)
+    warnings = []
+    for key, package in (("logging.wandb", "wandb"), ("logging.tensorboard", "tensorboard")):
+        if log is not None and bool(getattr(log, key.split(".")[1], False)) and find_spec(package) is None:
+            error = PlanError(f"the {package} package is not installed", key=key, value=True,
+                              fix=f"pip install {package} (or the usp[track] extra), or {key}=false")
+            if training:
+                raise error
+            warnings.append(str(error).replace("\n  fix:", "; fix:"))
+    if log is not None:
+        if str(log.console) not in CONSOLE_MODES:
+            raise PlanError(f"choose one of {', '.join(CONSOLE_MODES)}", key="logging.console", value=log.console,
+                            fix="logging.console=auto")
+        if getattr(log, "wandb_mode", None) is not None and str(log.wandb_mode) not in WANDB_MODES:
+            raise PlanError(f"choose one of {', '.join(WANDB_MODES)}", key="logging.wandb_mode",
+                            value=log.wandb_mode, fix="logging.wandb_mode=offline")
+    if prof is None or not bool(prof.enabled):
+        return warnings
+    window = [int(s) for s in prof.steps]
+    first, last = (window[0], window[1]) if len(window) == 2 else (0, -1)
+    if not 1 <= first <= last <= steps:
+        lo = min(10, max(1, steps - 2))
+        hi = min(lo + 2, steps)
+        raise PlanError(f"must be [first, last] optimizer steps with 1 <= first <= last <= train.steps ({steps})",
+                        key="profile.steps", value=window, fix=f"profile.steps=[{lo},{hi}]")
+    if last - first >= 10:
+        warnings.append(f"profile.steps={window}: {last - first + 1} profiled steps make a large trace; 2-3 are "
+                        "usually enough")
+    return warnings
 
 
 def oom_error(plan, ctx: PlannerContext, layout: Layout, search: bool = True) -> PlanError:

@@ -1,0 +1,44 @@
+"""`usp submit` / `usp train cluster=<slurm group>`: the planned run becomes
+<run_dir>/job.sbatch and, unless --dry-run, a Slurm job. No torch."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from usp.launch import slurm
+from usp.launch.slurm_script import check_slurm_settings, default_log_dir, render_job
+
+
+def check_submittable(plan) -> None:
+    """Before plan.yaml is written: settings sbatch would reject, and a job of this run that is
+    still queued or running (its next requeue would read the new plan)."""
+    check_slurm_settings(plan.config["cluster"]["slurm"], plan.device)
+    slurm.refuse_if_active(Path(plan.run_dir))
+
+
+def submit_run(plan, plan_path: Path, command: list[str], *, dry_run: bool = False,
+               console: Console | None = None) -> str | None:
+    """Write the batch script next to plan.yaml and sbatch it. Returns the job id (None: dry run)."""
+    console = console or Console()
+    run_dir = Path(plan.run_dir)
+    log_dir = default_log_dir(plan)
+    text = render_job([plan], [plan_path], command, log_dir=log_dir)
+    script = slurm.write_script(text, run_dir / "job.sbatch")
+    log_dir.mkdir(parents=True, exist_ok=True)  # sbatch won't create the --output directory
+    if dry_run:
+        print(text, end="", flush=True)  # plain, so it can be copied or piped
+        console.print(escape(f"dry run: wrote {script} (not submitted). The data is not prepared: submit "
+                             f"with the same command without --dry-run (or `usp prepare-data` first, then "
+                             f"sbatch {script})"),
+                      highlight=False, soft_wrap=True)
+        return None
+    job_id = slurm.submit(script, [plan_path], log_dir, run_dir)
+    name = escape(str(run_dir))
+    console.print(f"[bold green]submitted[/] Slurm job {job_id}: {plan.nodes} node(s) x {plan.procs_per_node} "
+                  f"process(es)", highlight=False)
+    console.print(f"  script  {escape(str(script))}\n  output  {escape(str(slurm.log_file({'job_id': job_id, 'log_dir': str(log_dir)}, None)))}"
+                  f"\n  ranks   {name}/logs/rank_<N>.log\n  follow  usp logs {name}\n  status  usp status {name}"
+                  f"\n  cancel  usp cancel {name}", highlight=False, soft_wrap=True)
+    return job_id
