@@ -118,6 +118,25 @@ def test_init_deterministic():
     assert any(not torch.equal(v, c.state_dict()[k]) for k, v in a.state_dict().items() if "norm" not in k)
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_meta_build_materializes_to_the_eager_weights(tie):
+    """The engine builds on the meta device and allocates once on the target device: the
+    values, the RoPE tables and the embedding/output tie must be those of an eager build."""
+    args = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, tie_embeddings=tie)
+    eager = Llama(args, max_seq_len=16)
+    eager.init_weights(seed=7)
+    with torch.device("meta"):
+        model = Llama(args, max_seq_len=16)
+    assert all(p.is_meta for p in model.parameters())
+    model.materialize("cpu", seed=7)
+    assert (model.output.weight is model.tok_embeddings.weight) is tie
+    assert model.state_dict().keys() == eager.state_dict().keys()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0)
+    for name in ("rope_cos", "rope_sin"):
+        torch.testing.assert_close(getattr(model, name), getattr(eager, name), rtol=0, atol=0)
+
+
 def test_init_independent_of_held_layers():
     # A pipeline stage that only holds layer 1 must get the same weights for it.
     full = small_model(seed=3)

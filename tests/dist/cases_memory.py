@@ -3,7 +3,7 @@ config: seq_len 128, global batch 16) for 2 steps with train.measure_memory on; 
 runs under the memory probe (usp/engine/memory_probe.py). Rank 0 records, per layout, the
 planner's tensor memory (its total without the overhead allowance) for the peak stage and the
 measured peak (max over ranks). Single-process layouts run on rank 0 only, in the same launch.
-Launched by tests/test_memory_calibration.py and scripts/bench_memory.py."""
+Launched by tests/test_memory_calibration.py and scripts/bench/memory.py."""
 import os
 import sys
 import tempfile
@@ -31,7 +31,7 @@ MEMORY_LAYOUTS = {
     "tp": (2, ["parallelism.dp_replicate=1", "parallelism.tp=2"]),
 }
 
-# More layouts for scripts/bench_memory.py --extra (not asserted by the test): a byte vocabulary
+# More layouts for scripts/bench/memory.py --extra (not asserted by the test): a byte vocabulary
 # (V = 256) moves the peak from the loss backward to a layer's backward; accumulation, MoE, PP.
 BYTES = ["data.tokenizer=bytes"]
 PP = ["model.tie_embeddings=false", "model.n_layers=4", "parallelism.dp_replicate=1", "parallelism.pp=2",

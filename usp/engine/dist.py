@@ -124,7 +124,10 @@ def _device(kind: str, local_rank: int) -> torch.device:
             raise RuntimeError("cluster.device=cuda but no CUDA device is visible; use cluster=local_cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    if kind == "xpu":
+    if kind == "xpu":  # Intel GPUs: device type "xpu", backend xccl (plan); ROCm GPUs are "cuda" (RCCL as nccl)
+        if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            raise RuntimeError("cluster.device=xpu but no XPU device is visible (needs a PyTorch build with XPU "
+                               "support); use cluster=local_cpu")
         torch.xpu.set_device(local_rank)
         return torch.device("xpu", local_rank)
     return torch.device("cpu")

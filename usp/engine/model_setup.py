@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from usp.engine.accel import set_attention
 from usp.engine.dist import DistContext
 from usp.engine.parallelize import parallelize
 from usp.models.llama import Llama, LlamaArgs
@@ -38,9 +39,11 @@ def model_factory(plan: dict, ctx: DistContext):
     args = LlamaArgs.from_config(_Attrs(cfg["model"]), vocab)
 
     def build() -> Llama:
-        model = Llama(args, max_seq_len=int(plan["batch"]["seq_len"]))
-        model.init_weights(seed=int(cfg["train"]["seed"]))  # same seed everywhere: no broadcast needed
-        return model.to(ctx.device)
+        with torch.device("meta"):  # shapes only: the weights are allocated once, on the device
+            model = Llama(args, max_seq_len=int(plan["batch"]["seq_len"]))
+        model.materialize(ctx.device, seed=int(cfg["train"]["seed"]))  # same seed everywhere: no broadcast needed
+        set_attention(model, str(cfg["model"].get("attention", "sdpa")), ctx.device.type)
+        return model
 
     return build
 

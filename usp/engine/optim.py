@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from usp.engine.accel import fused_adamw
+
 
 def build_optimizer(params: list[torch.nn.Parameter], opt, device: torch.device,
                     zero1_group=None) -> torch.optim.Optimizer:
@@ -21,7 +23,7 @@ def build_optimizer(params: list[torch.nn.Parameter], opt, device: torch.device,
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kw)
-    return torch.optim.AdamW(groups, fused=device.type == "cuda", **kw)
+    return torch.optim.AdamW(groups, fused=fused_adamw(device.type), **kw)
 
 
 def lr_factor(step: int, opt, total_steps: int) -> float:

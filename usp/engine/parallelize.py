@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from usp.engine.accel import fsdp_mp_policy
 from usp.engine.dist import DistContext
 from usp.engine.parallel.data import apply_ddp, apply_fsdp
 from usp.plan.layout import data_parallel_kind
@@ -35,7 +36,8 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
     if int(par["ep"]) > 1:
         return model  # expert parallel: gradients are reduced by expert.reduce_gradients
     if kind in ("fsdp", "hsdp", "replicate"):
-        return apply_fsdp(model, ctx, reshard_after_forward=bool(par["reshard_after_forward"]) and kind != "replicate")
+        return apply_fsdp(model, ctx, reshard_after_forward=bool(par["reshard_after_forward"]) and kind != "replicate",
+                          mp_policy=fsdp_mp_policy(plan))  # bf16 compute on GPU, None on CPU
     if kind in ("ddp", "zero1"):
         return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
     return model

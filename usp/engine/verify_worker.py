@@ -11,13 +11,14 @@ from pathlib import Path
 import torch
 
 from usp.engine import dist as udist
+from usp.engine.accel import deterministic
 from usp.engine.parity import verify_plans
 from usp.plan.io import read_plan, write_text_atomic
 
 
 def run_verify(plan_path: str, reference_path: str, out: str) -> int:
     plan, reference = read_plan(Path(plan_path)), read_plan(Path(reference_path))
-    if plan["config"]["train"]["deterministic"]:
+    if deterministic(plan):
         torch.use_deterministic_algorithms(True, warn_only=True)
     udist.init_process_group(plan)
     clean = False

@@ -183,7 +183,8 @@ class Llama(nn.Module):
         self.sequence_shards = 1  # > 1 when hidden states are sequence-sharded (tensor + sequence parallel)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if not self.rope_cos.is_meta:  # built under torch.device("meta"): materialize() initialises
+            self.init_weights()
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens (b, s) int ids, or (b, s, dim) hidden states when `tok_embeddings` is None.
@@ -208,6 +209,16 @@ class Llama(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+    def materialize(self, device, seed: Optional[int] = None) -> "Llama":
+        """A model built on the meta device, allocated once on `device` and initialised there: no
+        CPU copy of the whole model first. Same values as an eager build (init_weights draws on
+        CPU per parameter, whatever the device)."""
+        self.to_empty(device=device)
+        if self.args.tie_embeddings:  # to_empty makes new Parameters: tie them again
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights(seed)
+        return self
 
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:

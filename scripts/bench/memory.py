@@ -5,8 +5,8 @@ to the peak the memory probe measures during one training step (torch's MemTrack
 over ranks), and the error. One 2-process torchrun launch; the tiny model, seq_len 128, global
 batch 16. Prints a Markdown table (MiB).
 
-    python scripts/bench_memory.py            # the layouts tests/test_memory_calibration.py asserts
-    python scripts/bench_memory.py --extra    # + byte vocabulary, accumulation, MoE, pipeline layouts
+    python scripts/bench/memory.py            # the layouts tests/test_memory_calibration.py asserts
+    python scripts/bench/memory.py --extra    # + byte vocabulary, accumulation, MoE, pipeline layouts
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("USP_CACHE_DIR", tempfile.mkdtemp(prefix="usp-bench-"))
 

@@ -1,0 +1,177 @@
+"""What a GPU run would choose (usp/engine/accel.py, launch env, plan rules), checked on CPU:
+the GPU code paths themselves are unreachable here, their decisions are not."""
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from usp.config.compose import compose_config
+from usp.engine import accel
+from usp.launch.local import worker_env
+from usp.plan.plan import build_plan, engine_support_errors
+
+FSDP2 = ["cluster.procs_per_node=2", "parallelism.dp_replicate=1", "parallelism.dp_shard=2"]
+DDP2 = ["cluster.procs_per_node=2", "parallelism.dp_replicate=2"]
+NO_CUDA_WARNING = pytest.mark.filterwarnings("ignore:CUDA is not available")  # a cuda autocast object, built on CPU
+
+
+def plan_of(*overrides: str, obj: bool = False):
+    cfg, choices = compose_config(None, list(overrides))
+    plan = build_plan(cfg, choices, training=False)
+    return plan if obj else plan.to_dict()
+
+
+@pytest.mark.parametrize("dtype,device,bf16", [("auto", "cuda", True), ("auto", "xpu", True), ("auto", "cpu", False),
+                                               ("fp32", "cuda", False), ("bf16", "cpu", True)])
+def test_uses_bf16(dtype, device, bf16):
+    assert accel.uses_bf16(dtype, device) is bf16
+
+
+def test_fsdp_on_gpu_uses_fsdp2_mixed_precision_policy_and_no_autocast():
+    plan = plan_of("cluster=local_gpu", *FSDP2)
+    assert accel.fsdp_mixed_precision(plan)
+    policy = accel.fsdp_mp_policy(plan)
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert isinstance(accel.autocast_context(plan, torch.device("cuda", 0)), type(accel.contextlib.nullcontext()))
+
+
+@NO_CUDA_WARNING
+def test_ddp_and_single_on_gpu_use_bf16_autocast():
+    for overrides in (DDP2, []):
+        plan = plan_of("cluster=local_gpu", *overrides)
+        assert accel.fsdp_mp_policy(plan) is None
+        ctx = accel.autocast_context(plan, torch.device("cuda", 0))
+        assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16
+
+
+@NO_CUDA_WARNING
+def test_pipeline_with_fsdp_on_gpu_keeps_autocast():
+    plan = plan_of("cluster=local_gpu", "cluster.procs_per_node=4", "parallelism.dp_replicate=1",
+                   "parallelism.dp_shard=2", "parallelism.pp=2", "model.n_layers=4", "model.tie_embeddings=false")
+    assert not accel.fsdp_mixed_precision(plan)
+    assert isinstance(accel.autocast_context(plan, torch.device("cuda", 0)), torch.autocast)
+
+
+def test_cpu_and_fp32_stay_fp32():
+    for plan, device in ((plan_of(*FSDP2), "cpu"), (plan_of("cluster=local_gpu", *FSDP2, "train.dtype=fp32"), "cuda")):
+        assert accel.fsdp_mp_policy(plan) is None
+        assert not isinstance(accel.autocast_context(plan, torch.device(device)), torch.autocast)
+
+
+def test_fused_adamw_only_on_accelerators():
+    assert accel.fused_adamw("cuda") and accel.fused_adamw("xpu") and not accel.fused_adamw("cpu")
+
+
+def test_sdpa_prefers_flash_on_cuda_only():
+    from torch.nn.attention import SDPBackend
+
+    assert accel.sdpa_backends("cuda")[0] == SDPBackend.FLASH_ATTENTION
+    assert accel.sdpa_backends("cpu") is None and accel.attention_core("sdpa", "cpu") is None
+
+
+def test_cuda_sdpa_wrapper_matches_plain_sdpa_with_gqa():
+    """The wrapper's arithmetic (GQA, causal), run on CPU tensors (the kernel priority is CUDA's)."""
+    core = accel.attention_core("sdpa", "cuda")
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(core(q, k, v), ref)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_flash_attn_missing_names_the_extra():
+    with pytest.raises(ImportError, match=r"pip install 'usp\[gpu\]'.*model.attention=sdpa"):
+        accel.attention_core("flash_attn", "cuda")
+
+
+def test_unknown_attention_is_refused():
+    with pytest.raises(ValueError, match="model.attention='flash'"):
+        accel.attention_core("flash", "cuda")
+    errors = engine_support_errors(plan_of("model.attention=flash", obj=True))
+    assert [e.key for e in errors] == ["model.attention"]
+
+
+def test_flash_attn_plan_errors_name_the_key():
+    cpu = engine_support_errors(plan_of("model.attention=flash_attn", obj=True))
+    assert [e.key for e in cpu] == ["model.attention"] and "model.attention=sdpa" in str(cpu[0].fix)
+    fp32 = engine_support_errors(plan_of("cluster=local_gpu", "model.attention=flash_attn", "train.dtype=fp32",
+                                         obj=True))
+    assert [e.key for e in fp32] == ["train.dtype"]
+    assert engine_support_errors(plan_of("cluster=local_gpu", "model.attention=flash_attn", obj=True)) == []
+
+
+def test_backend_follows_the_device():
+    assert plan_of("cluster=local_gpu")["backend"] == "nccl"
+    assert plan_of("cluster=mi300x", "cluster.nodes=1")["device"] == "cuda"  # ROCm: device type cuda, RCCL as nccl
+    assert plan_of("cluster=mi300x", "cluster.nodes=1")["backend"] == "nccl"
+    xpu = plan_of("cluster=supermuc_ng_p2")
+    assert (xpu["device"], xpu["backend"]) == ("xpu", "xccl")
+    assert plan_of()["backend"] == "gloo"
+
+
+def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None):
+    return SimpleNamespace(device=device, threads_per_proc=1,
+                           config={"cluster": {"env": env or {}}, "train": {"deterministic": deterministic}})
+
+
+def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(_env_plan("cpu"))
+    # the user's setting wins: from cluster.env, or from the environment
+    assert worker_env(_env_plan("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}))[
+        "PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+
+
+@pytest.mark.parametrize("configured,device,on", [(None, "cpu", True), (None, "cuda", False), (None, "xpu", False),
+                                                  (True, "cuda", True), (False, "cpu", False)])
+def test_deterministic_by_default_on_cpu_only(configured, device, on):
+    """Parity tests and exact resume need it on CPU (where it costs nothing measurable); on a GPU
+    its deterministic kernels (embedding backward, scatter) cost speed, so only when asked."""
+    assert accel.deterministic({"device": device, "config": {"train": {"deterministic": configured}}}) is on
+
+
+def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert worker_env(_env_plan("cuda", deterministic=True))["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env(_env_plan("cuda"))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env(_env_plan("cpu", deterministic=True))
+
+
+def test_set_attention_leaves_cpu_models_alone():
+    from usp.models.llama import Llama, LlamaArgs
+
+    model = Llama(LlamaArgs(vocab_size=64), max_seq_len=16)
+    accel.set_attention(model, "sdpa", "cpu")
+    assert all(b.attention.core_attention is None for b in model.layers.values())
+    accel.set_attention(model, "sdpa", "cuda")  # what a GPU run installs (not run here)
+    assert all(b.attention.core_attention is not None for b in model.layers.values())
+
+
+def test_a_cpu_run_on_a_machine_with_gpus_says_how_to_use_them(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from usp.launch import prepare
+
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:01:00.0", "0000:02:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    monkeypatch.setattr(prepare, "NVIDIA_GPUS", gpus)
+
+    def note(*overrides: str) -> str:
+        cfg, choices = compose_config(None, [f"train.runs_dir={tmp_path}", *overrides])
+        out = io.StringIO()
+        prepare.prepare_run(cfg, choices, console=Console(file=out, width=300), prepare_data=False)
+        return out.getvalue()
+
+    assert "2 NVIDIA GPU(s) visible here" in note() and "cluster=local_gpu cluster.procs_per_node=2" in note()
+    assert "visible here" not in note("cluster=local_gpu")
+    monkeypatch.setattr(prepare, "NVIDIA_GPUS", tmp_path / "none")  # no driver: no note
+    assert "visible here" not in note()

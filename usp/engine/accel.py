@@ -1,0 +1,119 @@
+"""Choices that matter on an accelerator (CUDA, ROCm - which PyTorch exposes as device type
+"cuda" over RCCL - and Intel XPU), each a small function of the plan so CPU tests can check
+what a GPU run would pick. On CPU every choice falls back to plain fp32 PyTorch.
+
+| choice           | GPU (train.dtype=auto or bf16)                          | CPU (auto / fp32)  |
+|------------------|---------------------------------------------------------|--------------------|
+| FSDP2 layouts    | MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), no autocast | fp32 |
+| other layouts    | torch.autocast(bf16) around forward and loss            | fp32               |
+| AdamW            | fused=True (one kernel per parameter group)             | for-each (default) |
+| attention        | SDPA, flash backend first; or the flash-attn package    | SDPA               |
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from usp.plan.layout import data_parallel_kind
+
+ATTENTION_CHOICES = ("sdpa", "flash_attn")
+FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keeps the default (parity with past runs)
+
+
+def uses_bf16(dtype: str, device_type: str) -> bool:
+    """train.dtype=auto means bf16 on an accelerator, fp32 on CPU."""
+    return dtype == "bf16" or (dtype == "auto" and device_type != "cpu")
+
+
+def fsdp_mixed_precision(plan: dict) -> bool:
+    """bf16 through FSDP2's policy (parameters gathered in bf16, gradients reduced in fp32), as
+    torchtitan: for FSDP/HSDP layouts on an accelerator. Pipelines and expert parallelism keep
+    autocast: their stage boundaries and expert all-to-alls expect the fp32 parameters' dtype."""
+    cfg, deg = plan["config"], plan["degrees"]
+    par = cfg["parallelism"]
+    return (plan["device"] != "cpu" and uses_bf16(str(cfg["train"]["dtype"]), plan["device"])
+            and data_parallel_kind(deg, bool(par["zero1"])) in ("fsdp", "hsdp", "replicate")
+            and deg["pp"] == 1 and int(par["ep"]) == 1)
+
+
+def fsdp_mp_policy(plan: dict):
+    if not fsdp_mixed_precision(plan):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def autocast_context(plan: dict, device: torch.device):
+    """Around forward + loss: bf16 autocast unless fp32, or unless FSDP2 already computes in bf16."""
+    if not uses_bf16(str(plan["config"]["train"]["dtype"]), device.type) or fsdp_mixed_precision(plan):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def deterministic(plan: dict) -> bool:
+    """train.deterministic, or by default: on for CPU, off on an accelerator."""
+    configured = plan["config"]["train"].get("deterministic")
+    return plan["device"] == "cpu" if configured is None else bool(configured)
+
+
+def fused_adamw(device_type: str) -> bool:
+    return device_type in FUSED_ADAMW_DEVICES
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+def sdpa_backends(device_type: str):
+    """SDPA kernel priority on CUDA: flash first (PyTorch may otherwise prefer cuDNN on some
+    versions), then memory-efficient, cuDNN, math as fallbacks (e.g. fp32 or odd head sizes).
+    None elsewhere: PyTorch's own choice."""
+    if device_type != "cuda":
+        return None
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def attention_core(name: str, device_type: str):
+    """The (q, k, v) -> o function for Attention.core_attention ((b, heads, s, head_dim), causal),
+    or None for the model's built-in SDPA call."""
+    if name not in ATTENTION_CHOICES:
+        raise ValueError(f"model.attention={name!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+    if name == "flash_attn":
+        return _flash_attn_core()
+    backends = sdpa_backends(device_type)
+    if backends is None:
+        return None
+    from torch.nn.attention import sdpa_kernel
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(backends, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+    return sdpa
+
+
+def _flash_attn_core():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as exc:
+        raise ImportError("model.attention=flash_attn needs the flash-attn package (CUDA only): "
+                          "pip install 'usp[gpu]', or set model.attention=sdpa") from exc
+
+    def flash(q, k, v):  # flash-attn takes (b, s, heads, head_dim) and handles GQA itself
+        o = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return o.transpose(1, 2)
+
+    return flash
+
+
+def set_attention(model: nn.Module, name: str, device_type: str) -> None:
+    """Install the attention kernel in every block (context parallelism may replace it later)."""
+    core = attention_core(name, device_type)
+    if core is None:
+        return
+    for block in model.layers.values():
+        block.attention.core_attention = core
