@@ -404,12 +404,20 @@ PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node
             "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2",
             "parallelism.reshard_after_forward=false"], []),
     (["cluster.nodes=2", "train.micro_batch=8"], ["cluster.nodes"]),
-    (["cluster.nodes=2", "train.micro_batch=8", "cluster.launcher=slurm"], []),
+    (["cluster=local_slurm", "cluster.nodes=2", "cluster.procs_per_node=1", "train.micro_batch=8"], []),
 ])
 def test_engine_support_errors(overrides, keys):
     errors = engine_support_errors(plan_for(*overrides))
     assert [e.key for e in errors] == keys
     assert all(isinstance(e, PlanError) and e.fix for e in errors)
+
+
+def test_a_slurm_job_without_the_nodes_cpu_count_is_refused():
+    """threads per rank would otherwise come from the login node's CPU count."""
+    with pytest.raises(PlanError) as err:
+        plan_for("cluster.launcher=slurm", "cluster.threads_per_proc=0", "cluster.slurm.cpus_per_task=0")
+    assert err.value.key == "cluster.slurm.cpus_per_task" and "cpus_per_task=<CPUs per node>" in err.value.fix
+    assert plan_for("cluster.launcher=slurm", "cluster.slurm.cpus_per_task=16").threads_per_proc == 16
 
 
 # --- plan.yaml -------------------------------------------------------------------------------------

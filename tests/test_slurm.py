@@ -65,9 +65,10 @@ def slurm():
         subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, text=True)
 
 
-def submit(runs: Path, name: str, *overrides: str, steps: int = STEPS) -> tuple[str, Path]:
+def submit(runs: Path, name: str, *overrides: str, steps: int = STEPS, verb: str = "submit") -> tuple[str, Path]:
+    """`usp submit` (or `usp train`, which submits too with a Slurm cluster group)."""
     train = [o for o in TRAIN if not o.startswith("train.steps=")] + [f"train.steps={steps}"]
-    r = run_usp("submit", *train, "cluster=local_slurm", f"train.runs_dir={runs}", f"train.name={name}",
+    r = run_usp(verb, *train, "cluster=local_slurm", f"train.runs_dir={runs}", f"train.name={name}",
                 *overrides, cwd=runs)
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = json.loads((runs / name / "job.json").read_text())["jobs"][-1]["job_id"]
@@ -250,11 +251,19 @@ def test_a_failed_node_requeues_the_job_which_resumes_to_the_same_loss(slurm, ru
 
 
 def test_cancel_stops_the_job(slurm, runs):
-    job_id, run_dir = submit(runs, "cancelled", steps=100000)
+    job_id, run_dir = submit(runs, "cancelled", steps=100000, verb="train")  # usp train submits to Slurm too
     wait_for_line(run_dir / "logs" / f"slurm-{job_id}.out", "step 1/")
+    plan_written = (run_dir / "plan.yaml").stat().st_mtime_ns
+    # a second submission to the live run would replace the plan its next requeue resumes from
+    r = run_usp("submit", *TRAIN, "cluster=local_slurm", f"train.runs_dir={runs}", "train.name=cancelled", cwd=runs)
+    error = " ".join(r.stderr.split())  # rich wraps long lines
+    assert r.returncode == 2 and f"still has Slurm job(s) {job_id} queued or running" in error, r.stderr
+    assert "usp cancel" in error and (run_dir / "plan.yaml").stat().st_mtime_ns == plan_written
     r = run_usp("cancel", str(run_dir))
     assert r.returncode == 0 and f"cancelled Slurm job {job_id}" in r.stdout
     assert wait_for(job_id, timeout=60)["JobState"] == "CANCELLED"
+    r = run_usp("cancel", str(run_dir))
+    assert r.returncode == 0 and "nothing to cancel" in r.stdout
 
 
 def test_a_taken_rendezvous_port_fails_loudly_instead_of_joining_another_store(slurm, runs):

@@ -120,9 +120,12 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
     world = layout.world
     tokens_step = global_batch * s
     layer_mm = arch.active_layer_matmul_params
-    model_fpt = 6 * (arch.n_layers * layer_mm + arch.vocab_size * h) + 12 * arch.n_layers * h * s
+    blocks_fpt = arch.n_layers * (6 * layer_mm + 12 * h * s)
+    model_fpt = blocks_fpt + 6 * arch.vocab_size * h
+    # full recomputation runs each block's forward (1/3 of its training FLOPs) again; the LM head
+    # is not recomputed (usp/engine/recompute.py wraps blocks only)
     recompute_extra = 1 / 3 if layout.recompute == "full" else 0.0
-    hw_fpt = model_fpt * (1 + recompute_extra)
+    hw_fpt = model_fpt + recompute_extra * blocks_fpt
 
     peak = hw.peak_flops(prec)
     sat_h, sat_tok = _sat(h / t), _sat(b * s_loc)
@@ -132,7 +135,7 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
     counts, ranks = stage_layer_counts(arch, p, layout.virtual, layout.schedule, layout.pp_layers)
     tokens_mb = b * s_loc  # tokens one rank processes per micro batch
     per_layer = (6 * layer_mm + 12 * h * s) / t * (1 + recompute_extra)
-    head = 6 * arch.vocab_size * h / t * (1 + recompute_extra)
+    head = 6 * arch.vocab_size * h / t
     stage_flops, stage_layers = [], []
     for held in ranks:
         n_layers = sum(counts[i] for i in held)
