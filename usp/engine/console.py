@@ -20,20 +20,24 @@ def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 
 
 class Console:
-    """Progress display for rank 0. mode: auto | rich | plain | quiet."""
+    """Progress display for rank 0. mode: auto | rich | plain | quiet. Plain prints one line per
+    logged step (what a Slurm log gets); rich shows the same fields beside a progress bar."""
 
-    def __init__(self, mode: str, total_steps: int, enabled: bool):
+    def __init__(self, mode: str, total_steps: int, enabled: bool, start_step: int = 0):
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode if enabled else "quiet"
-        self.total = total_steps
+        self.total, self.start = total_steps, start_step
         self._progress = self._task = None
         if self.mode == "rich":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.table import Column
 
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
-            self._task = self._progress.add_task("train", total=total_steps, stats="")
+            # the stats fold onto more lines on a narrow terminal instead of being cut off
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                      TimeRemainingColumn(),
+                                      TextColumn("{task.fields[stats]}", table_column=Column(overflow="fold")))
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self._progress.start()
 
     def print(self, text: str) -> None:
@@ -48,7 +52,14 @@ class Console:
             stats = _stats(record) if record else None
             self._progress.update(self._task, completed=step, **({"stats": stats} if stats else {}))
         elif self.mode == "plain" and record:
-            print(f"step {step}/{self.total} {_stats(record)}", flush=True)
+            print(f"step {step}/{self.total} eta {self._eta(step, record)} | {_stats(record)}", flush=True)
+
+    def _eta(self, step: int, record: dict) -> str:
+        """Remaining steps at the mean pace of this attempt so far (evaluations included)."""
+        done, elapsed = step - self.start, record.get("elapsed_s")
+        if not done or elapsed is None:
+            return "?"
+        return _duration(elapsed / done * (self.total - step))
 
     def close(self) -> None:
         if self._progress is not None:
@@ -56,8 +67,25 @@ class Console:
 
 
 def _stats(r: dict) -> str:
+    """loss, lr, grad norm, throughput, MFU, memory and data wait: the fields a record has."""
     parts = [f"loss {r['loss']:.4f}"]
     if r.get("val_loss") is not None:
         parts.append(f"val {r['val_loss']:.4f}")
     parts += [f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.2f}", f"{r['tokens_per_s']:,.0f} tok/s"]
+    if "tokens_per_s_per_device" in r:
+        parts.append(f"{r['tokens_per_s_per_device']:,.0f} tok/s/dev")
+    if r.get("mfu") is not None:
+        parts.append(f"mfu {100 * r['mfu']:.1f}%")
+    memory = r.get("memory_peak_gib", r.get("memory_measured_max_gib"))
+    if memory is not None:
+        parts.append(f"mem {memory:.2f} GiB")
+    if r.get("data_wait_s") is not None:
+        parts.append(f"data {1e3 * r['data_wait_s']:.1f} ms")
     return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"

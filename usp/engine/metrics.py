@@ -1,5 +1,6 @@
 """runs/<name>/metrics.jsonl: one JSON object per logged step, flushed as it is written so
-a crash loses nothing that was logged. Written by rank 0 only."""
+a crash loses nothing that was logged. Written by rank 0 only, always (W&B and TensorBoard
+are optional extras beside it: usp/engine/tracking.py)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,9 @@ class MetricsWriter:
         for record in kept:
             self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def log(self, step: int, record: dict) -> None:  # the Tracker interface (usp/engine/tracking.py)
+        self.write(record)
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -1,11 +1,13 @@
 """The training loop: micro batches with gradient accumulation (no gradient sync on inner
 micro batches), or a pipeline schedule; clipping, AdamW + schedule, periodic validation,
-metrics, final summary. The parallel wrappers come from usp/engine/model_setup.py."""
+metrics (usp/engine/tracking.py), the optional profiler, final summary. The parallel wrappers
+come from usp/engine/model_setup.py."""
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -16,14 +18,19 @@ from omegaconf import OmegaConf
 
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
 from usp.engine.console import Console, rank_logger
+from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
 from usp.engine.dist import DistContext, all_reduce_mean
 from usp.engine.grad_norm import clip_grad_norm
 from usp.engine.memory_probe import MemoryProbe
-from usp.engine.metrics import MetricsWriter
 from usp.engine.model_setup import build_model
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.data import gradient_sync
+from usp.plan.io import write_text_atomic
+from usp.engine.profiler import StepProfiler
+from usp.engine.tracking import build_trackers
+
+GIB = 1024**3
 
 
 class Trainer:
@@ -36,7 +43,7 @@ class Trainer:
         self.steps, self.seq_len = int(train.steps), int(batch["seq_len"])
         self.micro, self.accum = int(batch["micro_batch"]), int(batch["grad_accum"])
         self.global_tokens = int(batch["global_batch"]) * self.seq_len
-        self.autocast = _autocast(train.dtype, ctx.device)
+        self.autocast = autocast_context(plan, ctx.device)  # bf16 on GPU: autocast, or FSDP2's policy
         deg = ctx.degrees
         self.cp, self.cp_rank = deg["cp"], ctx.coords["cp"]
         self.loss_parallel = deg["tp"] > 1
@@ -63,10 +70,15 @@ class Trainer:
         self.start_step = self.checkpointer.resume()
         self.last_completed_step = self.start_step
         self.stop_requested = False  # set by SIGTERM / SIGUSR1 (see usp/engine/signals.py)
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", keep_until=self.start_step) \
+        self.console = Console(self.cfg.logging.console, self.steps, enabled=ctx.is_main, start_step=self.start_step)
+        # metrics.jsonl (+ W&B, TensorBoard): rank 0 only
+        self.trackers = build_trackers(plan, self.run_dir, self.start_step, warn=self.warn) \
             if ctx.is_main and write_outputs else None
-        self.console = Console(self.cfg.logging.console, self.steps, enabled=ctx.is_main)
         self.probe = MemoryProbe.create(self)  # None unless train.measure_memory
+        self.profiler = StepProfiler.create(self) if write_outputs else None  # None unless profile.enabled
+        self.data_wait_s = 0.0  # time spent getting this step's batches (reading tokens, copying to device)
+        restarts = os.environ.get("SLURM_RESTART_COUNT")  # set by Slurm on a requeued job
+        self.slurm_restart_count = int(restarts) if restarts and restarts.isdigit() else None
 
     # -- one optimizer step ------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float]:
@@ -85,10 +97,11 @@ class Trainer:
             ep_group, edp_group = self.ctx.expert_groups(int(self.cfg.parallelism.ep), self.plan["ranks"])
             reduce_gradients(self.parts.modules[0], self.ctx.group("dp_replicate"), ep_group, edp_group)
         clip = float(self.cfg.optimizer.grad_clip)
-        grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"))
-        if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
-            return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
-        self._optimizer_step()
+        with self._region("usp_optimizer"):
+            grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"))
+            if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
+                return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
+            self._optimizer_step()
         return loss, grad_norm
 
     def _optimizer_step(self, apply: bool = True) -> None:
@@ -118,22 +131,24 @@ class Trainer:
         """Mean loss of this rank's micro batches (before the all-reduce over data-parallel ranks)."""
         model, total = self.parts.modules[0], 0.0
         micro_batches = self.sampler.micro_batches(step)
+        # Summed on the device, read once: a .item() per micro batch would stall the GPU's queue.
         for i, starts in enumerate(micro_batches):
             x, y, positions = self._batch(self.train_tokens, starts)
             # all-reduce / reduce-scatter gradients only after the last micro batch of the step
             with gradient_sync(model, i == len(micro_batches) - 1), self._loss_context():
-                with self.autocast:
+                with self.autocast, self._region("usp_forward"):
                     loss = self._loss(model(x, positions), y)
-                (loss / self.accum + self._aux_loss()).backward()
-            total += _item(loss)
-        return total / len(micro_batches)
+                with self._region("usp_backward"):
+                    (loss / self.accum + self._aux_loss()).backward()
+            total = total + loss.detach().to(torch.float64)
+        return _item(total) / len(micro_batches)
 
     def _pipeline_step(self, step: int) -> float:
         from usp.engine.pipeline_setup import pipeline_step
 
         starts = [s for mb in self.sampler.micro_batches(step) for s in mb]  # the rank's whole batch
         x, y, _ = self._batch(self.train_tokens, starts)
-        with self._loss_context(), self.autocast:
+        with self._loss_context(), self.autocast, self._region("usp_pipeline_forward_backward"):
             return pipeline_step(self.parts, self.ctx, x, y)
 
     @torch.no_grad()
@@ -166,10 +181,11 @@ class Trainer:
             self.log.info("nothing to do: resumed at step %d of %d", self.start_step, self.steps)
         try:
             for step in range(self.start_step, self.steps):
-                t0 = time.perf_counter()
-                with self.probe.step(step) if self.probe else contextlib.nullcontext():
+                t0, self.data_wait_s = time.perf_counter(), 0.0
+                with self.probe.step(step) if self.probe else contextlib.nullcontext(), \
+                        self.profiler.step(step) if self.profiler else contextlib.nullcontext():
                     loss, grad_norm = self.train_step(step)
-                dt = time.perf_counter() - t0
+                dt, data_wait = time.perf_counter() - t0, self.data_wait_s
                 first_loss = loss if first_loss is None else first_loss
                 done = step + 1
                 is_eval = done == self.steps or (train.eval_interval and done % train.eval_interval == 0)
@@ -182,14 +198,14 @@ class Trainer:
                               "tokens": done * self.global_tokens, "step_time_s": dt,
                               "tokens_per_s": self.global_tokens / dt,
                               "tokens_per_s_per_device": self.global_tokens / dt / ctx.world_size,
-                              "elapsed_s": time.perf_counter() - started}
+                              "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait)}
                     if self.probe:
                         record.update(self.probe.record(step))
                     self.history.append(record)
                     self.log.info("step %d loss %.6f val %s lr %.3e gnorm %.4f", done, loss, val_loss,
                                   record["lr"], grad_norm)
-                    if self.metrics:
-                        self.metrics.write(record)
+                    if self.trackers:
+                        self.trackers.log(done, record)
                 self.console.step(done, record)
                 self.last_completed_step = done
                 if self.checkpointer.due(done):
@@ -199,17 +215,22 @@ class Trainer:
                     raise Preempted(done)
             self.checkpointer.save(self.steps, blocking=True)
         finally:
+            if self.profiler:
+                self.profiler.stop()
             self.console.close()
+            if self.trackers:
+                self.trackers.close()
         elapsed = time.perf_counter() - started
+        ran = self.steps - self.start_step  # a resumed attempt's speed counts only its own steps
         summary = {"steps": self.steps, "tokens": self.steps * self.global_tokens, "time_s": elapsed,
-                   "tokens_per_s": self.steps * self.global_tokens / elapsed, "first_loss": first_loss,
+                   "tokens_per_s": ran * self.global_tokens / elapsed if ran > 0 else None,
+                   "resumed_from_step": self.start_step, "first_loss": first_loss,
                    "final_loss": loss, "final_val_loss": val_loss, "world_size": ctx.world_size}
         if self.probe:
             summary.update(self.probe.summary(self.history))
         self.log.info("done: %s", json.dumps(summary))
-        if self.metrics:
-            self.metrics.close()
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.trackers:
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _should_stop(self) -> bool:
@@ -221,10 +242,41 @@ class Trainer:
         return bool(flag.item())
 
     # -- helpers -----------------------------------------------------------------------
+    def _performance(self, dt: float, data_wait: float) -> dict:
+        """Measured MFU (the plan's model FLOPs per step over the step time and the cluster's peak:
+        cluster.peak_tflops_*, a placeholder on CPU), peak device memory since the last record (max
+        over ranks; CUDA/XPU allocator), data-loader wait, and the Slurm requeue count."""
+        out = {"data_wait_s": data_wait}
+        timing = self.plan.get("timing") or {}
+        flops = timing.get("model_flops_per_step") or self.plan["model"]["flops_per_step"]
+        if timing.get("peak_tflops"):
+            out["mfu"] = flops / (dt * self.ctx.world_size * timing["peak_tflops"] * 1e12)
+        accel = getattr(torch, self.ctx.device.type, None) if self.ctx.device.type in ("cuda", "xpu") else None
+        if accel is not None:
+            peak = torch.tensor([float(accel.max_memory_allocated(self.ctx.device))], device=self.ctx.device)
+            if self.ctx.world_size > 1:  # every rank logs the same steps, so this collective matches up
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            out["memory_peak_gib"] = peak.item() / GIB
+            accel.reset_peak_memory_stats(self.ctx.device)
+        if self.slurm_restart_count is not None:
+            out["slurm_restart_count"] = self.slurm_restart_count
+        return out
+
+    def warn(self, message: str) -> None:
+        """A warning for the user: rank log and rank 0's console."""
+        self.log.warning("%s", message)
+        self.console.print(f"usp: warning: {message}")
+
+    def _region(self, name: str):
+        """A named span in the profiler trace (nothing when not profiling)."""
+        return self.profiler.region(name) if self.profiler else contextlib.nullcontext()
+
     def _batch(self, tokens: TokenFile, starts):
         """Inputs, targets and RoPE positions of this rank's tokens (its zigzag shard under CP)."""
+        t0 = time.perf_counter()
         x, y = get_batch(tokens, starts, self.seq_len)
         x, y = torch.from_numpy(x).to(self.ctx.device), torch.from_numpy(y).to(self.ctx.device)
+        self.data_wait_s += time.perf_counter() - t0
         if self.cp == 1:
             return x, y, None
         from usp.engine.parallel.context import zigzag_indices
@@ -269,10 +321,3 @@ def _item(loss) -> float:
     loss = loss.detach()
     return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
-
-def _autocast(dtype: str, device: torch.device):
-    """fp32 on CPU; bf16 autocast on GPU (train.dtype=auto)."""
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type != "cpu")
-    if not use_bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from usp.engine import dist as udist
+from usp.engine.accel import deterministic
 from usp.engine.failure import record_failures
 from usp.engine import signals
 from usp.engine.trainer import Preempted, Trainer
@@ -26,13 +28,14 @@ def run_worker(plan_path: str) -> int:
     plan = read_plan(Path(plan_path))
     cfg = plan["config"]["train"]
     torch.manual_seed(int(cfg["seed"]))
-    if cfg["deterministic"]:
+    if deterministic(plan):
         torch.use_deterministic_algorithms(True, warn_only=True)
     ctx = udist.setup(plan)
     clean, code = False, 0
     try:
         trainer = Trainer(plan, ctx)
         signals.install(trainer)
+        _log_placement(ctx, plan)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts and ctx.is_main:
             log_event(trainer.run_dir, "restart", restart=restarts, resumed_from_step=trainer.start_step)
@@ -55,6 +58,29 @@ def run_worker(plan_path: str) -> int:
     return code
 
 
+def _log_placement(ctx, plan: dict) -> None:
+    """Where this rank landed (as torchrun/Slurm placed it) next to where the plan put it, and
+    the cluster.env values as this process sees them: the first thing to read when a multi-node
+    launch misbehaves."""
+    import logging
+
+    rank, log = ctx.rank, logging.getLogger(f"usp.rank{ctx.rank}")  # logs/rank_<R>.log (usp.engine.console)
+    planned = plan["ranks"][rank] if rank < len(plan.get("ranks", [])) else {}
+    env = os.environ
+    log.info("placement: rank %d local_rank %s node_rank %s host %s slurm_node %s slurm_restart %s | plan: "
+             "node %s local_rank %s", rank, env.get("LOCAL_RANK", "0"), env.get("GROUP_RANK", "0"),
+             os.uname().nodename, env.get("SLURMD_NODENAME", "-"), env.get("SLURM_RESTART_COUNT", "-"),
+             planned.get("node"), planned.get("local_rank"))
+    for key in plan["config"]["cluster"].get("env", {}):
+        value = env.get(key)
+        if value is not None and _SECRET.search(key):  # logs get shared in bug reports: never a token
+            value = f"<{len(value)} characters, hidden>"
+        log.info("env: %s=%r", key, value)
+
+
+_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
 def log_event(run_dir: Path, event: str, **fields) -> None:
     """One line per run-level event (restart, preemption) in logs/events.jsonl."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -72,8 +98,9 @@ def _final_report(trainer: Trainer, summary: dict) -> None:
     table.add_column()
     val = summary["final_val_loss"]
     rows = [("steps", f"{summary['steps']}"), ("tokens", f"{summary['tokens']:,}"),
-            ("time", f"{summary['time_s']:.1f} s"), ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
-            ("train loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+            ("time", f"{summary['time_s']:.1f} s"), ("tokens/s", _fmt(summary["tokens_per_s"], ",.0f")),
+            ("train loss", f"{_fmt(summary['first_loss'], '.4f')} -> {_fmt(summary['final_loss'], '.4f')}"
+                           + (f" (resumed at step {summary['resumed_from_step']})" if summary.get("resumed_from_step") else "")),
             ("val loss", f"{val:.4f}" if val is not None else "-"),
             ("metrics", str(trainer.run_dir / "metrics.jsonl"))]
     for k, v in rows:
@@ -83,6 +110,10 @@ def _final_report(trainer: Trainer, summary: dict) -> None:
     if text is not None:
         console.print(f"[bold]sample[/] (prompt {trainer.cfg.train.sample_prompt!r}):")
         console.print(text, markup=False, highlight=False)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _sample_text(trainer: Trainer) -> str | None:

@@ -1,0 +1,110 @@
+"""torch.profiler over a window of optimizer steps (profile.steps = [first, last], 1-based like
+metrics.jsonl). Every rank writes <run_dir>/profile/rank_<R>.json (Chrome trace: open it in
+https://ui.perfetto.dev or chrome://tracing) and summary_rank_<R>.txt: the top ops by self time
+and the share of time in communication. profile.memory adds a CUDA memory snapshot
+(memory_rank_<R>.pickle, for https://pytorch.org/memory_viz)."""
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, record_function
+
+# Collective / point-to-point ops as the profiler names them (c10d::allreduce_, gloo:all_reduce,
+# nccl:all_gather, record_param_comms, ...). aten:: ops are compute (aten::broadcast_tensors).
+COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|"
+                  r"broadcast|record_param_comms|barrier", re.IGNORECASE)
+TOP_OPS = 15
+
+
+def is_comm(name: str) -> bool:
+    return not name.startswith("aten::") and COMM.search(name) is not None
+
+
+class StepProfiler:
+    """Wraps the trainer loop: `step(i)` around optimizer step i (0-based), `region(name)` around
+    forward / backward / optimizer inside it, `stop()` at the end (also on errors)."""
+
+    @classmethod
+    def create(cls, trainer) -> "StepProfiler | None":
+        cfg = trainer.plan["config"].get("profile") or {}
+        if not cfg.get("enabled"):
+            return None
+        first, last = (int(s) for s in cfg["steps"])
+        if trainer.start_step >= last:
+            trainer.log.info("profile: resumed at step %d, after the profiled steps %d-%d", trainer.start_step,
+                             first, last)
+            return None
+        return cls(cfg, trainer.run_dir, trainer.ctx.rank, trainer.ctx.device, trainer.start_step, first, last,
+                   trainer.warn)
+
+    def __init__(self, cfg, run_dir: Path, rank: int, device: torch.device, start_step: int, first: int,
+                 last: int, warn):
+        self.dir, self.rank, self.device = run_dir / "profile", rank, device
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.first = max(first, start_step + 1)  # resumed inside the window: profile what is left
+        self.last = last
+        self.memory = bool(cfg.get("memory")) and device.type == "cuda"
+        if cfg.get("memory") and not self.memory and rank == 0:
+            warn(f"profile.memory: memory snapshots need a CUDA device; skipped on {device.type}")
+        # The schedule counts prof.step() calls from start(): call k runs step start_step + k + 1.
+        before = self.first - 1 - start_step
+        warmup = 1 if before else 0  # the first recorded step otherwise includes profiler start-up
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.prof = torch.profiler.profile(
+            activities=activities, record_shapes=bool(cfg.get("record_shapes")), on_trace_ready=self._write,
+            schedule=torch.profiler.schedule(wait=before - warmup, warmup=warmup, active=last - self.first + 1,
+                                             repeat=1))
+        self.prof.start()
+        self._running = True
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        n = step + 1
+        if self.memory and n == self.first:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        with record_function(f"usp_step_{n}"):
+            yield
+        if self.memory and n == self.last:
+            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank_{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.prof.step()
+
+    @staticmethod
+    def region(name: str):
+        return record_function(name)
+
+    def stop(self) -> None:
+        """Ends the profiler; stopped inside the window (a signal, an error), it writes what it has."""
+        if self._running:
+            self._running = False
+            self.prof.stop()
+
+    def _write(self, prof) -> None:
+        prof.export_chrome_trace(str(self.dir / f"rank_{self.rank}.json"))
+        (self.dir / f"summary_rank_{self.rank}.txt").write_text(self.summary(prof))
+
+    def summary(self, prof) -> str:
+        on_device = self.device.type == "cuda"
+        attr, what = ("self_device_time_total", "self CUDA time") if on_device else ("self_cpu_time_total",
+                                                                                     "self CPU time")
+        events = prof.key_averages()
+        total = sum(getattr(e, attr) for e in events)
+        comm = sorted((e for e in events if is_comm(e.key)), key=lambda e: -getattr(e, attr))
+        comm_us = sum(getattr(e, attr) for e in comm)
+        share = comm_us / total if total else 0.0
+        steps = [e for e in events if e.key.startswith("usp_step_")]
+        lines = [f"usp profile, rank {self.rank}, device {self.device}, optimizer steps {self.first}-{self.last}",
+                 "step wall time (CPU, usp_step_<N>): " + ", ".join(
+                     f"{e.key[len('usp_'):]} {e.cpu_time_total / 1e3:.1f} ms" for e in
+                     sorted(steps, key=lambda e: int(e.key.rsplit('_', 1)[1]))),
+                 f"communication: {100 * share:.1f}% of {what} ({comm_us / 1e3:.1f} of {total / 1e3:.1f} ms) in "
+                 f"ops matching c10d/gloo/nccl/all_reduce/all_gather/reduce_scatter/send/recv/broadcast"
+                 + (": " + ", ".join(f"{e.key} {getattr(e, attr) / 1e3:.1f} ms" for e in comm[:5]) if comm else ""),
+                 f"(collectives that run in a background thread, like DDP's gradient all-reduce on gloo, "
+                 f"overlap the backward: their time is not all exposed)",
+                 "", f"top {TOP_OPS} ops by {what}:",
+                 events.table(sort_by=attr, row_limit=TOP_OPS)]
+        return "\n".join(lines) + "\n"

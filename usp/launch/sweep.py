@@ -1,0 +1,397 @@
+"""`usp sweep`: expand comma-list overrides into a grid, plan every point, run the ones the
+planner accepts. No torch here (the local runner imports the engine only to train).
+
+Three independent steps, so that another launcher (a Slurm job array, `submit_sweep_slurm`)
+can reuse the first two and replace the third:
+
+    grid  = expand_grid(overrides)                    # list of override lists, one per point
+    sweep = plan_grid(conf, grid, name, runs_dir)     # compose + plan each; writes sweep.json
+    run_sweep_local(sweep)                            # or: submit_sweep_slurm(sweep)
+
+A runner is registered in SWEEP_LAUNCHERS under the `cluster.launcher` it serves.
+
+runs/<sweep_name>/sweep.json (written atomically after every status change):
+
+    {"version": 1, "name": "s1", "dir": "/abs/runs/s1", "conf": "tiny_demo" | null,
+     "launcher": "local",
+     "swept": {"cluster.procs_per_node": ["1", "2"], "train.micro_batch": ["4", "8"]},
+     "base_overrides": ["train.steps=20"],            # the overrides every point shares
+     "created": 1700000000.0, "updated": 1700000100.0,
+     "points": [
+       {"index": 0, "id": "p00_n1_mb4", "run_name": "s1/p00_n1_mb4",
+        "run_dir": "/abs/runs/s1/p00_n1_mb4",          # the point's run directory
+        "overrides": ["train.steps=20", "cluster.procs_per_node=1", "train.micro_batch=4"],
+        "swept": {"cluster.procs_per_node": "1", "train.micro_batch": "4"},
+        "status": "planned",       # planned | rejected | running | done | failed
+        "reason": null,            # rejected: the planner's message; failed: the root cause
+        "exit_code": null, "started": null, "finished": null,
+        "world_size": 1, "nodes": 1, "params": 950912, "degrees": {"pp": 1, "dp_replicate": 1, ...},
+        "micro_batch": 4, "grad_accum": 4, "global_batch": 16,
+        "predicted": {"tokens_per_s": 5790.8, "mfu": 0.24, "memory_gib": 0.46, "memory_tensor_gib": 0.15}},
+       ...]}
+
+A point's run is composed from `conf` + its `overrides` + `train.name=<run_name>` (and
+`train.runs_dir=` when the sweep was given one): the same config `usp train` would build.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+
+from usp.errors import LaunchError, UspError
+from usp.plan.io import write_text_atomic
+
+SWEEP_FILE = "sweep.json"
+SWEEP_VERSION = 1
+STATUSES = ("planned", "rejected", "submitted", "running", "done", "failed")  # submitted: in a Slurm array
+# Short names for the run ids (p03_n2_mb8); other keys use their last component.
+_ABBREV = {"micro_batch": "mb", "grad_accum": "ga", "global_batch": "gb", "global_batch_tokens": "gbt",
+           "procs_per_node": "n", "dp_replicate": "dpr", "dp_shard": "dps", "seq_len": "seq",
+           "recompute": "rc", "pp_schedule": "sched"}
+_STOP_CODES = (75, 130)  # preempted / Ctrl-C: stop the sweep; running it again resumes it
+
+
+@dataclass
+class SweepPoint:
+    index: int
+    id: str
+    overrides: list[str]
+    swept: dict[str, str]
+    run_name: str
+    run_dir: str
+    status: str = "planned"
+    reason: str | None = None
+    exit_code: int | None = None
+    started: float | None = None
+    finished: float | None = None
+    info: dict = field(default_factory=dict)  # world_size, degrees, batch, predicted numbers
+    cfg: object = field(default=None, repr=False)  # composed config and group choices: what a
+    choices: dict | None = field(default=None, repr=False)  # runner hands to prepare_run
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "id": self.id, "run_name": self.run_name, "run_dir": self.run_dir,
+                "overrides": self.overrides, "swept": self.swept, "status": self.status, "reason": self.reason,
+                "exit_code": self.exit_code, "started": self.started, "finished": self.finished, **self.info}
+
+
+@dataclass
+class Sweep:
+    name: str
+    dir: Path
+    conf: str | None
+    swept: dict[str, list[str]]
+    base_overrides: list[str]
+    points: list[SweepPoint]
+    launcher: str = "local"
+    created: float = field(default_factory=time.time)
+
+    @property
+    def accepted(self) -> list[SweepPoint]:
+        return [p for p in self.points if p.status != "rejected"]
+
+    @property
+    def rejected(self) -> list[SweepPoint]:
+        return [p for p in self.points if p.status == "rejected"]
+
+    @property
+    def path(self) -> Path:
+        return self.dir / SWEEP_FILE
+
+    def to_dict(self) -> dict:
+        return {"version": SWEEP_VERSION, "name": self.name, "dir": str(self.dir), "conf": self.conf,
+                "launcher": self.launcher, "swept": self.swept, "base_overrides": self.base_overrides,
+                "created": self.created, "updated": time.time(), "points": [p.to_dict() for p in self.points]}
+
+    def write(self) -> Path:
+        write_text_atomic(self.path, json.dumps(self.to_dict(), indent=1) + "\n")
+        return self.path
+
+
+# -- 1. the grid -----------------------------------------------------------------------------
+
+def split_sweep(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """(overrides every point shares, {swept key: its values}) using Hydra's own override
+    grammar: `a=1,2`, `a=range(1,4)` and `a=choice(x,y)` sweep; `a='1,2'` is one quoted value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as exc:  # OverrideParseException and friends: one clear line
+        raise UspError(str(exc).strip().splitlines()[0], key="overrides",
+                       fix="overrides are key=value, key=a,b,c (a sweep), or key='a,b' (one value with a comma)") from None
+    base, swept = [], {}
+    for item in parsed:
+        if not item.is_sweep_override():
+            base.append(item.input_line)
+            continue
+        key = item.get_key_element()
+        if key in swept:
+            raise UspError("the same key is swept twice", key=key, fix="give all its values in one comma list")
+        swept[key] = [str(v) for v in item.sweep_string_iterator()]
+    return base, swept
+
+
+def expand_grid(overrides: list[str]) -> list[list[str]]:
+    """The cartesian product of the comma-list overrides: one override list per point, the
+    shared overrides first. `conf=...` is not an override: pass it to plan_grid instead."""
+    if any(o.startswith("conf=") for o in overrides):
+        raise UspError("conf= names the primary config, it is not swept", key="conf",
+                       fix="pass conf separately (the CLI does: `usp sweep conf=x a=1,2`)")
+    base, swept = split_sweep(overrides)
+    keys = list(swept)
+    return [base + [f"{k}={v}" for k, v in zip(keys, values)]
+            for values in itertools.product(*(swept[k] for k in keys))]
+
+
+def point_id(index: int, swept: dict[str, str]) -> str:
+    """p03_n2_mb8: readable, unique (the index), and safe as a directory name."""
+    parts = [f"p{index:02d}"]
+    for key, value in swept.items():
+        short = _ABBREV.get(key.lstrip("+").split(".")[-1], key.lstrip("+").split(".")[-1])
+        parts.append(short + re.sub(r"[^A-Za-z0-9.]+", "-", value.strip("'\""))[:24])
+    return "_".join(parts)
+
+
+# -- 2. planning -----------------------------------------------------------------------------
+
+def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir: str | None = None) -> Sweep:
+    """Compose and plan every point as `usp train` would (build_plan + engine_support_errors);
+    a point that can't run is kept as `rejected` with the reason. Writes sweep.json."""
+    from usp.config.compose import compose_config
+
+    if not grid:
+        raise UspError("the sweep has no points", key="overrides", fix="sweep a key: e.g. train.micro_batch=4,8")
+    _check_name(sweep_name)
+    swept_keys = _swept_keys(grid)
+    extra = [f"train.runs_dir={runs_dir}"] if runs_dir else []
+    points, sweep_dir, launchers = [], None, set()
+    for index, overrides in enumerate(grid):
+        swept = {k: v for k, _, v in (o.partition("=") for o in overrides) if k in swept_keys}  # ~key has no "="
+        pid = point_id(index, swept)
+        point = SweepPoint(index, pid, list(overrides), swept, f"{sweep_name}/{pid}", "")
+        try:
+            point.cfg, point.choices = compose_config(conf, [*overrides, *extra, f"train.name={point.run_name}"])
+            runs = Path(point.cfg.train.runs_dir).expanduser().resolve()
+            point.run_dir = str(runs / point.run_name)
+            sweep_dir = sweep_dir or runs / sweep_name
+            launchers.add(str(point.cfg.cluster.launcher))
+            point.info = _plan_info(_plan_point(point.cfg, point.choices))
+        except UspError as exc:
+            point.status, point.reason = "rejected", one_line(exc)
+        points.append(point)
+    if sweep_dir is None:  # not even one point composed: no runs_dir to put sweep.json in
+        raise UspError(f"no point of the sweep composes; the first: {points[0].reason}", key="overrides",
+                       fix="check the overrides with `usp plan` (one value per key)")
+    if len({str(Path(p.run_dir).parent) for p in points if p.run_dir}) > 1:
+        raise UspError("the points would be written to different run directories", key="train.runs_dir",
+                       fix="don't sweep train.runs_dir; use --name for the sweep's directory")
+    if len(launchers) > 1:
+        raise UspError(f"the points use different launchers: {sorted(launchers)}", key="cluster.launcher",
+                       fix="sweep clusters of one launcher (local or slurm) at a time")
+    base = [o for o in grid[0] if o.partition("=")[0] not in swept_keys]
+    sweep = Sweep(sweep_name, sweep_dir, conf, swept_keys, base, points, launchers.pop() if launchers else "local")
+    _resume(sweep)
+    sweep.write()
+    return sweep
+
+
+def _plan_point(cfg, choices):
+    """build_plan + engine_support_errors: exactly what prepare_run refuses."""
+    from usp.plan.plan import build_plan, engine_support_errors
+
+    plan = build_plan(cfg, choices)
+    errors = engine_support_errors(plan)
+    if errors:
+        raise errors[0]
+    return plan
+
+
+def _plan_info(plan) -> dict:
+    timing, memory = plan.timing, plan.memory
+    tensor = max((s["total"] - s["overhead"] for s in _stages(memory)), default=None)
+    degrees = {**plan.degrees, "ep": int(plan.config["parallelism"]["ep"])}  # ep is carved out of dp, not a mesh dim
+    return {"world_size": plan.world_size, "nodes": plan.nodes, "params": plan.model.params,
+            "degrees": degrees, "micro_batch": plan.batch.micro_batch,
+            "grad_accum": plan.batch.grad_accum, "global_batch": plan.batch.global_batch,
+            "predicted": {"tokens_per_s": getattr(timing, "tokens_per_s", None), "mfu": getattr(timing, "mfu", None),
+                          "memory_gib": getattr(memory, "peak_gib", None),
+                          "memory_tensor_gib": None if tensor is None else tensor / 1024 ** 3}}
+
+
+def _stages(memory) -> list[dict]:
+    from dataclasses import asdict
+
+    return [s if isinstance(s, dict) else asdict(s) for s in getattr(memory, "stages", None) or []]
+
+
+def _swept_keys(grid: list[list[str]]) -> dict[str, list[str]]:
+    """Keys whose value differs between points, with their values in grid order."""
+    values: dict[str, list[str]] = {}
+    for overrides in grid:
+        for o in overrides:
+            k, _, v = o.partition("=")
+            if v not in values.setdefault(k, []):
+                values[k].append(v)
+    return {k: v for k, v in values.items() if len(v) > 1}
+
+
+def _check_name(name: str) -> None:
+    if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise UspError("a sweep name is one directory name: letters, digits, '.', '_', '-'", key="--name",
+                       value=name, fix="--name my_sweep")
+
+
+def _resume(sweep: Sweep) -> None:
+    """Same name and same grid as an existing sweep.json: keep the points already done (running
+    the command again finishes an interrupted sweep). A different grid under that name: refuse."""
+    if not sweep.path.is_file():
+        return
+    from usp.launch.slurm import refuse_if_active
+
+    refuse_if_active(sweep.dir)  # its array tasks read the plans this would rewrite
+    old = read_sweep(sweep.dir)
+    if [p["overrides"] for p in old["points"]] != [p.overrides for p in sweep.points]:
+        raise LaunchError(f"{sweep.path} holds a different sweep", key="--name", value=sweep.name,
+                          fix="another --name, or delete that directory")
+    sweep.created = old.get("created", sweep.created)
+    for point, before in zip(sweep.points, old["points"]):
+        if point.status != "rejected" and before["status"] == "done":
+            point.status, point.exit_code = "done", before.get("exit_code")
+            point.started, point.finished = before.get("started"), before.get("finished")
+
+
+def read_sweep(sweep_dir) -> dict:
+    path = Path(sweep_dir) / SWEEP_FILE
+    if not path.is_file():
+        raise LaunchError(f"no {SWEEP_FILE} in {sweep_dir}", key="SWEEP_DIR", value=str(sweep_dir),
+                          fix="a directory written by `usp sweep` (runs/<sweep name>)")
+    return json.loads(path.read_text())
+
+
+def one_line(exc: Exception) -> str:
+    """A UspError's message and fix on one line (for tables and sweep.json)."""
+    text = str(exc).strip()
+    head, _, fix = text.partition("\n  fix: ")
+    head = " ".join(head.split())
+    return f"{head} (fix: {' '.join(fix.split())})" if fix else head
+
+
+# -- 3. running ------------------------------------------------------------------------------
+
+def run_sweep_local(sweep: Sweep, console: Console | None = None,
+                    launch: Callable | None = None) -> int:
+    """Run the accepted points one after another, as `usp train` would (prepare_run +
+    launch_local). A failed point doesn't stop the sweep; Ctrl-C or preemption does (run the
+    same command again to resume). Returns the number of failed points."""
+    from usp.launch.local import launch_local
+    from usp.launch.prepare import prepare_run
+
+    console = console or Console()
+    launch = launch or launch_local
+    todo = [p for p in sweep.accepted if p.status != "done"]
+    done_before = len(sweep.accepted) - len(todo)
+    if done_before:
+        console.print(f"{done_before} point(s) already done in {sweep.path}: skipped", highlight=False)
+    failed = 0
+    for n, point in enumerate(todo, 1):
+        console.rule(f"point {n}/{len(todo)}: {point.id}  {' '.join(f'{k}={v}' for k, v in point.swept.items())}")
+        point.status, point.started, point.reason, point.exit_code = "running", time.time(), None, None
+        sweep.write()
+        code, reason = _run_point(point, prepare_run, launch)
+        point.exit_code, point.finished = code, time.time()
+        point.status = "done" if code == 0 else "failed"
+        point.reason = None if code == 0 else reason or _failure_reason(point, code)
+        sweep.write()
+        console.print(f"point {n}/{len(todo)}: {point.id} {point.status}"
+                      + (f" ({point.reason})" if point.reason else ""), highlight=False)
+        failed += code != 0
+        if code in _STOP_CODES:
+            console.print(f"sweep stopped (exit {code}); run the same command again to resume it", highlight=False)
+            break
+    return failed
+
+
+def _run_point(point: SweepPoint, prepare_run, launch) -> tuple[int, str | None]:
+    try:
+        plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()))
+    except UspError as exc:  # e.g. the run directory or the data: this point only
+        return 2, one_line(exc)
+    try:
+        return int(launch(plan, plan_path)), None
+    except KeyboardInterrupt:
+        return 130, "interrupted"
+    except Exception as exc:  # one rank runs in-process: its exception is this point's failure
+        return 1, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+def _failure_reason(point: SweepPoint, code: int) -> str:
+    from usp.launch.status import analyse_failures, read_plan_file
+
+    run_dir = Path(point.run_dir)
+    root = analyse_failures(run_dir, read_plan_file(run_dir)).root
+    if root:
+        message = (root.get("message") or "").strip().splitlines()
+        return f"exit {code}: {root.get('error_class')}: {message[0][:200] if message else ''}"
+    return f"exit {code} (logs in {run_dir / 'logs'})"
+
+
+def _submit_slurm(sweep: Sweep, console: Console | None = None, max_parallel: int = 0) -> int:
+    from usp.launch.slurm_sweep import submit_sweep_slurm
+
+    return submit_sweep_slurm(sweep, console, max_parallel=max_parallel)
+
+
+SWEEP_LAUNCHERS: dict[str, Callable[..., int]] = {"local": run_sweep_local, "slurm": _submit_slurm}
+"""cluster.launcher -> runner(sweep, console, **options) returning the number of failed points
+(a Slurm job array: the points that could not be submitted)."""
+
+
+def launch_sweep(sweep: Sweep, console: Console | None = None, **options) -> int:
+    runner = SWEEP_LAUNCHERS.get(sweep.launcher)
+    if runner is None:
+        raise LaunchError("no sweep runner for this launcher", key="cluster.launcher", value=sweep.launcher,
+                          fix=f"one of: {', '.join(SWEEP_LAUNCHERS)} (or `usp sweep --dry-run` to plan only)")
+    return runner(sweep, console, **options)
+
+
+# -- the grid table --------------------------------------------------------------------------
+
+def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=escape(f"sweep {sweep.name}: {len(sweep.points)} points, {len(sweep.rejected)} rejected"),
+                  title_justify="left")
+    for col in ("point", "overrides", "world", "layout", "predicted tok/s", "status / reason"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("world", "predicted tok/s") else "left")
+    style = {"done": "green", "failed": "red", "rejected": "yellow", "running": "cyan", "submitted": "cyan",
+             "planned": ""}
+    for p in sweep.points:
+        tps = (p.info.get("predicted") or {}).get("tokens_per_s")
+        status = p.status + (f": {p.reason}" if p.reason else "")
+        swept = " ".join(f"{k.split('.')[-1]}={v}" for k, v in p.swept.items())
+        table.add_row(p.id, escape(swept), str(p.info.get("world_size", "-")), layout_text(p.info, full=False), "-" if tps is None else f"{tps:,.0f}",
+                      f"[{style[p.status]}]{escape(status)}[/]" if style[p.status] else escape(status))
+    console.print(table)
+    console.print(f"sweep file: {escape(str(sweep.path))}", highlight=False, soft_wrap=True)
+
+
+def layout_text(info: dict, full: bool = True) -> str:
+    """dp=2 tp=1 pp=1 cp=1 ep=1 mb=8 ga=1 (dp = dp_replicate x dp_shard); full=False leaves
+    out the degrees that are 1."""
+    deg = info.get("degrees")
+    if not deg:
+        return "-"
+    dims = {"dp": int(deg.get("dp_replicate", 1)) * int(deg.get("dp_shard", 1)),
+            **{d: int(deg.get(d, 1)) for d in ("tp", "pp", "cp", "ep")}}
+    parts = [f"{d}={v}" for d, v in dims.items() if full or v > 1]
+    return " ".join(parts + [f"mb={info.get('micro_batch')}", f"ga={info.get('grad_accum')}"])

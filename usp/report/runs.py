@@ -1,0 +1,164 @@
+"""Reading what a run directory records (no torch): plan.yaml (predictions), metrics.jsonl
+(measured, rank 0, per logged step), summary.json (end of run), logs/rank_<R>.log (each
+rank's measured peak memory) and, when the run was profiled, profile/rank_<R>.json (Chrome
+trace) and profile/summary_rank_<R>.txt (top ops)."""
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from usp.errors import UspError
+from usp.launch.status import read_jsonl, read_plan_file
+
+GIB = 1024 ** 3
+_RANK_MEMORY = re.compile(r"memory: measured peak ([0-9.]+) GiB")  # the memory probe's log line
+_FIX = "usp report runs/<name> (a directory with plan.yaml) or runs/<sweep> (with sweep.json)"
+
+
+@dataclass
+class RunData:
+    dir: Path
+    label: str  # legend name
+    plan: dict | None
+    metrics: list[dict]  # one record per logged step, deduplicated by step
+    summary: dict | None
+    rank_memory_gib: dict[int, float] = field(default_factory=dict)  # measured, from logs/rank_<R>.log
+    profiles: dict[int, Path] = field(default_factory=dict)  # rank -> profile/summary_rank_<R>.txt
+    traces: dict[int, Path] = field(default_factory=dict)  # rank -> profile/rank_<R>.json (Chrome trace)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the records where `key` is a number."""
+        pairs = [(r["step"], float(r[key])) for r in self.metrics if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    @property
+    def world_size(self) -> int:
+        return int((self.plan or {}).get("world_size") or (self.summary or {}).get("world_size") or 1)
+
+    def profiled_steps(self) -> set[int]:
+        """Steps the profiler slowed down: profile.steps [first, last] and the step before it,
+        which the profiler's schedule traces as its warm-up (usp/engine/profiler.py)."""
+        cfg = ((self.plan or {}).get("config") or {}).get("profile") or {}
+        if not cfg.get("enabled") or not cfg.get("steps"):
+            return set()
+        first, last = int(cfg["steps"][0]), int(cfg["steps"][-1])
+        return set(range(max(1, first - 1), last + 1))
+
+    def steady_records(self) -> list[dict]:
+        """Logged steps without the warm-up (step 1), the memory-probe step and the profiled steps
+        (all slowed down by something other than training); all records if none remain."""
+        slow = self.profiled_steps() | {1}
+        rest = [r for r in self.metrics if r.get("step") not in slow and "memory_measured_gib" not in r]
+        return rest or list(self.metrics)
+
+    def tokens_per_s(self) -> float | None:
+        """Measured: median tokens/s over the steady logged steps (metrics.jsonl)."""
+        values = [r["tokens_per_s"] for r in self.steady_records() if isinstance(r.get("tokens_per_s"), (int, float))]
+        return statistics.median(values) if values else None
+
+    def mfu(self) -> tuple[float | None, str]:
+        """(MFU, how): the records' own `mfu` (median), else derived from the measured tokens/s,
+        the plan's model FLOPs per token and the planner's peak FLOP/s per device."""
+        values = [r["mfu"] for r in self.steady_records() if isinstance(r.get("mfu"), (int, float))]
+        if values:
+            return statistics.median(values), "measured"
+        timing, tps = (self.plan or {}).get("timing") or {}, self.tokens_per_s()
+        if tps is None or not timing.get("peak_tflops") or not timing.get("model_flops_per_token"):
+            return None, "-"
+        return tps * timing["model_flops_per_token"] / (timing["peak_tflops"] * 1e12 * self.world_size), "derived"
+
+    def final_loss(self) -> float | None:
+        if self.summary and isinstance(self.summary.get("final_loss"), (int, float)):
+            return float(self.summary["final_loss"])
+        steps, losses = self.series("loss")
+        return losses[-1] if losses else None
+
+    def memory_measured(self) -> tuple[float | None, str]:
+        """(peak tensor memory in GiB, max over ranks; how it was measured). The memory probe
+        (summary.json, its metrics record, else its rank log lines) when it ran; otherwise the
+        accelerator allocator's peak the engine logs as `memory_peak_gib` (max over ranks and
+        logged steps; CUDA/XPU only)."""
+        for source in [self.summary or {}] + self.metrics:
+            for key in ("memory_measured_peak_gib", "memory_measured_max_gib"):
+                if isinstance(source.get(key), (int, float)):
+                    return float(source[key]), "probe"
+        if self.rank_memory_gib:
+            return max(self.rank_memory_gib.values()), "probe"
+        _, peaks = self.series("memory_peak_gib")
+        return (max(peaks), "allocator") if peaks else (None, "-")
+
+    def memory_measured_gib(self) -> float | None:
+        return self.memory_measured()[0]
+
+    def memory_predicted_gib(self) -> dict[int, tuple[float, float]]:
+        """rank -> (predicted tensor memory, predicted total with the overhead allowance), GiB,
+        from plan.yaml: the memory of the rank's pipeline stage."""
+        memory, ranks = (self.plan or {}).get("memory"), (self.plan or {}).get("ranks") or []
+        if not memory or not memory.get("stages"):
+            return {}
+        stages, out = memory["stages"], {}
+        for r in ranks:
+            pp = int((r.get("coords") or {}).get("pp", 0))
+            s = stages[pp] if pp < len(stages) else stages[memory.get("peak_stage", 0)]
+            out[int(r["rank"])] = ((s["total"] - s["overhead"]) / GIB, s["total"] / GIB)
+        return out
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "plan.yaml").is_file()
+
+
+def load_run(path, label: str | None = None) -> RunData:
+    path = Path(path)
+    if not path.is_dir():
+        raise UspError("no such directory", key="RUN_DIR", value=str(path), fix=_FIX)
+    if not is_run_dir(path):
+        raise UspError("not a run directory (no plan.yaml)", key="RUN_DIR", value=str(path), fix=_FIX)
+    plan = read_plan_file(path)
+    by_step = {int(r["step"]): r for r in read_jsonl(path / "metrics.jsonl") if isinstance(r.get("step"), int)}
+    summary = read_json_object(path / "summary.json")
+    return RunData(path, label or (plan or {}).get("name") or path.name, plan,
+                   [by_step[s] for s in sorted(by_step)], summary, _rank_memory(path),
+                   _per_rank(path / "profile", r"summary_rank_(\d+)\.txt"),
+                   _per_rank(path / "profile", r"rank_(\d+)\.json(?:\.gz)?"))
+
+
+def read_json_object(path: Path) -> dict | None:
+    """One JSON object (summary.json); None when missing, torn or not an object."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _rank_memory(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for log in (run_dir / "logs").glob("rank_*.log"):
+        match = re.fullmatch(r"rank_(\d+)\.log", log.name)
+        found = _RANK_MEMORY.findall(log.read_text(errors="replace")) if match else []
+        if found:
+            out[int(match.group(1))] = float(found[-1])
+    return dict(sorted(out.items()))
+
+
+def _per_rank(folder: Path, pattern: str) -> dict[int, Path]:
+    """rank -> file, for the files in `folder` whose name matches `pattern` (group 1: the rank)."""
+    out = {}
+    for path in folder.glob("*"):
+        match = re.fullmatch(pattern, path.name)
+        if match:
+            out[int(match.group(1))] = path
+    return dict(sorted(out.items()))
+
+
+def unique_labels(runs: list[RunData]) -> None:
+    """Two runs with the same name (from different runs dirs): add the parent directory."""
+    names = [r.label for r in runs]
+    for r in runs:
+        if names.count(r.label) > 1:
+            r.label = f"{r.dir.parent.name}/{r.dir.name}"

@@ -1,0 +1,99 @@
+"""Step-time breakdown from the profiler's Chrome trace, <run_dir>/profile/rank_<R>.json (written by
+usp/engine/profiler.py; no torch here). The trainer wraps each profiled optimizer step in a
+`usp_step_<N>` span and its phases in `usp_forward` / `usp_backward` (once per micro batch),
+`usp_pipeline_forward_backward` (pipelines) and `usp_optimizer` (clip + step). Per step:
+
+    phases = the summed durations of those spans inside the step span
+    data wait = metrics.jsonl `data_wait_s` of that step (rank 0's own measurement: rank 0 only)
+    other = step span - phases - data wait (loss all-reduce, gradient sync outside the spans, ...)
+
+so the phases add up to the step's wall time. Communication (ops named like collectives) is
+reported beside them: it overlaps the phases (DDP all-reduces during the backward)."""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+SPANS = {"usp_forward": "forward", "usp_backward": "backward",
+         "usp_pipeline_forward_backward": "forward+backward (pipeline)", "usp_optimizer": "optimizer"}
+PHASES = (*SPANS.values(), "data wait", "other")  # stacking order
+_STEP = re.compile(r"usp_step_(\d+)")
+# The engine's COMM pattern (usp/engine/profiler.py imports torch, so it is repeated here).
+_COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|"
+                   r"broadcast|record_param_comms|barrier", re.IGNORECASE)
+
+
+@dataclass
+class StepBreakdown:
+    step: int
+    rank: int
+    total_ms: float  # the usp_step_<N> span (CPU wall time)
+    phases_ms: dict[str, float]  # PHASES present in this step -> ms; they sum to total_ms
+    comm_ms: float | None  # union of communication intervals inside the step; None: no such op
+    comm_source: str = ""  # "device kernels" or "CPU ops"
+
+
+def is_comm(name: str) -> bool:
+    return not name.startswith(("aten::", "usp_")) and _COMM.search(name) is not None
+
+
+def read_trace(path: Path) -> list[dict]:
+    """The trace's events ([] when the file is missing or not a Chrome trace)."""
+    try:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, ValueError, EOFError):
+        return []
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    return [e for e in events or [] if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
+
+
+def step_breakdowns(events: list[dict], rank: int, data_wait_s: dict[int, float] | None = None) -> list[StepBreakdown]:
+    """One StepBreakdown per usp_step_<N> span, in step order. data_wait_s: step -> seconds."""
+    # CPU-side spans only: on GPU the profiler also copies annotations onto the device timeline.
+    spans = [e for e in events if e.get("cat") != "gpu_user_annotation" and str(e.get("name", "")).startswith("usp_")]
+    comm = [e for e in events if is_comm(str(e.get("name", "")))]
+    on_device = [e for e in comm if e.get("cat") == "kernel"]  # NCCL kernels: the real transfer time
+    comm, source = (on_device, "device kernels") if on_device else (comm, "CPU ops")
+    out = []
+    for span in spans:
+        match = _STEP.fullmatch(span["name"])
+        if not match:
+            continue
+        start, end = float(span["ts"]), float(span["ts"]) + float(span["dur"])
+        step, total = int(match.group(1)), float(span["dur"]) / 1e3
+        phases = {}
+        for e in spans:
+            if e["name"] in SPANS and start <= float(e["ts"]) and float(e["ts"]) + float(e["dur"]) <= end + 1:
+                phases[SPANS[e["name"]]] = phases.get(SPANS[e["name"]], 0.0) + float(e["dur"]) / 1e3
+        rest = total - sum(phases.values())
+        wait = (data_wait_s or {}).get(step) if rank == 0 else None
+        if wait is not None:
+            phases["data wait"] = min(max(rest, 0.0), 1e3 * wait)
+            rest -= phases["data wait"]
+        phases["other"] = max(rest, 0.0)
+        out.append(StepBreakdown(step, rank, total, phases, _union_ms(comm, start, end) if comm else None,
+                                 source if comm else ""))
+    return sorted(out, key=lambda b: b.step)
+
+
+def _union_ms(events: list[dict], start: float, end: float) -> float:
+    """Time inside [start, end] covered by at least one event (nested ops counted once)."""
+    intervals = sorted((max(start, float(e["ts"])), min(end, float(e["ts"]) + float(e["dur"]))) for e in events)
+    total, reach = 0.0, start
+    for a, b in intervals:
+        if b > max(a, reach):
+            total += b - max(a, reach)
+            reach = b
+    return total / 1e3
+
+
+def run_breakdowns(run) -> list[StepBreakdown]:
+    """Every profiled step of every rank of a RunData that has traces, rank by rank."""
+    waits = {int(r["step"]): float(r["data_wait_s"]) for r in run.metrics
+             if isinstance(r.get("data_wait_s"), (int, float))}
+    return [b for rank, path in run.traces.items() for b in step_breakdowns(read_trace(path), rank, waits)]
