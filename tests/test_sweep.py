@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import itertools
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -108,6 +109,20 @@ def test_failed_point_does_not_stop_the_sweep(tmp_path, shakespeare):
     again = plan_grid(None, expand_grid([*QUIET, "train.micro_batch=4,8,16"]), "s", str(tmp_path))
     assert run_sweep_local(again, Console(file=io.StringIO()), launch=lambda p, path: seen.append(p.name) or 0) == 0
     assert seen == ["s/p01_mb8"]
+
+
+def test_a_finished_array_task_is_done_when_the_sweep_runs_again(tmp_path):
+    """Slurm array tasks don't write sweep.json; running the sweep again reads their run dirs."""
+    grid = expand_grid([*QUIET, "train.micro_batch=4,8"])
+    sweep = plan_grid(None, grid, "s", str(tmp_path))
+    for point in sweep.points:
+        point.status, point.info["slurm_job"] = "submitted", f"7_{point.index}"
+    sweep.write()
+    finished = Path(sweep.points[0].run_dir)
+    finished.mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")  # what a completed run leaves
+    again = plan_grid(None, grid, "s", str(tmp_path))
+    assert [p.status for p in again.points] == ["done", "planned"]
 
 
 def test_cli_dry_run_prints_the_grid(tmp_path):

@@ -255,9 +255,10 @@ def _resume(sweep: Sweep) -> None:
     if not sweep.path.is_file():
         return
     from usp.launch.slurm import refuse_if_active
+    from usp.launch.slurm_sweep import refresh_statuses
 
     refuse_if_active(sweep.dir)  # its array tasks read the plans this would rewrite
-    old = read_sweep(sweep.dir)
+    old = refresh_statuses(read_sweep(sweep.dir))  # array tasks that finished count as done
     if [p["overrides"] for p in old["points"]] != [p.overrides for p in sweep.points]:
         raise LaunchError(f"{sweep.path} holds a different sweep", key="--name", value=sweep.name,
                           fix="another --name, or delete that directory")
