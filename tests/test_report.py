@@ -92,7 +92,7 @@ def test_sweep_report_heatmap_and_batch_guidance(sweep_dir, tmp_path):
     assert heat.data["notes"][3][0] == "rejected"
     assert _png_shape(heat.path)[0] > 100 and heat.path.stat().st_size > 5000
     md = result.markdown.read_text()
-    assert "![heatmap](heatmap.png)" in md and "measured" in heat.caption
+    assert "![heatmap](heatmap.png)" in md and "the runs' median `mfu`" in heat.caption  # the MFU caption
     fastest = max(DONE, key=lambda p: rows[p]["tokens_per_s"])
     guidance = result.sweeps[0]["guidance"][0]
     assert f"`train.micro_batch={fastest.split('mb')[1]}`" in guidance

@@ -6,21 +6,14 @@ and the share of time in communication. profile.memory adds a CUDA memory snapsh
 from __future__ import annotations
 
 import contextlib
-import re
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-# Collective / point-to-point ops as the profiler names them (c10d::allreduce_, gloo:all_reduce,
-# nccl:all_gather, record_param_comms, ...). aten:: ops are compute (aten::broadcast_tensors).
-COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|"
-                  r"broadcast|record_param_comms|barrier", re.IGNORECASE)
+from usp.report.trace import COMM, is_comm  # noqa: F401  the communication-op pattern (torch-free)
+
 TOP_OPS = 15
-
-
-def is_comm(name: str) -> bool:
-    return not name.startswith("aten::") and COMM.search(name) is not None
 
 
 class StepProfiler:

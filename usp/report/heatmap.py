@@ -5,7 +5,7 @@ most-varied remaining swept key. No MFU anywhere (no `mfu` in the records and no
 the plans): colour = tokens/s, and the grid says so. Pure data; sweep_plots.py draws it."""
 from __future__ import annotations
 
-from usp.report.sweep_tables import DEVICE_KEYS, bare
+from usp.report.sweep_tables import DEVICE_KEYS, bare, row_plan
 
 
 def heatmap_grid(sweep: dict, rows: list[dict]) -> dict | None:
@@ -71,7 +71,7 @@ def _model_axis(swept: dict, rows: list[dict]) -> dict | None:
 
     params: dict[str, int] = {}
     for r in rows:
-        n = r["info"].get("params") or ((_plan(r)).get("model") or {}).get("params")  # planned, or from plan.yaml
+        n = r["info"].get("params") or (row_plan(r).get("model") or {}).get("params")  # planned, or from plan.yaml
         if n:
             params.setdefault(of(r), int(n))
     names = sorted(dict.fromkeys(of(r) for r in rows), key=lambda m: (m not in params, params.get(m, 0)))
@@ -94,13 +94,9 @@ def _scale_axis(swept: dict, rows: list[dict]) -> dict | None:
 
 def _constant_axis(rows: list[dict]) -> dict:
     """One row when nothing else is swept: named after the model of the runs."""
-    names = {(_plan(r).get("model") or {}).get("name") for r in rows} - {None}
+    names = {(row_plan(r).get("model") or {}).get("name") for r in rows} - {None}
     name = ", ".join(sorted(names)) or "all points"
     return {"name": "model", "of": lambda r: name, "values": [name]}
-
-
-def _plan(row: dict) -> dict:
-    return (row["run"].plan if row.get("run") else None) or {}
 
 
 def _number(value: str) -> tuple:

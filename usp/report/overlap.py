@@ -33,9 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from usp.report.trace import _STEP, is_comm, read_trace
-
-Interval = tuple[float, float]
+# merge / intersect / length live in trace.py (shared with the step breakdown); exposed here too
+from usp.report.trace import _STEP, Interval, _span, intersect, is_comm, length, merge, run_events
 
 
 @dataclass
@@ -51,41 +50,8 @@ class StepOverlap:
         return self.overlapped_ms / self.comm_ms if self.comm_ms > 0 else None
 
 
-def merge(intervals) -> list[Interval]:
-    """Sorted, disjoint union of (start, end) intervals."""
-    out: list[Interval] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
-def intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
-    """Intersection of two merged interval lists (two-pointer sweep)."""
-    out, i, j = [], 0, 0
-    while i < len(x) and j < len(y):
-        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if b > a:
-            out.append((a, b))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def length(intervals: list[Interval]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
 def _lane(e: dict) -> tuple:
     return (e.get("pid"), e.get("tid"))
-
-
-def _span(e: dict) -> Interval:
-    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 
 
 def _inside(outer: Interval, inner: Interval) -> bool:
@@ -118,22 +84,25 @@ def step_overlaps(events: list[dict], rank: int) -> list[StepOverlap]:
               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {})}
     lanes = {_lane(e) for e in compute} | {_lane(e) for e in comm}
     busy = {lane: merge(_span(e) for e in compute if _lane(e) == lane) for lane in lanes}
+    # compute on every lane but this one: depends on the lane only
+    others = {lane: merge(i for other, ivs in busy.items() if other != lane for i in ivs) for lane in lanes}
     out = []
     for span in steps:
         start, end = _span(span)
         mine = [e for e in comm if start <= launch.get((e.get("args") or {}).get("correlation"), float(e["ts"])) <= end]
         hidden = []
         for lane in {_lane(e) for e in mine}:
-            others = merge(i for other, ivs in busy.items() if other != lane for i in ivs)
-            hidden += intersect(merge(_span(e) for e in mine if _lane(e) == lane), others)
+            hidden += intersect(merge(_span(e) for e in mine if _lane(e) == lane), others[lane])
         out.append(StepOverlap(int(_STEP.fullmatch(span["name"]).group(1)), rank,
                                length(merge(_span(e) for e in mine)) / 1e3, length(merge(hidden)) / 1e3, source))
     return sorted(out, key=lambda o: o.step)
 
 
-def run_overlaps(run) -> list[StepOverlap]:
-    """Every profiled step of every rank of a RunData that has traces, rank by rank."""
-    return [o for rank, path in run.traces.items() for o in step_overlaps(read_trace(path), rank)]
+def run_overlaps(run, events: dict[int, list[dict]] | None = None) -> list[StepOverlap]:
+    """Every profiled step of every rank of a RunData that has traces, rank by rank.
+    events: trace.run_events(run), when already read."""
+    events = run_events(run) if events is None else events
+    return [o for rank, evs in events.items() for o in step_overlaps(evs, rank)]
 
 
 def totals(overlaps: list[StepOverlap]) -> dict:
@@ -144,9 +113,9 @@ def totals(overlaps: list[StepOverlap]) -> dict:
             "fraction": hidden / comm if comm > 0 else None}
 
 
-def overlap_markdown(run) -> list[str]:
+def overlap_markdown(run, events: dict[int, list[dict]] | None = None) -> list[str]:
     """`usp report`'s lines for one profiled run: one row per rank ([] without collectives)."""
-    overlaps = run_overlaps(run)
+    overlaps = run_overlaps(run, events)
     if not overlaps:
         return []
     rows = []

@@ -73,8 +73,14 @@ def plot_loss(runs: list[RunData], out: Path) -> Plot | None:
                 "logged step. Measured: `loss` / `val_loss` of metrics.jsonl (rank 0).", data)
 
 
+def _by_label(runs: list[RunData], key: str, suffix: str = "") -> dict:
+    """label + suffix -> {"x": steps, "y": values} of `key`, for the runs that logged it."""
+    series = ((r.label + suffix, r.series(key)) for r in runs)
+    return {label: {"x": x, "y": y} for label, (x, y) in series if x}
+
+
 def plot_lr(runs: list[RunData], out: Path) -> Plot | None:
-    data = {r.label: dict(zip(("x", "y"), r.series("lr"))) for r in runs if r.series("lr")[0]}
+    data = _by_label(runs, "lr")
     if not data:
         return None
     plt = _plt()
@@ -89,9 +95,7 @@ def plot_lr(runs: list[RunData], out: Path) -> Plot | None:
 
 
 def plot_throughput(runs: list[RunData], out: Path) -> Plot | None:
-    data = {f"{r.label} tokens/s": dict(zip(("x", "y"), r.series("tokens_per_s"))) for r in runs
-            if r.series("tokens_per_s")[0]}
-    mfu = {f"{r.label} mfu": dict(zip(("x", "y"), r.series("mfu"))) for r in runs if r.series("mfu")[0]}
+    data, mfu = _by_label(runs, "tokens_per_s", " tokens/s"), _by_label(runs, "mfu", " mfu")
     if not data:
         return None
     plt = _plt()

@@ -16,7 +16,7 @@ from usp.report.profile_plots import plot_step_breakdown
 from usp.report.runs import RunData, is_run_dir, load_run, unique_labels
 from usp.report.sweep_plots import plot_heatmap, plot_scaling
 from usp.report.sweep_tables import batch_guidance, scaling, sweep_rows
-from usp.report.trace import PHASES, run_breakdowns
+from usp.report.trace import PHASES, run_breakdowns, run_events
 
 MAX_BARS = 48  # step-time bars in one plot (runs x ranks x profiled steps)
 
@@ -66,11 +66,10 @@ def write_report(paths: list[str], out: str | Path | None = None) -> ReportResul
     runs, sweeps = collect(paths)
     out = Path(out).expanduser() if out else Path(paths[0]).expanduser() / "report"
     result = ReportResult(out, out / "report.md", runs=runs)
-    ran = [r for r in runs if r.metrics]
-    for make in (P.plot_loss, P.plot_lr, P.plot_throughput, P.plot_memory):
-        plot = make(ran if make is not P.plot_memory else runs, out)
-        if plot:
-            result.plots.append(plot)
+    # runs without metrics.jsonl have empty series: the plots leave them out
+    run_plots = [p for p in (make(runs, out) for make in (P.plot_loss, P.plot_lr, P.plot_throughput, P.plot_memory))
+                 if p]
+    result.plots += run_plots
     profile_md = _profile_section(runs, out, result)
     sweep_md = []
     by_dir = {str(r.dir.resolve()): r for r in runs}
@@ -80,7 +79,7 @@ def write_report(paths: list[str], out: str | Path | None = None) -> ReportResul
              f"{' '.join(paths)}`. Measured numbers come from each run's metrics.jsonl / summary.json / logs; "
              "predicted ones from its plan.yaml (the planner, before the run).", ""]
     lines += _runs_section(runs)
-    for plot in [p for p in result.plots if p.name in ("loss", "lr", "throughput", "memory")]:
+    for plot in run_plots:
         lines += [f"![{plot.name}]({plot.path.name})", "", f"*{plot.caption}*", ""]
     lines += profile_md + sweep_md
     write_text_atomic(result.markdown, "\n".join(lines).rstrip() + "\n")
@@ -135,9 +134,11 @@ def _profile_section(runs: list[RunData], out: Path, result: ReportResult) -> li
     if not profiled:
         return lines + ["No profile in these runs (`<run_dir>/profile/` not found): run with `profile.enabled=true` "
                         "to get one.", ""]
-    bars = []
+    bars, overlaps = [], []
     for run in profiled:
-        for b in run_breakdowns(run):
+        events = run_events(run)  # each trace read once, for both tables; one run's traces in memory at a time
+        overlaps.append(overlap_markdown(run, events))
+        for b in run_breakdowns(run, events):
             label = f"step {b.step}" if len(run.traces) == 1 else f"r{b.rank} s{b.step}"
             bars.append((run.label, f"{run.label} {label}" if len(profiled) > 1 else label, b))
     plot = plot_step_breakdown([bar[1:] for bar in bars[:MAX_BARS]], out)
@@ -152,8 +153,8 @@ def _profile_section(runs: list[RunData], out: Path, result: ReportResult) -> li
                            for name, _, b in bars])
     else:
         lines += ["No `usp_step_<N>` span in a trace (`profile/rank_<R>.json`): no per-step breakdown.", ""]
-    for run in profiled:
-        lines += overlap_markdown(run)
+    for run, overlap in zip(profiled, overlaps):
+        lines += overlap
         lines += _top_ops(run)
     return lines
 

@@ -89,9 +89,6 @@ class RunData:
         _, peaks = self.series("memory_peak_gib")
         return (max(peaks), "allocator") if peaks else (None, "-")
 
-    def memory_measured_gib(self) -> float | None:
-        return self.memory_measured()[0]
-
     def memory_predicted_gib(self) -> dict[int, tuple[float, float]]:
         """rank -> (predicted tensor memory, predicted total with the overhead allowance), GiB,
         from plan.yaml: the memory of the rank's pipeline stage."""

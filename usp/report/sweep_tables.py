@@ -31,7 +31,7 @@ def sweep_rows(sweep: dict, runs: dict[str, RunData]) -> list[dict]:
     for p in sweep["points"]:
         run = runs.get(str(Path(p["run_dir"]).resolve())) if p.get("run_dir") else None
         status = p["status"]
-        if run and status in ("planned", "running"):  # e.g. a Slurm array task wrote the run dir
+        if run and status == "planned":  # e.g. a Slurm array task wrote the run dir ("running": refresh_statuses)
             status = "done" if run.summary else status
         mfu, how = run.mfu() if run else (None, "-")
         rows.append({"id": p["id"], "swept": p.get("swept", {}), "status": status, "reason": p.get("reason"),
@@ -120,6 +120,10 @@ def batch_guidance(sweep: dict, rows: list[dict]) -> list[str]:
     return out
 
 
+def row_plan(row: dict) -> dict:
+    """The plan.yaml of a row's run ({} without one)."""
+    return (row["run"].plan if row.get("run") else None) or {}
+
+
 def _fits(row: dict) -> bool:
-    memory = ((row["run"].plan if row["run"] else None) or {}).get("memory") or {}
-    return bool(memory.get("fits", True))
+    return bool((row_plan(row).get("memory") or {}).get("fits", True))

@@ -21,9 +21,11 @@ SPANS = {"usp_forward": "forward", "usp_backward": "backward",
          "usp_pipeline_forward_backward": "forward+backward (pipeline)", "usp_optimizer": "optimizer"}
 PHASES = (*SPANS.values(), "data wait", "other")  # stacking order
 _STEP = re.compile(r"usp_step_(\d+)")
-# The engine's COMM pattern (usp/engine/profiler.py imports torch, so it is repeated here).
-_COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|"
-                   r"broadcast|record_param_comms|barrier", re.IGNORECASE)
+Interval = tuple[float, float]
+# Collective / point-to-point ops as the profiler names them (c10d::allreduce_, gloo:all_reduce,
+# nccl:all_gather, record_param_comms, ...); usp/engine/profiler.py imports it from here.
+COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|"
+                  r"broadcast|record_param_comms|barrier", re.IGNORECASE)
 
 
 @dataclass
@@ -37,7 +39,41 @@ class StepBreakdown:
 
 
 def is_comm(name: str) -> bool:
-    return not name.startswith(("aten::", "usp_")) and _COMM.search(name) is not None
+    """aten:: ops are compute (aten::broadcast_tensors), usp_ spans are the engine's own."""
+    return not name.startswith(("aten::", "usp_")) and COMM.search(name) is not None
+
+
+def merge(intervals) -> list[Interval]:
+    """Sorted, disjoint union of (start, end) intervals."""
+    out: list[Interval] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def intersect(x: list[Interval], y: list[Interval]) -> list[Interval]:
+    """Intersection of two merged interval lists (two-pointer sweep)."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if b > a:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def length(intervals: list[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _span(e: dict) -> Interval:
+    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 
 
 def read_trace(path: Path) -> list[dict]:
@@ -83,17 +119,18 @@ def step_breakdowns(events: list[dict], rank: int, data_wait_s: dict[int, float]
 
 def _union_ms(events: list[dict], start: float, end: float) -> float:
     """Time inside [start, end] covered by at least one event (nested ops counted once)."""
-    intervals = sorted((max(start, float(e["ts"])), min(end, float(e["ts"]) + float(e["dur"]))) for e in events)
-    total, reach = 0.0, start
-    for a, b in intervals:
-        if b > max(a, reach):
-            total += b - max(a, reach)
-            reach = b
-    return total / 1e3
+    return length(intersect(merge(_span(e) for e in events), [(start, end)])) / 1e3
 
 
-def run_breakdowns(run) -> list[StepBreakdown]:
-    """Every profiled step of every rank of a RunData that has traces, rank by rank."""
+def run_events(run) -> dict[int, list[dict]]:
+    """rank -> events of each trace of a RunData (read once, for run_breakdowns and run_overlaps)."""
+    return {rank: read_trace(path) for rank, path in run.traces.items()}
+
+
+def run_breakdowns(run, events: dict[int, list[dict]] | None = None) -> list[StepBreakdown]:
+    """Every profiled step of every rank of a RunData that has traces, rank by rank.
+    events: run_events(run), when already read."""
     waits = {int(r["step"]): float(r["data_wait_s"]) for r in run.metrics
              if isinstance(r.get("data_wait_s"), (int, float))}
-    return [b for rank, path in run.traces.items() for b in step_breakdowns(read_trace(path), rank, waits)]
+    events = run_events(run) if events is None else events
+    return [b for rank, evs in events.items() for b in step_breakdowns(evs, rank, waits)]
