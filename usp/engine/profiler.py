@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-from usp.report.trace import COMM, is_comm  # noqa: F401  the communication-op pattern (torch-free)
+from usp.report.trace import is_comm  # the communication-op pattern, shared with usp report (torch-free)
 
 TOP_OPS = 15
 
@@ -94,10 +94,10 @@ class StepProfiler:
                      f"{e.key[len('usp_'):]} {e.cpu_time_total / 1e3:.1f} ms" for e in
                      sorted(steps, key=lambda e: int(e.key.rsplit('_', 1)[1]))),
                  f"communication: {100 * share:.1f}% of {what} ({comm_us / 1e3:.1f} of {total / 1e3:.1f} ms) in "
-                 f"ops matching c10d/gloo/nccl/all_reduce/all_gather/reduce_scatter/send/recv/broadcast"
+                 "ops matching c10d/gloo/nccl/all_reduce/all_gather/reduce_scatter/send/recv/broadcast"
                  + (": " + ", ".join(f"{e.key} {getattr(e, attr) / 1e3:.1f} ms" for e in comm[:5]) if comm else ""),
-                 f"(collectives that run in a background thread, like DDP's gradient all-reduce on gloo, "
-                 f"overlap the backward: their time is not all exposed)",
+                 "(collectives that run in a background thread, like DDP's gradient all-reduce on gloo, "
+                 "overlap the backward: their time is not all exposed)",
                  "", f"top {TOP_OPS} ops by {what}:",
                  events.table(sort_by=attr, row_limit=TOP_OPS)]
         return "\n".join(lines) + "\n"

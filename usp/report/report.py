@@ -75,7 +75,7 @@ def write_report(paths: list[str], out: str | Path | None = None) -> ReportResul
     by_dir = {str(r.dir.resolve()): r for r in runs}
     for sweep_dir, sweep in sweeps:
         sweep_md += _sweep_section(sweep_dir, sweep, by_dir, out, result)
-    lines = [f"# usp report", "", f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `usp report "
+    lines = ["# usp report", "", f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `usp report "
              f"{' '.join(paths)}`. Measured numbers come from each run's metrics.jsonl / summary.json / logs; "
              "predicted ones from its plan.yaml (the planner, before the run).", ""]
     lines += _runs_section(runs)
