@@ -306,13 +306,9 @@ def sweep(overrides: Optional[List[str]] = typer.Argument(None, show_default=Fal
             typer.echo(f"usp sweep: the planner rejected all {len(grid_sweep.points)} points (reasons above); "
                        "change the swept values", err=True)
             raise typer.Exit(1)
+        failed = launch_sweep(grid_sweep, max_parallel=max_parallel, dry_run=dry_run)
         if dry_run:
-            if grid_sweep.launcher == "slurm":
-                from usp.launch.slurm_sweep import submit_sweep_slurm
-
-                submit_sweep_slurm(grid_sweep, max_parallel=max_parallel, dry_run=True)
             return
-        failed = launch_sweep(grid_sweep, **({"max_parallel": max_parallel} if grid_sweep.launcher == "slurm" else {}))
     except _user_errors() as exc:
         _fail(exc)
     if grid_sweep.launcher == "slurm":

@@ -108,12 +108,12 @@ def measure(plan: dict, steps: int) -> dict:
     import torch
 
     from usp.engine import dist as udist
-    from usp.engine.accel import deterministic
+    from usp.engine.accel import apply_determinism
     from usp.engine.dist import make_context
     from usp.engine.trainer import Trainer
 
     torch.manual_seed(int(plan["config"]["train"]["seed"]))
-    torch.use_deterministic_algorithms(deterministic(plan), warn_only=True)
+    apply_determinism(plan)
     udist.init_process_group(plan)
     try:
         trainer = Trainer(plan, make_context(plan))

@@ -64,12 +64,12 @@ def _usp_round(plan: dict, warmup: int, steps: int) -> list[float]:
 
     import torch
 
-    from usp.engine.accel import deterministic
+    from usp.engine.accel import apply_determinism
     from usp.engine.dist import make_context
     from usp.engine.trainer import Trainer
 
     torch.manual_seed(int(plan["config"]["train"]["seed"]))
-    torch.use_deterministic_algorithms(deterministic(plan), warn_only=True)
+    apply_determinism(plan)
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # the console lines: written, not shown
         trainer = Trainer(plan, make_context(plan))
         trainer.fit()

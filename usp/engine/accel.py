@@ -18,14 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.plan.layout import data_parallel_kind
+from usp.plan.specs import ATTENTION_CHOICES, uses_bf16, uses_deterministic
 
-ATTENTION_CHOICES = ("sdpa", "flash_attn")
 FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keeps the default (parity with past runs)
-
-
-def uses_bf16(dtype: str, device_type: str) -> bool:
-    """train.dtype=auto means bf16 on an accelerator, fp32 on CPU."""
-    return dtype == "bf16" or (dtype == "auto" and device_type != "cpu")
 
 
 def fsdp_mixed_precision(plan: dict) -> bool:
@@ -55,9 +50,12 @@ def autocast_context(plan: dict, device: torch.device):
 
 
 def deterministic(plan: dict) -> bool:
-    """train.deterministic, or by default: on for CPU, off on an accelerator."""
-    configured = plan["config"]["train"].get("deterministic")
-    return plan["device"] == "cpu" if configured is None else bool(configured)
+    return uses_deterministic(plan["config"]["train"].get("deterministic"), plan["device"])
+
+
+def apply_determinism(plan: dict) -> None:
+    """Deterministic algorithms as train.deterministic asks (warn, not fail, where an op has none)."""
+    torch.use_deterministic_algorithms(deterministic(plan), warn_only=True)
 
 
 def fused_adamw(device_type: str) -> bool:

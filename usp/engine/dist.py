@@ -133,14 +133,19 @@ def _device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce_mean(value: float, ctx: DistContext, *dims: str) -> float:
-    """Mean of a Python float over the ranks of `dims` (default: every rank that computes a
-    loss on different tokens, i.e. dp_replicate x dp_shard x cp). For logging only."""
+def all_reduce_mean(value: float | torch.Tensor, ctx: DistContext, *dims: str) -> float:
+    """Mean of a scalar over the ranks of `dims` (default: every rank that computes a loss on
+    different tokens, i.e. dp_replicate x dp_shard x cp). For logging only. A tensor stays on the
+    device until after the reduction: one host sync, not one before and one after."""
+    if isinstance(value, torch.Tensor):
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value  # a loss_parallel DTensor
+        t = value.detach().reshape(1).to(device=ctx.device, dtype=torch.float64)
+    else:
+        t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
     dims = dims or ("dp_replicate", "dp_shard", "cp")
     group = ctx.group(*dims)
     if group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+        return t.item()
     dist.all_reduce(t, group=group)
     return t.item() / ctx.size(*dims)
 

@@ -22,15 +22,13 @@ from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
 from usp.engine.dist import DistContext, all_reduce_mean
 from usp.engine.grad_norm import clip_grad_norm
-from usp.engine.memory_probe import MemoryProbe
+from usp.engine.memory_probe import GIB, MemoryProbe
 from usp.engine.model_setup import build_model
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.data import gradient_sync
 from usp.plan.io import write_text_atomic
 from usp.engine.profiler import StepProfiler
 from usp.engine.tracking import build_trackers
-
-GIB = 1024**3
 
 
 class Trainer:
@@ -127,11 +125,12 @@ class Trainer:
         raise NonFiniteLoss(f"{message}; stopped with a checkpoint of step {self.last_completed_step} "
                             "(train.nan_policy=stop; lower optimizer.lr or set train.nan_policy=skip)")
 
-    def _accumulate(self, step: int) -> float:
-        """Mean loss of this rank's micro batches (before the all-reduce over data-parallel ranks)."""
+    def _accumulate(self, step: int) -> torch.Tensor:
+        """Mean loss of this rank's micro batches (before the all-reduce over data-parallel ranks),
+        still on the device: all_reduce_mean reads it once."""
         model, total = self.parts.modules[0], 0.0
         micro_batches = self.sampler.micro_batches(step)
-        # Summed on the device, read once: a .item() per micro batch would stall the GPU's queue.
+        # Summed on the device: a .item() per micro batch would stall the GPU's queue.
         for i, starts in enumerate(micro_batches):
             x, y, positions = self._batch(self.train_tokens, starts)
             # all-reduce / reduce-scatter gradients only after the last micro batch of the step
@@ -141,7 +140,7 @@ class Trainer:
                 with self._region("usp_backward"):
                     (loss / self.accum + self._aux_loss()).backward()
             total = total + loss.detach().to(torch.float64)
-        return _item(total) / len(micro_batches)
+        return total / len(micro_batches)
 
     def _pipeline_step(self, step: int) -> float:
         from usp.engine.pipeline_setup import pipeline_step

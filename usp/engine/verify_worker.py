@@ -8,18 +8,16 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 from usp.engine import dist as udist
-from usp.engine.accel import deterministic
+from usp.engine.accel import apply_determinism
 from usp.engine.parity import verify_plans
 from usp.plan.io import read_plan, write_text_atomic
 
 
 def run_verify(plan_path: str, reference_path: str, out: str) -> int:
     plan, reference = read_plan(Path(plan_path)), read_plan(Path(reference_path))
-    if deterministic(plan):
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    apply_determinism(plan)
     udist.init_process_group(plan)
     clean = False
     try:

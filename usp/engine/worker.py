@@ -14,7 +14,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from usp.engine import dist as udist
-from usp.engine.accel import deterministic
+from usp.engine.accel import apply_determinism
 from usp.engine.failure import record_failures
 from usp.engine import signals
 from usp.engine.trainer import Preempted, Trainer
@@ -28,8 +28,7 @@ def run_worker(plan_path: str) -> int:
     plan = read_plan(Path(plan_path))
     cfg = plan["config"]["train"]
     torch.manual_seed(int(cfg["seed"]))
-    if deterministic(plan):
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    apply_determinism(plan)
     ctx = udist.setup(plan)
     clean, code = False, 0
     try:

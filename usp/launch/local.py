@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from usp.plan.specs import uses_deterministic
+
 WORKER_MODULE = "usp.engine.worker"
 EXIT_PREEMPTED = 75  # same as usp.engine.signals.EXIT_PREEMPTED (no torch import here)
 
@@ -25,11 +27,11 @@ def worker_env(plan) -> dict[str, str]:
     # prefix, so a restarted rank can read its dead peer's gloo address and hang or fail
     # (measured: 3 of 5 kill -9 restarts under load). A fresh store per attempt avoids it.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    env.update({k: v for k, v in _accelerator_env(plan).items() if k not in env})  # the user's setting wins
+    env.update({k: v for k, v in plan_accelerator_env(plan).items() if k not in env})  # the user's setting wins
     return env
 
 
-def accelerator_env(device: str, deterministic: bool | None = None) -> dict[str, str]:
+def accelerator_env(device: str, deterministic: bool = False) -> dict[str, str]:
     """CUDA: expandable segments let the caching allocator grow blocks instead of fragmenting
     (fewer OOMs at high memory use with varying shapes, as torchtitan recommends); with
     train.deterministic=true, the cuBLAS workspace setting its deterministic kernels need."""
@@ -41,8 +43,8 @@ def accelerator_env(device: str, deterministic: bool | None = None) -> dict[str,
     return env
 
 
-def _accelerator_env(plan) -> dict[str, str]:
-    return accelerator_env(plan.device, plan.config["train"].get("deterministic"))
+def plan_accelerator_env(plan) -> dict[str, str]:
+    return accelerator_env(plan.device, uses_deterministic(plan.config["train"].get("deterministic"), plan.device))
 
 
 def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
@@ -59,7 +61,7 @@ def launch_local(plan, plan_path: Path) -> int:
     """Run the plan here and return the exit code of the run: 0 = success, EXIT_PREEMPTED (75)
     = stopped by a signal after a checkpoint (run the same command again to resume)."""
     if plan.world_size == 1:
-        for key, value in _accelerator_env(plan).items():  # before torch initialises CUDA
+        for key, value in plan_accelerator_env(plan).items():  # before torch initialises CUDA
             os.environ.setdefault(key, value)
         from usp.engine.worker import run_worker  # torch is imported only now, to train
 

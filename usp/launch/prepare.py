@@ -11,24 +11,23 @@ from rich.console import Console
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir
 from usp.plan.io import write_plan
-from usp.plan.plan import build_plan, engine_support_errors
+from usp.plan.plan import checked_plan
 from usp.plan.render import render_plan
 
 
 def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data: bool = True,
-                check: Callable | None = None):
+                check: Callable | None = None, plan=None):
     """prepare_data=False (a Slurm --dry-run): plan and write plan.yaml, tokenize nothing.
-    check(plan): the launcher's own refusals, run before anything is written."""
+    check(plan): the launcher's own refusals, run before anything is written.
+    plan: already built by checked_plan (a sweep point): not built or printed again."""
     console = console or Console()
-    plan = build_plan(cfg, choices)
-    render_plan(plan, console)
-    errors = engine_support_errors(plan)
-    if errors:
-        raise errors[0]
+    if plan is None:
+        plan = checked_plan(cfg, choices)
+        render_plan(plan, console)
     if check is not None:
         check(plan)
-    gpus = visible_nvidia_gpus()
-    if gpus and plan.device == "cpu" and plan.config["cluster"]["launcher"] == "local":
+    gpus = visible_nvidia_gpus() if plan.device == "cpu" and plan.config["cluster"]["launcher"] == "local" else 0
+    if gpus:
         console.print(f"[yellow]note:[/] {gpus} NVIDIA GPU(s) visible here, but cluster.device=cpu: "
                       f"cluster=local_gpu cluster.procs_per_node={gpus} trains on them (bf16, NCCL)", highlight=False)
     run_dir = check_run_dir(Path(plan.run_dir))

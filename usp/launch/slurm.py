@@ -20,6 +20,10 @@ JOB_FILE = "job.json"
 _FIELD = re.compile(r"(\w+)=(\S*)")
 
 
+class SlurmMissing(LaunchError):
+    """A Slurm client command (sbatch, scontrol, ...) is not installed here."""
+
+
 def write_script(text: str, path: Path) -> Path:
     write_text_atomic(path, text)
     path.chmod(0o755)
@@ -82,10 +86,8 @@ def active_tasks(job: dict, index: int | None = None) -> list[str]:
     when Slurm's commands are missing here (nothing can be running that this machine submitted)."""
     try:
         states = job_states(job["job_id"])
-    except LaunchError as exc:
-        if "not found" in str(exc):
-            return []
-        raise
+    except SlurmMissing:
+        return []
     out = []
     for s in states:
         task = s.get("ArrayTaskId")
@@ -135,7 +137,7 @@ def cancel(job_id: str) -> None:
     _slurm(["scancel", job_id], "cancel the job")
 
 
-def log_file(job: dict, index: int | None) -> Path:
+def log_file(job: dict, index: int | str | None) -> Path:
     """The batch output of a job (of one array task when index is given)."""
     name = f"slurm-{job['job_id']}_{index}.out" if index is not None else f"slurm-{job['job_id']}.out"
     return Path(job["log_dir"]) / name
@@ -143,7 +145,7 @@ def log_file(job: dict, index: int | None) -> Path:
 
 def _slurm(cmd: list[str], what: str) -> str:
     if shutil.which(cmd[0]) is None:
-        raise LaunchError(f"`{cmd[0]}` not found: can't {what} without the Slurm client commands",
+        raise SlurmMissing(f"`{cmd[0]}` not found: can't {what} without the Slurm client commands",
                           key="cluster.launcher", value="slurm",
                           fix="run on a Slurm login node, `scripts/local_slurm.sh start` for a local test cluster, "
                               "or --dry-run to only write the script")

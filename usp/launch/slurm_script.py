@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.launch.local import accelerator_env
+from usp.launch.local import plan_accelerator_env
 from usp.plan.layout import layout_tag
 
 TEMPLATE = "job.sbatch.j2"
@@ -53,7 +53,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
         "signal_lead_s": lead,
         "setup": list(slurm["setup"]),
         "threads_per_proc": first.threads_per_proc,
-        "env": sorted({**accelerator_env(first.device, first.config["train"].get("deterministic")), **{str(k): str(v) for k, v in cluster["env"].items()}}.items()),
+        "env": sorted({**plan_accelerator_env(first), **{str(k): str(v) for k, v in cluster["env"].items()}}.items()),
         "plans": [str(Path(p).resolve()) for p in plan_paths],
         "python": slurm.get("python") or sys.executable,
         "max_requeues": int(slurm["max_requeues"]),

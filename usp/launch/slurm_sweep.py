@@ -34,7 +34,7 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
         if point.status == "done":
             continue
         try:
-            plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()),
+            plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()), plan=point.plan,
                                           prepare_data=not dry_run)
         except UspError as exc:
             point.status, point.reason, failed = "failed", one_line(exc), failed + 1
@@ -60,7 +60,8 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
         console.print(f"[bold green]submitted[/] Slurm job array {job_id}: {len(members)} task(s) of {nodes} node(s) "
                       f"x {procs} process(es)" + (f", at most {max_parallel} at once" if max_parallel else ""),
                       highlight=False)
-        console.print(escape(f"  script {script}\n  output {log_dir}/slurm-{job_id}_<task>.out\n"
+        output = slurm.log_file({"job_id": job_id, "log_dir": str(log_dir)}, "<task>" if len(members) > 1 else None)
+        console.print(escape(f"  script {script}\n  output {output}\n"
                              f"  status usp status {sweep.dir}  |  results usp report {sweep.dir}  |  "
                              f"cancel usp cancel {sweep.dir}"), highlight=False, soft_wrap=True)
     sweep.write()

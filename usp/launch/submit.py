@@ -26,8 +26,8 @@ def submit_run(plan, plan_path: Path, command: list[str], *, dry_run: bool = Fal
     log_dir = default_log_dir(plan)
     text = render_job([plan], [plan_path], command, log_dir=log_dir)
     script = slurm.write_script(text, run_dir / "job.sbatch")
-    log_dir.mkdir(parents=True, exist_ok=True)  # sbatch won't create the --output directory
     if dry_run:
+        log_dir.mkdir(parents=True, exist_ok=True)  # for a later `sbatch job.sbatch` (slurm.submit makes it too)
         print(text, end="", flush=True)  # plain, so it can be copied or piped
         console.print(escape(f"dry run: wrote {script} (not submitted). The data is not prepared: submit "
                              f"with the same command without --dry-run (or `usp prepare-data` first, then "

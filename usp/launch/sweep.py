@@ -22,7 +22,7 @@ runs/<sweep_name>/sweep.json (written atomically after every status change):
         "run_dir": "/abs/runs/s1/p00_n1_mb4",          # the point's run directory
         "overrides": ["train.steps=20", "cluster.procs_per_node=1", "train.micro_batch=4"],
         "swept": {"cluster.procs_per_node": "1", "train.micro_batch": "4"},
-        "status": "planned",       # planned | rejected | running | done | failed
+        "status": "planned",       # planned | rejected | submitted (in a Slurm array) | running | done | failed
         "reason": null,            # rejected: the planner's message; failed: the root cause
         "exit_code": null, "started": null, "finished": null,
         "world_size": 1, "nodes": 1, "params": 950912, "degrees": {"pp": 1, "dp_replicate": 1, ...},
@@ -51,7 +51,6 @@ from usp.plan.io import write_text_atomic
 
 SWEEP_FILE = "sweep.json"
 SWEEP_VERSION = 1
-STATUSES = ("planned", "rejected", "submitted", "running", "done", "failed")  # submitted: in a Slurm array
 # Short names for the run ids (p03_n2_mb8); other keys use their last component.
 _ABBREV = {"micro_batch": "mb", "grad_accum": "ga", "global_batch": "gb", "global_batch_tokens": "gbt",
            "procs_per_node": "n", "dp_replicate": "dpr", "dp_shard": "dps", "seq_len": "seq",
@@ -73,8 +72,9 @@ class SweepPoint:
     started: float | None = None
     finished: float | None = None
     info: dict = field(default_factory=dict)  # world_size, degrees, batch, predicted numbers
-    cfg: object = field(default=None, repr=False)  # composed config and group choices: what a
-    choices: dict | None = field(default=None, repr=False)  # runner hands to prepare_run
+    cfg: object = field(default=None, repr=False)  # composed config, group choices and checked plan:
+    choices: dict | None = field(default=None, repr=False)  # what a runner hands to prepare_run
+    plan: object = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return {"index": self.index, "id": self.id, "run_name": self.run_name, "run_dir": self.run_dir,
@@ -163,9 +163,10 @@ def point_id(index: int, swept: dict[str, str]) -> str:
 # -- 2. planning -----------------------------------------------------------------------------
 
 def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir: str | None = None) -> Sweep:
-    """Compose and plan every point as `usp train` would (build_plan + engine_support_errors);
+    """Compose and plan every point as `usp train` would (checked_plan);
     a point that can't run is kept as `rejected` with the reason. Writes sweep.json."""
     from usp.config.compose import compose_config
+    from usp.plan.plan import checked_plan
 
     if not grid:
         raise UspError("the sweep has no points", key="overrides", fix="sweep a key: e.g. train.micro_batch=4,8")
@@ -183,7 +184,8 @@ def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir
             point.run_dir = str(runs / point.run_name)
             sweep_dir = sweep_dir or runs / sweep_name
             launchers.add(str(point.cfg.cluster.launcher))
-            point.info = _plan_info(_plan_point(point.cfg, point.choices))
+            point.plan = checked_plan(point.cfg, point.choices)  # what prepare_run refuses, refused here
+            point.info = _plan_info(point.plan)
         except UspError as exc:
             point.status, point.reason = "rejected", one_line(exc)
         points.append(point)
@@ -203,33 +205,15 @@ def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir
     return sweep
 
 
-def _plan_point(cfg, choices):
-    """build_plan + engine_support_errors: exactly what prepare_run refuses."""
-    from usp.plan.plan import build_plan, engine_support_errors
-
-    plan = build_plan(cfg, choices)
-    errors = engine_support_errors(plan)
-    if errors:
-        raise errors[0]
-    return plan
-
-
 def _plan_info(plan) -> dict:
-    timing, memory = plan.timing, plan.memory
-    tensor = max((s["total"] - s["overhead"] for s in _stages(memory)), default=None)
+    tensor = max((s.total - s.overhead for s in plan.memory.stages), default=None)
     degrees = {**plan.degrees, "ep": int(plan.config["parallelism"]["ep"])}  # ep is carved out of dp, not a mesh dim
     return {"world_size": plan.world_size, "nodes": plan.nodes, "params": plan.model.params,
             "degrees": degrees, "micro_batch": plan.batch.micro_batch,
             "grad_accum": plan.batch.grad_accum, "global_batch": plan.batch.global_batch,
-            "predicted": {"tokens_per_s": getattr(timing, "tokens_per_s", None), "mfu": getattr(timing, "mfu", None),
-                          "memory_gib": getattr(memory, "peak_gib", None),
+            "predicted": {"tokens_per_s": plan.timing.tokens_per_s, "mfu": plan.timing.mfu,
+                          "memory_gib": plan.memory.peak_gib,
                           "memory_tensor_gib": None if tensor is None else tensor / 1024 ** 3}}
-
-
-def _stages(memory) -> list[dict]:
-    from dataclasses import asdict
-
-    return [s if isinstance(s, dict) else asdict(s) for s in getattr(memory, "stages", None) or []]
 
 
 def _swept_keys(grid: list[list[str]]) -> dict[str, list[str]]:
@@ -287,11 +271,14 @@ def one_line(exc: Exception) -> str:
 
 # -- 3. running ------------------------------------------------------------------------------
 
-def run_sweep_local(sweep: Sweep, console: Console | None = None,
-                    launch: Callable | None = None) -> int:
+def run_sweep_local(sweep: Sweep, console: Console | None = None, launch: Callable | None = None, *,
+                    max_parallel: int = 0, dry_run: bool = False) -> int:
     """Run the accepted points one after another, as `usp train` would (prepare_run +
     launch_local). A failed point doesn't stop the sweep; Ctrl-C or preemption does (run the
-    same command again to resume). Returns the number of failed points."""
+    same command again to resume). Returns the number of failed points. (max_parallel: a Slurm
+    option, one point at a time here; dry_run: the plans in sweep.json are all there is.)"""
+    if dry_run:
+        return 0
     from usp.launch.local import launch_local
     from usp.launch.prepare import prepare_run
 
@@ -322,7 +309,7 @@ def run_sweep_local(sweep: Sweep, console: Console | None = None,
 
 def _run_point(point: SweepPoint, prepare_run, launch) -> tuple[int, str | None]:
     try:
-        plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()))
+        plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()), plan=point.plan)
     except UspError as exc:  # e.g. the run directory or the data: this point only
         return 2, one_line(exc)
     try:
@@ -344,15 +331,16 @@ def _failure_reason(point: SweepPoint, code: int) -> str:
     return f"exit {code} (logs in {run_dir / 'logs'})"
 
 
-def _submit_slurm(sweep: Sweep, console: Console | None = None, max_parallel: int = 0) -> int:
+def _submit_slurm(sweep: Sweep, console: Console | None = None, *, max_parallel: int = 0,
+                  dry_run: bool = False) -> int:
     from usp.launch.slurm_sweep import submit_sweep_slurm
 
-    return submit_sweep_slurm(sweep, console, max_parallel=max_parallel)
+    return submit_sweep_slurm(sweep, console, max_parallel=max_parallel, dry_run=dry_run)
 
 
 SWEEP_LAUNCHERS: dict[str, Callable[..., int]] = {"local": run_sweep_local, "slurm": _submit_slurm}
-"""cluster.launcher -> runner(sweep, console, **options) returning the number of failed points
-(a Slurm job array: the points that could not be submitted)."""
+"""cluster.launcher -> runner(sweep, console, *, max_parallel, dry_run) returning the number of
+failed points (a Slurm job array: the points that could not be submitted)."""
 
 
 def launch_sweep(sweep: Sweep, console: Console | None = None, **options) -> int:

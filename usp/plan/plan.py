@@ -3,6 +3,7 @@ composed config. Written to <run_dir>/plan.yaml, the only file the engine reads.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from usp.errors import PlanError
 from usp.plan.batch import BatchPlan, plan_batch
 from usp.plan.pipeline_plan import plan_pipeline
+from usp.plan.specs import ATTENTION_CHOICES
 from usp.plan.layout import MESH_DIMS, RankInfo, data_parallel_kind, layout_tag, rank_table, resolve_degrees
 
 if TYPE_CHECKING:
@@ -69,8 +71,6 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     """Derive the run plan from a composed config (DictConfig or an object with the same fields).
     force: a predicted OOM is a warning, not an error. strict: a TP group across nodes is an error.
     training=False (`usp plan`, `usp estimate`): limits of the data pipeline are warnings."""
-    import os
-
     from omegaconf import OmegaConf
 
     from usp.data.prepare import dataset_dir
@@ -89,23 +89,17 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     degrees = resolve_degrees(cfg.parallelism, world)
     batch = derive_batch(train, degrees)
 
-    vocab = int(model.vocab_size) if int(model.vocab_size) > 0 else _data_vocab(cfg.data)
+    data_vocab = _data_vocab(cfg.data)
+    vocab = int(model.vocab_size) if int(model.vocab_size) > 0 else data_vocab
     shape = SimpleNamespace(**{**{k: model[k] for k in model}, "vocab_size": vocab})
-    if training and _data_vocab(cfg.data) > 65535:  # token ids come from the data's tokenizer
+    if training and data_vocab > 65535:  # token ids come from the data's tokenizer
         raise PlanError("token files are uint16: the tokenizer's vocabulary must be below 65536",
-                        key="data.vocab_size", value=_data_vocab(cfg.data), fix="data.vocab_size=32000 (or less)")
+                        key="data.vocab_size", value=data_vocab, fix="data.vocab_size=32000 (or less)")
     _check_model(shape, degrees, batch, training)
     per_token = float(flops_per_token_cfg(shape, batch.seq_len))
     pipeline = plan_pipeline(cfg.parallelism, shape, degrees, batch.grad_accum)
 
-    threads = int(cluster.threads_per_proc) or max(1, (cpu_count or os.cpu_count() or 1) // per_node)
-    if cluster.launcher == "slurm" and not int(cluster.threads_per_proc):
-        if not int(cluster.slurm.cpus_per_task):  # this (login) machine's CPU count says nothing about the nodes
-            raise PlanError("a Slurm job needs the nodes' CPU count: cluster.slurm.cpus_per_task and "
-                            "cluster.threads_per_proc are both 0", key="cluster.slurm.cpus_per_task", value=0,
-                            fix=f"cluster.slurm.cpus_per_task=<CPUs per node> (split over {per_node} processes), "
-                                "or cluster.threads_per_proc=<threads per process>")
-        threads = max(1, int(cluster.slurm.cpus_per_task) // per_node)  # the nodes' CPUs, not this machine's
+    threads = _threads_per_proc(cluster, per_node, cpu_count)
     name = train.name or f"{model.name}-{layout_tag(degrees)}"
     run_dir = Path(train.runs_dir).expanduser().resolve() / name
     plan = RunPlan(
@@ -176,6 +170,30 @@ def _warnings(cfg, degrees: dict[str, int], batch: BatchPlan) -> list[str]:
     return out
 
 
+def checked_plan(cfg, choices: dict | None = None) -> RunPlan:
+    """The plan `usp train` runs: build_plan, and the first layout the engine can't train refused."""
+    plan = build_plan(cfg, choices)
+    errors = engine_support_errors(plan)
+    if errors:
+        raise errors[0]
+    return plan
+
+
+def _threads_per_proc(cluster, per_node: int, cpu_count: int | None) -> int:
+    """cluster.threads_per_proc, else the node's CPUs split over its processes: on Slurm the nodes'
+    (cluster.slurm.cpus_per_task; this login machine's count says nothing about them), else this one's."""
+    if int(cluster.threads_per_proc):
+        return int(cluster.threads_per_proc)
+    if cluster.launcher != "slurm":
+        return max(1, (cpu_count or os.cpu_count() or 1) // per_node)
+    if not int(cluster.slurm.cpus_per_task):
+        raise PlanError("a Slurm job needs the nodes' CPU count: cluster.slurm.cpus_per_task and "
+                        "cluster.threads_per_proc are both 0", key="cluster.slurm.cpus_per_task", value=0,
+                        fix=f"cluster.slurm.cpus_per_task=<CPUs per node> (split over {per_node} processes), "
+                            "or cluster.threads_per_proc=<threads per process>")
+    return max(1, int(cluster.slurm.cpus_per_task) // per_node)
+
+
 def engine_support_errors(plan: RunPlan) -> list[PlanError]:
     """Layouts the engine cannot train (the plan may still describe them for estimates)."""
     deg, par, model = plan.degrees, plan.config["parallelism"], plan.config["model"]
@@ -210,7 +228,7 @@ def engine_support_errors(plan: RunPlan) -> list[PlanError]:
          "parallelism.ddp_comm_hook=fp16 or powersgd on CPU"),
         (model.get("attention") == "flash_attn" and plan.device != "cuda", "model.attention", "flash_attn",
          "flash-attn runs on CUDA only", "model.attention=sdpa"),
-        (model.get("attention", "sdpa") not in ("sdpa", "flash_attn"), "model.attention", model.get("attention"),
+        (model.get("attention", "sdpa") not in ATTENTION_CHOICES, "model.attention", model.get("attention"),
          "unknown attention kernel", "model.attention=sdpa (or flash_attn on CUDA)"),
         (model.get("attention") == "flash_attn" and plan.config["train"]["dtype"] == "fp32", "train.dtype", "fp32",
          "flash-attn computes in bf16/fp16 only", "train.dtype=auto (bf16 on GPU), or model.attention=sdpa"),

@@ -163,8 +163,21 @@ class Precision:
 
             raise PlanError(f"unknown dtype; choose one of {', '.join(DTYPES)}", key="train.dtype", value=dtype,
                             fix="train.dtype=auto")
-        bf16 = dtype == "bf16" or (dtype == "auto" and device != "cpu")
-        return cls("bf16", 2, 2, 12, 2) if bf16 else cls("fp32", 4, 4, 8, 4)
+        return cls("bf16", 2, 2, 12, 2) if uses_bf16(dtype, device) else cls("fp32", 4, 4, 8, 4)
+
+
+ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.py installs them)
+
+
+def uses_bf16(dtype: str, device: str) -> bool:
+    """train.dtype=auto means bf16 on an accelerator, fp32 on CPU (the planner and the engine)."""
+    return dtype == "bf16" or (dtype == "auto" and device != "cpu")
+
+
+def uses_deterministic(configured: bool | None, device: str) -> bool:
+    """train.deterministic, or by default: on for CPU (exact parity, resume), off on an accelerator
+    (its deterministic kernels are slower). The engine sets the flag, the launcher its environment."""
+    return device == "cpu" if configured is None else bool(configured)
 
 
 @dataclass(frozen=True)

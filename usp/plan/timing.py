@@ -120,8 +120,10 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
     world = layout.world
     tokens_step = global_batch * s
     layer_mm = arch.active_layer_matmul_params
-    blocks_fpt = arch.n_layers * (6 * layer_mm + 12 * h * s)
-    model_fpt = blocks_fpt + 6 * arch.vocab_size * h
+    layer_fpt = 6 * layer_mm + 12 * h * s  # training FLOPs per token of one block, and of the LM head
+    head_fpt = 6 * arch.vocab_size * h
+    blocks_fpt = arch.n_layers * layer_fpt
+    model_fpt = blocks_fpt + head_fpt
     # full recomputation runs each block's forward (1/3 of its training FLOPs) again; the LM head
     # is not recomputed (usp/engine/recompute.py wraps blocks only)
     recompute_extra = 1 / 3 if layout.recompute == "full" else 0.0
@@ -134,8 +136,8 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
     # compute per micro batch on each pp rank
     counts, ranks = stage_layer_counts(arch, p, layout.virtual, layout.schedule, layout.pp_layers)
     tokens_mb = b * s_loc  # tokens one rank processes per micro batch
-    per_layer = (6 * layer_mm + 12 * h * s) / t * (1 + recompute_extra)
-    head = 6 * arch.vocab_size * h / t
+    per_layer = layer_fpt / t * (1 + recompute_extra)
+    head = head_fpt / t
     stage_flops, stage_layers = [], []
     for held in ranks:
         n_layers = sum(counts[i] for i in held)
