@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, _CACHE
 
 BENCH = REPO / "scripts" / "bench"
@@ -42,6 +44,20 @@ def test_mfu_needs_cuda_and_says_so():
     proc = run_bench("mfu.py")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "needs a CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_mfu_measures_a_case_in_its_own_process(shakespeare, tmp_path):
+    """--smoke: the GPU run's path (child process per case, measurement, row, --out) on a tiny CPU case."""
+    out = tmp_path / "mfu.jsonl"
+    proc = run_bench("mfu.py", "--smoke", "--steps", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[1].startswith("tiny seq128 cpu smoke"), proc.stdout
+    [r] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "error" not in r and r["case"] == "tiny seq128 cpu smoke" and r["model"] == "tiny"
+    assert r["tokens_per_s"] > 0 and r["hfu"] >= r["mfu"] > 0
+    # MFU = tokens/s x FLOPs/token / peak, the same FLOPs and peak as the planner's prediction
+    pr = r["predicted"]
+    assert r["mfu"] / r["tokens_per_s"] == pytest.approx(pr["mfu"] / pr["tokens_per_s"], rel=1e-9)
 
 
 def test_mfu_case_selection_plans_without_a_gpu():

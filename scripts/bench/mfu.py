@@ -17,6 +17,7 @@ JSON line, so a time limit loses only the case in flight.
 
     python scripts/bench/mfu.py [--only 1b|largest] [--steps 10] [--out results.jsonl] [--json]
     python scripts/bench/mfu.py --plan-only "NVIDIA H100 80GB HBM3" 79.1   # the cases, no GPU needed
+    python scripts/bench/mfu.py --smoke   # this script's machinery on CPU: one tiny case, figures meaningless
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ GPU_GROUPS = (("H200", "h200"), ("H100 PCIe", None), ("H100 NVL", None), ("H100"
               ("A100", "a100_80gb"), ("MI300X", "mi300x"))
 LARGEST_CANDIDATES = ["llama3_1_8b", "llama3_2_3b", "llama3_2_1b"]  # largest first
 WARMUP = 3  # steps before the timed window (compile happens here)
+SMOKE_CASE = "tiny seq128 cpu smoke"
 
 
 def need_cuda() -> None:
@@ -68,9 +70,11 @@ def this_gpu() -> tuple[str, float]:
     return torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def cases(only: str | None, steps: int) -> list[tuple[str, list[str], list[str | None]]]:
+def cases(only: str | None, steps: int, smoke: bool = False) -> list[tuple[str, list[str], list[str | None]]]:
     """(name, overrides, candidate models: the first the planner says fits is measured)."""
     run = [f"train.steps={WARMUP + steps + 1}", "train.log_interval=1", "train.eval_batches=1"]
+    if smoke:
+        return [(SMOKE_CASE, run + ["model=tiny", "train.seq_len=128"], [None])]
     attentions = ["sdpa"] + (["flash_attn"] if importlib.util.find_spec("flash_attn") else [])
     out = []
     if only in (None, "1b"):
@@ -121,8 +125,10 @@ def measure(plan: dict, steps: int) -> dict:
     except torch.OutOfMemoryError as exc:
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
     step_s = _common.median(_common.step_times(trainer.history, WARMUP, steps))
-    # each record holds the allocator's peak since the previous one (log_interval=1: per step)
-    peak_gib = max(r.get("memory_peak_gib", 0.0) for r in trainer.history)
+    # each record holds the allocator's peak since the previous one (log_interval=1: per step);
+    # none on CPU, which has no caching allocator to ask
+    peaks = [r["memory_peak_gib"] for r in trainer.history if r.get("memory_peak_gib")]
+    peak_gib = max(peaks) if peaks else None
     t = plan["timing"]
     tokens_per_s = t["tokens_per_step"] / step_s
     peak = t["peak_tflops"] * 1e12
@@ -136,12 +142,15 @@ def measure(plan: dict, steps: int) -> dict:
 
 def run_case(name: str, args) -> dict:
     """Plan the case (and with a GPU, measure it here); a dict with the model, batch and numbers."""
-    case = next((c for c in cases(args.only, args.steps) if c[0] == name), None)
+    case = next((c for c in cases(args.only, args.steps, args.smoke) if c[0] == name), None)
     if case is None:
         raise SystemExit(f"no case {name!r}")
-    gpu = (args.plan_only[0], float(args.plan_only[1])) if args.plan_only else this_gpu()
+    if args.smoke:
+        hardware = ["cluster=local_cpu"]
+    else:
+        hardware = gpu_overrides(*((args.plan_only[0], float(args.plan_only[1])) if args.plan_only else this_gpu()))
     with tempfile.TemporaryDirectory() as runs:
-        plan = fitting_plan(case[1] + gpu_overrides(*gpu), case[2], runs)
+        plan = fitting_plan(case[1] + hardware, case[2], runs)
         if plan is None:
             return {"error": "the planner predicts no micro batch fits"}
         out = {"model": plan["model"]["name"], "micro_batch": plan["batch"]["micro_batch"],
@@ -157,7 +166,8 @@ def row(name: str, r: dict) -> str:
     if "error" in r:
         return f"{name:<48} {r['error']}"
     pr = r["predicted"]
-    return (f"{name:<48} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} {r['hfu']:>6.1%} {r['peak_memory_gib']:>9.1f}   "
+    peak = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
+    return (f"{name:<48} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} {r['hfu']:>6.1%} {peak:>9}   "
             f"{pr['tokens_per_s']:,.0f}, {pr['mfu']:.1%}, {pr['peak_memory_gib']:.1f} "
             f"({r['model']}, micro batch {r['micro_batch']} x {r['grad_accum']})")
 
@@ -170,26 +180,31 @@ def main() -> None:
                    help="no GPU needed: the cases and micro batches chosen for this GPU")
     p.add_argument("--out", help="append each case's result to this file as a JSON line")
     p.add_argument("--case-timeout", type=float, default=1200, help="seconds per case")
+    p.add_argument("--smoke", action="store_true",
+                   help="check this script on CPU: one tiny-model case through the same subprocess, "
+                        "measurement and --out path (its figures mean nothing)")
     p.add_argument("--case", help=argparse_hidden())  # a child process: measure this case, print JSON
     args = p.parse_args()
     if args.case:
         print(json.dumps(run_case(args.case, args)))
         return
     if args.plan_only:
-        results = {name: run_case(name, args) for name, _, _ in cases(args.only, args.steps)}
+        results = {name: run_case(name, args) for name, _, _ in cases(args.only, args.steps, args.smoke)}
         _common.emit({"cases": results}, args, [f"{n}: {r}" for n, r in results.items()])
         return
-    need_cuda()
-    from usp.launch.local import accelerator_env
+    env = dict(os.environ)
+    if not args.smoke:
+        need_cuda()
+        from usp.launch.local import accelerator_env
 
-    env = {**accelerator_env("cuda"), **os.environ}  # set before the child imports torch; the user's wins
+        env = {**accelerator_env("cuda"), **env}  # set before the child imports torch; the user's wins
     results = {}
     if not args.json:
         print(f"{'case':<48} {'tokens/s':>9} {'MFU':>6} {'HFU':>6} {'peak GiB':>9}   predicted tokens/s, MFU, GiB",
               flush=True)
-    for name, _, _ in cases(args.only, args.steps):
+    for name, _, _ in cases(args.only, args.steps, args.smoke):
         cmd = [sys.executable, __file__, "--case", name, "--steps", str(args.steps)] + \
-              (["--only", args.only] if args.only else [])
+              (["--only", args.only] if args.only else []) + (["--smoke"] if args.smoke else [])
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.case_timeout)
             last = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
