@@ -15,7 +15,6 @@ import pytest
 
 from usp.config.compose import compose_config
 from usp.config.schema import ParallelismConfig, TrainConfig
-from usp.data.errors import DataError
 from usp.errors import PlanError, UspError
 from usp.plan.batch import plan_batch
 from usp.plan.io import read_plan, write_plan, write_text_atomic

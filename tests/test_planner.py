@@ -3,7 +3,6 @@ computations (Ultra-Scale Playbook formulas, docs/planner.md), the time model, e
 rule through the real `usp plan`, and the no-torch import boundary. No torch, all fast."""
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -12,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist

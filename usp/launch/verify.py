@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -13,7 +12,7 @@ from rich.table import Table
 
 from usp.config.reference import reference_overrides
 from usp.errors import PlanError
-from usp.launch.local import launch_local, torchrun_command
+from usp.launch.local import torchrun_command
 from usp.launch.prepare import prepare_run
 
 QUIET = ["logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from usp.errors import PlanError
-from usp.plan.batch import BatchPlan, plan_batch
+from usp.plan.batch import BatchPlan
 from usp.plan.pipeline_plan import plan_pipeline
 from usp.plan.specs import ATTENTION_CHOICES
 from usp.plan.layout import MESH_DIMS, RankInfo, data_parallel_kind, layout_tag, rank_table, resolve_degrees
