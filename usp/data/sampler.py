@@ -34,7 +34,9 @@ class TokenFile:
 def get_batch(token_file: TokenFile, starts: np.ndarray, seq_len: int) -> Tuple[np.ndarray, np.ndarray]:
     """Inputs and next-token targets, int64 arrays of shape (len(starts), seq_len)."""
     rows = np.stack([token_file.window(int(s), seq_len + 1) for s in starts]).astype(np.int64)
-    return rows[:, :-1], rows[:, 1:]
+    # Contiguous copies, not strided views: torch < 2.13's pipeline stages refuse inputs whose
+    # strides differ from their (contiguous) shape metadata, and strided host tensors copy to a GPU slower.
+    return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
 
 def n_windows(n_tokens: int, seq_len: int) -> int:
