@@ -140,15 +140,19 @@ def test_ctrl_c_stops_every_rank(tmp_path, shakespeare):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_give_the_same_losses(tmp_path, shakespeare):
+def test_compiled_blocks_give_the_same_losses_and_checkpoints(tmp_path, shakespeare):
     """train.compile=true (per-block torch.compile; inductor's C++ backend on CPU) with full
-    recomputation, the combination mfu.py measures on a GPU, against eager."""
+    recomputation, the combination mfu.py measures on a GPU, against eager; its checkpoint
+    resumes an eager run (the checkpoint's keys don't carry the compile wrapper)."""
     import torch._dynamo
 
-    ref = train_inprocess(tmp_path, "train.steps=4", "train.recompute=full", "train.name=eager")
+    run = ["train.recompute=full", "checkpoint.interval=2"]
+    ref = train_inprocess(tmp_path, "train.steps=6", *run, "train.name=eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = train_inprocess(tmp_path, "train.steps=4", "train.recompute=full", "train.compile=true",
-                               "train.name=compiled")
+    compiled = train_inprocess(tmp_path, "train.steps=4", *run, "train.compile=true", "train.name=compiled")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
-    assert_same_losses(ref, compiled, rtol=1e-5)
+    assert_same_losses(ref[:4], compiled, rtol=1e-5)
+    resumed = train_inprocess(tmp_path, "train.steps=6", *run, "train.name=compiled")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # appended from step 5: it resumed
+    assert_same_losses(ref[4:], resumed[4:], rtol=1e-5)
