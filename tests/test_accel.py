@@ -56,6 +56,15 @@ def test_pipeline_with_fsdp_on_gpu_keeps_autocast():
     assert isinstance(accel.autocast_context(plan, torch.device("cuda", 0)), torch.autocast)
 
 
+def test_bf16_on_cpu_takes_the_gpu_recipe():
+    """train.dtype=bf16 on CPU picks what a GPU picks, so the CPU parity matrix runs it."""
+    fsdp = plan_of(*FSDP2, "train.dtype=bf16")
+    assert accel.fsdp_mp_policy(fsdp).param_dtype == torch.bfloat16
+    assert not isinstance(accel.autocast_context(fsdp, torch.device("cpu")), torch.autocast)
+    ctx = accel.autocast_context(plan_of(*DDP2, "train.dtype=bf16"), torch.device("cpu"))
+    assert isinstance(ctx, torch.autocast) and ctx.device == "cpu" and ctx.fast_dtype == torch.bfloat16
+
+
 def test_cpu_and_fp32_stay_fp32():
     for plan, device in ((plan_of(*FSDP2), "cpu"), (plan_of("cluster=local_gpu", *FSDP2, "train.dtype=fp32"), "cuda")):
         assert accel.fsdp_mp_policy(plan) is None

@@ -54,8 +54,20 @@ def test_matrix_covers_the_required_compositions():
     names = {name for layouts in LAYOUTS.values() for name in layouts}
     required = {"ddp", "zero1", "fsdp_zero2", "fsdp_zero3_grad_accum", "tp_sp", "cp", "ep", "pp_afab", "pp_1f1b",
                 "pp_interleaved_1f1b", "pp_zbv", "dp_x_tp", "fsdp_x_tp", "tp_x_pp", "dp_x_pp", "cp_x_dp", "ep",
-                "hsdp", "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full"}
+                "hsdp", "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full",
+                "bf16_ddp", "bf16_fsdp_mixed_precision", "bf16_tp_sp", "bf16_pp_1f1b", "bf16_fsdp_x_tp"}
     assert required <= names, required - names
+
+
+def test_bf16_fsdp_computes_in_bf16_over_fp32_master_weights(results):
+    """The GPU's FSDP recipe (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), run on
+    gloo: a block's forward sees bf16 weights at every micro batch; the sharded parameters, the
+    gradients AdamW steps with and its moments are fp32."""
+    result = results(2).get("bf16_fsdp_dtypes")
+    assert result is not None and result["ok"], result
+    assert result["forward_weight"] == ["bfloat16"] and result["n_forward"] >= 5
+    assert result["params"] == result["grads"] == result["moments"] == ["float32"]
+    assert result["n_grads"] > 0 and len(result["losses"]) == 5
 
 
 def test_usp_verify_passes_an_exact_layout(tmp_path, shakespeare):

@@ -1,7 +1,9 @@
 """Parity matrix worker: every layout of LAYOUTS[world] trains the tiny model next to its
-single-process reference; rank 0 records the comparison. Launched by tests/test_parallel.py."""
+single-process reference; rank 0 records the comparison. Launched by tests/test_parallel.py.
+On 2 ranks it also records the dtypes FSDP2's bf16 mixed-precision policy trains with."""
 import os
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,12 +13,45 @@ import torch.distributed as dist  # noqa: E402
 
 from dist.harness import run_cases  # noqa: E402
 from dist.layouts import LAYOUTS  # noqa: E402
-from usp.engine.parity import verify_case  # noqa: E402
+from usp.engine.dist import make_context  # noqa: E402
+from usp.engine.parity import plan_dict, verify_case  # noqa: E402
+from usp.engine.trainer import Trainer  # noqa: E402
 
 STEPS = ["train.steps=5", "train.seq_len=64", "optimizer.warmup_steps=2"]
+
+
+def _dtypes(tensors) -> list[str]:
+    return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+
+
+def bf16_fsdp_dtypes() -> dict:
+    """Under train.dtype=bf16 an FSDP2 block computes with bf16 weights, while the sharded
+    parameters, the gradients the optimizer sees and AdamW's moments stay fp32 (fp32 master
+    weights, gradients reduced in fp32): the recipe a GPU run uses, observed on gloo."""
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = plan_dict(STEPS + LAYOUTS[2]["bf16_fsdp_mixed_precision"], 2, tmp)
+        trainer = Trainer(plan, make_context(plan), write_outputs=False)
+        forward, grads = [], []
+        wq = trainer.parts.stage_modules[0].layers["0"].attention.wq
+        hooks = [wq.register_forward_pre_hook(lambda m, args: forward.append(m.weight)),
+                 trainer.optimizers[0].register_step_pre_hook(
+                     lambda opt, args, kwargs: grads.extend(p.grad for g in opt.param_groups for p in g["params"]
+                                                            if p.grad is not None))]
+        trainer.fit()
+        for hook in hooks:
+            hook.remove()
+        params = list(trainer.parts.parameters())
+        moments = [v for st in trainer.optimizers[0].state.values() for k, v in st.items() if k != "step"]
+        result = {"forward_weight": _dtypes(forward), "params": _dtypes(params), "grads": _dtypes(grads),
+                  "moments": _dtypes(moments), "n_forward": len(forward), "n_grads": len(grads),
+                  "losses": [h["loss"] for h in trainer.history]}
+        del trainer
+    return result
 
 if __name__ == "__main__":
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))  # a broken case fails, not hangs
     cases = {name: (lambda ov=overrides: verify_case(STEPS + ov, world)) for name, overrides in LAYOUTS[world].items()}
+    if world == 2:
+        cases["bf16_fsdp_dtypes"] = bf16_fsdp_dtypes
     run_cases(cases)

@@ -1,12 +1,13 @@
 """Choices that matter on an accelerator (CUDA, ROCm - which PyTorch exposes as device type
 "cuda" over RCCL - and Intel XPU), each a small function of the plan so CPU tests can check
-what a GPU run would pick. On CPU every choice falls back to plain fp32 PyTorch.
+what a GPU run would pick. train.dtype=auto is bf16 on an accelerator and fp32 on CPU; an
+explicit train.dtype=bf16 takes the GPU's precision recipe on CPU too, so the CPU tests run it.
 
-| choice           | GPU (train.dtype=auto or bf16)                          | CPU (auto / fp32)  |
+| choice           | GPU (train.dtype=auto or bf16); CPU with bf16           | CPU (auto / fp32)  |
 |------------------|---------------------------------------------------------|--------------------|
 | FSDP2 layouts    | MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), no autocast | fp32 |
 | other layouts    | torch.autocast(bf16) around forward and loss            | fp32               |
-| AdamW            | fused=True (one kernel per parameter group)             | for-each (default) |
+| AdamW            | fused=True on GPU (one kernel per parameter group)      | for-each (default) |
 | attention        | SDPA, flash backend first; or the flash-attn package    | SDPA               |
 """
 from __future__ import annotations
@@ -25,11 +26,11 @@ FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keep
 
 def fsdp_mixed_precision(plan: dict) -> bool:
     """bf16 through FSDP2's policy (parameters gathered in bf16, gradients reduced in fp32), as
-    torchtitan: for FSDP/HSDP layouts on an accelerator. Pipelines and expert parallelism keep
+    torchtitan: for FSDP/HSDP layouts whenever bf16 is in use (gloo runs it on CPU). Pipelines and expert parallelism keep
     autocast: their stage boundaries and expert all-to-alls expect the fp32 parameters' dtype."""
     cfg, deg = plan["config"], plan["degrees"]
     par = cfg["parallelism"]
-    return (plan["device"] != "cpu" and uses_bf16(str(cfg["train"]["dtype"]), plan["device"])
+    return (uses_bf16(str(cfg["train"]["dtype"]), plan["device"])
             and data_parallel_kind(deg, bool(par["zero1"])) in ("fsdp", "hsdp", "replicate")
             and deg["pp"] == 1 and int(par["ep"]) == 1)
 
