@@ -42,6 +42,18 @@ def resolve_primary(conf: str | None) -> tuple[Path, str]:
                       fix=_suggest(conf, names, "name") + f"one of: {', '.join(names)}")
 
 
+def check_catalogue() -> None:
+    """A missing conf/ is an install problem: say so, instead of Hydra's 'config not found'."""
+    if (conf_dir() / "config.yaml").is_file():
+        return
+    if "USP_CONF_DIR" in os.environ:
+        raise ConfigError("no config.yaml in this folder", key="USP_CONF_DIR", value=os.environ["USP_CONF_DIR"],
+                          fix="point it at a copy of usp's conf/ (config.yaml and the group folders)")
+    raise ConfigError(f"usp's config catalogue (conf/config.yaml) is not installed: not in {conf_dir()}",
+                      fix="install usp from its checkout (`pip install -e .`) or from a wheel built from it "
+                          "(both ship conf/ and recipes/), or set USP_CONF_DIR to a copy of conf/")
+
+
 def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ...] = ()):
     """Return (cfg, choices): the composed, validated config and the option picked per group."""
     from hydra import compose, initialize_config_dir
@@ -49,6 +61,7 @@ def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ..
     from omegaconf import OmegaConf, open_dict
 
     schema.register()
+    check_catalogue()
     directory, name = resolve_primary(conf)
     search = [f"hydra.searchpath=[file://{conf_dir()}]"]
     GlobalHydra.instance().clear()
