@@ -26,8 +26,9 @@ FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keep
 
 def fsdp_mixed_precision(plan: dict) -> bool:
     """bf16 through FSDP2's policy (parameters gathered in bf16, gradients reduced in fp32), as
-    torchtitan: for FSDP/HSDP layouts whenever bf16 is in use (gloo runs it on CPU). Pipelines and expert parallelism keep
-    autocast: their stage boundaries and expert all-to-alls expect the fp32 parameters' dtype."""
+    torchtitan: for FSDP/HSDP layouts whenever bf16 is in use (gloo runs it on CPU too).
+    Pipelines and expert parallelism keep autocast: their stage boundaries and expert
+    all-to-alls expect the fp32 parameters' dtype."""
     cfg, deg = plan["config"], plan["degrees"]
     par = cfg["parallelism"]
     return (uses_bf16(str(cfg["train"]["dtype"]), plan["device"])
