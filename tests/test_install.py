@@ -4,7 +4,6 @@ reach share/usp through pyproject's data-files."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -12,6 +11,9 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from offline_wheels import copy_source  # noqa: E402
+
 DATA_FILES = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
 
 
@@ -33,10 +35,7 @@ def _usp(site_packages: Path, *args: str, cwd: Path, **env: str) -> subprocess.C
 def test_a_wheel_install_composes_from_its_own_catalogue(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    for name in ("usp", "conf", "recipes"):
-        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_source(src)  # what scripts/offline_wheels.py builds its usp wheel from
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
                    check=True, capture_output=True, timeout=300)

