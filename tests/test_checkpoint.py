@@ -15,7 +15,7 @@ import pytest
 
 from conftest import USP, _CACHE, run_usp
 from usp.engine.metrics import read_metrics
-from usp.launch.checkpoints import list_checkpoints
+from usp.rundir import list_checkpoints
 
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0"]
 UNTIED = ["model.tie_embeddings=false", "model.n_layers=4"]

@@ -23,8 +23,10 @@ from conftest import REPO, run_usp
 from usp.config.compose import compose_config
 from usp.engine.failure import LOST_PEER, OOM, PYTHON, TIMEOUT, classify, record_failure
 from usp.errors import LaunchError
-from usp.launch.checkpoints import check_checkpoint_dir, list_checkpoints
-from usp.plan.io import read_plan, write_plan
+from usp.launch.checkpoints import check_checkpoint_dir
+from usp.rundir import list_checkpoints
+from usp.plan.io import write_plan
+from usp.rundir import read_plan
 from usp.plan.plan import build_plan
 
 PP2_TP2 = ["cluster.procs_per_node=4", "parallelism.pp=2", "parallelism.tp=2", "model.tie_embeddings=false"]

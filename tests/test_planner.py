@@ -357,7 +357,8 @@ def test_plan_carries_memory_and_timing(tmp_path):
     data = plan.to_dict()
     assert data["memory"]["stages"][0]["total"] == plan.memory.stages[0].total
     assert data["timing"]["comm"][0]["name"].startswith("FSDP")
-    from usp.plan.io import read_plan, write_plan
+    from usp.plan.io import write_plan
+    from usp.rundir import read_plan
 
     assert read_plan(write_plan(plan, tmp_path / "plan.yaml")) == data
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from usp.launch.checkpoints import checkpoint_dir, list_checkpoints
-from usp.plan.io import write_text_atomic
+from usp.rundir import checkpoint_dir, list_checkpoints
+from usp.rundir import write_text_atomic
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -17,7 +17,7 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-OOM, TIMEOUT, LOST_PEER, PYTHON = "OOM", "collective timeout", "lost peer", "Python error"
+from usp.rundir import LOST_PEER, OOM, PYTHON, TIMEOUT
 
 # Lower-case message fragments, checked in this order (a lost connection often mentions a timeout).
 _OOM_TEXT = ("out of memory",)
@@ -55,7 +55,7 @@ def failure_path(run_dir, rank: int) -> Path:
 
 def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step: int | None) -> Path:
     """Write logs/failure_rank<rank>.json atomically and append a one-liner to logs/rank_<rank>.log."""
-    from usp.plan.io import write_text_atomic
+    from usp.rundir import write_text_atomic
 
     ranks = plan.get("ranks") or []
     info = ranks[rank] if 0 <= rank < len(ranks) else {}
@@ -100,7 +100,7 @@ def record_failures(worker):
             return worker(plan_path, *args, **kwargs)
         except Exception as exc:
             try:
-                from usp.plan.io import read_plan
+                from usp.rundir import read_plan
 
                 plan = read_plan(Path(plan_path))
                 trainer = _local_of(exc, worker.__code__, "trainer")

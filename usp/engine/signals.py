@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import signal
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later"
+from usp.rundir import EXIT_PREEMPTED  # noqa: F401  (the worker exits with it)
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

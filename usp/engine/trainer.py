@@ -26,7 +26,7 @@ from usp.engine.memory_probe import GIB, MemoryProbe
 from usp.engine.model_setup import build_model
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.data import gradient_sync
-from usp.plan.io import write_text_atomic
+from usp.rundir import write_text_atomic
 from usp.engine.profiler import StepProfiler
 from usp.engine.tracking import build_trackers
 

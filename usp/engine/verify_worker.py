@@ -12,7 +12,7 @@ from pathlib import Path
 from usp.engine import dist as udist
 from usp.engine.accel import apply_determinism
 from usp.engine.parity import verify_plans
-from usp.plan.io import read_plan, write_text_atomic
+from usp.rundir import read_plan, write_text_atomic
 
 
 def run_verify(plan_path: str, reference_path: str, out: str) -> int:

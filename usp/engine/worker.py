@@ -18,7 +18,7 @@ from usp.engine.accel import apply_determinism
 from usp.engine.failure import record_failures
 from usp.engine import signals
 from usp.engine.trainer import Preempted, Trainer
-from usp.plan.io import read_plan
+from usp.rundir import read_plan
 
 
 @record  # on failure torchrun reports this rank's traceback in its summary

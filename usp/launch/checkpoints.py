@@ -1,87 +1,17 @@
-"""What the launcher knows about checkpoints, without torch: where they live, which ones are
-complete, and whether the checkpoint directory can hold them before a run starts.
-
-A checkpoint is `<checkpoint dir>/step_<N:08d>/` (a torch.distributed.checkpoint save plus
-rank-0 files). Its `manifest.json` = {"files": {relative name: size in bytes}, "step": N} is
-written last: a checkpoint is complete iff the manifest exists and every file it lists exists
-with that size. Saves in progress (or interrupted) live in `.tmp-step_<N>` directories."""
+"""Before launch, without torch: can the checkpoint directory hold the run's checkpoints? (Where
+they live and which are complete is usp.rundir's.)"""
 from __future__ import annotations
 
-import json
-import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from usp.errors import LaunchError
+from usp.rundir import checkpoint_dir
 
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_DIR = re.compile(r"^\.tmp-step_(\d+)")
 # Bytes per parameter in a checkpoint: fp32 weights (4) + AdamW's first and second moments (4 + 4).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 8
-
-
-class CheckpointInfo(NamedTuple):
-    step: int
-    path: Path
-    complete: bool
-    problem: str | None  # why it is not complete (None when it is)
-
-
-def checkpoint_dir(plan) -> Path:
-    """The checkpoint directory of a plan (RunPlan or the dict of plan.yaml):
-    checkpoint.dir, or <run_dir>/checkpoints when that is unset."""
-    config = _field(plan, "config")
-    configured = (config.get("checkpoint") or {}).get("dir")
-    return Path(configured) if configured else Path(_field(plan, "run_dir")) / "checkpoints"
-
-
-def check_manifest(path: Path) -> str | None:
-    """None if the checkpoint directory `path` is complete, else what is wrong with it."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return f"no {MANIFEST}: the save did not finish"
-    try:
-        data = json.loads(manifest.read_text())
-        files = dict(data["files"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"unreadable {MANIFEST}: {exc}"
-    for name, size in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            return f"missing file {name} (listed in {MANIFEST})"
-        actual = f.stat().st_size
-        if actual != int(size):
-            return f"{name} is {actual:,} bytes, {MANIFEST} says {int(size):,} (truncated or corrupt)"
-    match = _STEP_DIR.match(path.name)
-    if match and "step" in data and int(data["step"]) != int(match.group(1)):
-        return f"{MANIFEST} says step {data['step']} but the directory is {path.name}"
-    return None
-
-
-def list_checkpoints(ckpt_dir) -> list[CheckpointInfo]:
-    """Every checkpoint under `ckpt_dir`, oldest step first: (step, path, complete, problem).
-    Unfinished `.tmp-step_<N>` directories are listed too, as incomplete."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    out = []
-    for entry in root.iterdir():
-        if not entry.is_dir():
-            continue
-        if match := _STEP_DIR.match(entry.name):
-            problem = check_manifest(entry)
-            out.append(CheckpointInfo(int(match.group(1)), entry, problem is None, problem))
-        elif match := _TMP_DIR.match(entry.name):
-            out.append(CheckpointInfo(int(match.group(1)), entry, False, "unfinished save (temporary directory)"))
-    return sorted(out, key=lambda c: (c.step, c.complete))
-
-
-def latest_complete(ckpt_dir) -> CheckpointInfo | None:
-    done = [c for c in list_checkpoints(ckpt_dir) if c.complete]
-    return done[-1] if done else None
 
 
 def predicted_checkpoint_bytes(params: int) -> int:
@@ -133,7 +63,3 @@ def _bytes(n: float) -> str:
 
 def _field(obj, name: str):
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)
-
-
-__all__ = ["CheckpointInfo", "checkpoint_dir", "check_manifest", "list_checkpoints", "latest_complete",
-           "predicted_checkpoint_bytes", "check_checkpoint_dir", "MANIFEST"]

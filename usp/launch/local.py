@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from usp.plan.specs import uses_deterministic
+from usp.rundir import EXIT_PREEMPTED
 
 WORKER_MODULE = "usp.engine.worker"
-EXIT_PREEMPTED = 75  # same as usp.engine.signals.EXIT_PREEMPTED (no torch import here)
 
 
 def worker_env(plan) -> dict[str, str]:

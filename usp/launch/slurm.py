@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.plan.io import write_text_atomic
+from usp.rundir import write_text_atomic
 
 JOB_FILE = "job.json"
 _FIELD = re.compile(r"(\w+)=(\S*)")

@@ -71,7 +71,8 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
 def refresh_statuses(sweep_dict: dict) -> dict:
     """Statuses of submitted points from their run directories (the jobs don't write sweep.json:
     array tasks finishing together would race). Returns the updated dict; writes nothing."""
-    from usp.launch.status import analyse_failures, read_plan_file
+    from usp.launch.status import analyse_failures
+    from usp.rundir import read_plan_if_any
 
     for point in sweep_dict["points"]:
         if point["status"] not in ("submitted", "running"):
@@ -79,7 +80,7 @@ def refresh_statuses(sweep_dict: dict) -> dict:
         run_dir = Path(point["run_dir"])
         if (run_dir / "summary.json").is_file():
             point["status"] = "done"
-        elif analyse_failures(run_dir, read_plan_file(run_dir)).failed:
+        elif analyse_failures(run_dir, read_plan_if_any(run_dir)).failed:
             point["status"], point["reason"] = "failed", f"see usp status {run_dir}"
         elif (run_dir / "metrics.jsonl").is_file():
             point["status"] = "running"

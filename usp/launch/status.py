@@ -18,10 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from usp.errors import LaunchError
-from usp.launch.checkpoints import checkpoint_dir, list_checkpoints
+from usp.rundir import LOST_PEER, checkpoint_dir, list_checkpoints, read_jsonl, read_plan_if_any
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
-LOST_PEER = "lost peer"  # = usp.engine.failure.LOST_PEER (not imported: the engine package is torch's side)
 
 
 @dataclass
@@ -52,31 +51,6 @@ def resolve_run_dir(arg: str | None, runs_dir: str | Path = "runs") -> Path:
         raise LaunchError(f"no run directory given and {runs}/ has none", key="RUN_DIR",
                           fix="usp status <run dir> (e.g. runs/<name>)")
     return max(candidates, key=lambda p: p.stat().st_mtime)
-
-
-def read_plan_file(run_dir: Path) -> dict | None:
-    import yaml
-
-    path = run_dir / "plan.yaml"
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        return yaml.safe_load(f)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """JSON lines, skipping a torn last line (a crash mid-write)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
 
 
 def read_failures(run_dir: Path) -> list[dict]:
@@ -213,7 +187,7 @@ def print_failure_summary(run_dir, console: Console | None = None) -> bool:
     """What `usp train` prints after a failed run. False when there is no failure record."""
     console = console or Console(stderr=True)
     run_dir = Path(run_dir)
-    plan = read_plan_file(run_dir)
+    plan = read_plan_if_any(run_dir)
     report = analyse_failures(run_dir, plan)
     if not report.failed:
         return False
@@ -226,7 +200,7 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     """Print the status of a run; 1 when it failed, else 0."""
     console = console or Console()
     run_dir = resolve_run_dir(run_dir_arg)
-    plan = read_plan_file(run_dir)
+    plan = read_plan_if_any(run_dir)
     report = analyse_failures(run_dir, plan)
     summary_file = run_dir / "summary.json"
     events = read_jsonl(run_dir / "logs" / "events.jsonl")

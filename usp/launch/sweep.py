@@ -47,15 +47,14 @@ from typing import Callable
 from rich.console import Console
 
 from usp.errors import LaunchError, UspError
-from usp.plan.io import write_text_atomic
+from usp.rundir import STOP_CODES, SWEEP, write_text_atomic
 
-SWEEP_FILE = "sweep.json"
+SWEEP_FILE = SWEEP
 SWEEP_VERSION = 1
 # Short names for the run ids (p03_n2_mb8); other keys use their last component.
 _ABBREV = {"micro_batch": "mb", "grad_accum": "ga", "global_batch": "gb", "global_batch_tokens": "gbt",
            "procs_per_node": "n", "dp_replicate": "dpr", "dp_shard": "dps", "seq_len": "seq",
            "recompute": "rc", "pp_schedule": "sched"}
-_STOP_CODES = (75, 130)  # preempted / Ctrl-C: stop the sweep; running it again resumes it
 
 
 @dataclass
@@ -301,7 +300,7 @@ def run_sweep_local(sweep: Sweep, console: Console | None = None, launch: Callab
         console.print(f"point {n}/{len(todo)}: {point.id} {point.status}"
                       + (f" ({point.reason})" if point.reason else ""), highlight=False)
         failed += code != 0
-        if code in _STOP_CODES:
+        if code in STOP_CODES:  # preempted / Ctrl-C: stop; running the sweep again resumes it
             console.print(f"sweep stopped (exit {code}); run the same command again to resume it", highlight=False)
             break
     return failed
@@ -321,10 +320,11 @@ def _run_point(point: SweepPoint, prepare_run, launch) -> tuple[int, str | None]
 
 
 def _failure_reason(point: SweepPoint, code: int) -> str:
-    from usp.launch.status import analyse_failures, read_plan_file
+    from usp.launch.status import analyse_failures
+    from usp.rundir import read_plan_if_any
 
     run_dir = Path(point.run_dir)
-    root = analyse_failures(run_dir, read_plan_file(run_dir)).root
+    root = analyse_failures(run_dir, read_plan_if_any(run_dir)).root
     if root:
         message = (root.get("message") or "").strip().splitlines()
         return f"exit {code}: {root.get('error_class')}: {message[0][:200] if message else ''}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from usp.errors import UspError
 from usp.launch.sweep import SWEEP_FILE, layout_text, read_sweep
-from usp.plan.io import write_text_atomic
+from usp.rundir import write_text_atomic
 from usp.report import plots as P
 from usp.report.heatmap import heatmap_grid
 from usp.report.overlap import overlap_markdown

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from usp.errors import UspError
-from usp.launch.status import read_jsonl, read_plan_file
+from usp.rundir import read_jsonl, read_plan_if_any
 
 GIB = 1024 ** 3
 _RANK_MEMORY = re.compile(r"memory: measured peak ([0-9.]+) GiB")  # the memory probe's log line
@@ -113,7 +113,7 @@ def load_run(path, label: str | None = None) -> RunData:
         raise UspError("no such directory", key="RUN_DIR", value=str(path), fix=_FIX)
     if not is_run_dir(path):
         raise UspError("not a run directory (no plan.yaml)", key="RUN_DIR", value=str(path), fix=_FIX)
-    plan = read_plan_file(path)
+    plan = read_plan_if_any(path)
     by_step = {int(r["step"]): r for r in read_jsonl(path / "metrics.jsonl") if isinstance(r.get("step"), int)}
     summary = read_json_object(path / "summary.json")
     return RunData(path, label or (plan or {}).get("name") or path.name, plan,

@@ -1,0 +1,209 @@
+"""The run directory: every path a run writes, read by the engine, the launchers and `usp report`
+alike, so a file name is spelled once. No torch, no usp imports: every layer may import this.
+
+    <run_dir>/plan.yaml              the resolved config + derived plan (the engine's only input)
+    <run_dir>/job.sbatch, job.json   the Slurm script and the record of its submissions
+    <run_dir>/metrics.jsonl          one JSON object per logged step
+    <run_dir>/summary.json           written once a run completes
+    <run_dir>/sample.txt             a text sample from the trained model
+    <run_dir>/verify.json            `usp verify`'s result
+    <run_dir>/logs/rank_<R>.log      per-rank logs; failure_rank<R>.json, events.jsonl beside them
+    <run_dir>/profile/               profiler traces (rank_<R>.json, summary_rank_<R>.txt)
+    <run_dir>/checkpoints/step_<N:08d>/  checkpoints (or checkpoint.dir), complete iff manifest.json
+                                         lists every file with its size; saves in progress live in
+                                         .tmp-step_<N>
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+# -- file names ------------------------------------------------------------------------------
+PLAN = "plan.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+SAMPLE = "sample.txt"
+JOB_SCRIPT = "job.sbatch"
+JOB_RECORD = "job.json"
+VERIFY = "verify.json"
+SWEEP = "sweep.json"
+LOGS = "logs"
+EVENTS = "events.jsonl"
+PROFILE = "profile"
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+FAILURE_GLOB = "failure_rank*.json"
+RANK_LOG_GLOB = "rank_*.log"
+
+# -- exit codes shared by the worker, the launchers, the batch script and sweeps ---------------
+EXIT_OK = 0
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; "try again later" (requeue)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
+
+# -- failure classes written by the engine's failure summary, read by `usp status` -------------
+OOM, TIMEOUT, LOST_PEER, PYTHON = "OOM", "collective timeout", "lost peer", "Python error"
+
+# -- profiler span names: the trainer records them, `usp report` reads them ---------------------
+SPAN_FORWARD, SPAN_BACKWARD, SPAN_OPTIMIZER = "usp_forward", "usp_backward", "usp_optimizer"
+SPAN_PIPELINE = "usp_pipeline_forward_backward"  # one span for a pipeline schedule's whole step
+SPAN_STEP_PREFIX = "usp_step_"  # + the optimizer step: usp_step_<N>
+
+
+def step_span(step: int) -> str:
+    return f"{SPAN_STEP_PREFIX}{step}"
+
+
+# -- paths ----------------------------------------------------------------------------------
+def plan_path(run_dir) -> Path:
+    return Path(run_dir) / PLAN
+
+
+def logs_dir(run_dir) -> Path:
+    return Path(run_dir) / LOGS
+
+
+def events_path(run_dir) -> Path:
+    return logs_dir(run_dir) / EVENTS
+
+
+def rank_log(run_dir, rank: int) -> Path:
+    return logs_dir(run_dir) / f"rank_{rank}.log"
+
+
+def failure_path(run_dir, rank: int) -> Path:
+    return logs_dir(run_dir) / f"failure_rank{rank}.json"
+
+
+def profile_dir(run_dir) -> Path:
+    return Path(run_dir) / PROFILE
+
+
+def checkpoint_dir(plan) -> Path:
+    """The checkpoint directory of a plan (RunPlan or the dict of plan.yaml):
+    checkpoint.dir, or <run_dir>/checkpoints when that is unset."""
+    config = _field(plan, "config")
+    configured = (config.get("checkpoint") or {}).get("dir")
+    return Path(configured) if configured else Path(_field(plan, "run_dir")) / CHECKPOINTS
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# -- writing and reading ---------------------------------------------------------------------
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename, so a crash never leaves a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give it the mode a plain open() would
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_plan(path) -> dict:
+    """plan.yaml as a dict. `path` is the file, or a run directory holding it."""
+    import yaml  # not at import time: pyyaml costs start-up for commands that never read a plan
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / PLAN
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def read_plan_if_any(run_dir) -> dict | None:
+    """The run directory's plan.yaml, or None when there is none."""
+    path = plan_path(run_dir)
+    return read_plan(path) if path.is_file() else None
+
+
+def read_jsonl(path) -> list[dict]:
+    """JSON lines, skipping a torn last line (a crash mid-write)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp-step_(\d+)")
+
+
+class CheckpointInfo(NamedTuple):
+    step: int
+    path: Path
+    complete: bool
+    problem: str | None  # why it is not complete (None when it is)
+
+
+def check_manifest(path: Path) -> str | None:
+    """None if the checkpoint directory `path` is complete, else what is wrong with it."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"no {MANIFEST}: the save did not finish"
+    try:
+        data = json.loads(manifest.read_text())
+        files = dict(data["files"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {MANIFEST}: {exc}"
+    for name, size in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return f"missing file {name} (listed in {MANIFEST})"
+        actual = f.stat().st_size
+        if actual != int(size):
+            return f"{name} is {actual:,} bytes, {MANIFEST} says {int(size):,} (truncated or corrupt)"
+    match = _STEP_DIR.match(path.name)
+    if match and "step" in data and int(data["step"]) != int(match.group(1)):
+        return f"{MANIFEST} says step {data['step']} but the directory is {path.name}"
+    return None
+
+
+def list_checkpoints(ckpt_dir) -> list[CheckpointInfo]:
+    """Every checkpoint under `ckpt_dir`, oldest step first: (step, path, complete, problem).
+    Unfinished `.tmp-step_<N>` directories are listed too, as incomplete."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for entry in root.iterdir():
+        if not entry.is_dir():
+            continue
+        if match := _STEP_DIR.match(entry.name):
+            problem = check_manifest(entry)
+            out.append(CheckpointInfo(int(match.group(1)), entry, problem is None, problem))
+        elif match := _TMP_DIR.match(entry.name):
+            out.append(CheckpointInfo(int(match.group(1)), entry, False, "unfinished save (temporary directory)"))
+    return sorted(out, key=lambda c: (c.step, c.complete))
+
+
+def latest_complete(ckpt_dir) -> CheckpointInfo | None:
+    done = [c for c in list_checkpoints(ckpt_dir) if c.complete]
+    return done[-1] if done else None
+
+
+def _field(obj, name: str):
+    return obj[name] if isinstance(obj, dict) else getattr(obj, name)
