@@ -11,8 +11,7 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import REPO, _CACHE
+from conftest import _CACHE, REPO
 
 BENCH = REPO / "scripts" / "bench"
 

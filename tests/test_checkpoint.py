@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import _CACHE, USP, run_usp
 
-from conftest import USP, _CACHE, run_usp
 from usp.engine.metrics import read_metrics
 from usp.rundir import list_checkpoints
 

@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist.cases_memory import MEMORY_LAYOUTS
 from dist.harness import launch
-from usp.engine.memory_probe import (MemTrackerProbe, ddp_bucket_bytes, optimizer_state_tensors,
-                                     predicted_tensor_bytes, storage_bytes)
+
+from usp.engine.memory_probe import (
+    MemTrackerProbe,
+    ddp_bucket_bytes,
+    optimizer_state_tensors,
+    predicted_tensor_bytes,
+    storage_bytes,
+)
 
 TOLERANCE = 0.15  # |predicted - measured| / measured
 SCRIPT = Path(__file__).parent / "dist" / "cases_memory.py"

@@ -9,7 +9,6 @@ import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict
 
 import pytest
 import torch
@@ -202,7 +201,7 @@ def test_gqa_matches_repeat_reference():
 
 # ------------------------------------------------------------------ recompute
 
-def _loss_and_grads(mode: str) -> tuple[float, Dict[str, torch.Tensor]]:
+def _loss_and_grads(mode: str) -> tuple[float, dict[str, torch.Tensor]]:
     m = small_model(seed=1, n_kv_heads=2)
     apply_recompute(m, mode)
     x = tokens(2, 33)

@@ -17,8 +17,15 @@ import torch.nn.functional as F
 from tests.dist.harness import launch
 from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import MoE, moe_aux_loss, moe_layers
-from usp.plan.model_math import (active_params, active_params_cfg, count_params, count_params_cfg,
-                                 flops_per_token, flops_per_token_cfg, param_breakdown)
+from usp.plan.model_math import (
+    active_params,
+    active_params_cfg,
+    count_params,
+    count_params_cfg,
+    flops_per_token,
+    flops_per_token_cfg,
+    param_breakdown,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")

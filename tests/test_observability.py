@@ -14,9 +14,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from conftest import run_usp
 from rich.console import Console
 
-from conftest import run_usp
 from usp.config.compose import compose_config
 from usp.engine.metrics import read_metrics
 from usp.launch.prepare import prepare_run

@@ -7,8 +7,7 @@ import sys
 import pytest
 
 from usp.errors import PlanError
-from usp.plan.pipeline_split import (check_tied_embeddings, last_stage_rank, split_layers, stage_ranks,
-                                     validate_schedule)
+from usp.plan.pipeline_split import check_tied_embeddings, last_stage_rank, split_layers, stage_ranks, validate_schedule
 
 
 def counts(split):

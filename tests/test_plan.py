@@ -18,10 +18,10 @@ from usp.config.schema import ParallelismConfig, TrainConfig
 from usp.errors import PlanError, UspError
 from usp.plan.batch import plan_batch
 from usp.plan.io import write_plan
-from usp.rundir import read_plan, write_text_atomic
 from usp.plan.layout import MESH_DIMS, layout_tag, rank_table, resolve_degrees
 from usp.plan.model_math import count_params_cfg, flops_per_token_cfg
 from usp.plan.plan import build_plan, engine_support_errors
+from usp.rundir import read_plan, write_text_atomic
 
 USP = str(Path(sys.executable).parent / "usp")
 TINY_PARAMS = 950_912  # tiny model, vocab 4096 (README: "~0.95 M parameters")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, run_usp
+
 from usp.engine.metrics import read_metrics
 from usp.report import write_report
 from usp.report.heatmap import heatmap_grid

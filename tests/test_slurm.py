@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_usp
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]

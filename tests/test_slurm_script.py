@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_usp
 
 GOLDEN = REPO / "tests" / "golden"

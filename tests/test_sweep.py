@@ -4,14 +4,14 @@ end-to-end sweep (training several points) is in tests/test_report.py."""
 from __future__ import annotations
 
 import io
-import json
 import itertools
+import json
 from pathlib import Path
 
 import pytest
+from conftest import run_usp
 from rich.console import Console
 
-from conftest import run_usp
 from usp.errors import UspError
 from usp.launch.sweep import expand_grid, plan_grid, point_id, read_sweep, run_sweep_local
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import _CACHE, USP, run_usp
 from rich.console import Console
 
-from conftest import USP, _CACHE, run_usp
 from usp.config.compose import compose_config
 from usp.engine.metrics import read_metrics
 from usp.launch.prepare import prepare_run

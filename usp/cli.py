@@ -4,7 +4,6 @@ usp.plan, usp.data and usp.launch. Only typer is imported at module level so tha
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
 
 import typer
 
@@ -27,7 +26,7 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
-def _split_conf(overrides: Optional[List[str]]) -> tuple[Optional[str], List[str]]:
+def _split_conf(overrides: list[str] | None) -> tuple[str | None, list[str]]:
     conf, rest = None, []
     for item in overrides or []:
         if item.startswith("conf="):
@@ -37,7 +36,7 @@ def _split_conf(overrides: Optional[List[str]]) -> tuple[Optional[str], List[str
     return conf, rest
 
 
-def _compose(overrides: Optional[List[str]]):
+def _compose(overrides: list[str] | None):
     from usp.config.compose import compose_config
 
     return compose_config(*_split_conf(overrides))
@@ -59,7 +58,7 @@ def _user_errors():
 
 
 @app.command()
-def plan(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOption,
+def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          save: bool = typer.Option(False, "--save", help="also write runs/<name>/plan.yaml"),
          strict: bool = typer.Option(False, "--strict", help="a TP group spanning nodes is an error, not a warning"),
          force: bool = typer.Option(False, "--force", help="plan even if the layout is predicted not to fit"),
@@ -89,10 +88,10 @@ def plan(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOpt
 
 
 @app.command()
-def estimate(overrides: Optional[List[str]] = Overrides,
-             hours: Optional[float] = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
-             devices: Optional[int] = typer.Option(None, "--devices", help="device count: how many hours?"),
-             mfu: Optional[float] = typer.Option(None, "--mfu", help="MFU to assume (default: the time model's)")) -> None:
+def estimate(overrides: list[str] | None = Overrides,
+             hours: float | None = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
+             devices: int | None = typer.Option(None, "--devices", help="device count: how many hours?"),
+             mfu: float | None = typer.Option(None, "--mfu", help="MFU to assume (default: the time model's)")) -> None:
     """Memory per device, and devices / hours / cost for a token budget (train.tokens=...)."""
     try:
         from usp.plan.estimate import run_estimate
@@ -107,7 +106,7 @@ DryRunOption = typer.Option(False, "--dry-run", help="Slurm: write runs/<name>/j
 
 
 @app.command()
-def train(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOption,
+def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
           dry_run: bool = DryRunOption) -> None:
     """Plan, prepare the data if needed, and train: here (in-process for one rank, torchrun for
     several), or as a Slurm job when the cluster group says launcher: slurm."""
@@ -143,7 +142,7 @@ def train(overrides: Optional[List[str]] = Overrides, cfg: Optional[str] = CfgOp
 
 
 @app.command()
-def submit(overrides: Optional[List[str]] = Overrides, dry_run: bool = DryRunOption) -> None:
+def submit(overrides: list[str] | None = Overrides, dry_run: bool = DryRunOption) -> None:
     """Plan the run and submit it to Slurm (sbatch); prints the job id and where the logs go."""
     try:
         composed, choices = _compose(overrides)
@@ -167,7 +166,7 @@ def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
 
 
 @app.command()
-def cancel(run_dir: Optional[str] = typer.Argument(None, help="run or sweep directory (default: the newest under ./runs)")) -> None:
+def cancel(run_dir: str | None = typer.Argument(None, help="run or sweep directory (default: the newest under ./runs)")) -> None:
     """Cancel the run's Slurm job (scancel; every task of a sweep's job array)."""
     try:
         from usp.launch.jobs import cancel_run
@@ -178,8 +177,8 @@ def cancel(run_dir: Optional[str] = typer.Argument(None, help="run or sweep dire
 
 
 @app.command()
-def logs(run_dir: Optional[str] = typer.Argument(None, help="run directory (default: the newest under ./runs)"),
-         rank: Optional[int] = typer.Option(None, "--rank", help="this rank's log (default: the job's batch output)"),
+def logs(run_dir: str | None = typer.Argument(None, help="run directory (default: the newest under ./runs)"),
+         rank: int | None = typer.Option(None, "--rank", help="this rank's log (default: the job's batch output)"),
          tail: int = typer.Option(0, "--tail", help="only the last N lines (0 = all)"),
          follow: bool = typer.Option(False, "--follow", "-f", help="keep printing as the log grows (Ctrl-C stops)")) -> None:
     """Print a run's log: the Slurm batch output (torchrun and rank 0), or one rank's log."""
@@ -192,7 +191,7 @@ def logs(run_dir: Optional[str] = typer.Argument(None, help="run directory (defa
 
 
 @app.command()
-def status(run_dir: Optional[str] = typer.Argument(None, help="run directory (default: the newest under ./runs)")) -> None:
+def status(run_dir: str | None = typer.Argument(None, help="run directory (default: the newest under ./runs)")) -> None:
     """State of a run: progress, checkpoints, restarts, and the root cause if it failed (exit 1)."""
     try:
         from usp.launch.status import show_status
@@ -205,8 +204,8 @@ def status(run_dir: Optional[str] = typer.Argument(None, help="run directory (de
 
 @app.command()
 def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<N> checkpoint directory)"),
-           step: Optional[int] = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
-           out: Optional[str] = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
+           step: int | None = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
+           out: str | None = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
            fmt: str = typer.Option("torch", "--format", help="torch (torch.load) | safetensors")) -> None:
     """Write one consolidated model state dict (full tensors, FQN keys) + config.json from a checkpoint."""
     try:
@@ -219,7 +218,7 @@ def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<
 
 
 @app.command()
-def verify(overrides: Optional[List[str]] = Overrides,
+def verify(overrides: list[str] | None = Overrides,
            steps: int = typer.Option(5, help="optimizer steps to compare"),
            rtol: float = typer.Option(1e-5, help="relative loss tolerance per step"),
            param_atol: float = typer.Option(1e-4, help="absolute tolerance on the final parameters")) -> None:
@@ -235,7 +234,7 @@ def verify(overrides: Optional[List[str]] = Overrides,
 
 
 @app.command("prepare-data")
-def prepare_data(overrides: Optional[List[str]] = Overrides) -> None:
+def prepare_data(overrides: list[str] | None = Overrides) -> None:
     """Tokenize the data group's corpus once (tokenizer + uint16 train/val token files)."""
     try:
         from rich.console import Console
@@ -284,9 +283,9 @@ def config_cp(recipe: str = typer.Argument(..., help="recipe name (see `usp conf
 
 
 @app.command()
-def sweep(overrides: Optional[List[str]] = typer.Argument(None, show_default=False, help=(
+def sweep(overrides: list[str] | None = typer.Argument(None, show_default=False, help=(
               OVERRIDES_HELP + "; a comma list sweeps a key: train.micro_batch=4,8,16 parallelism.tp=1,2")),
-          name: Optional[str] = typer.Option(None, "--name", help="sweep directory runs/<name>/ "
+          name: str | None = typer.Option(None, "--name", help="sweep directory runs/<name>/ "
                                              "(default: sweep-<date>-<time>); the same name again resumes it"),
           dry_run: bool = typer.Option(False, "--dry-run", help="plan every point, write sweep.json (and the Slurm "
                                        "array script), run nothing"),
@@ -321,8 +320,8 @@ def sweep(overrides: Optional[List[str]] = typer.Argument(None, show_default=Fal
 
 
 @app.command()
-def report(paths: List[str] = typer.Argument(..., help="run directories and/or sweep directories", show_default=False),
-           out: Optional[str] = typer.Option(None, "--out", help="output directory "
+def report(paths: list[str] = typer.Argument(..., help="run directories and/or sweep directories", show_default=False),
+           out: str | None = typer.Option(None, "--out", help="output directory "
                                              "(default: <first run or sweep dir>/report)")) -> None:
     """Plots (loss, lr, throughput, memory, step time) and report.md for runs or a sweep (no torch)."""
     try:

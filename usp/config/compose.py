@@ -13,7 +13,7 @@ from dataclasses import is_dataclass
 from pathlib import Path
 
 from usp.config import schema
-from usp.config.paths import conf_dir, recipe_names, recipes_dir, group_options
+from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.errors import ConfigError
 
 

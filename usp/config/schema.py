@@ -3,7 +3,7 @@ wrong type is an error at compose time rather than a silent default."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 
 @dataclass
@@ -13,7 +13,7 @@ class ModelConfig:
     dim: int = 128
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: Optional[int] = None  # None = n_heads (multi-head attention)
+    n_kv_heads: int | None = None  # None = n_heads (multi-head attention)
     ffn_dim: int = 384  # SwiGLU hidden size
     vocab_size: int = -1  # -1 = take it from the data group's tokenizer
     tie_embeddings: bool = True
@@ -33,7 +33,7 @@ class ModelConfig:
 @dataclass
 class ParallelismConfig:
     # Degrees; -1 = derive so that their product equals the world size.
-    dp: Optional[int] = None  # shorthand for dp_replicate (plain DDP)
+    dp: int | None = None  # shorthand for dp_replicate (plain DDP)
     dp_replicate: int = -1
     dp_shard: int = 1
     tp: int = 1
@@ -50,7 +50,7 @@ class ParallelismConfig:
     # Pipeline parallel
     pp_schedule: str = "1f1b"  # afab | 1f1b | interleaved_1f1b | interleaved_zb | zbv
     pp_virtual_stages: int = 1  # stages per pp rank (interleaved / zbv schedules need 2)
-    pp_layers: Optional[List[int]] = None  # layers per stage, e.g. [3, 5]; None = balanced by the plan
+    pp_layers: list[int] | None = None  # layers per stage, e.g. [3, 5]; None = balanced by the plan
 
 
 @dataclass
@@ -71,27 +71,27 @@ class OptimizerConfig:
 class SlurmConfig:
     """How a cluster=<slurm group> job is requested (usp/launch/templates/job.sbatch.j2).
     Nodes, processes per node and GPUs come from the plan: never typed here."""
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
     time: str = "01:00:00"  # time limit: [D-]HH:MM:SS or minutes
     cpus_per_task: int = 0  # the one task per node runs torchrun and all its ranks; 0 = procs x threads
-    mem: Optional[str] = None  # per node, e.g. 200G; "0" = all of it; None = the partition default
+    mem: str | None = None  # per node, e.g. 200G; "0" = all of it; None = the partition default
     gpu_request: str = "gpus_per_node"  # gpus_per_node | gres | none (how GPUs are asked for)
-    constraint: Optional[str] = None
+    constraint: str | None = None
     exclusive: bool = False
-    sbatch_extra: List[str] = field(default_factory=list)  # more #SBATCH options, e.g. "--reservation=big"
-    setup: List[str] = field(default_factory=list)  # shell lines run first: module load, venv, NCCL env
-    srun_extra: List[str] = field(default_factory=list)  # more srun options, e.g. container flags
-    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
-    container_mounts: Optional[str] = None  # pyxis/enroot: srun --container-mounts
-    python: Optional[str] = None  # interpreter on the nodes; None = the one running usp
+    sbatch_extra: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. "--reservation=big"
+    setup: list[str] = field(default_factory=list)  # shell lines run first: module load, venv, NCCL env
+    srun_extra: list[str] = field(default_factory=list)  # more srun options, e.g. container flags
+    container_image: str | None = None  # pyxis/enroot: srun --container-image
+    container_mounts: str | None = None  # pyxis/enroot: srun --container-mounts
+    python: str | None = None  # interpreter on the nodes; None = the one running usp
     # c10d rendezvous port on the head node. None = 20000 + job id % 10000, so jobs (and array
     # tasks) sharing a node don't meet in one store; set a fixed one where a firewall needs it.
-    rdzv_port: Optional[int] = None
+    rdzv_port: int | None = None
     signal_lead_s: int = 180  # USR1 this long before the time limit: checkpoint, then requeue
     max_requeues: int = 3  # requeues after preemption / time limit / node failure
-    log_dir: Optional[str] = None  # None = <run_dir>/logs
+    log_dir: str | None = None  # None = <run_dir>/logs
 
 
 @dataclass
@@ -112,7 +112,7 @@ class ClusterConfig:
     inter_node_gbps: float = 1.25  # per-device bandwidth between nodes, GB/s
     price_per_device_hour: float = 0.0  # 0 = unknown
     timeout_s: int = 600  # collective timeout: a hung collective fails after this long
-    env: Dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # used when launcher=slurm
 
 
@@ -120,24 +120,24 @@ class ClusterConfig:
 class DataConfig:
     name: str = "shakespeare"
     source: str = "shakespeare"  # shakespeare | stdlib | text_files | token_files
-    paths: List[str] = field(default_factory=list)  # text_files: files or globs
-    train_bin: Optional[str] = None  # token_files: uint16 token file for training
-    val_bin: Optional[str] = None  # token_files: uint16 token file for validation
+    paths: list[str] = field(default_factory=list)  # text_files: files or globs
+    train_bin: str | None = None  # token_files: uint16 token file for training
+    val_bin: str | None = None  # token_files: uint16 token file for validation
     tokenizer: str = "bpe"  # bpe (byte-level BPE trained at prepare time) | bytes
     vocab_size: int = 4096
     val_fraction: float = 0.05
-    cache_dir: Optional[str] = None  # None = $USP_CACHE_DIR or ~/.cache/usp
+    cache_dir: str | None = None  # None = $USP_CACHE_DIR or ~/.cache/usp
 
 
 @dataclass
 class TrainConfig:
-    name: Optional[str] = None  # run name; None = derived from model/parallelism
+    name: str | None = None  # run name; None = derived from model/parallelism
     runs_dir: str = "runs"
     steps: int = 150
     seq_len: int = 128
     global_batch: int = 16  # sequences per optimizer step
-    global_batch_tokens: Optional[int] = None  # alternative to global_batch
-    tokens: Optional[float] = None  # training token budget (usp estimate: devices / hours / cost)
+    global_batch_tokens: int | None = None  # alternative to global_batch
+    tokens: float | None = None  # training token budget (usp estimate: devices / hours / cost)
     micro_batch: int = -1  # sequences per forward/backward on one rank; -1 = global / (dp x grad_accum)
     grad_accum: int = -1  # -1 = derive from global batch / (micro batch x dp)
     recompute: str = "none"  # none | selective | full
@@ -153,7 +153,7 @@ class TrainConfig:
     nan_policy: str = "stop"  # stop (checkpoint the last good step, exit) | skip (drop the step)
     # None = on for CPU (exact parity and resume), off on an accelerator (its deterministic kernels
     # are slower); true on CUDA also sets CUBLAS_WORKSPACE_CONFIG (usp/launch/local.py)
-    deterministic: Optional[bool] = None
+    deterministic: bool | None = None
     measure_memory: bool = True  # measure the peak tensor memory of one step (usp/engine/memory_probe.py)
 
 
@@ -164,7 +164,7 @@ class CheckpointConfig:
     keep_last: int = 2  # complete checkpoints kept (older ones are deleted)
     async_mode: str = "none"  # none | async (torch.distributed.checkpoint.async_save: training goes on)
     resume: str = "auto"  # auto (newest complete checkpoint of the run) | never | <path to a step_N dir>
-    dir: Optional[str] = None  # None = <run_dir>/checkpoints
+    dir: str | None = None  # None = <run_dir>/checkpoints
 
 
 @dataclass
@@ -174,10 +174,10 @@ class LoggingConfig:
     wandb: bool = False
     # offline (<run_dir>/wandb, `wandb sync` later) | online | disabled; None = $WANDB_MODE, else
     # online if $WANDB_API_KEY is set, else offline (usp/engine/tracking.py: wandb_mode)
-    wandb_mode: Optional[str] = None
+    wandb_mode: str | None = None
     wandb_project: str = "usp"
-    wandb_entity: Optional[str] = None
-    wandb_tags: List[str] = field(default_factory=list)
+    wandb_entity: str | None = None
+    wandb_tags: list[str] = field(default_factory=list)
     wandb_init_timeout_s: float = 30.0  # online only: after this, fall back to offline with a warning
     tensorboard: bool = False  # event files in <run_dir>/tensorboard
 
@@ -185,7 +185,7 @@ class LoggingConfig:
 @dataclass
 class ProfileConfig:
     enabled: bool = False  # torch.profiler trace per rank in <run_dir>/profile (usp/engine/profiler.py)
-    steps: List[int] = field(default_factory=lambda: [10, 12])  # [first, last] optimizer step, inclusive
+    steps: list[int] = field(default_factory=lambda: [10, 12])  # [first, last] optimizer step, inclusive
     memory: bool = False  # CUDA memory snapshot of those steps (GPU only)
     record_shapes: bool = False
 
@@ -213,6 +213,6 @@ def register() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=UspConfig)
 
 
-def schema_fields(section: Any) -> Dict[str, Any]:
+def schema_fields(section: Any) -> dict[str, Any]:
     """Field name -> type annotation of a schema dataclass (used for 'did you mean')."""
     return dict(section.__dataclass_fields__)

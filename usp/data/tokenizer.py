@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, List, Optional
 
 from usp.data.errors import DataError
 
@@ -16,17 +16,17 @@ MAX_VOCAB = 1 << 16  # token ids are stored as uint16
 class TextTokenizer:
     """One interface over both kinds; `hf` is a `tokenizers.Tokenizer` for bpe, None for bytes."""
 
-    def __init__(self, kind: str, hf: Optional["tokenizers.Tokenizer"] = None) -> None:  # noqa: F821
+    def __init__(self, kind: str, hf: tokenizers.Tokenizer | None = None) -> None:  # noqa: F821
         self.kind = kind
         self.hf = hf
         self.vocab_size = hf.get_vocab_size() if hf is not None else BYTE_VOCAB
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         if self.hf is None:
             return list(text.encode("utf-8"))
         return self.hf.encode(text).ids
 
-    def encode_batch(self, texts: List[str]) -> List[List[int]]:
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if self.hf is None:
             return [self.encode(t) for t in texts]
         # Parallel in Rust; the _fast variant (tokenizers >= 0.20) skips offsets, ~2x faster.

@@ -20,8 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from usp.rundir import checkpoint_dir, list_checkpoints
-from usp.rundir import write_text_atomic
+from usp.rundir import checkpoint_dir, list_checkpoints, write_text_atomic
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -111,7 +110,7 @@ class Checkpointer:
             return 0
         if self.resume_mode == "auto":
             found = list_checkpoints(self.dir)
-            for step, path, complete, problem in reversed(found):
+            for _step, path, complete, problem in reversed(found):
                 if not complete:
                     self._say(f"checkpoint {path.name} is incomplete ({problem}); using an older one")
                     continue

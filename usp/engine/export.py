@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from usp.errors import UspError
-from usp.rundir import check_manifest, checkpoint_dir, list_checkpoints
-from usp.rundir import read_plan, write_text_atomic
+from usp.rundir import check_manifest, checkpoint_dir, list_checkpoints, read_plan, write_text_atomic
 
 FORMATS = ("torch", "safetensors")
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile

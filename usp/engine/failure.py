@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from usp.rundir import LOST_PEER, OOM, PYTHON, TIMEOUT
@@ -71,7 +71,7 @@ def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step
         "host": socket.gethostname(), "pid": os.getpid(), "coords": coords, "stages": stages,
         "error_class": classify(exc), "exception_type": _qualname(exc), "message": str(exc)[:2000],
         "traceback": tb[-4000:], "last_completed_step": last_step,
-        "time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="milliseconds"), "unix_time": now,
+        "time": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds"), "unix_time": now,
         "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
     }
     path = failure_path(run_dir, rank)

@@ -225,7 +225,7 @@ class MemoryProbe:
         self.measured: dict[str, Any] | None = None
 
     @classmethod
-    def create(cls, trainer) -> "MemoryProbe | None":
+    def create(cls, trainer) -> MemoryProbe | None:
         train = trainer.cfg.train
         if not bool(train.get("measure_memory", True)) or trainer.steps < 1:
             return None

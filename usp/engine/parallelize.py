@@ -9,8 +9,8 @@ from torch import nn
 from usp.engine.accel import fsdp_mp_policy
 from usp.engine.dist import DistContext
 from usp.engine.parallel.data import apply_ddp, apply_fsdp
-from usp.plan.layout import data_parallel_kind
 from usp.engine.recompute import apply_recompute
+from usp.plan.layout import data_parallel_kind
 
 
 def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:

@@ -21,7 +21,7 @@ class StepProfiler:
     forward / backward / optimizer inside it, `stop()` at the end (also on errors)."""
 
     @classmethod
-    def create(cls, trainer) -> "StepProfiler | None":
+    def create(cls, trainer) -> StepProfiler | None:
         cfg = trainer.plan["config"].get("profile") or {}
         if not cfg.get("enabled"):
             return None

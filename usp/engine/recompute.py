@@ -14,7 +14,7 @@ Apply recompute before FSDP/compile wrapping and after tensor-parallel sharding,
 from __future__ import annotations
 
 import functools
-from typing import Any, FrozenSet
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def _save_ops() -> FrozenSet[Any]:
+def _save_ops() -> frozenset[Any]:
     """Ops whose outputs selective recompute keeps. SDPA lowers to a backend-specific op
     (CPU: _scaled_dot_product_flash_attention_for_cpu); list every one this torch has."""
     aten = torch.ops.aten

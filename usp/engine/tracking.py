@@ -7,8 +7,9 @@ import json
 import math
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from usp.engine.metrics import MetricsWriter
 
@@ -22,7 +23,7 @@ class Tracker(Protocol):
 
 
 def build_trackers(plan: dict, run_dir: Path, resume_step: int = 0,
-                   warn: Callable[[str], None] = print) -> "Trackers":
+                   warn: Callable[[str], None] = print) -> Trackers:
     """The backends logging.* asks for. resume_step > 0: a resumed run (records after it from a
     crashed attempt are dropped, the W&B run id is reused)."""
     cfg = plan["config"].get("logging", {})

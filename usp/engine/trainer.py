@@ -17,18 +17,18 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
-from usp.engine.console import Console, rank_logger
 from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
+from usp.engine.console import Console, rank_logger
 from usp.engine.dist import DistContext, all_reduce_mean
 from usp.engine.grad_norm import clip_grad_norm
 from usp.engine.memory_probe import GIB, MemoryProbe
 from usp.engine.model_setup import build_model
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.data import gradient_sync
-from usp.rundir import write_text_atomic
 from usp.engine.profiler import StepProfiler
 from usp.engine.tracking import build_trackers
+from usp.rundir import write_text_atomic
 
 
 class Trainer:

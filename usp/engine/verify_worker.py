@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-
 from usp.engine import dist as udist
 from usp.engine.accel import apply_determinism
 from usp.engine.parity import verify_plans

@@ -14,9 +14,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from usp.engine import dist as udist
+from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.failure import record_failures
-from usp.engine import signals
 from usp.engine.trainer import Preempted, Trainer
 from usp.rundir import read_plan
 

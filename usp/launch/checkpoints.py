@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from usp.errors import LaunchError
 from usp.rundir import checkpoint_dir

@@ -3,8 +3,8 @@ the run directory, make sure the tokenized data exists, write plan.yaml."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rich.console import Console
 

@@ -41,7 +41,7 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
             continue
         groups[(plan.nodes, plan.procs_per_node)].append((point, plan, plan_path))
     log_dir = sweep.dir / "logs"
-    for n, ((nodes, procs), members) in enumerate(sorted(groups.items())):
+    for _n, ((nodes, procs), members) in enumerate(sorted(groups.items())):
         script_name = "job.sbatch" if len(groups) == 1 else f"job_{nodes}x{procs}.sbatch"
         text = render_job([m[1] for m in members], [m[2] for m in members],
                           ["usp", "sweep", *([f"conf={sweep.conf}"] if sweep.conf else []), *sweep.base_overrides,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ class LlamaArgs:
     dim: int = 128
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: Optional[int] = None  # None = n_heads
+    n_kv_heads: int | None = None  # None = n_heads
     ffn_dim: int = 384
     vocab_size: int = 4096
     tie_embeddings: bool = True
@@ -52,7 +52,7 @@ class LlamaArgs:
         return self.dim // self.n_heads
 
     @classmethod
-    def from_config(cls, model_cfg: Any, vocab_size: Optional[int] = None) -> "LlamaArgs":
+    def from_config(cls, model_cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
         """Take the architecture fields from a ModelConfig; `vocab_size` overrides the config's
         (which is -1 until the tokenizer is known)."""
         kw = {f.name: getattr(model_cfg, f.name) for f in fields(cls) if hasattr(model_cfg, f.name)}
@@ -66,7 +66,7 @@ class LlamaArgs:
 # ---------------------------------------------------------------------------- RoPE
 
 def precompute_rope(head_dim: int, max_seq_len: int, theta: float = 10000.0,
-                    device: Optional[torch.device] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_seq_len, head_dim // 2), in float32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
@@ -172,10 +172,10 @@ class Llama(nn.Module):
     def __init__(self, args: LlamaArgs, max_seq_len: int = 2048) -> None:
         super().__init__()
         self.args, self.max_seq_len = args, max_seq_len
-        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm: Optional[nn.RMSNorm] = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: Optional[nn.Linear] = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so they stay out of checkpoints.
@@ -186,7 +186,7 @@ class Llama(nn.Module):
         if not self.rope_cos.is_meta:  # built under torch.device("meta"): materialize() initialises
             self.init_weights()
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (b, s) int ids, or (b, s, dim) hidden states when `tok_embeddings` is None.
         positions: absolute positions (s,) of the tokens; default arange(s).
         Returns logits (b, s, vocab), or hidden states when `norm`/`output` are None."""
@@ -210,7 +210,7 @@ class Llama(nn.Module):
             h = self.output(h)
         return h
 
-    def materialize(self, device, seed: Optional[int] = None) -> "Llama":
+    def materialize(self, device, seed: int | None = None) -> Llama:
         """A model built on the meta device, allocated once on `device` and initialised there: no
         CPU copy of the whole model first. Same values as an eager build (init_weights draws on
         CPU per parameter, whatever the device)."""
@@ -221,7 +221,7 @@ class Llama(nn.Module):
         return self
 
     @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Deterministic init: Linear/Embedding weights ~ N(0, init_std), output projections
         (wo, w2) scaled by 1/sqrt(2 n_layers), norms = 1; RoPE tables recomputed (so a model
         materialised from the meta device works).
@@ -252,6 +252,6 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin)
 
     @classmethod
-    def from_config(cls, model_cfg: Any, vocab_size: Optional[int] = None,
-                    max_seq_len: int = 2048) -> "Llama":
+    def from_config(cls, model_cfg: Any, vocab_size: int | None = None,
+                    max_seq_len: int = 2048) -> Llama:
         return cls(LlamaArgs.from_config(model_cfg, vocab_size), max_seq_len=max_seq_len)

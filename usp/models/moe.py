@@ -20,7 +20,7 @@ for perfectly uniform routing. Each forward stores it in `self.aux_loss`; the tr
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +66,7 @@ class MoE(nn.Module):
         self.capacity_factor = float(args.capacity_factor)
         self.router = nn.Linear(dim, self.n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, self.n_experts)
-        self.shared_expert: Optional[nn.Module] = FeedForward(dim, hidden) if args.shared_expert else None
+        self.shared_expert: nn.Module | None = FeedForward(dim, hidden) if args.shared_expert else None
         self.ep_group = None  # set by usp.engine.parallel.expert.apply_expert_parallel
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.tokens_dropped = 0  # assignments dropped by the capacity limit in the last forward
@@ -79,7 +79,7 @@ class MoE(nn.Module):
             return 0
         return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
 
-    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, dim) -> top-k weights (T, k) (renormalised, x's dtype), expert ids (T, k),
         router probabilities (T, E) fp32. Also sets self.aux_loss."""
         probs = F.softmax(self.router(x).float(), dim=-1)

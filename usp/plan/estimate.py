@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from usp.errors import PlanError
 
@@ -26,23 +25,23 @@ class Estimate:
     params: int
     seq_len: int
     flops_per_token: float
-    tokens: Optional[float]
-    total_flops: Optional[float]
+    tokens: float | None
+    total_flops: float | None
     device_name: str
     peak_tflops: float
     procs_per_node: int
     mfu: float
     mfu_source: str
-    devices: Optional[int] = None
-    nodes: Optional[int] = None
-    hours: Optional[float] = None
+    devices: int | None = None
+    nodes: int | None = None
+    hours: float | None = None
     price_per_device_hour: float = 0.0
-    cost: Optional[float] = None
+    cost: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def estimate(cfg, choices: dict | None = None, *, hours: Optional[float] = None, devices: Optional[int] = None,
-             mfu: Optional[float] = None, plan=None) -> tuple[Estimate, object]:
+def estimate(cfg, choices: dict | None = None, *, hours: float | None = None, devices: int | None = None,
+             mfu: float | None = None, plan=None) -> tuple[Estimate, object]:
     """Returns (estimate, the run plan of the configured layout with memory and timing)."""
     from usp.plan.plan import build_plan
     from usp.plan.validate import planner_context

@@ -5,10 +5,10 @@ so this module must never import torch.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 
-def _kv_heads(n_heads: int, n_kv_heads: Optional[int]) -> int:
+def _kv_heads(n_heads: int, n_kv_heads: int | None) -> int:
     return n_heads if n_kv_heads is None else n_kv_heads
 
 
@@ -16,7 +16,7 @@ def param_breakdown(
     dim: int,
     n_layers: int,
     n_heads: int,
-    n_kv_heads: Optional[int],
+    n_kv_heads: int | None,
     ffn_dim: int,
     vocab_size: int,
     tie_embeddings: bool,
@@ -24,7 +24,7 @@ def param_breakdown(
     top_k: int = 2,
     moe_ffn_dim: int = 0,
     shared_expert: bool = False,
-) -> Dict[str, int]:
+) -> dict[str, int]:
     """Parameter counts by part. `attention`, `mlp` and `norms` are PER LAYER (multiply by
     n_layers before summing; `count_params` does that).
 
@@ -66,7 +66,7 @@ def count_params(
     dim: int,
     n_layers: int,
     n_heads: int,
-    n_kv_heads: Optional[int],
+    n_kv_heads: int | None,
     ffn_dim: int,
     vocab_size: int,
     tie_embeddings: bool,
@@ -87,7 +87,7 @@ def active_params(
     dim: int,
     n_layers: int,
     n_heads: int,
-    n_kv_heads: Optional[int],
+    n_kv_heads: int | None,
     ffn_dim: int,
     vocab_size: int,
     tie_embeddings: bool,
@@ -105,7 +105,7 @@ def active_params(
     return b["embedding"] + n_layers * per_layer + b["final_norm"] + b["lm_head"]
 
 
-def _arch(cfg: Any) -> Dict[str, Any]:
+def _arch(cfg: Any) -> dict[str, Any]:
     return dict(
         dim=cfg.dim,
         n_layers=cfg.n_layers,
@@ -118,7 +118,7 @@ def _arch(cfg: Any) -> Dict[str, Any]:
     )
 
 
-def _moe_arch(cfg: Any) -> Dict[str, Any]:
+def _moe_arch(cfg: Any) -> dict[str, Any]:
     return dict(
         n_experts=getattr(cfg, "n_experts", 0) or 0,
         top_k=getattr(cfg, "top_k", 2),
@@ -141,7 +141,7 @@ def matmul_params(
     dim: int,
     n_layers: int,
     n_heads: int,
-    n_kv_heads: Optional[int],
+    n_kv_heads: int | None,
     ffn_dim: int,
     vocab_size: int,
     n_experts: int = 0,
@@ -162,7 +162,7 @@ def flops_per_token(
     dim: int,
     n_layers: int,
     n_heads: int,
-    n_kv_heads: Optional[int],
+    n_kv_heads: int | None,
     ffn_dim: int,
     vocab_size: int,
     seq_len: int,

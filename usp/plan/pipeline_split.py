@@ -23,7 +23,7 @@ An explicit split (`parallelism.pp_layers`, layer counts per stage) is validated
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from collections.abc import Sequence
 
 from usp.errors import PlanError
 
@@ -32,12 +32,12 @@ SINGLE_STAGE_SCHEDULES = ("afab", "1f1b")          # one stage per pp rank
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zb", "zbv")  # >= 2 stages per pp rank
 
 
-def _balanced_hint(n_layers: int, n_stages: int) -> List[int]:
+def _balanced_hint(n_layers: int, n_stages: int) -> list[int]:
     q, r = divmod(n_layers, n_stages)
     return [q + (1 if i < r else 0) for i in range(n_stages)]
 
 
-def _check_explicit(explicit: object, n_layers: int, n_stages: int) -> List[int]:
+def _check_explicit(explicit: object, n_layers: int, n_stages: int) -> list[int]:
     key = "parallelism.pp_layers"
     hint = f"parallelism.pp_layers={_balanced_hint(n_layers, n_stages)} (or null for a balanced split)" \
         if 0 < n_stages <= n_layers else "parallelism.pp_layers=null"
@@ -58,8 +58,8 @@ def _check_explicit(explicit: object, n_layers: int, n_stages: int) -> List[int]
 
 
 def split_layers(n_layers: int, n_stages: int, embed_params: int, head_params: int,
-                 layer_params: Union[int, Sequence[int]],
-                 explicit: Optional[Sequence[int]] = None) -> List[List[int]]:
+                 layer_params: int | Sequence[int],
+                 explicit: Sequence[int] | None = None) -> list[list[int]]:
     """Layer ids of each of the `n_stages` stages (n_stages = pp * virtual stages), contiguous
     and in order. `layer_params` is the parameter count of one layer (or a list, one per layer).
     `explicit`: the user's layer counts per stage, validated and used as given. See the module
@@ -87,7 +87,7 @@ def split_layers(n_layers: int, n_stages: int, embed_params: int, head_params: i
     return out
 
 
-def _balanced_counts(costs: List[int], n_stages: int, embed: int, head: int) -> List[int]:
+def _balanced_counts(costs: list[int], n_stages: int, embed: int, head: int) -> list[int]:
     """Exact DP: best[s][i] = best (max cost, sum of squares) placing layers i.. into stages s..
     Reconstruction takes the largest first stage among equal optima (earlier stages get more)."""
     n = len(costs)
@@ -127,7 +127,7 @@ def _balanced_counts(costs: List[int], n_stages: int, embed: int, head: int) -> 
     return counts
 
 
-def stage_ranks(pp: int, virtual: int, schedule: str) -> List[List[int]]:
+def stage_ranks(pp: int, virtual: int, schedule: str) -> list[list[int]]:
     """Stage indices held by each pp rank, in the order the rank builds them.
     Loop order (afab, 1f1b, interleaved): rank r holds r, r+pp, r+2pp, ...
     V-shape (zbv, exactly 2 per rank): rank r holds r and 2pp-1-r, so rank 0 holds both the

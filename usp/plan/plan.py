@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from usp.errors import PlanError
 from usp.plan.batch import BatchPlan
+from usp.plan.layout import MESH_DIMS, RankInfo, data_parallel_kind, layout_tag, rank_table, resolve_degrees
 from usp.plan.pipeline_plan import plan_pipeline
 from usp.plan.specs import ATTENTION_CHOICES
-from usp.plan.layout import MESH_DIMS, RankInfo, data_parallel_kind, layout_tag, rank_table, resolve_degrees
 
 if TYPE_CHECKING:
     from usp.plan.memory import MemoryPlan

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from usp.errors import PlanError
 from usp.plan.memory import peak_bytes
@@ -55,14 +54,14 @@ class SearchResult:
     evaluated: int  # layouts whose memory was predicted
     fitting: int  # layouts (with their best micro batch) that fit
     seconds: float
-    pure_dp: Optional[Candidate] = None  # the best layout with tp = pp = cp = 1, for comparison
-    other_shape: Optional[Candidate] = None  # the best layout with another tp / pp / schedule
-    plain_ddp: Optional[Candidate] = None  # the best plain DDP layout (the naive choice), if one fits
-    pure_dp_peak_gib: Optional[float] = None  # its smallest predicted peak when none fits
+    pure_dp: Candidate | None = None  # the best layout with tp = pp = cp = 1, for comparison
+    other_shape: Candidate | None = None  # the best layout with another tp / pp / schedule
+    plain_ddp: Candidate | None = None  # the best plain DDP layout (the naive choice), if one fits
+    pure_dp_peak_gib: float | None = None  # its smallest predicted peak when none fits
     notes: list[str] = field(default_factory=list)
 
     @property
-    def best(self) -> Optional[Candidate]:
+    def best(self) -> Candidate | None:
         return self.top[0] if self.top else None
 
 

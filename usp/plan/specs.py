@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from typing import Optional
 
 from usp.plan.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
 from usp.plan.model_math import param_breakdown
@@ -36,7 +35,7 @@ class Arch:
     attention: str = "sdpa"
 
     @classmethod
-    def from_model(cls, m, vocab_size: Optional[int] = None) -> "Arch":
+    def from_model(cls, m, vocab_size: int | None = None) -> Arch:
         g = lambda k, d=None: getattr(m, k, d) if not isinstance(m, dict) else m.get(k, d)  # noqa: E731
         return cls(name=str(g("name", "model")), dim=int(g("dim")), n_layers=int(g("n_layers")),
                    n_heads=int(g("n_heads")), n_kv_heads=int(g("n_kv_heads") or g("n_heads")),
@@ -125,7 +124,7 @@ class Hardware:
     procs_per_node: int
 
     @classmethod
-    def from_cluster(cls, c) -> "Hardware":
+    def from_cluster(cls, c) -> Hardware:
         g = lambda k, d: getattr(c, k, d) if not isinstance(c, dict) else c.get(k, d)  # noqa: E731
         return cls(device=str(g("device", "cpu")), device_name=str(g("device_name", "cpu")),
                    memory_gib=float(g("device_memory_gb", 24.0)), peak_tflops_bf16=float(g("peak_tflops_bf16", 0.15)),
@@ -138,10 +137,10 @@ class Hardware:
     def world(self) -> int:
         return self.nodes * self.procs_per_node
 
-    def peak_flops(self, precision: "Precision") -> float:
+    def peak_flops(self, precision: Precision) -> float:
         return 1e12 * (self.peak_tflops_bf16 if precision.name == "bf16" else self.peak_tflops_fp32)
 
-    def with_nodes(self, nodes: int) -> "Hardware":
+    def with_nodes(self, nodes: int) -> Hardware:
         return replace(self, nodes=nodes)
 
 
@@ -157,7 +156,7 @@ class Precision:
     act: int
 
     @classmethod
-    def resolve(cls, dtype: str, device: str) -> "Precision":
+    def resolve(cls, dtype: str, device: str) -> Precision:
         if dtype not in DTYPES:
             from usp.errors import PlanError
 
@@ -194,7 +193,7 @@ class Layout:
     reshard_after_forward: bool = True
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
-    pp_layers: Optional[tuple] = None
+    pp_layers: tuple | None = None
     micro_batch: int = 1
     grad_accum: int = 1
     recompute: str = "none"
@@ -202,7 +201,7 @@ class Layout:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
-    def from_config(cls, degrees: dict, par, batch, recompute: str) -> "Layout":
+    def from_config(cls, degrees: dict, par, batch, recompute: str) -> Layout:
         g = lambda k, d: getattr(par, k, d) if not isinstance(par, dict) else par.get(k, d)  # noqa: E731
         pp_layers = g("pp_layers", None)
         return cls(**{d: int(degrees[d]) for d in MESH_DIMS}, ep=int(g("ep", 1)), zero1=bool(g("zero1", False)),

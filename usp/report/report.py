@@ -7,7 +7,6 @@ from pathlib import Path
 
 from usp.errors import UspError
 from usp.launch.sweep import SWEEP_FILE, layout_text, read_sweep
-from usp.rundir import write_text_atomic
 from usp.report import plots as P
 from usp.report.heatmap import heatmap_grid
 from usp.report.overlap import overlap_markdown
@@ -17,6 +16,7 @@ from usp.report.runs import RunData, is_run_dir, load_run, unique_labels
 from usp.report.sweep_plots import plot_heatmap, plot_scaling
 from usp.report.sweep_tables import batch_guidance, scaling, sweep_rows
 from usp.report.trace import PHASES, run_breakdowns, run_events
+from usp.rundir import write_text_atomic
 
 MAX_BARS = 48  # step-time bars in one plot (runs x ranks x profiled steps)
 

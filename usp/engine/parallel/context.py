@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,10 +56,10 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return t.index_select(dim, zigzag_indices(t.shape[dim], cp, rank).to(t.device))
 
 
-def unshard_sequence(shards: List[torch.Tensor], cp: int, dim: int = 1) -> torch.Tensor:
+def unshard_sequence(shards: list[torch.Tensor], cp: int, dim: int = 1) -> torch.Tensor:
     """Inverse of `shard_sequence`: reassemble the full sequence from all ranks' shards."""
     assert len(shards) == cp, f"expected {cp} shards, got {len(shards)}"
-    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
     for r, s in enumerate(shards):
         chunks[r], chunks[2 * cp - 1 - r] = s.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)
@@ -71,7 +70,7 @@ def unshard_sequence(shards: List[torch.Tensor], cp: int, dim: int = 1) -> torch
 FULL, DIAG = "full", "diag"
 
 
-def _visibility(q_chunk: int, k_chunk: int) -> Optional[str]:
+def _visibility(q_chunk: int, k_chunk: int) -> str | None:
     """How a query chunk sees a key chunk under the causal mask (by global chunk index)."""
     if k_chunk < q_chunk:
         return FULL

@@ -36,7 +36,7 @@ Gradient reduction (the trainer must NOT let DDP all-reduce expert parameters; c
 """
 from __future__ import annotations
 
-from typing import Iterable, List
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single along dim 0 with uneven splits; backward sends the gradients back."""
 
     @staticmethod
-    def forward(ctx, x, out_splits: List[int], in_splits: List[int], group):
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -63,7 +63,7 @@ class _AllToAll(torch.autograd.Function):
         return gx, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """Differentiable uneven all_to_all_single: x's rows [sum(in_splits[:d]), +in_splits[d]) go
     to rank d of `group`; returns the rows received, out_splits[s] from rank s, in rank order."""
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
@@ -118,7 +118,7 @@ def is_expert_param(model: nn.Module, param: torch.Tensor) -> bool:
     return any(param is p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
 
 
-def expert_param_names(model: nn.Module) -> List[str]:
+def expert_param_names(model: nn.Module) -> list[str]:
     """FQNs (as model.named_parameters() spells them) of the expert-sharded parameters."""
     ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     return [n for n, p in model.named_parameters() if id(p) in ids]

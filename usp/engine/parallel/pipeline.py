@@ -32,15 +32,20 @@ passes (`torch.autograd.grad` on the stage's graph); nothing special is needed f
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 SCHEDULE_CLASSES = {
     "afab": ScheduleGPipe,  # all forwards, then all backwards
@@ -79,7 +84,7 @@ def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequ
                    n_microbatches: int, schedule_name: str,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
                    parallelize_fn: Callable[[nn.Module], nn.Module] = lambda m: m,
-                   ) -> Tuple[object, List[nn.Module]]:
+                   ) -> tuple[object, list[nn.Module]]:
     """Build this rank's stages and the schedule that runs them.
 
     model_factory: returns a full model with the same weights on every rank (per-name seeded
@@ -117,7 +122,7 @@ def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequ
 
 
 def pipeline_step(schedule, stage_modules: Sequence[nn.Module], is_first: bool, is_last: bool,
-                  x: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+                  x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """One forward + backward over this pp group's batch (x: tokens, y: targets, both (b, s);
     b must divide into the schedule's micro batches). Gradients accumulate into the stage
     modules' .grad; the caller zeroes them and steps the optimizer. is_first / is_last: whether
@@ -126,14 +131,14 @@ def pipeline_step(schedule, stage_modules: Sequence[nn.Module], is_first: bool, 
     if is_first != any(m.tok_embeddings is not None for m in stage_modules):
         raise ValueError("is_first does not match the stage modules (first stage holds the embedding)")
     args = (x,) if is_first else ()
-    losses: Optional[list] = [] if is_last else None
+    losses: list | None = [] if is_last else None
     schedule.step(*args, target=y if is_last else None, losses=losses, return_outputs=False)
     if not is_last:
         return None
     return torch.stack([loss.detach() for loss in losses]).sum()  # micro-batch losses are mean / n
 
 
-def broadcast_loss(loss: Optional[torch.Tensor], pp_group: dist.ProcessGroup, last_rank: int,
+def broadcast_loss(loss: torch.Tensor | None, pp_group: dist.ProcessGroup, last_rank: int,
                    device: torch.device = torch.device("cpu")) -> float:
     """Send the loss from the pp rank holding the last stage (`last_rank`, a rank inside
     pp_group: `usp.plan.pipeline_split.last_stage_rank`) to every pp rank, for logging."""
