@@ -59,6 +59,17 @@ def step_span(step: int) -> str:
     return f"{SPAN_STEP_PREFIX}{step}"
 
 
+# Collective / point-to-point ops as the profiler names them (c10d::allreduce_, gloo:all_reduce,
+# nccl:all_gather, record_param_comms, ...): the engine's profiler summary and `usp report` both ask.
+_COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|"
+                   r"broadcast|record_param_comms|barrier", re.IGNORECASE)
+
+
+def is_comm(name: str) -> bool:
+    """aten:: ops are compute (aten::broadcast_tensors), usp_ spans are the engine's own."""
+    return not name.startswith(("aten::", "usp_")) and _COMM.search(name) is not None
+
+
 # -- paths ----------------------------------------------------------------------------------
 def plan_path(run_dir) -> Path:
     return Path(run_dir) / PLAN

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-from usp.report.trace import is_comm  # the communication-op pattern, shared with usp report (torch-free)
+from usp.rundir import is_comm  # the communication-op pattern, shared with usp report
 
 TOP_OPS = 15
 

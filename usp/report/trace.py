@@ -17,15 +17,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from usp.rundir import is_comm
+
 SPANS = {"usp_forward": "forward", "usp_backward": "backward",
          "usp_pipeline_forward_backward": "forward+backward (pipeline)", "usp_optimizer": "optimizer"}
 PHASES = (*SPANS.values(), "data wait", "other")  # stacking order
 _STEP = re.compile(r"usp_step_(\d+)")
 Interval = tuple[float, float]
-# Collective / point-to-point ops as the profiler names them (c10d::allreduce_, gloo:all_reduce,
-# nccl:all_gather, record_param_comms, ...); usp/engine/profiler.py imports it from here.
-COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|send|recv|"
-                  r"broadcast|record_param_comms|barrier", re.IGNORECASE)
 
 
 @dataclass
@@ -36,11 +34,6 @@ class StepBreakdown:
     phases_ms: dict[str, float]  # PHASES present in this step -> ms; they sum to total_ms
     comm_ms: float | None  # union of communication intervals inside the step; None: no such op
     comm_source: str = ""  # "device kernels" or "CPU ops"
-
-
-def is_comm(name: str) -> bool:
-    """aten:: ops are compute (aten::broadcast_tensors), usp_ spans are the engine's own."""
-    return not name.startswith(("aten::", "usp_")) and COMM.search(name) is not None
 
 
 def merge(intervals) -> list[Interval]:
