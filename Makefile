@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast lint clean
 
 setup: $(VENV)/.usp-installed
 
@@ -25,6 +25,17 @@ demo: setup
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Everything but the torchrun launches and the Slurm jobs: a quick check while editing (< 3 min).
+# It complements `make test`, never replaces it.
+test-fast: setup
+	$(PY) -m pytest -m "not distributed and not slurm" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# ruff (lint + import order) over the code, tests and scripts; mypy over the torch-free layers.
+lint: setup
+	$(VENV)/bin/ruff check usp tests scripts
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
