@@ -149,52 +149,15 @@ class MemoryPlan:
 
 @lru_cache(maxsize=1024)
 def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None) -> tuple:
-    """(layers per virtual stage, virtual stages per pp rank), from usp.plan.pipeline_split:
-    the split the engine uses."""
-    from usp.plan.pipeline_split import split_layers, stage_ranks
+    """(layers per virtual stage, virtual stages per pp rank): usp.plan.pipeline_split's split, the
+    one the engine builds."""
+    from usp.plan.pipeline_split import arch_split, stage_ranks
 
-    n_stages = pp * virtual
-    if n_stages == 1:
+    if pp * virtual == 1:
         return (arch.n_layers,), ((0,),)
-    head = arch.dim + (0 if arch.tie_embeddings else arch.embed_params)  # as usp.plan.pipeline_plan
-    if pp_layers or n_stages > arch.n_layers:  # explicit split, or let split_layers raise its error
-        counts = tuple(len(s) for s in split_layers(arch.n_layers, n_stages, arch.embed_params, head,
-                                                    arch.layer_params, explicit=list(pp_layers) if pp_layers else None))
-    else:
-        counts = uniform_split(arch.n_layers, n_stages, arch.embed_params, head, arch.layer_params)
+    counts = tuple(len(s) for s in arch_split(arch, pp * virtual, pp_layers))
     ranks = stage_ranks(pp, virtual, schedule if schedule in ("zbv",) else "1f1b")
     return counts, tuple(tuple(r) for r in ranks)
-
-
-def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tuple:
-    """The split of usp.plan.pipeline_split.split_layers for equal layers, in O(n²) instead of
-    its O(stages·n²) dynamic program (the search calls it for every pp): the first and last stage
-    sizes are enumerated, the middle stages share the rest evenly (extra layers first), and the
-    same objective picks the winner: the smallest (max stage cost, sum of squared costs), then
-    the largest earlier stages. tests/test_planner.py checks it against split_layers."""
-    if stages == 1:
-        return (n,)
-    k = stages - 2
-    best_key, best = None, None
-    for first in range(1, n - stages + 2):
-        c_first = first * layer + embed
-        for last in range(n - first - k, 0, -1):  # a smaller last stage = larger middle ones: preferred on ties
-            rest = n - first - last
-            if k == 0:
-                if rest:
-                    continue
-                mid_max, mid_sq = 0, 0
-            else:
-                q, r = divmod(rest, k)
-                mid_max = (q + (1 if r else 0)) * layer
-                mid_sq = r * ((q + 1) * layer) ** 2 + (k - r) * (q * layer) ** 2
-            c_last = last * layer + head
-            key = (max(c_first, c_last, mid_max), c_first * c_first + c_last * c_last + mid_sq, -first, last)
-            if best_key is None or key < best_key:
-                best_key, best = key, (first, rest, last)
-    first, rest, last = best
-    q, r = divmod(rest, k) if k else (0, 0)
-    return (first, *([q + 1] * r + [q] * (k - r)), last)
 
 
 def in_flight(layout: Layout, r: int) -> float:
@@ -367,8 +330,8 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)"),
         f"data parallel: {layout.dp_label()}, sharded over {layout.shard_degree} rank(s)",
         f"activations: {activation_formula(layout)}",
-        f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers ({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} "
-        "vocab-parallel) while the loss is differentiated",
+        f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
+        f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
         f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer backward's "
         "gradients + gathered units + recomputed layer",
         f"overhead: {FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB)} GiB fixed + "

@@ -49,6 +49,13 @@ def render_plan(plan, console: Console | None = None) -> None:
         console.print(f"[yellow]warning:[/] {warning}")
 
 
+def render_refusals(errors: list, console: Console | None = None) -> None:
+    """`usp plan`: the rules of kind "engine" this plan fails (usp.plan.rules): `usp train` refuses it."""
+    console = console or Console()
+    for error in errors:
+        console.print(f"[bold red]usp train would refuse:[/] {error}", highlight=False)
+
+
 def pipeline_table(pipe: dict) -> Table:
     """Which layers each pipeline stage holds, and which pp rank runs it."""
     owner = {stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages}
