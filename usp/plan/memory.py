@@ -221,13 +221,33 @@ def activation_formula(layout: Layout) -> str:
 
 # --- the breakdown ---------------------------------------------------------------------------------
 
-def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:
+@dataclass
+class _Held:
+    """What one rank of pp rank r holds: layers and parameters (after TP / EP slicing)."""
+
+    held: tuple
+    layers: int
+    holds_emb: bool
+    holds_head: bool
+    vocab_pad: int
+    dense_layer: float  # one layer's parameters that are not routed experts
+    expert_layer: float  # one layer's routed experts on this rank
+    emb: float
+    head: float
+    dense: float
+    experts: float
+
+    @property
+    def params(self) -> float:
+        return self.dense + self.experts
+
+
+def _held(arch: Arch, layout: Layout, r: int) -> _Held:
     t, ep = layout.tp, max(1, layout.ep) if arch.moe else 1
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
     held = ranks[r]
-    n_virtual = len(counts)
     layers = sum(counts[i] for i in held)
-    holds_emb, holds_head = 0 in held, (n_virtual - 1) in held
+    holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
     vocab_pad = -(-arch.vocab_size // t) * t
     dense_layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params
     expert_layer = arch.expert_params / (ep * t)
@@ -236,48 +256,76 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     if holds_head:
         tied_here = arch.tie_embeddings and holds_emb
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
-    dense = layers * dense_layer + emb + head
-    experts = layers * expert_layer
-    params = dense + experts
+    return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
+                 layers * dense_layer + emb + head, layers * expert_layer)
 
+
+def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: StageMemory) -> float:
+    """Parameters and optimizer states into st (ZeRO-2 keeps its sharded parameters next to the
+    all-gathered ones); returns the gradients' bytes (where they are alive: the peak decides)."""
+    ep = max(1, layout.ep) if arch.moe else 1
     zero, n = layout.zero_stage, layout.shard_degree
     n_exp = max(1, n // ep) if n % ep == 0 else 1
-    sharded = dense / n + experts / n_exp  # params after data-parallel sharding
-    st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
-                     virtual_stages=list(held), layers=layers, holds_embedding=holds_emb, holds_head=holds_head,
-                     params=int(params), in_flight=in_flight(layout, r), activation_per_layer=0.0)
-    # ZeRO-2 (FSDP2 without resharding) keeps its sharded parameters next to the all-gathered ones
-    st.parameters = prec.param * (sharded if zero == 3 else params + (sharded if zero == 2 and n > 1 else 0))
+    sharded = h.dense / n + h.experts / n_exp  # params after data-parallel sharding
+    st.parameters = prec.param * (sharded if zero == 3 else h.params + (sharded if zero == 2 and n > 1 else 0))
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
-    grads = prec.grad * (sharded if grads_sharded else params)
-    st.optimizer = prec.optim * (sharded if zero >= 1 else params)
+    st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
+    return prec.grad * (sharded if grads_sharded else h.params)
 
+
+def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory) -> float:
+    """Kept activations into st; returns the bytes of the layer being recomputed (its full set
+    minus what was kept)."""
     kept, full_set = activation_per_layer(arch, layout, seq_len, prec)
     st.activation_per_layer = kept
     tokens = (seq_len / layout.cp) * layout.micro_batch
-    final_norm = tokens * (2 * arch.dim / t + arch.dim) * prec.act if holds_head else 0  # input, x·rstd, output
-    st.activations = (kept * layers + final_norm) * st.in_flight
-    if layout.pp > 1 and not holds_head:  # torch.distributed.pipelining keeps each micro batch's stage output
-        st.activations += tokens * arch.dim / t * prec.act * st.in_flight
-    recompute = full_set - kept if layout.recompute != "none" and layers else 0  # the layer being recomputed
-    loss_extra = 0.0
-    if holds_head:
-        one = 4 * tokens * vocab_pad / t  # fp32, vocab-parallel under TP
-        n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
-        st.logits = one * n_logits  # log-probabilities kept for backward
-        if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
-            st.logits += tokens * vocab_pad / t * prec.act * n_logits
-        loss_extra = one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
-    gathered = 0.0
-    if zero == 3:
-        unit = dense_layer + expert_layer
-        root = emb + head
-        gathered = (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit if layers else \
-            (prec.param + prec.grad) * root
+    final_norm = tokens * (2 * arch.dim / layout.tp + arch.dim) * prec.act if h.holds_head else 0
+    st.activations = (kept * h.layers + final_norm) * st.in_flight
+    if layout.pp > 1 and not h.holds_head:  # torch.distributed.pipelining keeps each micro batch's stage output
+        st.activations += tokens * arch.dim / layout.tp * prec.act * st.in_flight
+    return full_set - kept if layout.recompute != "none" and h.layers else 0
+
+
+def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory) -> float:
+    """Kept log-probabilities (+ the stage output under pp) into st; returns the loss backward's
+    extra buffers."""
+    if not h.holds_head:
+        return 0.0
+    t = layout.tp
+    tokens = (seq_len / layout.cp) * layout.micro_batch
+    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
+    n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
+    st.logits = one * n_logits  # log-probabilities kept for backward
+    if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
+        st.logits += tokens * h.vocab_pad / t * prec.act * n_logits
+    return one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
+
+
+def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
+    """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient."""
+    if layout.zero_stage != 3:
+        return 0.0
+    unit, root = h.dense_layer + h.expert_layer, h.emb + h.head
+    if not h.layers:
+        return (prec.param + prec.grad) * root
+    return (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit
+
+
+def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:
+    """One rank of pp rank r: the terms of the module docstring, at the peak."""
+    h = _held(arch, layout, r)
+    st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
+                     virtual_stages=list(h.held), layers=h.layers, holds_embedding=h.holds_emb,
+                     holds_head=h.holds_head, params=int(h.params), in_flight=in_flight(layout, r),
+                     activation_per_layer=0.0)
+    grads = _model_states(arch, layout, prec, h, st)
+    recompute = _activations(arch, layout, seq_len, prec, h, st)
+    loss_extra = _logits(layout, seq_len, prec, h, st)
+    gathered = _gathered(layout, prec, h)
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some) or
     # a layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer), whichever is larger.
     loss_phase = loss_extra + (grads if layout.grad_accum > 1 else 0)
-    if holds_head and loss_phase > grads + gathered + recompute:
+    if h.holds_head and loss_phase > grads + gathered + recompute:
         st.peak_phase = "loss backward"
         st.logits += loss_extra
         st.gradients = grads if layout.grad_accum > 1 else 0.0
@@ -286,7 +334,7 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.gradients, st.gathered = grads, gathered
         st.activations += recompute
     if layout.dp_kind in ("ddp", "zero1"):
-        st.comm_buffers = prec.grad * params
+        st.comm_buffers = prec.grad * h.params
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
     st.overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * subtotal
     st.total = subtotal + st.overhead

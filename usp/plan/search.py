@@ -164,15 +164,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
         fitting.append(best_here)
     fitting.sort(key=_rank_key)
     pure = next((c for c in fitting if c.layout.tp == c.layout.pp == c.layout.cp == 1), None)
-    top, seen = [], set()
-    for c in fitting:  # equal predictions of equal shape: keep the simplest (first)
-        key = (_rank_key(c)[0], round(c.peak_gib, 1), c.layout.tp, c.layout.pp, c.layout.pp_schedule,
-               c.layout.zero_stage, c.layout.recompute)
-        if key not in seen:
-            seen.add(key)
-            top.append(c)
-        if len(top) == top_k:
-            break
+    top = _top(fitting, top_k)
     shape = lambda c: (c.layout.tp, c.layout.pp, c.layout.pp_schedule)  # noqa: E731
     other = next((c for c in fitting if shape(c) != shape(fitting[0])), None) if fitting else None
     ddp = next((c for c in fitting if c.layout.dp_kind == "ddp"), None)
@@ -182,6 +174,20 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
                           other_shape=other, plain_ddp=ddp)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _top(fitting: list[Candidate], top_k: int) -> list[Candidate]:
+    """The first top_k of the ranked candidates; of equal predictions of equal shape, the simplest (first)."""
+    top, seen = [], set()
+    for c in fitting:
+        key = (_rank_key(c)[0], round(c.peak_gib, 1), c.layout.tp, c.layout.pp, c.layout.pp_schedule,
+               c.layout.zero_stage, c.layout.recompute)
+        if key not in seen:
+            seen.add(key)
+            top.append(c)
+        if len(top) == top_k:
+            break
+    return top
 
 
 def _rank_key(c: Candidate) -> tuple:
