@@ -254,7 +254,7 @@ def test_default_plan(tmp_path):
     assert plan.warnings == [] and engine_support_errors(plan) == []
 
 
-def test_params_and_flops_match_model_math(tmp_path):
+def test_params_and_flops_match_the_closed_form(tmp_path):
     cfg, choices = compose_config(None, ["train.seq_len=64", "train.global_batch=32", "train.micro_batch=8"])
     plan = build_plan(cfg, choices)
     a = Arch.from_model(cfg.model, 4096)

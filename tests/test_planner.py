@@ -286,7 +286,7 @@ def test_moe_experts_sliced_by_ep():
 
 # --- time -------------------------------------------------------------------------------------------
 
-def test_flops_match_model_math_and_hfu():
+def test_flops_match_arch_and_hfu():
     cfg, _ = cfg_for("model=llama3_1_8b")
     a = Arch.from_model(cfg.model)
     lay = Layout(dp_replicate=8, micro_batch=1, grad_accum=4)
