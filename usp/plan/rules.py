@@ -40,7 +40,7 @@ class Settings:
 
     seq_len: int
     dtype: str = "auto"
-    launcher: str = "local"
+    launcher: str | None = None  # None: not known (a bare search), the launcher rule doesn't apply
     checkpoint: bool = False
     ddp_comm_hook: str = "none"
 

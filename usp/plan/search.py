@@ -124,7 +124,7 @@ def _micro_batches(arch: Arch, hw: Hardware, settings: Settings, base: Layout, l
 def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch: int, top_k: int = 5,
            recomputes=("none", "full"), settings: Settings | None = None) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
-    (default: Settings(seq_len), i.e. local launcher, auto dtype, no checkpoints, no DDP hook)."""
+    (default: Settings(seq_len): any launcher, auto dtype, no checkpoints, no DDP hook)."""
     start = time.perf_counter()
     cap = hw.memory_gib * GIB
     fitting: list[Candidate] = []
