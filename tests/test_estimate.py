@@ -13,7 +13,7 @@ import pytest
 from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.plan.estimate import DEFAULT_MFU, estimate
-from usp.plan.model_math import flops_per_token_cfg
+from usp.plan.specs import Arch
 
 USP = str(Path(sys.executable).parent / "usp")
 PEAK = 989e12
@@ -37,7 +37,7 @@ def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_devices_for_a_deadline_by_hand():
     e, plan = est("model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", hours=720, mfu=0.4)
     cfg, _ = compose_config(None, ["model=llama3_1_70b"])
-    fpt = flops_per_token_cfg(cfg.model, 128)  # 6·N + 12·L·h·s at the config's seq_len
+    fpt = Arch.from_model(cfg.model).flops_per_token(128)  # 6·N + 12·L·h·s at the config's seq_len
     assert e.flops_per_token == fpt and e.total_flops == fpt * 15e12
     exact = fpt * 15e12 / (720 * 3600 * PEAK * 0.4)
     assert e.nodes == math.ceil(exact / 8) and e.devices == e.nodes * 8

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,8 +18,8 @@ from usp.errors import PlanError, UspError
 from usp.plan.batch import plan_batch
 from usp.plan.io import write_plan
 from usp.plan.layout import MESH_DIMS, layout_tag, rank_table, resolve_degrees
-from usp.plan.model_math import count_params_cfg, flops_per_token_cfg
 from usp.plan.plan import build_plan, engine_support_errors
+from usp.plan.specs import Arch
 from usp.rundir import read_plan, write_text_atomic
 
 USP = str(Path(sys.executable).parent / "usp")
@@ -255,12 +254,14 @@ def test_default_plan(tmp_path):
     assert plan.warnings == [] and engine_support_errors(plan) == []
 
 
-def test_params_and_flops_match_model_math(tmp_path):
+def test_params_and_flops_match_the_closed_form(tmp_path):
     cfg, choices = compose_config(None, ["train.seq_len=64", "train.global_batch=32", "train.micro_batch=8"])
     plan = build_plan(cfg, choices)
-    shape = SimpleNamespace(**{**{k: cfg.model[k] for k in cfg.model}, "vocab_size": 4096})
-    assert plan.model.params == count_params_cfg(shape) == TINY_PARAMS
-    assert plan.model.flops_per_token == flops_per_token_cfg(shape, 64)
+    a = Arch.from_model(cfg.model, 4096)
+    assert plan.model.params == a.total_params == TINY_PARAMS
+    h, n, f, v = a.dim, a.n_layers, a.ffn_dim, a.vocab_size  # 6·N + 12·L·h·s, N = block matmuls + LM head
+    assert plan.model.flops_per_token == a.flops_per_token(64) == 6 * (n * (2 * h * h + 2 * h * a.kv_dim + 3 * h * f)
+                                                                      + v * h) + 12 * n * h * 64
     assert plan.batch.global_batch_tokens == 32 * 64
     assert plan.model.flops_per_step == plan.model.flops_per_token * 32 * 64
 
@@ -389,7 +390,7 @@ PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node
     (["cluster.procs_per_node=2", "parallelism.tp=2"], []),
     (["cluster.procs_per_node=2", "parallelism.dp_shard=2", "train.micro_batch=8"], []),
     (PP4 + ["parallelism.tp=2", "train.micro_batch=4"], []),
-    (["parallelism.ep=2"], ["parallelism.ep", "parallelism.ep", "checkpoint.enabled"]),  # dense; ep ∤ dp 1
+    (["parallelism.ep=2"], ["parallelism.ep", "checkpoint.enabled"]),  # dense, and ep ∤ dp_replicate 1: one EP rule
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8"], ["checkpoint.enabled"]),
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8",
       "checkpoint.enabled=false"], []),

@@ -16,7 +16,6 @@ from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.plan.layout import rank_table
 from usp.plan.memory import in_flight, memory_plan, stage_memory
-from usp.plan.model_math import count_params_cfg, flops_per_token_cfg
 from usp.plan.plan import build_plan
 from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.plan.timing import timing_plan
@@ -74,7 +73,7 @@ def sig3(x: float) -> float:
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_catalogue_parameter_counts(name):
     cfg, _ = cfg_for(f"model={name}")
-    n = count_params_cfg(cfg.model)
+    n = Arch.from_model(cfg.model).total_params
     assert n == EXACT[name]
     assert sig3(n) == sig3(PUBLISHED[name])
     m = cfg.model
@@ -287,12 +286,12 @@ def test_moe_experts_sliced_by_ep():
 
 # --- time -------------------------------------------------------------------------------------------
 
-def test_flops_match_model_math_and_hfu():
+def test_flops_match_arch_and_hfu():
     cfg, _ = cfg_for("model=llama3_1_8b")
     a = Arch.from_model(cfg.model)
     lay = Layout(dp_replicate=8, micro_batch=1, grad_accum=4)
     t = timing_plan(a, lay, S, 32, h100(), BF16)
-    assert t.model_flops_per_token == flops_per_token_cfg(cfg.model, S)
+    assert t.model_flops_per_token == a.flops_per_token(S)
     assert t.model_flops_per_step == t.model_flops_per_token * 32 * S
     assert t.hfu == pytest.approx(t.mfu)
     full = timing_plan(a, replace(lay, recompute="full"), S, 32, h100(), BF16)
@@ -384,10 +383,6 @@ RULES = [
      "train.grad_accum", "micro batches"),
     (["cluster=local_cpu2", "parallelism=ddp", "train.micro_batch=16"], "train.global_batch", "not divisible"),
     (["cluster.procs_per_node=3", "parallelism.cp=3"], "train.seq_len", "2 x cp"),
-    (["cluster.procs_per_node=3", "model.n_experts=4", "parallelism.ep=3", "train.global_batch=24"],
-     "parallelism.ep", "experts"),
-    (["cluster.procs_per_node=2", "model.n_experts=4", "parallelism.tp=2", "parallelism.ep=2"], "parallelism.ep",
-     "must divide"),
     (["model=llama3_1_8b", "cluster=slurm_h100"], "parallelism", "out of memory"),
 ]
 
@@ -398,6 +393,20 @@ def test_rule_through_cli(tmp_path, overrides, key, words):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
     assert f"{key}=" in r.stderr and words in r.stderr and "fix:" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["cluster.procs_per_node=3", "model.n_experts=4", "parallelism.ep=3", "train.global_batch=24"],
+     ["4 experts (model.n_experts) can't be split over ep=3"]),
+    (["cluster.procs_per_node=2", "model.n_experts=4", "parallelism.tp=2", "parallelism.ep=2"],
+     ["ep must divide", "not tp=2", "parallelism.tp=2: tensor parallelism of MoE layers"]),
+])
+def test_expert_parallel_rule_through_cli(tmp_path, overrides, words):
+    """The EP rule is of kind "engine": `usp plan` prints the plan and what `usp train` would refuse."""
+    r = usp("plan", *overrides, cwd=tmp_path)
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr
+    assert "usp train would refuse: parallelism.ep=" in out and all(w in out for w in words), out
 
 
 def test_tp_across_nodes_warns_and_strict_refuses(tmp_path):
@@ -474,11 +483,10 @@ def test_planner_modules_import_no_torch():
 
 @pytest.mark.parametrize("embed,head", [(0, 0), (500, 500), (1000, 1), (1, 1000), (262, 263)])
 def test_uniform_split_equals_pipeline_split(embed, head):
-    """The planner's fast split is the engine's split (usp.plan.pipeline_split.split_layers)."""
-    from usp.plan.memory import uniform_split
-    from usp.plan.pipeline_split import split_layers
+    """The fast split for equal layers (what split_layers uses) is the exact dynamic program."""
+    from usp.plan.pipeline_split import _balanced_counts, uniform_split
 
     cases = [(n, s) for n in range(2, 27) for s in range(2, min(n, 12) + 1)] + [(80, 32), (126, 63), (80, 80)]
     for n, stages in cases:
-        expected = tuple(len(x) for x in split_layers(n, stages, embed, head, 218))
+        expected = tuple(_balanced_counts([218] * n, stages, embed, head))
         assert uniform_split(n, stages, embed, head, 218) == expected, (n, stages)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from usp.config.compose import compose_config
+from usp.plan.context import planner_context
 from usp.plan.memory import memory_plan, peak_bytes
 from usp.plan.plan import build_plan
 from usp.plan.search import divisors, search, search_config
 from usp.plan.specs import GIB, Layout
 from usp.plan.timing import rank_params
-from usp.plan.validate import planner_context
 
 USP = str(Path(sys.executable).parent / "usp")
 EIGHT_B_16 = ["model=llama3_1_8b", "cluster=slurm_h100", "cluster.nodes=2", "train.seq_len=4096",
@@ -118,10 +118,19 @@ def test_70b_on_512_gpus_is_fast():
 
 def test_moe_search_uses_expert_parallel():
     cfg, _ = compose_config(None, ["model=tiny", "model.n_experts=8", "model.top_k=2", "cluster=slurm_h100",
-                                   "train.seq_len=1024", "train.global_batch=64"])
+                                   "train.seq_len=1024", "train.global_batch=64", "checkpoint.enabled=false"])
     result = search_config(cfg, top_k=50)
     assert {c.layout.ep for c in result.top} > {1}
-    assert all(8 % c.layout.ep == 0 and c.layout.data_group % c.layout.ep == 0 for c in result.top)
+    ep = [c.layout for c in result.top if c.layout.ep > 1]  # as the engine runs it: carved out of dp_replicate
+    assert all(8 % lay.ep == 0 and lay.dp_replicate % lay.ep == 0 and lay.world == lay.dp_replicate for lay in ep)
+    assert all(c.layout.tp == c.layout.pp == 1 for c in result.top)  # no TP / PP of MoE layers in this engine
+
+
+def test_moe_search_without_ep_when_checkpointing():
+    """Checkpoints of expert-parallel runs are refused by `usp train`, so the search does not propose ep > 1."""
+    cfg, _ = compose_config(None, ["model=tiny", "model.n_experts=8", "model.top_k=2", "cluster=slurm_h100",
+                                   "train.seq_len=1024", "train.global_batch=64", "checkpoint.enabled=true"])
+    assert {c.layout.ep for c in search_config(cfg, top_k=50).top} == {1}
 
 
 def test_nothing_fits_is_said():

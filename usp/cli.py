@@ -66,8 +66,8 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          top: int = typer.Option(5, "--top", help="with --search: how many layouts to show")) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
     try:
-        from usp.plan.plan import build_plan
-        from usp.plan.render import render_plan
+        from usp.plan.plan import plan_with_failures
+        from usp.plan.render import render_plan, render_refusals
 
         composed, choices = _compose(overrides)
         if cfg:
@@ -77,8 +77,13 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
 
             run_search(composed, top)
             return
-        run_plan = build_plan(composed, choices, force=force, strict=strict, training=False)
+        run_plan, failures = plan_with_failures(composed, choices, force=force, strict=strict)
+        if run_plan is None:  # every failing rule, not just the first
+            for error in failures[:-1]:
+                typer.echo(f"error: {error}", err=True)
+            _fail(failures[-1])
         render_plan(run_plan)
+        render_refusals(failures)
         if save:
             from usp.plan.io import write_plan
 

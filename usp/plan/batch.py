@@ -52,7 +52,8 @@ def plan_batch(train, dp: int) -> BatchPlan:
     if accum == -1:
         if global_batch % per_step:
             lower = max(per_step, global_batch // per_step * per_step)
-            raise PlanError(f"is not divisible by train.micro_batch x data-parallel degree = {micro} x {dp} = {per_step}",
+            raise PlanError("is not divisible by train.micro_batch x data-parallel degree = "
+                            f"{micro} x {dp} = {per_step}",
                             key="train.global_batch", value=global_batch,
                             fix=f"train.global_batch={lower} or {lower + per_step}, or a micro batch that divides "
                             f"{global_batch // dp if global_batch % dp == 0 else 'it'}")

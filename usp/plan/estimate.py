@@ -11,7 +11,7 @@ DEFAULT_MFU. An MFU predicted at one scale is assumed to hold at the scale estim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from usp.errors import PlanError
 
@@ -43,8 +43,8 @@ class Estimate:
 def estimate(cfg, choices: dict | None = None, *, hours: float | None = None, devices: int | None = None,
              mfu: float | None = None, plan=None) -> tuple[Estimate, object]:
     """Returns (estimate, the run plan of the configured layout with memory and timing)."""
+    from usp.plan.context import planner_context
     from usp.plan.plan import build_plan
-    from usp.plan.validate import planner_context
 
     if hours is not None and devices is not None:
         raise PlanError("give either --hours (to get devices) or --devices (to get hours), not both",
@@ -104,7 +104,9 @@ def _searched_mfu(ctx, notes: list[str]) -> tuple[float, str]:
     hw = ctx.hw
     for k in range(MAX_NODE_DOUBLINGS + 1):
         trial = hw.with_nodes(hw.nodes * 2 ** k)
-        best = search(ctx.arch, trial, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=1).best
+        # a cluster of more nodes than the local launcher runs is sized as a Slurm one
+        settings = replace(ctx.settings, launcher="slurm") if trial.nodes > 1 else ctx.settings
+        best = search(ctx.arch, trial, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=1, settings=settings).best
         if best is not None:
             notes.append("the configured layout does not fit; the MFU is the search's best layout "
                          f"{best.describe()} on {trial.nodes} node(s)")

@@ -149,52 +149,15 @@ class MemoryPlan:
 
 @lru_cache(maxsize=1024)
 def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None) -> tuple:
-    """(layers per virtual stage, virtual stages per pp rank), from usp.plan.pipeline_split:
-    the split the engine uses."""
-    from usp.plan.pipeline_split import split_layers, stage_ranks
+    """(layers per virtual stage, virtual stages per pp rank): usp.plan.pipeline_split's split, the
+    one the engine builds."""
+    from usp.plan.pipeline_split import arch_split, stage_ranks
 
-    n_stages = pp * virtual
-    if n_stages == 1:
+    if pp * virtual == 1:
         return (arch.n_layers,), ((0,),)
-    head = arch.dim + (0 if arch.tie_embeddings else arch.embed_params)  # as usp.plan.pipeline_plan
-    if pp_layers or n_stages > arch.n_layers:  # explicit split, or let split_layers raise its error
-        counts = tuple(len(s) for s in split_layers(arch.n_layers, n_stages, arch.embed_params, head,
-                                                    arch.layer_params, explicit=list(pp_layers) if pp_layers else None))
-    else:
-        counts = uniform_split(arch.n_layers, n_stages, arch.embed_params, head, arch.layer_params)
+    counts = tuple(len(s) for s in arch_split(arch, pp * virtual, pp_layers))
     ranks = stage_ranks(pp, virtual, schedule if schedule in ("zbv",) else "1f1b")
     return counts, tuple(tuple(r) for r in ranks)
-
-
-def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tuple:
-    """The split of usp.plan.pipeline_split.split_layers for equal layers, in O(n²) instead of
-    its O(stages·n²) dynamic program (the search calls it for every pp): the first and last stage
-    sizes are enumerated, the middle stages share the rest evenly (extra layers first), and the
-    same objective picks the winner: the smallest (max stage cost, sum of squared costs), then
-    the largest earlier stages. tests/test_planner.py checks it against split_layers."""
-    if stages == 1:
-        return (n,)
-    k = stages - 2
-    best_key, best = None, None
-    for first in range(1, n - stages + 2):
-        c_first = first * layer + embed
-        for last in range(n - first - k, 0, -1):  # a smaller last stage = larger middle ones: preferred on ties
-            rest = n - first - last
-            if k == 0:
-                if rest:
-                    continue
-                mid_max, mid_sq = 0, 0
-            else:
-                q, r = divmod(rest, k)
-                mid_max = (q + (1 if r else 0)) * layer
-                mid_sq = r * ((q + 1) * layer) ** 2 + (k - r) * (q * layer) ** 2
-            c_last = last * layer + head
-            key = (max(c_first, c_last, mid_max), c_first * c_first + c_last * c_last + mid_sq, -first, last)
-            if best_key is None or key < best_key:
-                best_key, best = key, (first, rest, last)
-    first, rest, last = best
-    q, r = divmod(rest, k) if k else (0, 0)
-    return (first, *([q + 1] * r + [q] * (k - r)), last)
 
 
 def in_flight(layout: Layout, r: int) -> float:
@@ -258,13 +221,33 @@ def activation_formula(layout: Layout) -> str:
 
 # --- the breakdown ---------------------------------------------------------------------------------
 
-def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:
+@dataclass
+class _Held:
+    """What one rank of pp rank r holds: layers and parameters (after TP / EP slicing)."""
+
+    held: tuple
+    layers: int
+    holds_emb: bool
+    holds_head: bool
+    vocab_pad: int
+    dense_layer: float  # one layer's parameters that are not routed experts
+    expert_layer: float  # one layer's routed experts on this rank
+    emb: float
+    head: float
+    dense: float
+    experts: float
+
+    @property
+    def params(self) -> float:
+        return self.dense + self.experts
+
+
+def _held(arch: Arch, layout: Layout, r: int) -> _Held:
     t, ep = layout.tp, max(1, layout.ep) if arch.moe else 1
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
     held = ranks[r]
-    n_virtual = len(counts)
     layers = sum(counts[i] for i in held)
-    holds_emb, holds_head = 0 in held, (n_virtual - 1) in held
+    holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
     vocab_pad = -(-arch.vocab_size // t) * t
     dense_layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params
     expert_layer = arch.expert_params / (ep * t)
@@ -273,48 +256,76 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     if holds_head:
         tied_here = arch.tie_embeddings and holds_emb
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
-    dense = layers * dense_layer + emb + head
-    experts = layers * expert_layer
-    params = dense + experts
+    return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
+                 layers * dense_layer + emb + head, layers * expert_layer)
 
+
+def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: StageMemory) -> float:
+    """Parameters and optimizer states into st (ZeRO-2 keeps its sharded parameters next to the
+    all-gathered ones); returns the gradients' bytes (where they are alive: the peak decides)."""
+    ep = max(1, layout.ep) if arch.moe else 1
     zero, n = layout.zero_stage, layout.shard_degree
     n_exp = max(1, n // ep) if n % ep == 0 else 1
-    sharded = dense / n + experts / n_exp  # params after data-parallel sharding
-    st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
-                     virtual_stages=list(held), layers=layers, holds_embedding=holds_emb, holds_head=holds_head,
-                     params=int(params), in_flight=in_flight(layout, r), activation_per_layer=0.0)
-    # ZeRO-2 (FSDP2 without resharding) keeps its sharded parameters next to the all-gathered ones
-    st.parameters = prec.param * (sharded if zero == 3 else params + (sharded if zero == 2 and n > 1 else 0))
+    sharded = h.dense / n + h.experts / n_exp  # params after data-parallel sharding
+    st.parameters = prec.param * (sharded if zero == 3 else h.params + (sharded if zero == 2 and n > 1 else 0))
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
-    grads = prec.grad * (sharded if grads_sharded else params)
-    st.optimizer = prec.optim * (sharded if zero >= 1 else params)
+    st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
+    return prec.grad * (sharded if grads_sharded else h.params)
 
+
+def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory) -> float:
+    """Kept activations into st; returns the bytes of the layer being recomputed (its full set
+    minus what was kept)."""
     kept, full_set = activation_per_layer(arch, layout, seq_len, prec)
     st.activation_per_layer = kept
     tokens = (seq_len / layout.cp) * layout.micro_batch
-    final_norm = tokens * (2 * arch.dim / t + arch.dim) * prec.act if holds_head else 0  # input, x·rstd, output
-    st.activations = (kept * layers + final_norm) * st.in_flight
-    if layout.pp > 1 and not holds_head:  # torch.distributed.pipelining keeps each micro batch's stage output
-        st.activations += tokens * arch.dim / t * prec.act * st.in_flight
-    recompute = full_set - kept if layout.recompute != "none" and layers else 0  # the layer being recomputed
-    loss_extra = 0.0
-    if holds_head:
-        one = 4 * tokens * vocab_pad / t  # fp32, vocab-parallel under TP
-        n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
-        st.logits = one * n_logits  # log-probabilities kept for backward
-        if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
-            st.logits += tokens * vocab_pad / t * prec.act * n_logits
-        loss_extra = one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
-    gathered = 0.0
-    if zero == 3:
-        unit = dense_layer + expert_layer
-        root = emb + head
-        gathered = (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit if layers else \
-            (prec.param + prec.grad) * root
+    final_norm = tokens * (2 * arch.dim / layout.tp + arch.dim) * prec.act if h.holds_head else 0
+    st.activations = (kept * h.layers + final_norm) * st.in_flight
+    if layout.pp > 1 and not h.holds_head:  # torch.distributed.pipelining keeps each micro batch's stage output
+        st.activations += tokens * arch.dim / layout.tp * prec.act * st.in_flight
+    return full_set - kept if layout.recompute != "none" and h.layers else 0
+
+
+def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory) -> float:
+    """Kept log-probabilities (+ the stage output under pp) into st; returns the loss backward's
+    extra buffers."""
+    if not h.holds_head:
+        return 0.0
+    t = layout.tp
+    tokens = (seq_len / layout.cp) * layout.micro_batch
+    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
+    n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
+    st.logits = one * n_logits  # log-probabilities kept for backward
+    if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
+        st.logits += tokens * h.vocab_pad / t * prec.act * n_logits
+    return one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
+
+
+def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
+    """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient."""
+    if layout.zero_stage != 3:
+        return 0.0
+    unit, root = h.dense_layer + h.expert_layer, h.emb + h.head
+    if not h.layers:
+        return (prec.param + prec.grad) * root
+    return (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit
+
+
+def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:
+    """One rank of pp rank r: the terms of the module docstring, at the peak."""
+    h = _held(arch, layout, r)
+    st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
+                     virtual_stages=list(h.held), layers=h.layers, holds_embedding=h.holds_emb,
+                     holds_head=h.holds_head, params=int(h.params), in_flight=in_flight(layout, r),
+                     activation_per_layer=0.0)
+    grads = _model_states(arch, layout, prec, h, st)
+    recompute = _activations(arch, layout, seq_len, prec, h, st)
+    loss_extra = _logits(layout, seq_len, prec, h, st)
+    gathered = _gathered(layout, prec, h)
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some) or
     # a layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer), whichever is larger.
     loss_phase = loss_extra + (grads if layout.grad_accum > 1 else 0)
-    if holds_head and loss_phase > grads + gathered + recompute:
+    if h.holds_head and loss_phase > grads + gathered + recompute:
         st.peak_phase = "loss backward"
         st.logits += loss_extra
         st.gradients = grads if layout.grad_accum > 1 else 0.0
@@ -323,7 +334,7 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.gradients, st.gathered = grads, gathered
         st.activations += recompute
     if layout.dp_kind in ("ddp", "zero1"):
-        st.comm_buffers = prec.grad * params
+        st.comm_buffers = prec.grad * h.params
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
     st.overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * subtotal
     st.total = subtotal + st.overhead
@@ -367,8 +378,8 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)"),
         f"data parallel: {layout.dp_label()}, sharded over {layout.shard_degree} rank(s)",
         f"activations: {activation_formula(layout)}",
-        f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers ({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} "
-        "vocab-parallel) while the loss is differentiated",
+        f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
+        f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
         f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer backward's "
         "gradients + gathered units + recomputed layer",
         f"overhead: {FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB)} GiB fixed + "

@@ -37,7 +37,7 @@ def _balanced_hint(n_layers: int, n_stages: int) -> list[int]:
     return [q + (1 if i < r else 0) for i in range(n_stages)]
 
 
-def _check_explicit(explicit: object, n_layers: int, n_stages: int) -> list[int]:
+def check_explicit(explicit: object, n_layers: int, n_stages: int) -> list[int]:
     key = "parallelism.pp_layers"
     hint = f"parallelism.pp_layers={_balanced_hint(n_layers, n_stages)} (or null for a balanced split)" \
         if 0 < n_stages <= n_layers else "parallelism.pp_layers=null"
@@ -74,7 +74,9 @@ def split_layers(n_layers: int, n_stages: int, embed_params: int, head_params: i
                         fix=f"lower parallelism.pp / parallelism.pp_virtual_stages so that "
                             f"pp x pp_virtual_stages <= {n_layers}, or use more layers")
     if explicit is not None:
-        counts = _check_explicit(explicit, n_layers, n_stages)
+        counts = check_explicit(explicit, n_layers, n_stages)
+    elif isinstance(layer_params, int):
+        counts = list(uniform_split(n_layers, n_stages, embed_params, head_params, layer_params))
     else:
         costs = [layer_params] * n_layers if isinstance(layer_params, int) else list(layer_params)
         if len(costs) != n_layers:
@@ -125,6 +127,44 @@ def _balanced_counts(costs: list[int], n_stages: int, embed: int, head: int) -> 
                 i = j
                 break
     return counts
+
+
+def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tuple:
+    """_balanced_counts for equal layers, in O(n²) instead of
+    its O(stages·n²) dynamic program (the search calls it for every pp): the first and last stage
+    sizes are enumerated, the middle stages share the rest evenly (extra layers first), and the
+    same objective picks the winner: the smallest (max stage cost, sum of squared costs), then
+    the largest earlier stages. tests/test_planner.py checks it against split_layers."""
+    if stages == 1:
+        return (n,)
+    k = stages - 2
+    best_key, best = None, None
+    for first in range(1, n - stages + 2):
+        c_first = first * layer + embed
+        for last in range(n - first - k, 0, -1):  # a smaller last stage = larger middle ones: preferred on ties
+            rest = n - first - last
+            if k == 0:
+                if rest:
+                    continue
+                mid_max, mid_sq = 0, 0
+            else:
+                q, r = divmod(rest, k)
+                mid_max = (q + (1 if r else 0)) * layer
+                mid_sq = r * ((q + 1) * layer) ** 2 + (k - r) * (q * layer) ** 2
+            c_last = last * layer + head
+            key = (max(c_first, c_last, mid_max), c_first * c_first + c_last * c_last + mid_sq, -first, last)
+            if best_key is None or key < best_key:
+                best_key, best = key, (first, rest, last)
+    first, rest, last = best
+    q, r = divmod(rest, k) if k else (0, 0)
+    return (first, *([q + 1] * r + [q] * (k - r)), last)
+
+
+def arch_split(arch, n_stages: int, pp_layers: Sequence[int] | None = None) -> list[list[int]]:
+    """split_layers for a model shape (usp.plan.specs.Arch): the memory-balanced split, or the
+    explicit parallelism.pp_layers."""
+    return split_layers(arch.n_layers, n_stages, arch.embed_params, arch.head_params, arch.layer_params,
+                        list(pp_layers) if pp_layers else None)
 
 
 def stage_ranks(pp: int, virtual: int, schedule: str) -> list[list[int]]:

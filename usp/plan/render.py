@@ -49,6 +49,13 @@ def render_plan(plan, console: Console | None = None) -> None:
         console.print(f"[yellow]warning:[/] {warning}")
 
 
+def render_refusals(errors: list, console: Console | None = None) -> None:
+    """`usp plan`: the rules of kind "engine" this plan fails (usp.plan.rules): `usp train` refuses it."""
+    console = console or Console()
+    for error in errors:
+        console.print(f"[bold red]usp train would refuse:[/] {error}", highlight=False)
+
+
 def pipeline_table(pipe: dict) -> Table:
     """Which layers each pipeline stage holds, and which pp rank runs it."""
     owner = {stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages}
@@ -94,7 +101,8 @@ def memory_table(mem):
                         f"{mem.capacity_gib:g} GiB)", title_justify="left")
     table.add_column("term")
     for st in stages:
-        ranks = f"rank {st.first_rank}" if st.n_ranks == 1 else f"ranks {st.first_rank}-{st.first_rank + st.n_ranks - 1}"
+        last = st.first_rank + st.n_ranks - 1
+        ranks = f"rank {st.first_rank}" if st.n_ranks == 1 else f"ranks {st.first_rank}-{last}"
         name = "all ranks" if len(mem.stages) == 1 else f"stage {st.stage} ({ranks})"
         table.add_column(name, justify="right")
     for term in TERMS:
@@ -158,10 +166,12 @@ def search_table(result) -> Table:
                         f"global batch {result.global_batch} (predicted)", title_justify="left")
     for col in ("#", "layout", "data parallel", "pipeline", "micro x accum", "max micro", "recompute",
                 "peak GiB", "step s", "tokens/s/device", "MFU"):
-        table.add_column(col, justify="left" if col in ("layout", "data parallel", "pipeline", "recompute") else "right")
+        left = col in ("layout", "data parallel", "pipeline", "recompute")
+        table.add_column(col, justify="left" if left else "right")
     for i, c in enumerate(result.top, 1):
         lay, tim = c.layout, c.timing
-        pipe = "-" if lay.pp == 1 else lay.pp_schedule + (f" v={lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else "")
+        virtual = f" v={lay.pp_virtual_stages}" if lay.pp_virtual_stages > 1 else ""
+        pipe = "-" if lay.pp == 1 else lay.pp_schedule + virtual
         table.add_row(str(i), lay.label(), lay.dp_label(), pipe, f"{lay.micro_batch} x {lay.grad_accum}",
                       str(c.max_micro_batch), lay.recompute, f"{c.peak_gib:.1f}", f"{tim.step_s:.3g}",
                       f"{tim.tokens_per_s_per_device:,.0f}", f"{tim.mfu:.1%}")

@@ -1,27 +1,34 @@
 """Layout search: enumerate the parallel layouts of a model on a cluster, drop those that break a
 rule or do not fit in memory, rank the rest by predicted throughput (usp.plan.timing).
 
-Searched: tp (divisors of the GPUs per node that divide the heads and KV heads), pp (with 1f1b,
-interleaved_1f1b v=2 and zbv; not for tied embeddings), cp (seq_len divisible by 2·cp, cp <= 8),
+Searched: tp (divisors of the GPUs per node), pp (with 1f1b, interleaved_1f1b v=2 and zbv), cp
+(cp <= 8),
 the data-parallel rest split into dp_replicate x dp_shard (DDP or ZeRO-1 when nothing is sharded;
 FSDP ZeRO-3 or ZeRO-2, HSDP when both > 1), ep for MoE models, recompute none / full, and every
 micro batch that divides the per-rank batch. Fixed: the model, seq_len, the global batch and the
 cluster (every device is used). Selective recompute is not searched: with SDPA the model gives it
-the memory and FLOPs of `none`.
+the memory and FLOPs of `none`. Kept: the layouts no rule of kind "plan" or "engine" refuses
+(usp.plan.rules, the table `usp train` asks): so tp divides the heads, no pp with tied embeddings,
+seq_len divisible by 2·cp, and for MoE models only the layouts this engine trains.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from itertools import product
 
 from usp.errors import PlanError
+from usp.plan import rules
+from usp.plan.context import planner_context
 from usp.plan.memory import peak_bytes
+from usp.plan.rules import BATCH_ONLY, LAYOUT_ONLY, Settings, Subject, divisors
 from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
 from usp.plan.timing import TimingPlan, timing_plan
 
 MAX_CP = 8
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
 MICRO_BATCHES_TIMED = 3  # the largest fitting micro batches whose time is predicted, per layout
+KINDS = ("plan", "engine")  # the search proposes only what `usp train` runs
 
 
 @dataclass
@@ -65,22 +72,6 @@ class SearchResult:
         return self.top[0] if self.top else None
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def schedule_ok(schedule: str, pp: int, virtual: int, m: int) -> bool:
-    """The pipeline rules of usp.plan.validate (torch's, plus m >= pp for the 1F1B family)."""
-    if pp == 1:
-        return True
-    if m < pp:
-        return schedule == "afab"
-    if schedule in ("interleaved_1f1b", "interleaved_zb"):
-        rounds = max(1, m // pp)
-        return m % rounds == 0
-    return True
-
-
 def _flavours(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int):
     """(zero1, reshard_after_forward) choices that differ for this split."""
     if dp_shard * cp > 1:
@@ -90,47 +81,58 @@ def _flavours(dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int):
     return [(False, True)]
 
 
-def enumerate_layouts(arch: Arch, hw: Hardware, seq_len: int, global_batch: int,
-                      recomputes=("none", "full")):
-    """Every rule-abiding (layout without micro batch, per-rank batch) for this world size."""
-    world, ppn = hw.world, hw.procs_per_node
-    tps = [t for t in divisors(min(ppn, world)) if arch.n_heads % t == 0 and arch.n_kv_heads % t == 0
-           and world % t == 0]
-    for tp in tps:
+def _grid(arch: Arch, hw: Hardware, seq_len: int, global_batch: int, recomputes):
+    """The searched space (module docstring), before the rules: (layout without micro batch, per-rank batch)."""
+    world = hw.world
+    for tp in divisors(min(hw.procs_per_node, world)):
         for pp in divisors(world // tp):
-            if pp > arch.n_layers or (pp > 1 and arch.tie_embeddings):
-                continue
-            schedules = [("1f1b", 1)] if pp == 1 else [(s, v) for s, v in SCHEDULES if pp * v <= arch.n_layers]
-            for cp in divisors(world // (tp * pp)):
-                if cp > MAX_CP or (cp > 1 and seq_len % (2 * cp)):
-                    continue
+            schedules = [("1f1b", 1)] if pp == 1 else SCHEDULES
+            for cp in (c for c in divisors(world // (tp * pp)) if c <= MAX_CP):
                 rest = world // (tp * pp * cp)
+                if global_batch % rest:
+                    continue
                 for dp_shard in divisors(rest):
                     dp_rep = rest // dp_shard
-                    if global_batch % rest:
-                        continue
-                    eps = [1]
-                    if arch.moe:
-                        group = rest * cp
-                        eps = [e for e in divisors(arch.n_experts) if group % e == 0]
-                    for sched, v in schedules:
-                        for zero1, reshard in _flavours(dp_rep, dp_shard, cp, tp, pp):
-                            for ep in eps:
-                                for rc in recomputes:
-                                    yield Layout(pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
-                                                 zero1=zero1, reshard_after_forward=reshard, pp_schedule=sched,
-                                                 pp_virtual_stages=v, recompute=rc), global_batch // rest
+                    for (sched, v), (zero1, reshard), ep, rc in product(
+                            schedules, _flavours(dp_rep, dp_shard, cp, tp, pp),
+                            divisors(arch.n_experts) if arch.moe else [1], recomputes):
+                        yield Layout(pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
+                                     zero1=zero1, reshard_after_forward=reshard, pp_schedule=sched,
+                                     pp_virtual_stages=v, recompute=rc), global_batch // rest
+
+
+def enumerate_layouts(arch: Arch, hw: Hardware, seq_len: int, global_batch: int, recomputes=("none", "full"),
+                      settings: Settings | None = None):
+    """Every (layout without micro batch, per-rank batch) of the searched space that no rule of kind
+    "plan" or "engine" refuses (usp.plan.rules; the rules on the micro batch are asked per micro batch)."""
+    settings = settings or Settings(seq_len=seq_len)
+    for layout, local in _grid(arch, hw, seq_len, global_batch, recomputes):
+        if rules.first_failure(Subject(arch, layout, hw, settings), KINDS, LAYOUT_ONLY) is None:
+            yield layout, local
+
+
+def _micro_batches(arch: Arch, hw: Hardware, settings: Settings, base: Layout, local: int) -> list[int]:
+    """The micro batches (dividing the per-rank batch) the rules on micro batches allow."""
+    out = []
+    for b in divisors(local):
+        lay = replace(base, micro_batch=b, grad_accum=local // b)
+        if rules.first_failure(Subject(arch, lay, hw, settings), KINDS, BATCH_ONLY) is None:
+            out.append(b)
+    return out
 
 
 def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch: int, top_k: int = 5,
-           recomputes=("none", "full")) -> SearchResult:
+           recomputes=("none", "full"), settings: Settings | None = None) -> SearchResult:
+    """The top_k layouts by predicted throughput; settings: the config values some rules read
+    (default: Settings(seq_len): any launcher, auto dtype, no checkpoints, no DDP hook)."""
     start = time.perf_counter()
     cap = hw.memory_gib * GIB
     fitting: list[Candidate] = []
     evaluated = 0
     pure_dp_min = None
-    for base, local in enumerate_layouts(arch, hw, seq_len, global_batch, recomputes):
-        micro = [b for b in divisors(local) if schedule_ok(base.pp_schedule, base.pp, base.virtual, local // b)]
+    settings = settings or Settings(seq_len=seq_len)
+    for base, local in enumerate_layouts(arch, hw, seq_len, global_batch, recomputes, settings):
+        micro = _micro_batches(arch, hw, settings, base, local)
         if not micro:
             continue
         # memory grows with the micro batch: bisect for the largest that fits
@@ -162,15 +164,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
         fitting.append(best_here)
     fitting.sort(key=_rank_key)
     pure = next((c for c in fitting if c.layout.tp == c.layout.pp == c.layout.cp == 1), None)
-    top, seen = [], set()
-    for c in fitting:  # equal predictions of equal shape: keep the simplest (first)
-        key = (_rank_key(c)[0], round(c.peak_gib, 1), c.layout.tp, c.layout.pp, c.layout.pp_schedule,
-               c.layout.zero_stage, c.layout.recompute)
-        if key not in seen:
-            seen.add(key)
-            top.append(c)
-        if len(top) == top_k:
-            break
+    top = _top(fitting, top_k)
     shape = lambda c: (c.layout.tp, c.layout.pp, c.layout.pp_schedule)  # noqa: E731
     other = next((c for c in fitting if shape(c) != shape(fitting[0])), None) if fitting else None
     ddp = next((c for c in fitting if c.layout.dp_kind == "ddp"), None)
@@ -180,6 +174,20 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
                           other_shape=other, plain_ddp=ddp)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _top(fitting: list[Candidate], top_k: int) -> list[Candidate]:
+    """The first top_k of the ranked candidates; of equal predictions of equal shape, the simplest (first)."""
+    top, seen = [], set()
+    for c in fitting:
+        key = (_rank_key(c)[0], round(c.peak_gib, 1), c.layout.tp, c.layout.pp, c.layout.pp_schedule,
+               c.layout.zero_stage, c.layout.recompute)
+        if key not in seen:
+            seen.add(key)
+            top.append(c)
+        if len(top) == top_k:
+            break
+    return top
 
 
 def _rank_key(c: Candidate) -> tuple:
@@ -238,12 +246,10 @@ def _biggest_gap(best: TimingPlan, other: TimingPlan) -> str:
 
 def search_config(cfg, top_k: int = 5) -> SearchResult:
     """Search for a composed config: its model, seq_len, global batch, cluster and dtype."""
-    from usp.plan.validate import planner_context
-
     ctx = planner_context(cfg)
     if ctx.hw.world < 1:
         raise PlanError("must be at least 1", key="cluster.nodes", value=ctx.hw.nodes, fix="cluster.nodes=1")
-    return search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=top_k)
+    return search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=top_k, settings=ctx.settings)
 
 
 def run_search(cfg, top_k: int = 5, console=None) -> SearchResult:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 from usp.plan.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
-from usp.plan.model_math import param_breakdown
 
 GIB = 1024 ** 3
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -18,7 +17,9 @@ DTYPES = ("auto", "fp32", "bf16")
 
 @dataclass(frozen=True)
 class Arch:
-    """Model shape with the parameter counts the planner needs (per layer, unsharded)."""
+    """Model shape with its closed-form parameter and FLOP counts (the Llama / MoE model of
+    usp.models, per layer and unsharded where it says so). Pure Python: the planner sizes runs
+    before torch is loaded."""
 
     name: str
     dim: int
@@ -38,7 +39,8 @@ class Arch:
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
         g = lambda k, d=None: getattr(m, k, d) if not isinstance(m, dict) else m.get(k, d)  # noqa: E731
         return cls(name=str(g("name", "model")), dim=int(g("dim")), n_layers=int(g("n_layers")),
-                   n_heads=int(g("n_heads")), n_kv_heads=int(g("n_kv_heads") or g("n_heads")),
+                   n_heads=int(g("n_heads")),
+                   n_kv_heads=int(g("n_heads") if g("n_kv_heads") is None else g("n_kv_heads")),
                    ffn_dim=int(g("ffn_dim")), vocab_size=int(vocab_size or g("vocab_size")),
                    tie_embeddings=bool(g("tie_embeddings", True)), n_experts=int(g("n_experts", 0) or 0),
                    top_k=int(g("top_k", 2) or 2), moe_ffn_dim=int(g("moe_ffn_dim", 0) or 0),
@@ -97,15 +99,74 @@ class Arch:
         return self.vocab_size * self.dim
 
     @property
+    def head_params(self) -> int:
+        """Final norm + LM head (0 for the head when it shares the embedding matrix)."""
+        return self.dim + (0 if self.tie_embeddings else self.embed_params)
+
+    @property
     def total_params(self) -> int:
-        head = 0 if self.tie_embeddings else self.embed_params
-        return self.embed_params + self.n_layers * self.layer_params + self.dim + head
+        """Exact number of (unique) parameters, what `sum(p.numel() for p in model.parameters())` gives
+        (for a MoE model: all experts, on one process before expert parallelism slices them)."""
+        return self.embed_params + self.n_layers * self.layer_params + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: like total_params but with only top_k routed experts (plus the
+        router and the shared expert) per MoE layer; embedding and LM head included (the convention
+        behind Mixtral-8x7B's "12.9B active"). Equals total_params for a dense model."""
+        p = self.parts
+        per_layer = p["attention"] + p.get("active_mlp", p["mlp"]) + p["norms"]
+        return self.embed_params + self.n_layers * per_layer + self.head_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls: all block projections plus the LM head (counted
+        even when tied, since the v x h matmul still runs). The embedding lookup and the norm weights
+        do no matmul. For MoE, a token's matmuls: router + top_k experts + shared expert."""
+        return self.n_layers * self.active_layer_matmul_params + self.vocab_size * self.dim
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), Ultra-Scale Playbook convention:
+
+            FLOPs/token = 6 * N + 12 * L * h * s
+
+        N = matmul_params (projections + LM head, no embedding lookup, no norms); 6 = 2 FLOPs per
+        multiply-add x (1 forward + 2 backward). The second term is the attention score/value
+        matmuls (QK^T and AV): 2 matmuls x 2 FLOPs x 3 passes x h x s per layer, counted without the
+        causal-mask halving, as in the playbook/PaLM MFU formula. For MoE, N counts the active
+        experts only (top_k + shared) plus the router."""
+        return 6 * self.matmul_params + 12 * self.n_layers * self.dim * seq_len
 
 
 @lru_cache(maxsize=256)
 def _parts(a: Arch) -> dict:
-    return param_breakdown(a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size, a.tie_embeddings,
-                           a.n_experts, a.top_k, a.moe_ffn_dim, a.shared_expert)
+    """Parameter counts by part. `attention`, `mlp` and `norms` are PER LAYER.
+
+    attention: wq (h x h) + wk, wv (h x h_kv*head_dim) + wo (h x h), no biases
+    mlp:       SwiGLU w1, w3 (h x ffn) + w2 (ffn x h)
+    norms:     attention_norm + ffn_norm (h each)
+    lm_head:   v x h when untied, 0 when it shares the embedding matrix
+
+    MoE (n_experts > 0, usp.models.moe): `mlp` is the whole MoE layer = router + experts +
+    shared_expert, and these extra PER LAYER keys are added: expert (one SwiGLU expert, hidden =
+    moe_ffn_dim or ffn_dim), experts (all E of them), router (h x E), shared_expert (one
+    expert-sized SwiGLU, or 0), active_mlp (what one token uses: router + top_k experts +
+    shared_expert)."""
+    dim, h_kv = a.dim, a.n_kv_heads
+    if dim % a.n_heads or a.n_heads % h_kv:
+        raise ValueError(f"dim={dim}, n_heads={a.n_heads}, n_kv_heads={h_kv} do not divide evenly")
+    kv_dim = h_kv * (dim // a.n_heads)
+    out = {"embedding": a.vocab_size * dim, "attention": 2 * dim * dim + 2 * dim * kv_dim, "mlp": 3 * dim * a.ffn_dim,
+           "norms": 2 * dim, "final_norm": dim, "lm_head": 0 if a.tie_embeddings else a.vocab_size * dim}
+    if a.n_experts > 0:
+        if not 0 < a.top_k <= a.n_experts:
+            raise ValueError(f"top_k={a.top_k} must be in [1, n_experts={a.n_experts}]")
+        expert = 3 * dim * (a.moe_ffn_dim or a.ffn_dim)
+        shared = expert if a.shared_expert else 0
+        out.update(expert=expert, experts=a.n_experts * expert, router=dim * a.n_experts, shared_expert=shared,
+                   mlp=a.n_experts * expert + dim * a.n_experts + shared,
+                   active_mlp=a.top_k * expert + dim * a.n_experts + shared)
+    return out
 
 
 @dataclass(frozen=True)
@@ -259,8 +320,8 @@ class Layout:
         return self.dp_replicate * self.dp_shard * self.cp
 
     def label(self) -> str:
-        parts = [f"{n}{getattr(self, d)}" for d, n in (("pp", "pp"), ("dp_replicate", "dp"), ("dp_shard", "fsdp"),
-                                                        ("cp", "cp"), ("tp", "tp"), ("ep", "ep")) if getattr(self, d) > 1]
+        names = (("pp", "pp"), ("dp_replicate", "dp"), ("dp_shard", "fsdp"), ("cp", "cp"), ("tp", "tp"), ("ep", "ep"))
+        parts = [f"{n}{getattr(self, d)}" for d, n in names if getattr(self, d) > 1]
         return "-".join(parts) or "single"
 
     def dp_label(self) -> str:
@@ -290,7 +351,8 @@ def group_crosses_nodes(degrees: dict, procs_per_node: int, dims: tuple) -> bool
     """Does any process group along `dims` hold ranks of different nodes? Exactly the rank
     table's placement (usp.plan.layout.rank_table: row-major over MESH_DIMS, node = rank //
     procs_per_node), computed per group (first and last rank) instead of per rank."""
-    return _crosses(tuple(degrees[d] for d in MESH_DIMS), procs_per_node, tuple(sorted(MESH_DIMS.index(d) for d in dims)))
+    idx = tuple(sorted(MESH_DIMS.index(d) for d in dims))
+    return _crosses(tuple(degrees[d] for d in MESH_DIMS), procs_per_node, idx)
 
 
 @lru_cache(maxsize=65536)

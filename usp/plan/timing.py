@@ -112,145 +112,220 @@ def rank_params(arch: Arch, layout: Layout) -> list[float]:
     return out
 
 
-def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: Hardware,
-                prec: Precision) -> TimingPlan:
-    t, c, p, m, b = layout.tp, layout.cp, layout.pp, layout.grad_accum, layout.micro_batch
+@dataclass
+class _Compute:
+    """The compute term and what the communication terms need from it."""
+
+    peak: float  # FLOP/s
+    eff: float
+    sat_h: float
+    sat_tok: float
+    tokens_mb: float  # tokens one rank processes per micro batch
+    busiest: int  # pp rank
+    stage_layers: list[int]
+    mb_s: float
+    fwd_s: float
+    bwd_s: float
+
+    @property
+    def layers_r(self) -> int:
+        return max(self.stage_layers)
+
+
+def _flops_per_token(arch: Arch, layout: Layout, seq_len: int) -> tuple[float, float, float, float]:
+    """(FLOPs per token of one block, of the LM head, model total (the MFU numerator), hardware total).
+    Full recomputation runs each block's forward (1/3 of its training FLOPs) again; the LM head is
+    not recomputed (usp/engine/recompute.py wraps blocks only)."""
     h, s = arch.dim, seq_len
-    s_loc = s / c
-    world = layout.world
-    tokens_step = global_batch * s
-    layer_mm = arch.active_layer_matmul_params
-    layer_fpt = 6 * layer_mm + 12 * h * s  # training FLOPs per token of one block, and of the LM head
+    layer_fpt = 6 * arch.active_layer_matmul_params + 12 * h * s
     head_fpt = 6 * arch.vocab_size * h
     blocks_fpt = arch.n_layers * layer_fpt
     model_fpt = blocks_fpt + head_fpt
-    # full recomputation runs each block's forward (1/3 of its training FLOPs) again; the LM head
-    # is not recomputed (usp/engine/recompute.py wraps blocks only)
-    recompute_extra = 1 / 3 if layout.recompute == "full" else 0.0
-    hw_fpt = model_fpt + recompute_extra * blocks_fpt
+    return layer_fpt, head_fpt, model_fpt, model_fpt + _recompute_extra(layout) * blocks_fpt
 
+
+def _recompute_extra(layout: Layout) -> float:
+    return 1 / 3 if layout.recompute == "full" else 0.0
+
+
+def _compute(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> _Compute:
+    """Per micro batch on the busiest pp rank: its FLOPs / (peak x kernel efficiency)."""
+    t, b = layout.tp, layout.micro_batch
+    s_loc = seq_len / layout.cp
+    layer_fpt, head_fpt, _, _ = _flops_per_token(arch, layout, seq_len)
+    extra = _recompute_extra(layout)
     peak = hw.peak_flops(prec)
-    sat_h, sat_tok = _sat(h / t), _sat(b * s_loc)
+    sat_h, sat_tok = _sat(arch.dim / t), _sat(b * s_loc)
     eff = EFF_MAX * sat_h * sat_tok
-
-    # compute per micro batch on each pp rank
-    counts, ranks = stage_layer_counts(arch, p, layout.virtual, layout.schedule, layout.pp_layers)
-    tokens_mb = b * s_loc  # tokens one rank processes per micro batch
-    per_layer = layer_fpt / t * (1 + recompute_extra)
-    head = head_fpt / t
+    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
+    tokens_mb = b * s_loc
+    per_layer, head = layer_fpt / t * (1 + extra), head_fpt / t
     stage_flops, stage_layers = [], []
     for held in ranks:
         n_layers = sum(counts[i] for i in held)
         stage_layers.append(n_layers)
         stage_flops.append(tokens_mb * (n_layers * per_layer + (head if len(counts) - 1 in held else 0)))
-    busiest = max(range(p), key=lambda r: stage_flops[r])
+    busiest = max(range(layout.pp), key=lambda r: stage_flops[r])
     mb_s = stage_flops[busiest] / (peak * eff)
-    compute_s = m * mb_s
-    fwd_s, bwd_s = mb_s / (3 + 3 * recompute_extra), mb_s * (2 + 3 * recompute_extra) / (3 + 3 * recompute_extra)
-    layers_r = max(stage_layers)
+    fwd_s, bwd_s = mb_s / (3 + 3 * extra), mb_s * (2 + 3 * extra) / (3 + 3 * extra)
+    return _Compute(peak, eff, sat_h, sat_tok, tokens_mb, busiest, stage_layers, mb_s, fwd_s, bwd_s)
 
-    if p == 1:
-        bubble = 0.0
-    elif layout.pp_schedule in ZERO_BUBBLE:
-        bubble = 0.0
-    elif layout.pp_schedule == "interleaved_1f1b":
-        bubble = (p - 1) / (layout.virtual * m)
-    else:
-        bubble = (p - 1) / m
 
+def _bubble(layout: Layout) -> float:
+    """Idle fraction of the pipeline: (p-1)/m, (p-1)/(v·m) interleaved, 0 for zero-bubble schedules."""
+    p, m = layout.pp, layout.grad_accum
+    if p == 1 or layout.pp_schedule in ZERO_BUBBLE:
+        return 0.0
+    if layout.pp_schedule == "interleaved_1f1b":
+        return (p - 1) / (layout.virtual * m)
+    return (p - 1) / m
+
+
+def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
+    """Tensor parallel (+ sequence parallel): 2 all-gathers + 2 reduce-scatters per layer and pass."""
+    t, m = layout.tp, layout.grad_accum
+    x = group_crosses_nodes(layout.degrees, hw.procs_per_node, ("tp",))
+    passes = 3 if layout.recompute == "full" else 2
+    calls = 4 * passes * cx.layers_r * m
+    nbytes = calls * (t - 1) / t * (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act
+    return _term("TP all-gather / reduce-scatter (activations)", "tp", t, x, hw, calls, nbytes, 0.0)
+
+
+def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
+    """Context parallel: ring of K, V blocks per layer (forward), K, V + dK, dV (backward); hides
+    behind the attention of its layer."""
+    c, t, m, layers_r = layout.cp, layout.tp, layout.grad_accum, cx.layers_r
+    x = group_crosses_nodes(layout.degrees, hw.procs_per_node, ("cp",))
+    kv = 2 * (seq_len / c) * layout.micro_batch * arch.kv_dim / t * prec.act
+    passes = 4 if layout.recompute == "full" else 3
+    calls = passes * (c - 1) * layers_r * m
+    nbytes = passes * (c - 1) * kv * layers_r * m
+    attn_s = cx.tokens_mb * 12 * arch.dim * seq_len / t * layers_r * m / (cx.peak * cx.eff)
+    return _term("CP ring K/V exchange", "cp", c, x, hw, calls, nbytes, attn_s)
+
+
+def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
+    """Expert parallel: dispatch + combine all-to-alls, forward and backward."""
     deg, ppn = layout.degrees, hw.procs_per_node
-    comm: list[CommTerm] = []
-    act = prec.act
-    # --- tensor parallel (+ sequence parallel): 2 all-gathers + 2 reduce-scatters per layer and pass
-    if t > 1:
-        x = group_crosses_nodes(deg, ppn, ("tp",))
-        passes = 3 if layout.recompute == "full" else 2
-        calls = 4 * passes * layers_r * m
-        nbytes = calls * (t - 1) / t * s_loc * b * h * act
-        comm.append(_term("TP all-gather / reduce-scatter (activations)", "tp", t, x, hw, calls, nbytes, 0.0))
-    # --- context parallel: ring of K, V blocks per layer (forward), K, V + dK, dV (backward)
-    if c > 1:
-        x = group_crosses_nodes(deg, ppn, ("cp",))
-        kv = 2 * s_loc * b * arch.kv_dim / t * act
-        passes = 4 if layout.recompute == "full" else 3
-        calls = passes * (c - 1) * layers_r * m
-        nbytes = passes * (c - 1) * kv * layers_r * m
-        attn_s = tokens_mb * 12 * h * s / t * layers_r * m / (peak * eff)
-        comm.append(_term("CP ring K/V exchange", "cp", c, x, hw, calls, nbytes, attn_s))
-    # --- expert parallel: dispatch + combine all-to-alls, forward and backward
+    x = layout.ep * layout.tp > ppn or hw.nodes > 1 and group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
+    passes = 3 if layout.recompute == "full" else 2
+    calls = 2 * passes * cx.layers_r * layout.grad_accum
+    nbytes = calls * (layout.ep - 1) / layout.ep * cx.tokens_mb * arch.top_k * arch.dim * prec.act
+    return _term("EP all-to-all (tokens)", "ep", layout.ep, x, hw, calls, nbytes, 0.0)
+
+
+def _pp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> CommTerm:
+    """Pipeline: activations forward, gradients backward, per micro batch and virtual stage."""
+    x = group_crosses_nodes(layout.degrees, hw.procs_per_node, ("pp",))
+    calls = 2 * layout.grad_accum * layout.virtual
+    nbytes = calls * (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act
+    return _term("PP send/recv (activations, grads)", "pp", layout.pp, x, hw, calls, nbytes, 0.0)
+
+
+def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+               cx: _Compute) -> list[CommTerm]:
+    """The communication on the pipeline's critical path: TP, CP, EP, PP."""
+    comm = []
+    if layout.tp > 1:
+        comm.append(_tp_comm(arch, layout, seq_len, hw, prec, cx))
+    if layout.cp > 1:
+        comm.append(_cp_comm(arch, layout, seq_len, hw, prec, cx))
     if arch.moe and layout.ep > 1:
-        x = layout.ep * t > ppn or hw.nodes > 1 and group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
-        passes = 3 if layout.recompute == "full" else 2
-        calls = 2 * passes * layers_r * m
-        nbytes = calls * (layout.ep - 1) / layout.ep * tokens_mb * arch.top_k * h * act
-        comm.append(_term("EP all-to-all (tokens)", "ep", layout.ep, x, hw, calls, nbytes, 0.0))
-    # --- pipeline: activations forward, gradients backward, per micro batch and virtual stage
-    if p > 1:
-        x = group_crosses_nodes(deg, ppn, ("pp",))
-        calls = 2 * m * layout.virtual
-        nbytes = calls * s_loc * b * h * act
-        comm.append(_term("PP send/recv (activations, grads)", "pp", p, x, hw, calls, nbytes, 0.0))
-    path_comm = sum(ct.exposed_s for ct in comm)
+        comm.append(_ep_comm(arch, layout, hw, prec, cx))
+    if layout.pp > 1:
+        comm.append(_pp_comm(arch, layout, seq_len, hw, prec))
+    return comm
 
-    # --- data parallel
-    psi = max(rank_params(arch, layout))
+
+def _replicated_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, cx: _Compute) -> list[CommTerm]:
+    """DDP / ZeRO-1 / FSDP2 replication: the gradient all-reduce (+ ZeRO-1's parameter all-gather)."""
+    kind, c = layout.dp_kind, layout.cp
     gbytes, pbytes = prec.grad * psi, prec.param * psi
-    kind, dp_terms = layout.dp_kind, []
+    n = layout.dp_replicate * c
+    x = group_crosses_nodes(layout.degrees, hw.procs_per_node, ("dp_replicate", "cp"))
     bucket = layout.ddp_bucket_mb * 2 ** 20
-    if kind in ("ddp", "zero1", "replicate"):
-        dims = ("dp_replicate", "cp")
-        n = layout.dp_replicate * c
-        x = group_crosses_nodes(deg, ppn, dims)
-        calls = max(1, int(gbytes // bucket) + 1) if kind != "replicate" else stage_layers[busiest] + 1
-        dp_terms.append(_term("DP gradient all-reduce", "dp_replicate x cp", n, x, hw, calls,
-                              2 * (n - 1) / n * gbytes, bwd_s))
-        if kind == "zero1":
-            dp_terms.append(_term("ZeRO-1 parameter all-gather (after the step)", "dp_replicate x cp", n, x, hw, 1,
-                                  (n - 1) / n * pbytes, 0.0))
-    elif kind in ("fsdp", "hsdp"):
-        n = layout.dp_shard * c
-        x = group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
-        units = layers_r + 1
-        gathers_fwd = m
-        dp_terms.append(_term("FSDP all-gather (forward)", "dp_shard x cp", n, x, hw, units * gathers_fwd,
-                              gathers_fwd * (n - 1) / n * pbytes, m * fwd_s))
-        if layout.zero_stage == 3:
-            dp_terms.append(_term("FSDP all-gather (backward)", "dp_shard x cp", n, x, hw, units * m,
-                                  m * (n - 1) / n * pbytes, m * bwd_s))
-        rs = 1 if (m > 1) else m  # gradient sync off on inner micro batches: one reduce-scatter per step
-        dp_terms.append(_term("FSDP gradient reduce-scatter", "dp_shard x cp", n, x, hw, units * rs,
-                              rs * (n - 1) / n * gbytes, bwd_s))
-        if kind == "hsdp":
-            r = layout.dp_replicate
-            xr = group_crosses_nodes(deg, ppn, ("dp_replicate",))
-            dp_terms.append(_term("HSDP gradient all-reduce (replicas)", "dp_replicate", r, xr, hw, units,
-                                  2 * (r - 1) / r * gbytes / n, bwd_s))
-    comm += dp_terms
-    dp_exposed = sum(ct.exposed_s for ct in dp_terms)
+    calls = max(1, int(gbytes // bucket) + 1) if kind != "replicate" else cx.stage_layers[cx.busiest] + 1
+    out = [_term("DP gradient all-reduce", "dp_replicate x cp", n, x, hw, calls, 2 * (n - 1) / n * gbytes, cx.bwd_s)]
+    if kind == "zero1":
+        out.append(_term("ZeRO-1 parameter all-gather (after the step)", "dp_replicate x cp", n, x, hw, 1,
+                         (n - 1) / n * pbytes, 0.0))
+    return out
 
-    path = compute_s + path_comm
-    bubble_s = bubble * path
-    step = path + bubble_s + dp_exposed
-    model_step = model_fpt * tokens_step
-    hw_step = hw_fpt * tokens_step
-    assumptions = [
-        f"kernel efficiency {eff:.2f} = {EFF_MAX} x sat(h/t={h / t:.0f}) {sat_h:.2f} x sat(b·s/c={tokens_mb:.0f}) "
-        f"{sat_tok:.2f}, sat(x) = x/(x+{SAT_HALF})",
+
+def _sharded_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, cx: _Compute) -> list[CommTerm]:
+    """FSDP / HSDP: parameter all-gathers (forward, and backward under ZeRO-3), the gradient
+    reduce-scatter (once per step: gradient sync is off on inner micro batches), HSDP's all-reduce."""
+    m, deg, ppn = layout.grad_accum, layout.degrees, hw.procs_per_node
+    gbytes, pbytes = prec.grad * psi, prec.param * psi
+    n = layout.dp_shard * layout.cp
+    x = group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
+    units = cx.layers_r + 1
+    out = [_term("FSDP all-gather (forward)", "dp_shard x cp", n, x, hw, units * m, m * (n - 1) / n * pbytes,
+                 m * cx.fwd_s)]
+    if layout.zero_stage == 3:
+        out.append(_term("FSDP all-gather (backward)", "dp_shard x cp", n, x, hw, units * m,
+                         m * (n - 1) / n * pbytes, m * cx.bwd_s))
+    rs = 1 if (m > 1) else m
+    out.append(_term("FSDP gradient reduce-scatter", "dp_shard x cp", n, x, hw, units * rs,
+                     rs * (n - 1) / n * gbytes, cx.bwd_s))
+    if layout.dp_kind == "hsdp":
+        r = layout.dp_replicate
+        xr = group_crosses_nodes(deg, ppn, ("dp_replicate",))
+        out.append(_term("HSDP gradient all-reduce (replicas)", "dp_replicate", r, xr, hw, units,
+                         2 * (r - 1) / r * gbytes / n, cx.bwd_s))
+    return out
+
+
+def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Compute) -> list[CommTerm]:
+    """The data-parallel communication of the busiest rank's parameters."""
+    psi = max(rank_params(arch, layout))
+    if layout.dp_kind in ("ddp", "zero1", "replicate"):
+        return _replicated_dp_comm(layout, hw, prec, psi, cx)
+    if layout.dp_kind in ("fsdp", "hsdp"):
+        return _sharded_dp_comm(layout, hw, prec, psi, cx)
+    return []
+
+
+def _assumptions(arch: Arch, layout: Layout, cx: _Compute, bubble: float) -> list[str]:
+    out = [
+        f"kernel efficiency {cx.eff:.2f} = {EFF_MAX} x sat(h/t={arch.dim / layout.tp:.0f}) {cx.sat_h:.2f} x "
+        f"sat(b·s/c={cx.tokens_mb:.0f}) {cx.sat_tok:.2f}, sat(x) = x/(x+{SAT_HALF})",
         f"overlap: data-parallel and CP comm hide behind up to {OVERLAP:.0%} of their compute window; "
         "TP, EP and PP comm exposed",
     ]
-    if p > 1:
-        assumptions.append(f"bubble {layout.pp_schedule}: " + (
+    if layout.pp > 1:
+        out.append(f"bubble {layout.pp_schedule}: " + (
             "≈ 0 (zero-bubble schedule, idealised)" if layout.pp_schedule in ZERO_BUBBLE else
             f"(p-1)/({'v·' if layout.pp_schedule == 'interleaved_1f1b' else ''}m) = {bubble:.3f}"))
     if layout.recompute == "selective":
-        assumptions.append("selective recompute re-runs no matmul: HFU = MFU")
+        out.append("selective recompute re-runs no matmul: HFU = MFU")
+    return out
+
+
+def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: Hardware,
+                prec: Precision) -> TimingPlan:
+    """step = (compute + exposed TP/CP/EP/PP comm) x (1 + bubble) + exposed data-parallel comm."""
+    world, tokens_step = layout.world, global_batch * seq_len
+    _, _, model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
+    cx = _compute(arch, layout, seq_len, hw, prec)
+    compute_s = layout.grad_accum * cx.mb_s
+    bubble = _bubble(layout)
+    comm = _path_comm(arch, layout, seq_len, hw, prec, cx)
+    path_comm = sum(ct.exposed_s for ct in comm)
+    dp_terms = _dp_comm(arch, layout, hw, prec, cx)
+    comm += dp_terms
+    dp_exposed = sum(ct.exposed_s for ct in dp_terms)
+    path = compute_s + path_comm
+    bubble_s = bubble * path
+    step = path + bubble_s + dp_exposed
+    model_step, hw_step, peak = model_fpt * tokens_step, hw_fpt * tokens_step, cx.peak
+    eff_terms = {"eff_max": EFF_MAX, "sat_h": cx.sat_h, "sat_tokens": cx.sat_tok, "busiest_pp_rank": cx.busiest}
     return TimingPlan(
         dtype=prec.name, peak_tflops=peak / 1e12, tokens_per_step=tokens_step, model_flops_per_token=model_fpt,
-        hw_flops_per_token=hw_fpt, model_flops_per_step=model_step, hw_flops_per_step=hw_step, efficiency=eff,
-        efficiency_terms={"eff_max": EFF_MAX, "sat_h": sat_h, "sat_tokens": sat_tok, "busiest_pp_rank": busiest},
-        micro_batch_s=mb_s, compute_s=compute_s, bubble_fraction=bubble, bubble_s=bubble_s, comm=comm,
+        hw_flops_per_token=hw_fpt, model_flops_per_step=model_step, hw_flops_per_step=hw_step, efficiency=cx.eff,
+        efficiency_terms=eff_terms,
+        micro_batch_s=cx.mb_s, compute_s=compute_s, bubble_fraction=bubble, bubble_s=bubble_s, comm=comm,
         exposed_path_comm_s=path_comm, exposed_dp_comm_s=dp_exposed, step_s=step,
         tokens_per_s=tokens_step / step, tokens_per_s_per_device=tokens_step / step / world,
         mfu=model_step / (step * world * peak), hfu=hw_step / (step * world * peak), world=world,
-        assumptions=assumptions)
+        assumptions=_assumptions(arch, layout, cx, bubble))

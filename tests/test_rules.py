@@ -1,0 +1,145 @@
+"""The rule table (usp/plan/rules.py) and its three callers: build_plan / checked_plan, `usp plan`
+(every failure listed) and the layout search (never proposes what `usp train` refuses). Torch-free."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from usp.config.compose import compose_config
+from usp.errors import PlanError
+from usp.plan import rules
+from usp.plan.plan import build_plan, checked_plan, engine_support_errors, plan_with_failures
+from usp.plan.search import search_config
+
+REPO = Path(__file__).resolve().parents[1]
+USP = str(Path(sys.executable).parent / "usp")
+MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+# a cluster each catalogue model fits on (the search finds at least one layout)
+CLUSTERS = {
+    "tiny": ["cluster=local_cpu", "cluster.procs_per_node=4"],
+    "moe_tiny": ["cluster=local_cpu", "cluster.procs_per_node=4"],
+    "llama3_2_1b": ["cluster=slurm_h100"],
+    "llama3_2_3b": ["cluster=slurm_h100"],
+    "llama3_1_8b": ["cluster=slurm_h100", "cluster.nodes=2"],
+    "llama3_1_70b": ["cluster=slurm_h100", "cluster.nodes=8"],
+    "llama3_1_405b": ["cluster=slurm_h100", "cluster.nodes=32", "train.global_batch=64"],
+    "mixtral_8x7b": ["cluster=slurm_h100", "cluster.nodes=8"],
+}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_every_catalogue_model_has_a_cluster():
+    assert set(MODELS) == set(CLUSTERS) and "moe_tiny" in MODELS
+
+
+@pytest.mark.parametrize("checkpoint", ["true", "false"])
+@pytest.mark.parametrize("model", MODELS)
+def test_search_never_proposes_what_train_refuses(model, checkpoint):
+    """The search's top 3, planned as `usp train` plans them (build_plan + the engine rules)."""
+    base = [f"model={model}", *CLUSTERS[model], f"checkpoint.enabled={checkpoint}"]
+    result = search_config(compose_config(None, base)[0], top_k=3)
+    assert result.top, f"nothing fits for {model}: pick a larger cluster in CLUSTERS"
+    for cand in result.top:
+        cfg, choices = compose_config(None, base + cand.layout.overrides())
+        try:
+            checked_plan(cfg, choices)
+        except PlanError as exc:
+            pytest.fail(f"the search proposed {cand.describe()} for {model}, which usp train refuses: {exc}")
+
+
+def test_moe_search_proposes_expert_parallel_only_as_the_engine_runs_it():
+    cfg, _ = compose_config(None, ["model=moe_tiny", "cluster=local_cpu", "cluster.procs_per_node=4",
+                                   "checkpoint.enabled=false"])
+    top = search_config(cfg, top_k=50).top
+    assert any(c.layout.ep > 1 for c in top)
+    assert all(c.layout.tp == c.layout.pp == 1 for c in top)
+    assert all(c.layout.dp_replicate % c.layout.ep == 0 and c.layout.dp_shard == c.layout.cp == 1
+               for c in top if c.layout.ep > 1)
+
+
+def test_the_table_is_well_formed():
+    names = [r.name for r in rules.RULES]
+    assert len(names) == len(set(names)) and {r.kind for r in rules.RULES} == set(rules.KINDS)
+    assert all((r.broken is None) != (r.check is None) for r in rules.RULES)
+    assert sum("expert" in r.name for r in rules.RULES) == 1  # one EP rule, to change in one place
+
+
+def _plan(*overrides):
+    cfg, choices = compose_config(None, list(overrides))
+    return plan_with_failures(cfg, choices)
+
+
+def test_plan_lists_every_failure_plan_and_engine_kinds():
+    # seq_len 102 doesn't split into 2 x cp = 4 chunks; 0 virtual stages; MoE with tp (engine kind)
+    plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=2", "parallelism.cp=2", "train.seq_len=102",
+                         "parallelism.pp_virtual_stages=0", "model.n_experts=4")
+    assert plan is None
+    assert [e.key for e in errors] == ["train.seq_len", "parallelism.pp_virtual_stages", "parallelism.tp"]
+    plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=3")  # a degree error: before the rules
+    assert plan is None and [e.key for e in errors] == ["parallelism"]
+
+
+def test_plan_builds_and_lists_engine_failures():
+    plan, errors = _plan("model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2")
+    assert plan is not None
+    assert [e.key for e in errors] == ["parallelism.ep", "parallelism.tp", "checkpoint.enabled"]
+    assert [str(e) for e in errors] == [str(e) for e in engine_support_errors(plan)]
+    cfg, choices = compose_config(None, ["model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2",
+                                         "parallelism.tp=2"])
+    with pytest.raises(PlanError) as err:
+        checked_plan(cfg, choices)
+    assert err.value.key == "parallelism.ep"
+    assert build_plan(cfg, choices).degrees["tp"] == 2  # the plan itself is fine (estimates)
+
+
+def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="250")
+    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_usp_plan_cli_lists_all_failures(tmp_path):
+    r = usp("plan", "cluster.procs_per_node=3", "parallelism.tp=3", "model.n_experts=4", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "model.n_heads=4: 4 heads can't be split over parallelism.tp=3" in r.stderr
+    assert "parallelism.tp=3: tensor parallelism of MoE layers is not implemented" in r.stderr
+    assert r.stderr.count("fix:") == 2 and "Traceback" not in r.stderr
+    r = usp("plan", "model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2",
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("usp train would refuse:") == 3 and "memory per device" in r.stdout
+
+
+def test_no_import_cycles_in_usp_plan():
+    """Between the files of usp/plan, function-level (lazy) imports included."""
+    mods = {f"usp.plan.{p.stem}": p for p in (REPO / "usp" / "plan").glob("*.py")}
+    graph = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "usp.plan":
+                graph[m] |= {f"usp.plan.{a.name}" for a in node.names} & mods.keys()
+            elif isinstance(node, ast.ImportFrom) and node.module in mods:
+                graph[m].add(node.module)
+            elif isinstance(node, ast.Import):
+                graph[m] |= {a.name for a in node.names} & mods.keys()
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for n in graph[m]:
+            assert state.get(n) != 1, f"import cycle: {' -> '.join([*path, n])}"
+            if n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])

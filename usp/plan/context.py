@@ -1,0 +1,45 @@
+"""What the planner's models and rules read from a composed config: the model shape, hardware,
+precision, sequence length and global batch (`PlannerContext`, for the memory / time models and
+the layout search), and one layout's rule `Subject` (usp.plan.rules). Pure Python."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from usp.plan.rules import Settings, Subject
+from usp.plan.specs import Arch, Hardware, Layout, Precision
+
+
+@dataclass(frozen=True)
+class PlannerContext:
+    arch: Arch
+    hw: Hardware
+    prec: Precision
+    seq_len: int
+    global_batch: int
+    settings: Settings
+
+
+def data_vocab(model, data) -> int:
+    if int(model.vocab_size) > 0:
+        return int(model.vocab_size)
+    return 256 if data.tokenizer == "bytes" and data.source != "token_files" else int(data.vocab_size)
+
+
+def planner_context(cfg, vocab: int | None = None) -> PlannerContext:
+    train = cfg.train
+    seq = int(train.seq_len)
+    gb = int(train.global_batch_tokens) // seq if train.global_batch_tokens is not None else int(train.global_batch)
+    arch = Arch.from_model(cfg.model, vocab or data_vocab(cfg.model, cfg.data))
+    hw = Hardware.from_cluster(cfg.cluster)
+    return PlannerContext(arch, hw, Precision.resolve(str(train.dtype), hw.device), seq, gb, Settings.from_config(cfg))
+
+
+def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:
+    """The rules' view of a composed config (or of RunPlan.config, a plain dict) with its resolved
+    degrees and batch."""
+    get = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))  # noqa: E731
+    train = get("train")
+    recompute = train["recompute"] if isinstance(train, dict) else train.recompute
+    layout = Layout.from_config(degrees, get("parallelism"), batch, str(recompute))
+    return Subject(Arch.from_model(get("model"), vocab), layout, Hardware.from_cluster(get("cluster")),
+                   Settings.from_config(cfg))

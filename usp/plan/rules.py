@@ -1,0 +1,346 @@
+"""The planner's rules, in one table: what a model shape (Arch), a parallel layout (Layout) and the
+hardware (Hardware), plus a few config values (Settings), must satisfy.
+
+Each `Rule` is one record: the condition it refuses (`broken`), the config key it names, why, the
+fix, and its kind:
+  plan    the run can't work: `build_plan` raises the first one;
+  engine  the plan can describe it (memory and time estimates), but this engine can't train it
+          yet: `checked_plan` (what `usp train` runs) raises the first one after the plan kinds;
+  warn    worth saying, not refusing: a plan warning (an error under `usp plan --strict`).
+Three callers read the table: `usp.plan.plan.build_plan` / `checked_plan` (first failure),
+`usp plan` (every failure, usp.plan.plan.plan_with_failures) and the layout search
+(usp.plan.search: it keeps only layouts with no plan or engine failure, so it never proposes what
+`usp train` refuses).
+
+Rules checked elsewhere, because the Subject can't be built without them: degrees vs world size
+(usp.plan.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), cluster
+sizes and launcher, the tokenizer's vocabulary (usp.plan.plan.build_plan), train.dtype
+(usp.plan.specs.Precision.resolve); logging / profile settings (usp.plan.validate.check_observability);
+predicted OOM (usp.plan.validate.analyse: it needs the memory model).
+
+To add a rule: append a Rule to RULES (kind, key, broken, why, fix; `batch=True` when it reads
+micro_batch / grad_accum, which the search varies last) and a test; the three callers pick it up."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from usp.errors import PlanError
+from usp.plan.pipeline_split import check_explicit, check_tied_embeddings, validate_schedule
+from usp.plan.specs import ATTENTION_CHOICES, RECOMPUTE_MODES, Arch, Hardware, Layout, group_crosses_nodes
+
+KINDS = ("plan", "engine", "warn")
+ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The config values a few rules need besides the shape, the layout and the hardware."""
+
+    seq_len: int
+    dtype: str = "auto"
+    launcher: str | None = None  # None: not known (a bare search), the launcher rule doesn't apply
+    checkpoint: bool = False
+    ddp_comm_hook: str = "none"
+
+    @classmethod
+    def from_config(cls, cfg) -> Settings:
+        """From a composed config, or the plain dict of RunPlan.config."""
+        g = lambda section, key, d=None: _get(_get(cfg, section, {}), key, d)  # noqa: E731
+        return cls(seq_len=int(g("train", "seq_len")), dtype=str(g("train", "dtype", "auto")),
+                   launcher=str(g("cluster", "launcher", "local")), checkpoint=bool(g("checkpoint", "enabled", False)),
+                   ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")))
+
+
+def _get(obj, key: str, default=None):
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What the rules look at: one layout of one model on one cluster."""
+
+    arch: Arch
+    layout: Layout
+    hw: Hardware
+    settings: Settings
+
+
+Text = str | Callable[[Subject], Any]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule. `broken(s)` is True when subject s breaks it; key, value, why and fix are strings or
+    functions of the subject. `check` instead of `broken`: a function that raises the PlanError itself
+    (torch's schedule rules, written once in usp.plan.pipeline_split). `gate`: the rules after it assume
+    it holds (they are not evaluated once it fails). `batch`: it reads micro_batch / grad_accum."""
+
+    name: str
+    kind: str
+    key: Text = ""
+    broken: Callable[[Subject], bool] | None = None
+    why: Text = ""
+    fix: Text = ""
+    value: Text = None
+    check: Callable[[Subject], None] | None = None
+    gate: bool = False
+    batch: bool = False
+
+    def failure(self, s: Subject) -> PlanError | None:
+        if self.check is not None:
+            try:
+                self.check(s)
+            except PlanError as exc:
+                return exc
+            return None
+        if not self.broken(s):
+            return None
+        return PlanError(self.text(s, "why"), key=self.text(s, "key"), value=self.text(s, "value"),
+                         fix=self.text(s, "fix"))
+
+    def text(self, s: Subject, what: str):
+        t = getattr(self, what)
+        return t(s) if callable(t) else t
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _model_positive(key: str) -> Rule:
+    return Rule(f"model_{key}_positive", "plan", f"model.{key}", lambda s: getattr(s.arch, key) < 1,
+                "must be at least 1", f"model.{key}=<a positive integer>", lambda s: getattr(s.arch, key), gate=True)
+
+
+MODEL_RULES = [
+    *(_model_positive(k) for k in ("dim", "n_layers", "n_heads", "ffn_dim")),
+    Rule("kv_heads_positive", "plan", "model.n_kv_heads", lambda s: s.arch.n_kv_heads < 1,
+         "must be at least 1, or null for as many as model.n_heads", "model.n_kv_heads=null",
+         lambda s: s.arch.n_kv_heads, gate=True),
+    Rule("dim_splits_into_heads", "plan", "model.n_heads", lambda s: s.arch.dim % s.arch.n_heads != 0,
+         lambda s: f"model.dim={s.arch.dim} is not divisible by the number of heads",
+         "pick n_heads that divides model.dim", lambda s: s.arch.n_heads, gate=True),
+    Rule("kv_heads_divide_heads", "plan", "model.n_kv_heads", lambda s: s.arch.n_heads % s.arch.n_kv_heads != 0,
+         lambda s: f"model.n_heads={s.arch.n_heads} is not a multiple of the KV heads",
+         "n_kv_heads must divide n_heads", lambda s: s.arch.n_kv_heads, gate=True),
+    Rule("head_dim_even", "plan", "model.n_heads", lambda s: s.arch.head_dim % 2 != 0,
+         lambda s: f"head dim {s.arch.head_dim} is odd; RoPE rotates pairs of channels",
+         "make model.dim / model.n_heads even", lambda s: s.arch.n_heads, gate=True),
+]
+
+
+def _fill_key(s: Subject) -> str:
+    return "parallelism.pp" if s.arch.n_layers < s.layout.pp else "parallelism.pp_virtual_stages"
+
+
+def _fill_fix(s: Subject) -> str:
+    n, p = s.arch.n_layers, s.layout.pp
+    if n < p:
+        return f"parallelism.pp <= {n}"
+    return f"parallelism.pp_virtual_stages <= {max(1, n // p)}, or a smaller parallelism.pp"
+
+
+def _stages(s: Subject) -> int:
+    return s.layout.pp * s.layout.virtual
+
+
+LAYOUT_RULES = [
+    Rule("heads_split_over_tp", "plan", "model.n_heads", lambda s: s.arch.n_heads % s.layout.tp != 0,
+         lambda s: f"{s.arch.n_heads} heads can't be split over parallelism.tp={s.layout.tp}",
+         lambda s: f"parallelism.tp in {divisors(s.arch.n_heads)}", lambda s: s.arch.n_heads),
+    Rule("kv_heads_split_over_tp", "plan", "model.n_kv_heads",
+         lambda s: s.arch.n_kv_heads != s.arch.n_heads and s.arch.n_kv_heads % s.layout.tp != 0,
+         lambda s: f"{s.arch.n_kv_heads} heads can't be split over parallelism.tp={s.layout.tp}",
+         lambda s: f"parallelism.tp in {divisors(s.arch.n_kv_heads)}", lambda s: s.arch.n_kv_heads),
+    Rule("layers_fill_stages", "plan", _fill_key, lambda s: s.arch.n_layers < _stages(s),
+         lambda s: f"{s.arch.n_layers} layers can't fill pp x pp_virtual_stages = {s.layout.pp} x "
+                   f"{s.layout.virtual} = {_stages(s)} stages (every stage needs a layer)",
+         _fill_fix, lambda s: s.layout.pp if s.arch.n_layers < s.layout.pp else s.layout.pp_virtual_stages),
+    Rule("seq_splits_over_cp", "plan", "train.seq_len",
+         lambda s: s.layout.cp > 1 and s.settings.seq_len % (2 * s.layout.cp) != 0,
+         lambda s: f"zigzag context parallelism splits the sequence into 2 x cp = {2 * s.layout.cp} chunks",
+         lambda s: f"train.seq_len={-(-s.settings.seq_len // (2 * s.layout.cp)) * 2 * s.layout.cp}",
+         lambda s: s.settings.seq_len),
+    Rule("tied_embeddings_one_stage", "plan",
+         check=lambda s: check_tied_embeddings(s.arch.tie_embeddings, s.layout.pp)),
+    Rule("recompute_mode", "plan", "train.recompute", lambda s: s.layout.recompute not in RECOMPUTE_MODES,
+         f"unknown recompute mode; choose one of {', '.join(RECOMPUTE_MODES)}", "train.recompute=none",
+         lambda s: s.layout.recompute),
+    Rule("virtual_stages_positive", "plan", "parallelism.pp_virtual_stages",
+         lambda s: s.layout.pp_virtual_stages < 1, "must be at least 1", "parallelism.pp_virtual_stages=1",
+         lambda s: s.layout.pp_virtual_stages),
+    Rule("pp_layers_split", "plan", check=lambda s: _check_pp_layers(s)),
+]
+
+
+def _check_pp_layers(s: Subject) -> None:
+    if s.layout.pp > 1 and s.layout.pp_layers is not None:
+        check_explicit(list(s.layout.pp_layers), s.arch.n_layers, _stages(s))
+
+
+def _family_fix(s: Subject) -> str:
+    local = s.layout.micro_batch * s.layout.grad_accum
+    micro = max(1, local // s.layout.pp)
+    return f"train.micro_batch={micro} (grad_accum {local // micro}), a larger train.global_batch, or " \
+           "parallelism.pp_schedule=afab"
+
+
+BATCH_RULES = [  # torch's schedule rules (usp.plan.pipeline_split), then ours
+    Rule("pipeline_schedule", "plan", batch=True, check=lambda s: validate_schedule(
+        s.layout.pp_schedule, s.layout.pp, s.layout.pp_virtual_stages, s.layout.grad_accum)),
+    Rule("micro_batches_fill_pipeline", "plan", "train.grad_accum",  # 1f1b itself: pipeline_schedule says it
+         lambda s: s.layout.pp > 1 and s.layout.pp_schedule in ONE_F_ONE_B_FAMILY[1:]
+         and s.layout.grad_accum < s.layout.pp,
+         lambda s: f"the {s.layout.pp_schedule} schedule needs at least as many micro batches per step "
+                   f"(train.grad_accum) as pipeline stages ({s.layout.pp}); with {s.layout.grad_accum} most of "
+                   "the pipeline idles", _family_fix, lambda s: s.layout.grad_accum, batch=True),
+]
+
+
+# --- what this engine trains ---------------------------------------------------------------------------
+
+def _ep_problems(s: Subject) -> list[str]:
+    """Expert parallelism as the engine runs it (usp.engine.parallel): ep ranks carved out of
+    dp_replicate, with dp_shard = cp = tp = pp = 1, and model.n_experts split evenly over them."""
+    lay, experts = s.layout, s.arch.n_experts
+    if lay.ep <= 1:
+        return []
+    if experts == 0:
+        return ["expert parallelism needs a MoE model (model.n_experts > 0)"]
+    out = []
+    if experts % lay.ep:
+        out.append(f"{experts} experts (model.n_experts) can't be split over ep={lay.ep}")
+    if lay.dp_replicate % lay.ep:
+        out.append(f"expert parallelism is carved out of dp_replicate={lay.dp_replicate}, which ep must divide")
+    others = [f"{d}={getattr(lay, d)}" for d in ("dp_shard", "cp", "tp", "pp") if getattr(lay, d) > 1]
+    if others:
+        out.append(f"expert parallelism composes with dp_replicate only in this version (not {', '.join(others)})")
+    return out
+
+
+def _ep_fix(s: Subject) -> str:
+    if s.arch.n_experts == 0:
+        return "parallelism.ep=1, or a MoE model (model=moe_tiny)"
+    ok = [d for d in divisors(s.arch.n_experts) if s.layout.dp_replicate % d == 0]
+    return f"parallelism.ep in {ok} (a divisor of model.n_experts and of parallelism.dp_replicate), with " \
+           "parallelism.dp_shard=1 parallelism.cp=1 parallelism.tp=1 parallelism.pp=1"
+
+
+def _zero_bubble_zero3(s: Subject) -> bool:
+    lay = s.layout
+    return lay.pp > 1 and lay.pp_schedule in ("interleaved_zb", "zbv") and lay.zero_stage == 3
+
+
+def _flash(s: Subject) -> bool:
+    return s.arch.attention == "flash_attn"
+
+
+ENGINE_RULES = [
+    Rule("expert_parallel", "engine", "parallelism.ep", lambda s: bool(_ep_problems(s)),
+         lambda s: "; ".join(_ep_problems(s)), _ep_fix, lambda s: s.layout.ep),
+    Rule("moe_without_tp", "engine", "parallelism.tp", lambda s: s.arch.moe and s.layout.tp > 1,
+         "tensor parallelism of MoE layers is not implemented", "parallelism.tp=1 (use parallelism.ep for the experts)",
+         lambda s: s.layout.tp),
+    Rule("moe_without_pp", "engine", "parallelism.pp", lambda s: s.arch.moe and s.layout.pp > 1,
+         "pipeline parallelism of MoE models is not implemented (the load-balancing loss spans stages)",
+         "parallelism.pp=1", lambda s: s.layout.pp),
+    Rule("cp_without_pp", "engine", "parallelism.cp", lambda s: s.layout.cp > 1 and s.layout.pp > 1,
+         "context parallelism inside a pipeline is not implemented", "parallelism.cp=1 or parallelism.pp=1",
+         lambda s: s.layout.cp),
+    Rule("zero_bubble_without_zero3", "engine", "parallelism.reshard_after_forward", _zero_bubble_zero3,
+         "ZeRO-3 reshards parameters before a zero-bubble schedule's deferred weight-gradient pass, which then "
+         "computes wrong gradients (measured: 8.7% loss error after 5 steps)",
+         "parallelism.reshard_after_forward=false (ZeRO-2), or pp_schedule=1f1b / interleaved_1f1b", True),
+    Rule("zero1_on_ddp", "engine", "parallelism.zero1", lambda s: s.layout.zero1 and s.layout.dp_kind != "zero1",
+         lambda s: f"ZeRO-1 applies to plain DDP; this layout uses {s.layout.dp_kind}",
+         "parallelism.zero1=false (FSDP already shards the optimizer states)", True),
+    Rule("comm_hook_on_ddp", "engine", "parallelism.ddp_comm_hook",
+         lambda s: s.settings.ddp_comm_hook != "none" and s.layout.dp_kind != "ddp",
+         lambda s: f"communication hooks apply to plain DDP; this layout uses {s.layout.dp_kind}",
+         "parallelism.ddp_comm_hook=none", lambda s: s.settings.ddp_comm_hook),
+    Rule("bf16_hook_device", "engine", "parallelism.ddp_comm_hook",
+         lambda s: s.settings.ddp_comm_hook == "bf16" and s.hw.device not in ("cuda", "xpu"),
+         "PyTorch's bf16 compression hook needs NCCL (CUDA) or XCCL (XPU), not gloo",
+         "parallelism.ddp_comm_hook=fp16 or powersgd on CPU", "bf16"),
+    Rule("flash_attn_on_cuda", "engine", "model.attention", lambda s: _flash(s) and s.hw.device != "cuda",
+         "flash-attn runs on CUDA only", "model.attention=sdpa", "flash_attn"),
+    Rule("attention_kernel", "engine", "model.attention", lambda s: s.arch.attention not in ATTENTION_CHOICES,
+         "unknown attention kernel", "model.attention=sdpa (or flash_attn on CUDA)", lambda s: s.arch.attention),
+    Rule("flash_attn_dtype", "engine", "train.dtype", lambda s: _flash(s) and s.settings.dtype == "fp32",
+         "flash-attn computes in bf16/fp16 only", "train.dtype=auto (bf16 on GPU), or model.attention=sdpa", "fp32"),
+    Rule("flash_attn_without_cp", "engine", "model.attention", lambda s: _flash(s) and s.layout.cp > 1,
+         "context parallelism brings its own (ring) attention", "model.attention=sdpa", "flash_attn"),
+    Rule("ep_checkpoints", "engine", "checkpoint.enabled", lambda s: s.layout.ep > 1 and s.settings.checkpoint,
+         "checkpoints of expert-parallel runs are not supported yet (expert weights differ per rank)",
+         "checkpoint.enabled=false", True),
+    Rule("local_launcher_one_node", "engine", "cluster.nodes",
+         lambda s: s.hw.nodes > 1 and s.settings.launcher == "local", "the local launcher runs on one machine",
+         "cluster.nodes=1, or a Slurm cluster group", lambda s: s.hw.nodes),
+]
+
+
+# --- warnings ------------------------------------------------------------------------------------------
+
+def _tp_across_nodes(s: Subject) -> str:
+    hw, tp = s.hw, s.layout.tp
+    return (f"a tensor-parallel group of {tp} ranks spans nodes (cluster.procs_per_node={hw.procs_per_node}): its "
+            f"per-layer all-gathers / reduce-scatters would run over the {hw.inter_node_gbps:g} GB/s inter-node "
+            f"link instead of {hw.intra_node_gbps:g} GB/s")
+
+
+WARN_RULES = [
+    Rule("tp_within_node", "warn", "parallelism.tp",
+         lambda s: s.layout.tp > 1 and group_crosses_nodes(s.layout.degrees, s.hw.procs_per_node, ("tp",)),
+         _tp_across_nodes, lambda s: f"parallelism.tp in {divisors(s.hw.procs_per_node)} (a divisor of "
+                                     "cluster.procs_per_node), or drop --strict", lambda s: s.layout.tp),
+]
+
+RULES: list[Rule] = [*MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *ENGINE_RULES, *WARN_RULES]
+assert all(r.kind in KINDS for r in RULES) and len({r.name for r in RULES}) == len(RULES)
+
+
+# --- the callers' views --------------------------------------------------------------------------------
+
+def failures(s: Subject, kinds: tuple = ("plan", "engine"), rules: list[Rule] | None = None) -> list[PlanError]:
+    """Every failing rule of these kinds, in table order (stopping after a failed gate rule)."""
+    out = []
+    for rule in RULES if rules is None else rules:
+        if rule.kind not in kinds and not rule.gate:
+            continue
+        error = rule.failure(s)
+        if error is not None:
+            if rule.kind in kinds:
+                out.append(error)
+            if rule.gate:
+                break
+    return out
+
+
+def first_failure(s: Subject, kinds: tuple = ("plan",), rules: list[Rule] | None = None) -> PlanError | None:
+    for rule in RULES if rules is None else rules:
+        if rule.kind in kinds:
+            error = rule.failure(s)
+            if error is not None:
+                return error
+    return None
+
+
+def warnings(s: Subject, *, strict: bool = False) -> list[str]:
+    """The warn rules that fire, as plan warnings; under strict, raise the first as a PlanError."""
+    out = []
+    for rule in WARN_RULES:
+        error = rule.failure(s)
+        if error is None:
+            continue
+        if strict:
+            raise error
+        out.append(f"{error.key}={error.value}: {rule.text(s, 'why')}")
+    return out
+
+
+LAYOUT_ONLY = [r for r in RULES if not r.batch]
+BATCH_ONLY = [r for r in RULES if r.batch]
