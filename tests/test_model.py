@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import subprocess
-import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from usp.engine.recompute import apply_recompute
 from usp.models.llama import Llama, LlamaArgs, apply_rope, precompute_rope
-from usp.plan.model_math import count_params, count_params_cfg, flops_per_token, param_breakdown
+from usp.plan.specs import Arch
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(dim=64, n_layers=2, n_heads=4, ffn_dim=192, vocab_size=256)
@@ -76,11 +73,10 @@ def test_param_count_matches_math(tie, dim, n_layers, n_heads, n_kv_heads, ffn_d
                      ffn_dim=ffn_dim, vocab_size=vocab, tie_embeddings=tie)
     m = Llama(args, max_seq_len=8)
     n = sum(p.numel() for p in m.parameters())
-    assert n == count_params(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab, tie)
     cfg = SimpleNamespace(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                           ffn_dim=ffn_dim, vocab_size=vocab, tie_embeddings=tie)
-    assert count_params_cfg(cfg) == n
-    b = param_breakdown(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab, tie)
+    assert Arch.from_model(cfg).total_params == n
+    b = Arch.from_model(cfg).parts
     assert b["attention"] == sum(p.numel() for p in m.layers["0"].attention.parameters())
     assert b["mlp"] == sum(p.numel() for p in m.layers["0"].feed_forward.parameters())
 
@@ -89,20 +85,16 @@ def test_tiny_default_param_count():
     from usp.config.schema import ModelConfig
 
     cfg = ModelConfig(vocab_size=4096)
-    assert count_params_cfg(cfg) == 950_912
+    assert Arch.from_model(cfg).total_params == 950_912
     assert sum(p.numel() for p in Llama.from_config(ModelConfig(), vocab_size=4096).parameters()) == 950_912
 
 
 def test_flops_per_token_formula():
     # N = L*(attn+mlp) + v*h (LM head counted even when tied, no embedding lookup / norms)
     n = 2 * (2 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 384) + 4096 * 128
-    assert flops_per_token(128, 2, 4, None, 384, 4096, seq_len=256) == 6 * n + 12 * 2 * 128 * 256
-
-
-def test_model_math_does_not_import_torch():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = "import usp.plan.model_math, sys; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env)
+    arch = Arch.from_model(SimpleNamespace(dim=128, n_layers=2, n_heads=4, n_kv_heads=None, ffn_dim=384,
+                                           vocab_size=4096))
+    assert arch.flops_per_token(256) == 6 * n + 12 * 2 * 128 * 256
 
 
 # ----------------------------------------------------------------------- init
@@ -270,11 +262,15 @@ def test_selective_does_not_rerun_matmuls_or_attention():
         loss = m(tokens()).square().mean()
 
         class Record(TorchDispatchMode):
+            def __init__(self, seen: set):
+                super().__init__()
+                self.seen = seen
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                seen.add(func)
+                self.seen.add(func)
                 return func(*args, **(kwargs or {}))
 
-        with Record():
+        with Record(seen):
             loss.backward()
     aten = torch.ops.aten
     sdpa_fwd = {f for f in ops["full"] if "scaled_dot_product" in str(f) and "backward" not in str(f)}

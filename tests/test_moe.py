@@ -4,9 +4,6 @@ cases in tests/dist/cases_expert.py)."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,15 +14,7 @@ import torch.nn.functional as F
 from tests.dist.harness import launch
 from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import MoE, moe_aux_loss, moe_layers
-from usp.plan.model_math import (
-    active_params,
-    active_params_cfg,
-    count_params,
-    count_params_cfg,
-    flops_per_token,
-    flops_per_token_cfg,
-    param_breakdown,
-)
+from usp.plan.specs import Arch
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
@@ -126,8 +115,8 @@ def test_moe_tiny_llama_trains_and_counts_params():
     model = Llama.from_config(cfg, vocab_size=256, max_seq_len=32)
     assert len(moe_layers(model)) == cfg.n_layers == 2
     n = sum(p.numel() for p in model.parameters())
-    assert n == count_params(**{k: getattr(cfg, k) for k in (*ARCH, *MOE)}) == count_params_cfg(cfg)
-    b = param_breakdown(**{k: getattr(cfg, k) for k in (*ARCH, *MOE)})
+    assert n == Arch.from_model(cfg).total_params
+    b = Arch.from_model(cfg).parts
     assert b["mlp"] == sum(p.numel() for p in model.layers["0"].feed_forward.parameters())
     assert b["experts"] == sum(p.numel() for p in model.layers["0"].feed_forward.experts.parameters())
     ffn = model.layers["0"].feed_forward.experts  # init: N(0, std), w2 scaled like the dense w2
@@ -165,40 +154,34 @@ def test_param_count_matches_moe_models(kw):
                 moe_ffn_dim=0, shared_expert=False)
     full.update(kw)
     m = Llama(LlamaArgs(**full), max_seq_len=8)
-    assert sum(p.numel() for p in m.parameters()) == count_params(**full) == count_params_cfg(SimpleNamespace(**full))
+    arch = Arch.from_model(SimpleNamespace(**full))
+    assert sum(p.numel() for p in m.parameters()) == arch.total_params
     ffn = m.layers["0"].feed_forward
     one = sum(p[0].numel() for p in ffn.experts.parameters())
     shared = sum(p.numel() for p in ffn.shared_expert.parameters()) if ffn.shared_expert else 0
     per_token_mlp = full["top_k"] * one + ffn.router.weight.numel() + shared
-    dense_part = count_params(**full) - full["n_layers"] * param_breakdown(**full)["mlp"]
-    assert active_params(**full) == dense_part + full["n_layers"] * per_token_mlp
+    dense_part = arch.total_params - full["n_layers"] * arch.parts["mlp"]
+    assert arch.active_params == dense_part + full["n_layers"] * per_token_mlp
     seq = 16
-    matmul = full["n_layers"] * (param_breakdown(**full)["attention"] + per_token_mlp) + 50 * 32
-    assert flops_per_token(**{k: v for k, v in full.items() if k != "tie_embeddings"}, seq_len=seq) \
-        == 6 * matmul + 12 * 2 * 32 * seq == flops_per_token_cfg(SimpleNamespace(**full), seq)
+    matmul = full["n_layers"] * (arch.parts["attention"] + per_token_mlp) + 50 * 32
+    assert arch.flops_per_token(seq) == 6 * matmul + 12 * 2 * 32 * seq
 
 
 def test_dense_math_unchanged_by_moe_defaults():
-    a = (128, 2, 4, None, 384, 4096, True)
-    assert count_params(*a) == active_params(*a) == 950_912
-    assert count_params(*a, n_experts=0, top_k=5) == 950_912
+    a = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=None, ffn_dim=384, vocab_size=4096, tie_embeddings=True)
+    dense = Arch.from_model(SimpleNamespace(**a))
+    assert dense.total_params == dense.active_params == 950_912
+    assert Arch.from_model(SimpleNamespace(**a, n_experts=0, top_k=5)).total_params == 950_912
 
 
 def test_mixtral_8x7b_param_count():
     cfg = compose_model("mixtral_8x7b")
-    total, active = count_params_cfg(cfg), active_params_cfg(cfg)
+    total, active = Arch.from_model(cfg).total_params, Arch.from_model(cfg).active_params
     assert round(total / 1e9, 1) == 46.7  # published: 46.7B total
     assert round(active / 1e9, 1) == 12.9  # published: 12.9B active per token
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == \
         (4096, 32, 32, 8, 14336, 32000)
     assert (cfg.n_experts, cfg.top_k, cfg.tie_embeddings, cfg.rope_theta) == (8, 2, False, 1e6)
-
-
-def test_model_math_stays_torch_free():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = ("import usp.plan.model_math as m, sys; m.active_params(64, 2, 4, None, 128, 100, True, 4, 2);"
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env=env)
 
 
 # -------------------------------------------------------------- expert parallelism
