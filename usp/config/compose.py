@@ -75,7 +75,7 @@ def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ..
     choices = {g: cfg.hydra.runtime.choices.get(g) for g in schema.GROUPS}
     with open_dict(cfg):
         del cfg["hydra"]
-    check_known_keys(OmegaConf.to_container(cfg, resolve=False), schema.UspConfig)
+    check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
     return cfg, choices
 
 
@@ -113,7 +113,8 @@ def _translate(exc: Exception) -> ConfigError:
         return ConfigError(first_line, key=full_key, fix=_known_fix(text) or _type_fix(full_key))
     return ConfigError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
                        + (f" ({first_line})" if cause is not exc else ""),
-                       fix=_known_fix(str(exc)) or "check the override syntax: key=value, +key=value to add, ~key to delete")
+                       fix=_known_fix(str(exc))
+                       or "check the override syntax: key=value, +key=value to add, ~key to delete")
 
 
 def _known_fix(message: str) -> str | None:
@@ -137,7 +138,7 @@ def _key_in_message(message: str) -> str | None:
 
 
 def _schema_keys(dotted: str) -> list[str]:
-    cls = schema.UspConfig
+    cls: typing.Any = schema.UspConfig
     for part in filter(None, dotted.split(".")):
         hint = typing.get_type_hints(cls).get(part)
         if not is_dataclass(hint):
@@ -148,7 +149,7 @@ def _schema_keys(dotted: str) -> list[str]:
 
 def _type_fix(full_key: str) -> str | None:
     parent, _, leaf = full_key.rpartition(".")
-    cls = schema.UspConfig
+    cls: typing.Any = schema.UspConfig
     for part in filter(None, parent.split(".")):
         cls = typing.get_type_hints(cls).get(part)
         if not is_dataclass(cls):

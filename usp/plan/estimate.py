@@ -80,16 +80,17 @@ def estimate(cfg, choices: dict | None = None, *, hours: float | None = None, de
                             fix="train.tokens=15e12 (tokens to train on)")
         return est, plan
     rate = peak * mfu  # useful FLOP/s per device
+    total_flops = float(est.total_flops or 0.0)  # set: a token budget was given
     if hours is not None:
-        need = est.total_flops / (hours * 3600 * rate)
+        need = total_flops / (hours * 3600 * rate)
         est.nodes = max(1, math.ceil(need / hw.procs_per_node - 1e-9))
         est.devices = est.nodes * hw.procs_per_node
-        est.hours = est.total_flops / (est.devices * rate) / 3600
+        est.hours = total_flops / (est.devices * rate) / 3600
         notes.append(f"{need:,.0f} devices needed exactly; rounded up to {est.nodes} node(s) of {hw.procs_per_node}")
     else:
         est.devices = devices or hw.world
         est.nodes = math.ceil(est.devices / hw.procs_per_node)
-        est.hours = est.total_flops / (est.devices * rate) / 3600
+        est.hours = total_flops / (est.devices * rate) / 3600
     if hw.price_per_device_hour > 0:
         est.cost = est.devices * est.hours * hw.price_per_device_hour
     if est.devices != plan.timing.world and mfu is not None and "given" not in source:
@@ -135,10 +136,10 @@ def render_estimate(est: Estimate, plan, console=None) -> None:
     if est.tokens is None:
         rows.append(("token budget", "not set: add train.tokens=<N> for devices / hours / cost"))
     else:
+        hours, devices = float(est.hours or 0.0), int(est.devices or 0)  # set along with the token budget
         rows += [("token budget", f"{est.tokens:.3g} tokens = {est.total_flops:.3g} FLOPs"),
                  ("devices", f"{est.devices:,} ({est.nodes:,} node(s) x {est.procs_per_node})"),
-                 ("time", f"{est.hours:,.1f} hours = {est.hours / 24:,.1f} days = {est.hours * est.devices:,.0f} "
-                          "device-hours")]
+                 ("time", f"{hours:,.1f} hours = {hours / 24:,.1f} days = {hours * devices:,.0f} device-hours")]
         rows.append(("cost", f"${est.cost:,.0f} at ${est.price_per_device_hour:g}/device-hour" if est.cost is not None
                      else "unknown (cluster.price_per_device_hour=0)"))
     for key, value in rows:

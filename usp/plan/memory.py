@@ -252,7 +252,7 @@ def _held(arch: Arch, layout: Layout, r: int) -> _Held:
     dense_layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params
     expert_layer = arch.expert_params / (ep * t)
     emb = vocab_pad * arch.dim / t if holds_emb else 0
-    head = 0
+    head: float = 0
     if holds_head:
         tied_here = arch.tie_embeddings and holds_emb
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim

@@ -78,7 +78,7 @@ def split_layers(n_layers: int, n_stages: int, embed_params: int, head_params: i
     elif isinstance(layer_params, int):
         counts = list(uniform_split(n_layers, n_stages, embed_params, head_params, layer_params))
     else:
-        costs = [layer_params] * n_layers if isinstance(layer_params, int) else list(layer_params)
+        costs: list[int] = [layer_params] * n_layers if isinstance(layer_params, int) else list(layer_params)
         if len(costs) != n_layers:
             raise ValueError(f"layer_params has {len(costs)} entries for {n_layers} layers")
         counts = _balanced_counts(costs, n_stages, embed_params, head_params)
@@ -155,6 +155,7 @@ def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tup
             key = (max(c_first, c_last, mid_max), c_first * c_first + c_last * c_last + mid_sq, -first, last)
             if best_key is None or key < best_key:
                 best_key, best = key, (first, rest, last)
+    assert best is not None  # the loop above always tries at least one split
     first, rest, last = best
     q, r = divmod(rest, k) if k else (0, 0)
     return (first, *([q + 1] * r + [q] * (k - r)), last)

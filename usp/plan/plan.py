@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from usp.errors import PlanError
 from usp.plan import rules
@@ -93,7 +93,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
         batch=batch, model=ModelPlan(model.name, arch.total_params, arch.vocab_size, per_token,
                                      per_token * batch.global_batch_tokens),
         dataset_dir=str(dataset_dir(cfg.data)), ranks=rank_table(degrees, per_node),
-        choices=dict(choices or {}), config=OmegaConf.to_container(cfg, resolve=True), pipeline=pipeline,
+        choices=dict(choices or {}), config=cast(dict, OmegaConf.to_container(cfg, resolve=True)), pipeline=pipeline,
     )
     analyse(plan, cfg, subject, force=force, strict=strict, training=training)
     return plan

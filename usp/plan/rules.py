@@ -85,7 +85,7 @@ class Rule:
     broken: Callable[[Subject], bool] | None = None
     why: Text = ""
     fix: Text = ""
-    value: Text = None
+    value: Text | bool | None = None
     check: Callable[[Subject], None] | None = None
     gate: bool = False
     batch: bool = False
@@ -97,7 +97,7 @@ class Rule:
             except PlanError as exc:
                 return exc
             return None
-        if not self.broken(s):
+        if self.broken is None or not self.broken(s):
             return None
         return PlanError(self.text(s, "why"), key=self.text(s, "key"), value=self.text(s, "value"),
                          fix=self.text(s, "fix"))

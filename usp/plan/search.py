@@ -161,7 +161,8 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
                              timing_plan(arch, lay, seq_len, global_batch, hw, prec))
             if best_here is None or cand.tokens_per_s_per_device > best_here.tokens_per_s_per_device:
                 best_here = cand
-        fitting.append(best_here)
+        if best_here is not None:
+            fitting.append(best_here)
     fitting.sort(key=_rank_key)
     pure = next((c for c in fitting if c.layout.tp == c.layout.pp == c.layout.cp == 1), None)
     top = _top(fitting, top_k)

@@ -5,14 +5,23 @@ handed to usp.plan.memory and usp.plan.timing. Pure Python: never imports torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from typing import Any
 
 from usp.plan.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
 
 GIB = 1024 ** 3
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
+
+
+def _getter(obj) -> Callable[..., Any]:
+    """Field access for a config node, a dataclass or a plain dict alike: g(key, default)."""
+    if isinstance(obj, dict):
+        return lambda k, d=None: obj.get(k, d)
+    return lambda k, d=None: getattr(obj, k, d)
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class Arch:
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
-        g = lambda k, d=None: getattr(m, k, d) if not isinstance(m, dict) else m.get(k, d)  # noqa: E731
+        g = _getter(m)
         return cls(name=str(g("name", "model")), dim=int(g("dim")), n_layers=int(g("n_layers")),
                    n_heads=int(g("n_heads")),
                    n_kv_heads=int(g("n_heads") if g("n_kv_heads") is None else g("n_kv_heads")),
@@ -186,7 +195,7 @@ class Hardware:
 
     @classmethod
     def from_cluster(cls, c) -> Hardware:
-        g = lambda k, d: getattr(c, k, d) if not isinstance(c, dict) else c.get(k, d)  # noqa: E731
+        g = _getter(c)
         return cls(device=str(g("device", "cpu")), device_name=str(g("device_name", "cpu")),
                    memory_gib=float(g("device_memory_gb", 24.0)), peak_tflops_bf16=float(g("peak_tflops_bf16", 0.15)),
                    peak_tflops_fp32=float(g("peak_tflops_fp32", 0.15)),
@@ -263,9 +272,10 @@ class Layout:
 
     @classmethod
     def from_config(cls, degrees: dict, par, batch, recompute: str) -> Layout:
-        g = lambda k, d: getattr(par, k, d) if not isinstance(par, dict) else par.get(k, d)  # noqa: E731
+        g = _getter(par)
         pp_layers = g("pp_layers", None)
-        return cls(**{d: int(degrees[d]) for d in MESH_DIMS}, ep=int(g("ep", 1)), zero1=bool(g("zero1", False)),
+        return cls(pp=int(degrees["pp"]), dp_replicate=int(degrees["dp_replicate"]), dp_shard=int(degrees["dp_shard"]),
+                   cp=int(degrees["cp"]), tp=int(degrees["tp"]), ep=int(g("ep", 1)), zero1=bool(g("zero1", False)),
                    reshard_after_forward=bool(g("reshard_after_forward", True)),
                    pp_schedule=str(g("pp_schedule", "1f1b")), pp_virtual_stages=int(g("pp_virtual_stages", 1)),
                    pp_layers=tuple(int(x) for x in pp_layers) if pp_layers is not None else None,
