@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from usp.engine.recompute import apply_recompute
-from usp.models.llama import Llama, LlamaArgs, apply_rope, precompute_rope
+from usp.engine.parallel.recompute import apply_recompute
+from usp.models.layers import apply_rope, precompute_rope
+from usp.models.llama import Llama, LlamaArgs
 from usp.plan.model_math import count_params, count_params_cfg, flops_per_token, param_breakdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,7 +271,7 @@ def test_selective_does_not_rerun_matmuls_or_attention():
         loss = m(tokens()).square().mean()
 
         class Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None, seen=seen):
                 seen.add(func)
                 return func(*args, **(kwargs or {}))
 
