@@ -125,7 +125,7 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
     blocks_fpt = arch.n_layers * layer_fpt
     model_fpt = blocks_fpt + head_fpt
     # full recomputation runs each block's forward (1/3 of its training FLOPs) again; the LM head
-    # is not recomputed (usp/engine/parallel/recompute.py wraps blocks only)
+    # is not recomputed (usp/engine/recompute.py wraps blocks only)
     recompute_extra = 1 / 3 if layout.recompute == "full" else 0.0
     hw_fpt = model_fpt + recompute_extra * blocks_fpt
 
