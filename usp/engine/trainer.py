@@ -1,7 +1,8 @@
 """The training loop: micro batches with gradient accumulation (no gradient sync on inner
 micro batches), or a pipeline schedule; clipping, AdamW + schedule, periodic validation,
-metrics (usp/engine/observe/tracking.py), the optional profiler, final summary. The parallel wrappers
-come from usp/engine/parallel/build.py."""
+metrics (usp/engine/observe/), the optional profiler, final summary. The model and its
+parallel wrappers come from usp/engine/parallel/build.py, the pipeline step from
+usp/engine/parallel/pipeline.py."""
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,7 @@ from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
+from usp.engine.parallel.pipeline import pipeline_eval, pipeline_step
 from usp.rundir import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
 
 
@@ -144,8 +146,6 @@ class Trainer:
         return total / len(micro_batches)
 
     def _pipeline_step(self, step: int) -> float:
-        from usp.engine.parallel.pipeline import pipeline_step
-
         starts = [s for mb in self.sampler.micro_batches(step) for s in mb]  # the rank's whole batch
         x, y, _ = self._batch(self.train_tokens, starts)
         with self._loss_context(), self.autocast, self._region(SPAN_PIPELINE):
@@ -158,8 +158,6 @@ class Trainer:
         losses = []
         for rank_starts in self.eval_batches:
             if self.parts.schedule is not None:
-                from usp.engine.parallel.pipeline import pipeline_eval
-
                 x, y, _ = self._batch(self.val_tokens, rank_starts)
                 with self._loss_context(), self.autocast:
                     losses.append(pipeline_eval(self.parts, self.ctx, x, y))
