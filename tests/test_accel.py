@@ -1,5 +1,5 @@
-"""What a GPU run would choose (usp/engine/accel.py, launch env, plan rules), checked on CPU:
-the GPU code paths themselves are unreachable here, their decisions are not."""
+"""What a GPU run would choose (usp/engine/accel.py, usp/engine/parallel/precision.py, launch env,
+plan rules), checked on CPU: the GPU code paths themselves are unreachable here, their decisions are not."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from usp.config.compose import compose_config
 from usp.engine import accel
+from usp.engine.parallel import precision
 from usp.launch.local import worker_env
 from usp.plan.plan import build_plan, engine_support_errors
 
@@ -33,8 +34,8 @@ def test_uses_bf16(dtype, device, bf16):
 
 def test_fsdp_on_gpu_uses_fsdp2_mixed_precision_policy_and_no_autocast():
     plan = plan_of("cluster=local_gpu", *FSDP2)
-    assert accel.fsdp_mixed_precision(plan)
-    policy = accel.fsdp_mp_policy(plan)
+    assert precision.fsdp_mixed_precision(plan)
+    policy = precision.fsdp_mp_policy(plan)
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert isinstance(accel.autocast_context(plan, torch.device("cuda", 0)), type(accel.contextlib.nullcontext()))
 
@@ -43,7 +44,7 @@ def test_fsdp_on_gpu_uses_fsdp2_mixed_precision_policy_and_no_autocast():
 def test_ddp_and_single_on_gpu_use_bf16_autocast():
     for overrides in (DDP2, []):
         plan = plan_of("cluster=local_gpu", *overrides)
-        assert accel.fsdp_mp_policy(plan) is None
+        assert precision.fsdp_mp_policy(plan) is None
         ctx = accel.autocast_context(plan, torch.device("cuda", 0))
         assert isinstance(ctx, torch.autocast) and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16
 
@@ -52,14 +53,14 @@ def test_ddp_and_single_on_gpu_use_bf16_autocast():
 def test_pipeline_with_fsdp_on_gpu_keeps_autocast():
     plan = plan_of("cluster=local_gpu", "cluster.procs_per_node=4", "parallelism.dp_replicate=1",
                    "parallelism.dp_shard=2", "parallelism.pp=2", "model.n_layers=4", "model.tie_embeddings=false")
-    assert not accel.fsdp_mixed_precision(plan)
+    assert not precision.fsdp_mixed_precision(plan)
     assert isinstance(accel.autocast_context(plan, torch.device("cuda", 0)), torch.autocast)
 
 
 def test_bf16_on_cpu_takes_the_gpu_recipe():
     """train.dtype=bf16 on CPU picks what a GPU picks, so the CPU parity matrix runs it."""
     fsdp = plan_of(*FSDP2, "train.dtype=bf16")
-    assert accel.fsdp_mp_policy(fsdp).param_dtype == torch.bfloat16
+    assert precision.fsdp_mp_policy(fsdp).param_dtype == torch.bfloat16
     assert not isinstance(accel.autocast_context(fsdp, torch.device("cpu")), torch.autocast)
     ctx = accel.autocast_context(plan_of(*DDP2, "train.dtype=bf16"), torch.device("cpu"))
     assert isinstance(ctx, torch.autocast) and ctx.device == "cpu" and ctx.fast_dtype == torch.bfloat16
@@ -67,7 +68,7 @@ def test_bf16_on_cpu_takes_the_gpu_recipe():
 
 def test_cpu_and_fp32_stay_fp32():
     for plan, device in ((plan_of(*FSDP2), "cpu"), (plan_of("cluster=local_gpu", *FSDP2, "train.dtype=fp32"), "cuda")):
-        assert accel.fsdp_mp_policy(plan) is None
+        assert precision.fsdp_mp_policy(plan) is None
         assert not isinstance(accel.autocast_context(plan, torch.device(device)), torch.autocast)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import _CACHE, USP, run_usp
 
-from usp.engine.metrics import read_metrics
+from usp.engine.observe.metrics import read_metrics
 from usp.rundir import list_checkpoints
 
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0"]
@@ -187,6 +187,6 @@ def test_non_finite_loss(tmp_path, shakespeare, policy):
     if policy == "stop":
         assert proc.returncode != 0 and "stopped with a checkpoint of step" in text
         complete = [step for step, _, ok, _ in list_checkpoints(tmp_path / "nan" / "checkpoints") if ok]
-        assert complete and "at step %d" % (complete[-1] + 1) in text
+        assert complete and f"at step {complete[-1] + 1}" in text
     else:
         assert proc.returncode == 0 and "step skipped" in text

@@ -1,5 +1,5 @@
 """Checkpoints that survive anything, the parts around the save/resume core: failure records
-(usp/engine/failure.py), `usp status`, checkpoint listing, `usp export` and the pre-launch
+(usp/engine/observe/failure.py), `usp status`, checkpoint listing, `usp export` and the pre-launch
 check of the checkpoint directory. Real files, real exceptions, real processes."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from conftest import REPO, run_usp
 from rich.console import Console
 
 from usp.config.compose import compose_config
-from usp.engine.failure import LOST_PEER, OOM, PYTHON, TIMEOUT, classify, record_failure
+from usp.engine.observe.failure import LOST_PEER, OOM, PYTHON, TIMEOUT, classify, record_failure
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir
 from usp.plan.io import write_plan
@@ -79,7 +79,7 @@ def test_classify_exception_objects():
 GLOO_SCRIPT = textwrap.dedent("""
     import datetime, json, os, sys, time
     import torch, torch.distributed as dist
-    from usp.engine.failure import classify
+    from usp.engine.observe.failure import classify
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1))
@@ -179,7 +179,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def _fake_checkpoint(ckpt_dir: Path, step: int, manifest: bool = True) -> Path:
     d = ckpt_dir / f"step_{step:08d}"
     d.mkdir(parents=True)
-    files = {".metadata": b"m" * 10, "__0_0.distcp": b"w" * 100, "trainer_state.json": json.dumps({"step": step}).encode()}
+    files = {".metadata": b"m" * 10, "__0_0.distcp": b"w" * 100,
+             "trainer_state.json": json.dumps({"step": step}).encode()}
     for name, data in files.items():
         (d / name).write_bytes(data)
     if manifest:
@@ -210,7 +211,8 @@ def _failed_run(tmp_path: Path) -> Path:
     _fake_checkpoint(run_dir / "checkpoints", 5)
     (run_dir / "logs").mkdir()
     (run_dir / "logs" / "rank_0.log").write_text("t rank0 start\nt rank0 step 7 loss 4.4\n")
-    record_failure(run_dir, plan, 3, raised(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")), 7)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+    record_failure(run_dir, plan, 3, raised(oom), 7)
     time.sleep(0.01)
     record_failure(run_dir, plan, 1, raised(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:555")), 7)
     return run_dir
@@ -400,7 +402,8 @@ def test_export_newest_checkpoint_loads_into_a_fresh_model(tmp_path, trained_run
     assert config["tied_weights"] == {"output.weight": "tok_embeddings.weight"}
     state = torch.load(result.path, weights_only=True)
     assert "output.weight" in state and not any("optim" in k for k in state)
-    assert state["output.weight"].untyped_storage().data_ptr() == state["tok_embeddings.weight"].untyped_storage().data_ptr()
+    storage = state["tok_embeddings.weight"].untyped_storage().data_ptr()
+    assert state["output.weight"].untyped_storage().data_ptr() == storage
     model = Llama(LlamaArgs(**config["model"]), max_seq_len=config["max_seq_len"])  # no usp config needed
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
@@ -462,7 +465,8 @@ def test_checkpoint_dir_needs_room_for_keep_last_plus_one(tmp_path):
     with pytest.raises(LaunchError) as err:
         check_checkpoint_dir(plan, disk_free=lambda path: need - 1)
     msg = str(err.value)
-    assert msg.startswith("checkpoint.dir: ") and "keep_last + 1 = 3" in msg and f"{plan.model.params:,} parameters" in msg
+    assert msg.startswith("checkpoint.dir: ") and "keep_last + 1 = 3" in msg
+    assert f"{plan.model.params:,} parameters" in msg
     assert f"{need - 1:,} bytes" in msg and f"{need:,} bytes" in msg
     assert "checkpoint.keep_last=1" in msg and "checkpoint.enabled=false" in msg
     assert check_checkpoint_dir(plan, disk_free=lambda path: need) == tmp_path / "x" / "checkpoints"

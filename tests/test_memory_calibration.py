@@ -1,4 +1,4 @@
-"""The planner's memory model against measurement: the memory probe (usp/engine/memory_probe.py)
+"""The planner's memory model against measurement: the memory probe (usp/engine/observe/memory_probe.py)
 measures the peak tensor memory of one training step per rank, and for every layout of the
 calibration set (tests/dist/cases_memory.py: single, DDP, ZeRO-1, FSDP ZeRO-3 / ZeRO-2, TP,
 full and selective recompute; the tiny model, seq_len 128, global batch 16) the planner's
@@ -15,7 +15,7 @@ import torch
 from dist.cases_memory import MEMORY_LAYOUTS
 from dist.harness import launch
 
-from usp.engine.memory_probe import (
+from usp.engine.observe.memory_probe import (
     MemTrackerProbe,
     ddp_bucket_bytes,
     optimizer_state_tensors,
@@ -95,8 +95,8 @@ def test_probe_measures_one_optimizer_step():
 def test_metrics_and_summary_hold_predicted_and_measured(shakespeare):
     """A real 2-step run: metrics.jsonl has the measured and predicted memory on step 2, every
     record the predicted step time; summary.json the measured peak and step time."""
-    from usp.engine.dist import make_context
-    from usp.engine.parity import plan_dict
+    from tests.dist.parity import plan_dict
+    from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,8 +120,8 @@ def test_metrics_and_summary_hold_predicted_and_measured(shakespeare):
 
 
 def test_measure_memory_off(shakespeare):
-    from usp.engine.dist import make_context
-    from usp.engine.parity import plan_dict
+    from tests.dist.parity import plan_dict
+    from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:

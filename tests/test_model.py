@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from usp.engine.recompute import apply_recompute
-from usp.models.llama import Llama, LlamaArgs, apply_rope, precompute_rope
+from usp.engine.parallel.recompute import apply_recompute
+from usp.models.layers import apply_rope, precompute_rope
+from usp.models.llama import Llama, LlamaArgs
 from usp.plan.specs import Arch
 
 REPO = Path(__file__).resolve().parents[1]

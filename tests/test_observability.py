@@ -18,7 +18,7 @@ from conftest import run_usp
 from rich.console import Console
 
 from usp.config.compose import compose_config
-from usp.engine.metrics import read_metrics
+from usp.engine.observe.metrics import read_metrics
 from usp.launch.prepare import prepare_run
 from usp.rundir import read_plan
 
@@ -76,7 +76,8 @@ def test_plain_console_line_has_every_field(observed):
     _, printed, metrics = observed
     lines = [line for line in printed.splitlines() if line.startswith("step ")]
     assert len(lines) == 4, printed
-    pattern = re.compile(r"step (\d)/4 eta \S+ \| loss ([\d.]+) \|( val [\d.]+ \|)? lr \S+ \| gnorm [\d.]+ \| [\d,]+ tok/s \| "
+    pattern = re.compile(r"step (\d)/4 eta \S+ \| loss ([\d.]+) \|( val [\d.]+ \|)? lr \S+ \| gnorm [\d.]+ \| "
+                         r"[\d,]+ tok/s \| "
                          r"[\d,]+ tok/s/dev \| mfu [\d.]+% \|( mem [\d.]+ GiB \|)? data [\d.]+ ms$")
     for line, record in zip(lines, metrics):
         match = pattern.match(line)
@@ -221,7 +222,7 @@ def test_profile_steps_are_not_checked_when_profiling_is_off():
 
 
 def test_communication_ops_are_told_from_compute():
-    from usp.engine.profiler import is_comm
+    from usp.engine.observe.profiler import is_comm
 
     for name in ("c10d::allreduce_", "gloo:all_reduce", "nccl:all_gather", "nccl:_reduce_scatter_base",
                  "record_param_comms", "c10d::broadcast_", "_c10d_functional::all_to_all_single", "nccl:send"):
@@ -231,7 +232,7 @@ def test_communication_ops_are_told_from_compute():
 
 
 def test_trackers_get_numbers_only_with_nested_fields_flattened():
-    from usp.engine.tracking import scalars
+    from usp.engine.observe.tracking import scalars
 
     record = {"step": 3, "loss": 2.5, "val_loss": None, "grad_norm": float("nan"), "by": "MemTracker",
               "flag": True, "breakdown": {"params": 0.5, "acts": {"attn": 1}}}
@@ -246,14 +247,14 @@ def test_trackers_get_numbers_only_with_nested_fields_flattened():
     ("offline", {"WANDB_MODE": "online", "WANDB_API_KEY": "k"}, "offline"),  # the config wins over the environment
 ])
 def test_wandb_mode_follows_config_then_environment(configured, env, mode):
-    from usp.engine.tracking import wandb_mode
+    from usp.engine.observe.tracking import wandb_mode
 
     assert wandb_mode(configured, env) == mode
 
 
 def test_a_failing_backend_is_dropped_closed_and_the_jsonl_goes_on(tmp_path):
-    from usp.engine.metrics import MetricsWriter
-    from usp.engine.tracking import Trackers
+    from usp.engine.observe.metrics import MetricsWriter
+    from usp.engine.observe.tracking import Trackers
 
     class Broken:
         closed = 0
@@ -275,7 +276,7 @@ def test_a_failing_backend_is_dropped_closed_and_the_jsonl_goes_on(tmp_path):
 
 def test_console_auto_is_plain_in_a_batch_log_and_rich_on_a_terminal(monkeypatch):
     """auto: plain lines when stdout is a file or pipe (Slurm's output file), the live bar on a TTY."""
-    from usp.engine.console import Console as TrainConsole
+    from usp.engine.observe.console import Console as TrainConsole
 
     class Terminal(io.StringIO):
         def isatty(self):

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import REPO, run_usp
 
-from usp.engine.metrics import read_metrics
+from usp.engine.observe.metrics import read_metrics
 from usp.report import write_report
 from usp.report.heatmap import heatmap_grid
 from usp.report.profile import parse_profile
@@ -326,7 +326,7 @@ def _span(name: str, ts: float, dur: float, cat: str = "user_annotation", tid: i
     return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
 
 
-# Chrome trace events like usp/engine/profiler.py's (microseconds): step 3 of rank 0 has two
+# Chrome trace events like usp/engine/observe/profiler.py's (microseconds): step 3 of rank 0 has two
 # micro batches and a gradient all-reduce (an op with a nested one, another on a second thread).
 TRACE_RANK0 = [
     _span("ProfilerStep#1", 0, 30_000), _span("usp_step_2", 10, 4_000), _span("usp_forward", 100, 1_000),

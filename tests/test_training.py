@@ -16,7 +16,7 @@ from conftest import _CACHE, USP, run_usp
 from rich.console import Console
 
 from usp.config.compose import compose_config
-from usp.engine.metrics import read_metrics
+from usp.engine.observe.metrics import read_metrics
 from usp.launch.prepare import prepare_run
 
 QUIET = ["logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0"]

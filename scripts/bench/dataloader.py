@@ -44,8 +44,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from usp.engine import dist as udist
-    from usp.engine.dist import make_context
+    from usp.engine.parallel import mesh as udist
+    from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as runs:

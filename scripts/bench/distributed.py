@@ -28,7 +28,7 @@ def step_time(plan: dict) -> float:
     """Median whole-iteration time after the warm-up (records of every step)."""
     import torch
 
-    from usp.engine.dist import make_context
+    from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
     torch.manual_seed(0)
@@ -40,7 +40,7 @@ def step_time(plan: dict) -> float:
 
 
 def run(layouts: dict, world: int, rounds: int) -> dict:
-    from usp.engine import dist as udist
+    from usp.engine.parallel import mesh as udist
 
     base = [f"train.steps={WARMUP + STEPS + 1}", "train.log_interval=1", "train.eval_batches=1",
             "train.measure_memory=false"]

@@ -111,9 +111,9 @@ def measure(plan: dict, steps: int) -> dict:
     """One case, in this process: what usp.engine.worker.run_worker does on one GPU."""
     import torch
 
-    from usp.engine import dist as udist
     from usp.engine.accel import apply_determinism
-    from usp.engine.dist import make_context
+    from usp.engine.parallel import mesh as udist
+    from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
     torch.manual_seed(int(plan["config"]["train"]["seed"]))

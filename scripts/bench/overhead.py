@@ -37,7 +37,7 @@ def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
     """Runs on every rank; returns tokens/s of both loops per round (rank 0's clock)."""
     import torch
 
-    from usp.engine import dist as udist
+    from usp.engine.parallel import mesh as udist
 
     with tempfile.TemporaryDirectory() as runs:
         # +1: the last step also evaluates; eval_batches=1 keeps that short (outside the window)
@@ -65,7 +65,7 @@ def _usp_round(plan: dict, warmup: int, steps: int) -> list[float]:
     import torch
 
     from usp.engine.accel import apply_determinism
-    from usp.engine.dist import make_context
+    from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
     torch.manual_seed(int(plan["config"]["train"]["seed"]))
@@ -95,7 +95,8 @@ def _hand_round(plan: dict, warmup: int, steps: int) -> list[float]:
     torch.use_deterministic_algorithms(False)  # PyTorch's default
     torch.manual_seed(int(cfg["train"]["seed"]))
     seq, micro = int(batch["seq_len"]), int(batch["global_batch"]) // world
-    model = Llama(LlamaArgs.from_config(OmegaConf.create(cfg["model"]), int(plan["model"]["vocab_size"])), max_seq_len=seq)
+    args = LlamaArgs.from_config(OmegaConf.create(cfg["model"]), int(plan["model"]["vocab_size"]))
+    model = Llama(args, max_seq_len=seq)
     model.init_weights(seed=int(cfg["train"]["seed"]))
     model = model.to(device)
     if world > 1:

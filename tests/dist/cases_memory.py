@@ -1,6 +1,6 @@
 """Planner memory calibration worker: each layout of MEMORY_LAYOUTS trains the tiny model (default
 config: seq_len 128, global batch 16) for 2 steps with train.measure_memory on; the second step
-runs under the memory probe (usp/engine/memory_probe.py). Rank 0 records, per layout, the
+runs under the memory probe (usp/engine/observe/memory_probe.py). Rank 0 records, per layout, the
 planner's tensor memory (its total without the overhead allowance) for the peak stage and the
 measured peak (max over ranks). Single-process layouts run on rank 0 only, in the same launch.
 Launched by tests/test_memory_calibration.py and scripts/bench/memory.py."""
@@ -56,8 +56,8 @@ EXTRA_LAYOUTS = {
 
 
 def measure_layout(world: int, overrides: list[str]) -> dict:
-    from usp.engine.dist import make_context
-    from usp.engine.parity import plan_dict
+    from tests.dist.parity import plan_dict
+    from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
     if world == 1 and dist.get_rank() != 0:

@@ -13,8 +13,8 @@ import torch.distributed as dist  # noqa: E402
 
 from dist.harness import run_cases  # noqa: E402
 from dist.layouts import LAYOUTS  # noqa: E402
-from usp.engine.dist import make_context  # noqa: E402
-from usp.engine.parity import plan_dict, verify_case  # noqa: E402
+from tests.dist.parity import plan_dict, verify_case  # noqa: E402
+from usp.engine.parallel.mesh import make_context  # noqa: E402
 from usp.engine.trainer import Trainer  # noqa: E402
 
 STEPS = ["train.steps=5", "train.seq_len=64", "optimizer.warmup_steps=2"]

@@ -1,6 +1,8 @@
 """Pipeline-parallel parity checks, all in one torchrun launch (nproc = pp = 2).
 
-Every case trains a 4-layer untied tiny Llama for 3 AdamW steps with one schedule and compares,
+Every case trains a 4-layer untied tiny Llama for 3 AdamW steps with one schedule, through the
+trainer's own step (`usp.engine.parallel.pipeline.pipeline_step` on the ModelParts and
+DistContext the trainer would hold), and compares,
 on every step, the pipeline's loss with a single-process run over the same batch (computed on
 every rank: the model is tiny), and at the end each stage's parameters with the single-process
 model's same-named parameters. Rank 0 reports the max errors over all ranks.
@@ -13,6 +15,7 @@ the data seed. So each schedule also runs in float64, where the full-batch parit
 ~1e-12 and the 1e-5 tolerance is meaningful whatever the seed or CPU."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -21,9 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from tests.dist.harness import run_cases
-from usp.engine.parallel.pipeline import broadcast_loss, build_pipeline, lm_loss, pipeline_step
+from usp.engine.parallel.build import ModelParts
+from usp.engine.parallel.mesh import DistContext
+from usp.engine.parallel.pipeline import build_pipeline, build_stage_module, lm_loss, pipeline_step
 from usp.models.llama import Llama, LlamaArgs
 from usp.plan.pipeline_split import last_stage_rank, split_layers, stage_ranks, validate_schedule
 
@@ -49,17 +55,38 @@ def stage_split(n_stages: int):
     return split_layers(ARGS.n_layers, n_stages, m.tok_embeddings.weight.numel(), head, layer)
 
 
-def parity(schedule_name: str, n_mb: int, virtual: int, dtype: torch.dtype = torch.float32) -> dict:
+@functools.cache
+def pp_context() -> DistContext:
+    """The trainer's context for a pp-only layout over every process (make_context's mesh)."""
     pp, rank = dist.get_world_size(), dist.get_rank()
-    group = dist.group.WORLD
-    validate_schedule(schedule_name, pp, virtual, n_mb)
+    dims = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    shape = (pp, 1, 1, 1, 1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    coords = {d: (rank if d == "pp" else 0) for d in dims}
+    return DistContext(rank, pp, 0, torch.device("cpu"), dict(zip(dims, shape)), coords, mesh)
+
+
+def pipeline_parts(schedule_name: str, n_mb: int, virtual: int, dtype: torch.dtype, ctx: DistContext):
+    """(ModelParts as usp.engine.parallel.build makes them, stage split) without a plan."""
+    pp = ctx.degrees["pp"]
     n_stages = pp * virtual
     split = stage_split(n_stages)
-    mine = stage_ranks(pp, virtual, schedule_name)[rank]
-    schedule, modules = build_pipeline(lambda: factory(dtype), split, mine, group, torch.device("cpu"), n_mb,
+    mine = stage_ranks(pp, virtual, schedule_name)[ctx.coords["pp"]]
+    schedule, modules = build_pipeline(lambda: factory(dtype), split, mine, ctx.group("pp"), ctx.device, n_mb,
                                        schedule_name, lm_loss)
-    is_first, is_last = 0 in mine, n_stages - 1 in mine
-    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
+    parts = ModelParts(modules=modules, raw=None, schedule=schedule, is_first_stage=0 in mine,
+                       is_last_stage=n_stages - 1 in mine, stage_modules=modules,
+                       last_pp_rank=last_stage_rank(pp, virtual, schedule_name), stage_indices=list(mine))
+    return parts, split
+
+
+def parity(schedule_name: str, n_mb: int, virtual: int, dtype: torch.dtype = torch.float32) -> dict:
+    ctx = pp_context()
+    pp = ctx.degrees["pp"]
+    validate_schedule(schedule_name, pp, virtual, n_mb)
+    parts, split = pipeline_parts(schedule_name, n_mb, virtual, dtype, ctx)
+    modules = parts.modules
+    opt = torch.optim.AdamW(list(parts.parameters()), lr=LR)
     ref = factory(dtype)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     ref_mb = factory(dtype)
@@ -75,8 +102,7 @@ def parity(schedule_name: str, n_mb: int, virtual: int, dtype: torch.dtype = tor
             (lm_loss(ref_mb(xs), ys) / n_mb).backward()
         ref_mb_opt.step()
         opt.zero_grad()
-        loss = pipeline_step(schedule, modules, is_first, is_last, x, y)
-        logged = broadcast_loss(loss, group, last_stage_rank(pp, virtual, schedule_name))
+        logged = pipeline_step(parts, ctx, x, y)  # the batch-mean loss, on every pp rank
         opt.step()
         loss_rel.append(abs(logged - ref_loss.item()) / abs(ref_loss.item()))
     ref_params, ref_mb_params = dict(ref.named_parameters()), dict(ref_mb.named_parameters())
@@ -102,7 +128,6 @@ def default_scale_grads_with_divided_loss() -> dict:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
     pp, rank, n_mb = dist.get_world_size(), dist.get_rank(), 4
     split = stage_split(pp)
-    from usp.engine.parallel.pipeline import build_stage_module
     module = build_stage_module(factory(), split[rank], rank == 0, rank == pp - 1)
     stage = PipelineStage(module, rank, pp, torch.device("cpu"))
     sched = ScheduleGPipe(stage, n_microbatches=n_mb, loss_fn=lambda o, t: lm_loss(o, t) / n_mb)

@@ -154,7 +154,7 @@ class TrainConfig:
     # None = on for CPU (exact parity and resume), off on an accelerator (its deterministic kernels
     # are slower); true on CUDA also sets CUBLAS_WORKSPACE_CONFIG (usp/launch/local.py)
     deterministic: bool | None = None
-    measure_memory: bool = True  # measure the peak tensor memory of one step (usp/engine/memory_probe.py)
+    measure_memory: bool = True  # measure the peak tensor memory of one step (usp/engine/observe/memory_probe.py)
 
 
 @dataclass
@@ -170,10 +170,10 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     console: str = "auto"  # auto (rich on a TTY, plain otherwise) | rich | plain | quiet
-    # metrics.jsonl is always written; these add backends (rank 0 only, see usp/engine/tracking.py).
+    # metrics.jsonl is always written; these add backends (rank 0 only, see usp/engine/observe/tracking.py).
     wandb: bool = False
     # offline (<run_dir>/wandb, `wandb sync` later) | online | disabled; None = $WANDB_MODE, else
-    # online if $WANDB_API_KEY is set, else offline (usp/engine/tracking.py: wandb_mode)
+    # online if $WANDB_API_KEY is set, else offline (usp/engine/observe/tracking.py: wandb_mode)
     wandb_mode: str | None = None
     wandb_project: str = "usp"
     wandb_entity: str | None = None
@@ -184,7 +184,7 @@ class LoggingConfig:
 
 @dataclass
 class ProfileConfig:
-    enabled: bool = False  # torch.profiler trace per rank in <run_dir>/profile (usp/engine/profiler.py)
+    enabled: bool = False  # torch.profiler trace per rank in <run_dir>/profile (usp/engine/observe/profiler.py)
     steps: list[int] = field(default_factory=lambda: [10, 12])  # [first, last] optimizer step, inclusive
     memory: bool = False  # CUDA memory snapshot of those steps (GPU only)
     record_shapes: bool = False

@@ -9,6 +9,12 @@ explicit train.dtype=bf16 takes the GPU's precision recipe on CPU too, so the CP
 | other layouts    | torch.autocast(bf16) around forward and loss            | fp32               |
 | AdamW            | fused=True on GPU (one kernel per parameter group)      | for-each (default) |
 | attention        | SDPA, flash backend first; or the flash-attn package    | SDPA               |
+
+The FSDP2 policy is a choice of the parallel wrappers, so it lives with them in
+usp/engine/parallel/precision.py; what the training loop itself picks (autocast, determinism,
+the AdamW kernel) and what the model builder installs (the attention kernel) stays here, at the
+engine's top level, beside the trainer that uses it. Autocast asks precision.py whether FSDP2
+already computes in bf16.
 """
 from __future__ import annotations
 
@@ -18,30 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usp.plan.layout import data_parallel_kind
+from usp.engine.parallel.precision import fsdp_mixed_precision
 from usp.plan.specs import ATTENTION_CHOICES, uses_bf16, uses_deterministic
 
 FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keeps the default (parity with past runs)
-
-
-def fsdp_mixed_precision(plan: dict) -> bool:
-    """bf16 through FSDP2's policy (parameters gathered in bf16, gradients reduced in fp32), as
-    torchtitan: for FSDP/HSDP layouts whenever bf16 is in use (gloo runs it on CPU too).
-    Pipelines and expert parallelism keep autocast: their stage boundaries and expert
-    all-to-alls expect the fp32 parameters' dtype."""
-    cfg, deg = plan["config"], plan["degrees"]
-    par = cfg["parallelism"]
-    return (uses_bf16(str(cfg["train"]["dtype"]), plan["device"])
-            and data_parallel_kind(deg, bool(par["zero1"])) in ("fsdp", "hsdp", "replicate")
-            and deg["pp"] == 1 and int(par["ep"]) == 1)
-
-
-def fsdp_mp_policy(plan: dict):
-    if not fsdp_mixed_precision(plan):
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def autocast_context(plan: dict, device: torch.device):

@@ -20,7 +20,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from usp.rundir import checkpoint_dir, list_checkpoints, write_text_atomic
+from usp.rundir import (
+    MANIFEST,
+    PLAN,
+    TRAINER_STATE,
+    checkpoint_dir,
+    list_checkpoints,
+    plan_path,
+    step_dir_name,
+    write_text_atomic,
+)
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -58,7 +67,7 @@ class Checkpointer:
                 self.wait()
             return
         self.wait()
-        tmp = self.dir / f".tmp-step_{step:08d}"
+        tmp = self.dir / f".tmp-{step_dir_name(step)}"
         if self.ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -85,12 +94,12 @@ class Checkpointer:
         if self.ctx.is_main:
             state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
                      "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time()}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            shutil.copyfile(Path(self.plan["run_dir"]) / "plan.yaml", tmp / "plan.yaml") \
-                if (Path(self.plan["run_dir"]) / "plan.yaml").exists() else None
+            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+            if plan_path(self.plan["run_dir"]).exists():
+                shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            write_text_atomic(tmp / "manifest.json", json.dumps({"step": step, "files": files}, indent=1))
-            final = self.dir / f"step_{step:08d}"
+            write_text_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+            final = self.dir / step_dir_name(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync_dir(self.dir)
@@ -133,7 +142,7 @@ class Checkpointer:
         for module, optimizer in zip(self.parts.modules, self.optimizers):
             set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
-        trainer_state = json.loads((path / "trainer_state.json").read_text())
+        trainer_state = json.loads((path / TRAINER_STATE).read_text())
         for scheduler in self.schedulers:  # one per model part, all on the same schedule
             scheduler.load_state_dict(trainer_state["scheduler"])
         self.sampler.load_state_dict(trainer_state["sampler"])

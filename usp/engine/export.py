@@ -16,7 +16,16 @@ from pathlib import Path
 import torch
 
 from usp.errors import UspError
-from usp.rundir import check_manifest, checkpoint_dir, list_checkpoints, read_plan, write_text_atomic
+from usp.rundir import (
+    CHECKPOINTS,
+    MANIFEST,
+    check_manifest,
+    checkpoint_dir,
+    list_checkpoints,
+    plan_path,
+    read_plan,
+    write_text_atomic,
+)
 
 FORMATS = ("torch", "safetensors")
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile
@@ -44,7 +53,8 @@ class ExportResult:
                  f"  config:  {self.config_path}"]
         lines += [f"  tied:    {k} = {v} (stored once)" for k, v in self.tied.items()]
         if self.non_finite:
-            lines.append(f"  warning: {len(self.non_finite)} tensor(s) hold NaN or inf values, e.g. {self.non_finite[0]}")
+            lines.append(f"  warning: {len(self.non_finite)} tensor(s) hold NaN or inf values, "
+                         f"e.g. {self.non_finite[0]}")
         if self.path.suffix == ".safetensors":
             lines.append("  load:    safetensors.torch.load_model(model, path)  (restores tied weights)")
         else:
@@ -75,50 +85,17 @@ def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
 def export_model(source, step: int | None = None, out=None, fmt: str = "torch") -> ExportResult:
     """Export the newest complete checkpoint of run directory `source` (or `step`, or `source`
     itself when it is a step_<N> directory) to `out` (default <run dir>/export/model_step<N>.<ext>)."""
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown format {fmt!r}", key="--format", value=fmt, fix="--format torch or --format safetensors")
-    if fmt == "safetensors":
-        try:
-            import safetensors.torch  # noqa: F401
-        except ImportError:
-            raise ExportError("the safetensors package is not installed", key="--format", value=fmt,
-                              fix="pip install safetensors (or --format torch)") from None
+    _check_format(fmt)
     ckpt, run_dir = _pick_checkpoint(Path(source), step)
     plan = _plan_of(ckpt, run_dir)
-    ckpt_step = int(json.loads((ckpt / "manifest.json").read_text()).get("step", _dir_step(ckpt)))
+    ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))
     state = load_model_state(ckpt)
     model_cfg = _model_config(plan)
-
-    vocab = int(model_cfg["vocab_size"])
-    padding = 0
-    for key in ("tok_embeddings.weight", "output.weight"):  # tensor parallel pads the vocabulary
-        if key in state and state[key].shape[0] > vocab:
-            padding = state[key].shape[0] - vocab
-            state[key] = state[key][:vocab].clone()
-    tied = {}
-    if model_cfg.get("tie_embeddings") and "tok_embeddings.weight" in state:
-        emb, head = state["tok_embeddings.weight"], state.get("output.weight")
-        if head is None or (head.shape == emb.shape and torch.allclose(head, emb, rtol=0, atol=0, equal_nan=True)):
-            tied = {"output.weight": "tok_embeddings.weight"}
-            if fmt == "torch":
-                state["output.weight"] = emb  # one storage: torch.save writes it once
-            else:
-                state.pop("output.weight", None)
-
+    padding = _strip_vocab_padding(state, int(model_cfg["vocab_size"]))
+    tied = _tie_embeddings(state, model_cfg, fmt)
     ext = ".pt" if fmt == "torch" else ".safetensors"
     path = Path(out) if out else run_dir / "export" / f"model_step{ckpt_step:08d}{ext}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        if fmt == "torch":
-            torch.save(state, tmp)
-        else:
-            from safetensors.torch import save_file
-
-            save_file(state, str(tmp), metadata={"format": "pt", "tied_weights": json.dumps(tied)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_weights(state, path, fmt, tied)
 
     unique = {id(t): t for k, t in state.items()}
     n_params = sum(t.numel() for t in unique.values())
@@ -137,6 +114,60 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch") 
     return ExportResult(path, config_path, ckpt, ckpt_step, len(state), n_params, tied, non_finite)
 
 
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}", key="--format", value=fmt,
+                          fix="--format torch or --format safetensors")
+    if fmt == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise ExportError("the safetensors package is not installed", key="--format", value=fmt,
+                              fix="pip install safetensors (or --format torch)") from None
+
+
+def _strip_vocab_padding(state: dict, vocab: int) -> int:
+    """Drop the rows tensor parallelism padded the vocabulary with (in place); returns how many."""
+    padding = 0
+    for key in ("tok_embeddings.weight", "output.weight"):
+        if key in state and state[key].shape[0] > vocab:
+            padding = state[key].shape[0] - vocab
+            state[key] = state[key][:vocab].clone()
+    return padding
+
+
+def _tie_embeddings(state: dict, model_cfg: dict, fmt: str) -> dict:
+    """Store a tied LM head once (in place): torch shares the embedding's storage, safetensors
+    drops the key. Returns {tied key: the key it shares}, or {}."""
+    if not (model_cfg.get("tie_embeddings") and "tok_embeddings.weight" in state):
+        return {}
+    emb, head = state["tok_embeddings.weight"], state.get("output.weight")
+    if head is not None and not (head.shape == emb.shape
+                                 and torch.allclose(head, emb, rtol=0, atol=0, equal_nan=True)):
+        return {}
+    if fmt == "torch":
+        state["output.weight"] = emb  # one storage: torch.save writes it once
+    else:
+        state.pop("output.weight", None)
+    return {"output.weight": "tok_embeddings.weight"}
+
+
+def _write_weights(state: dict, path: Path, fmt: str, tied: dict) -> None:
+    """Through a temporary file and a rename, so a crash never leaves half a weights file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if fmt == "torch":
+            torch.save(state, tmp)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(state, str(tmp), metadata={"format": "pt", "tied_weights": json.dumps(tied)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _model_config(plan: dict) -> dict:
     """The architecture as the keyword arguments of usp.models.llama.LlamaArgs, vocab resolved."""
     from usp.models.llama import LlamaArgs
@@ -152,17 +183,17 @@ def _model_config(plan: dict) -> dict:
 
 def _pick_checkpoint(source: Path, step: int | None) -> tuple[Path, Path]:
     """(checkpoint directory, run directory)."""
-    if (source / "manifest.json").is_file() or source.name.startswith("step_"):
+    if (source / MANIFEST).is_file() or source.name.startswith("step_"):
         problem = check_manifest(source)
         if problem:
             raise ExportError(f"{source} is not a complete checkpoint: {problem}", key="RUN_DIR", value=str(source),
                               fix="pick a complete one (usp status <run dir> lists them)")
-        run_dir = source.parent.parent if source.parent.name == "checkpoints" else source.parent
+        run_dir = source.parent.parent if source.parent.name == CHECKPOINTS else source.parent
         return source, run_dir
     if not source.is_dir():
         raise ExportError(f"no such run directory {source}", key="RUN_DIR", value=str(source))
-    plan_file = source / "plan.yaml"
-    where = checkpoint_dir(read_plan(plan_file)) if plan_file.is_file() else source / "checkpoints"
+    plan_file = plan_path(source)
+    where = checkpoint_dir(read_plan(plan_file)) if plan_file.is_file() else source / CHECKPOINTS
     found = list_checkpoints(where)
     complete = [c for c in found if c.complete]
     if step is not None:
@@ -182,7 +213,7 @@ def _pick_checkpoint(source: Path, step: int | None) -> tuple[Path, Path]:
 
 
 def _plan_of(ckpt: Path, run_dir: Path) -> dict:
-    for path in (ckpt / "plan.yaml", run_dir / "plan.yaml"):
+    for path in (plan_path(ckpt), plan_path(run_dir)):
         if path.is_file():
             return read_plan(path)
     raise ExportError(f"neither {ckpt} nor {run_dir} has a plan.yaml: the model architecture is unknown")

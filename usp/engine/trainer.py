@@ -1,7 +1,8 @@
 """The training loop: micro batches with gradient accumulation (no gradient sync on inner
 micro batches), or a pipeline schedule; clipping, AdamW + schedule, periodic validation,
-metrics (usp/engine/tracking.py), the optional profiler, final summary. The parallel wrappers
-come from usp/engine/model_setup.py."""
+metrics (usp/engine/observe/), the optional profiler, final summary. The model and its
+parallel wrappers come from usp/engine/parallel/build.py, the pipeline step from
+usp/engine/parallel/pipeline.py."""
 from __future__ import annotations
 
 import contextlib
@@ -19,16 +20,17 @@ from omegaconf import OmegaConf
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
 from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
-from usp.engine.console import Console, rank_logger
-from usp.engine.dist import DistContext, all_reduce_mean
 from usp.engine.grad_norm import clip_grad_norm
-from usp.engine.memory_probe import GIB, MemoryProbe
-from usp.engine.model_setup import build_model
+from usp.engine.observe.console import Console, rank_logger
+from usp.engine.observe.memory_probe import GIB, MemoryProbe
+from usp.engine.observe.profiler import StepProfiler
+from usp.engine.observe.tracking import build_trackers
 from usp.engine.optim import build_optimizer, build_scheduler
+from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
-from usp.engine.profiler import StepProfiler
-from usp.engine.tracking import build_trackers
-from usp.rundir import write_text_atomic
+from usp.engine.parallel.mesh import DistContext, all_reduce_mean
+from usp.engine.parallel.pipeline import pipeline_eval, pipeline_step
+from usp.rundir import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
 
 
 class Trainer:
@@ -64,7 +66,8 @@ class Trainer:
                            for m in self.parts.modules]
         self.schedulers = [build_scheduler(o, self.cfg.optimizer, self.steps) for o in self.optimizers]
         self.scheduler = self.schedulers[0]
-        self.checkpointer = Checkpointer(plan, ctx, self.parts, self.optimizers, self.schedulers, self.sampler, self.log)
+        self.checkpointer = Checkpointer(plan, ctx, self.parts, self.optimizers, self.schedulers, self.sampler,
+                                         self.log)
         self.start_step = self.checkpointer.resume()
         self.last_completed_step = self.start_step
         self.stop_requested = False  # set by SIGTERM / SIGUSR1 (see usp/engine/signals.py)
@@ -95,7 +98,7 @@ class Trainer:
             ep_group, edp_group = self.ctx.expert_groups(int(self.cfg.parallelism.ep), self.plan["ranks"])
             reduce_gradients(self.parts.modules[0], self.ctx.group("dp_replicate"), ep_group, edp_group)
         clip = float(self.cfg.optimizer.grad_clip)
-        with self._region("usp_optimizer"):
+        with self._region(SPAN_OPTIMIZER):
             grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"))
             if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
                 return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
@@ -135,19 +138,17 @@ class Trainer:
             x, y, positions = self._batch(self.train_tokens, starts)
             # all-reduce / reduce-scatter gradients only after the last micro batch of the step
             with gradient_sync(model, i == len(micro_batches) - 1), self._loss_context():
-                with self.autocast, self._region("usp_forward"):
+                with self.autocast, self._region(SPAN_FORWARD):
                     loss = self._loss(model(x, positions), y)
-                with self._region("usp_backward"):
+                with self._region(SPAN_BACKWARD):
                     (loss / self.accum + self._aux_loss()).backward()
             total = total + loss.detach().to(torch.float64)
         return total / len(micro_batches)
 
     def _pipeline_step(self, step: int) -> float:
-        from usp.engine.pipeline_setup import pipeline_step
-
         starts = [s for mb in self.sampler.micro_batches(step) for s in mb]  # the rank's whole batch
         x, y, _ = self._batch(self.train_tokens, starts)
-        with self._loss_context(), self.autocast, self._region("usp_pipeline_forward_backward"):
+        with self._loss_context(), self.autocast, self._region(SPAN_PIPELINE):
             return pipeline_step(self.parts, self.ctx, x, y)
 
     @torch.no_grad()
@@ -157,8 +158,6 @@ class Trainer:
         losses = []
         for rank_starts in self.eval_batches:
             if self.parts.schedule is not None:
-                from usp.engine.pipeline_setup import pipeline_eval
-
                 x, y, _ = self._batch(self.val_tokens, rank_starts)
                 with self._loss_context(), self.autocast:
                     losses.append(pipeline_eval(self.parts, self.ctx, x, y))
@@ -171,65 +170,80 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------
     def fit(self) -> dict:
-        ctx, train = self.ctx, self.cfg.train
+        """Train from start_step to train.steps; returns the summary (rank 0 also writes summary.json)."""
         self.log.info("start: %d steps, %d tokens/step, world %d, device %s, layout %s", self.steps,
-                      self.global_tokens, ctx.world_size, ctx.device, ctx.degrees)
+                      self.global_tokens, self.ctx.world_size, self.ctx.device, self.ctx.degrees)
         started = time.perf_counter()
         loss, val_loss, first_loss, self.history = float("nan"), None, None, []
         if self.start_step >= self.steps:
             self.log.info("nothing to do: resumed at step %d of %d", self.start_step, self.steps)
         try:
             for step in range(self.start_step, self.steps):
-                t0, self.data_wait_s = time.perf_counter(), 0.0
-                with self.probe.step(step) if self.probe else contextlib.nullcontext(), \
-                        self.profiler.step(step) if self.profiler else contextlib.nullcontext():
-                    loss, grad_norm = self.train_step(step)
-                dt, data_wait = time.perf_counter() - t0, self.data_wait_s
+                loss, val_loss = self._fit_step(step, started)
                 first_loss = loss if first_loss is None else first_loss
-                done = step + 1
-                is_eval = done == self.steps or (train.eval_interval and done % train.eval_interval == 0)
-                val_loss = self.evaluate() if is_eval else None
-                record = None
-                measured = self.probe is not None and self.probe.is_measured(step)
-                if is_eval or done == 1 or done % max(1, train.log_interval) == 0 or measured:
-                    record = {"step": done, "loss": loss, "val_loss": val_loss,
-                              "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                              "tokens": done * self.global_tokens, "step_time_s": dt,
-                              "tokens_per_s": self.global_tokens / dt,
-                              "tokens_per_s_per_device": self.global_tokens / dt / ctx.world_size,
-                              "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait)}
-                    if self.probe:
-                        record.update(self.probe.record(step))
-                    self.history.append(record)
-                    self.log.info("step %d loss %.6f val %s lr %.3e gnorm %.4f", done, loss, val_loss,
-                                  record["lr"], grad_norm)
-                    if self.trackers:
-                        self.trackers.log(done, record)
-                self.console.step(done, record)
-                self.last_completed_step = done
-                if self.checkpointer.due(done):
-                    self.checkpointer.save(done)
-                if self._should_stop():
-                    self.checkpointer.save(done, blocking=True)
-                    raise Preempted(done)
             self.checkpointer.save(self.steps, blocking=True)
         finally:
-            if self.profiler:
-                self.profiler.stop()
-            self.console.close()
-            if self.trackers:
-                self.trackers.close()
-        elapsed = time.perf_counter() - started
+            self._close_outputs()
+        return self._summary(time.perf_counter() - started, first_loss, loss, val_loss)
+
+    def _fit_step(self, step: int, started: float) -> tuple[float, float | None]:
+        """One optimizer step, then validation, logging and checkpointing as due: (loss, val loss)."""
+        t0, self.data_wait_s = time.perf_counter(), 0.0
+        with self.probe.step(step) if self.probe else contextlib.nullcontext(), \
+                self.profiler.step(step) if self.profiler else contextlib.nullcontext():
+            loss, grad_norm = self.train_step(step)
+        dt, data_wait = time.perf_counter() - t0, self.data_wait_s
+        done, train = step + 1, self.cfg.train
+        is_eval = done == self.steps or (train.eval_interval and done % train.eval_interval == 0)
+        val_loss = self.evaluate() if is_eval else None
+        record = None
+        measured = self.probe is not None and self.probe.is_measured(step)
+        if is_eval or done == 1 or done % max(1, train.log_interval) == 0 or measured:
+            record = {"step": done, "loss": loss, "val_loss": val_loss,
+                      "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                      "tokens": done * self.global_tokens, "step_time_s": dt,
+                      "tokens_per_s": self.global_tokens / dt,
+                      "tokens_per_s_per_device": self.global_tokens / dt / self.ctx.world_size,
+                      "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait)}
+            self._log_record(step, record)
+        self.console.step(done, record)
+        self.last_completed_step = done
+        if self.checkpointer.due(done):
+            self.checkpointer.save(done)
+        if self._should_stop():
+            self.checkpointer.save(done, blocking=True)
+            raise Preempted(done)
+        return loss, val_loss
+
+    def _log_record(self, step: int, record: dict) -> None:
+        """A logged step: the memory probe's fields, the history, the rank log, the trackers."""
+        if self.probe:
+            record.update(self.probe.record(step))
+        self.history.append(record)
+        self.log.info("step %d loss %.6f val %s lr %.3e gnorm %.4f", record["step"], record["loss"],
+                      record["val_loss"], record["lr"], record["grad_norm"])
+        if self.trackers:
+            self.trackers.log(record["step"], record)
+
+    def _close_outputs(self) -> None:
+        """The profiler, the console and the trackers; also after an error or a stop signal."""
+        if self.profiler:
+            self.profiler.stop()
+        self.console.close()
+        if self.trackers:
+            self.trackers.close()
+
+    def _summary(self, elapsed: float, first_loss: float | None, loss: float, val_loss: float | None) -> dict:
         ran = self.steps - self.start_step  # a resumed attempt's speed counts only its own steps
         summary = {"steps": self.steps, "tokens": self.steps * self.global_tokens, "time_s": elapsed,
                    "tokens_per_s": ran * self.global_tokens / elapsed if ran > 0 else None,
                    "resumed_from_step": self.start_step, "first_loss": first_loss,
-                   "final_loss": loss, "final_val_loss": val_loss, "world_size": ctx.world_size}
+                   "final_loss": loss, "final_val_loss": val_loss, "world_size": self.ctx.world_size}
         if self.probe:
             summary.update(self.probe.summary(self.history))
         self.log.info("done: %s", json.dumps(summary))
         if self.trackers:
-            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(self.run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _should_stop(self) -> bool:

@@ -1,6 +1,10 @@
 """`usp verify` worker: `python -m usp.engine.verify_worker --plan P --reference R --out F`,
 under torchrun (or in-process for one rank). Trains the reference on rank 0, then the layout on
-every rank, and writes the step-by-step comparison to F (rank 0, atomically)."""
+every rank, and writes the step-by-step comparison to F (rank 0, atomically).
+
+The reference is the same model, seed, data and global batch on one process with every degree
+1; it runs on rank 0 while the other ranks wait. The parity-matrix tests drive `verify_plans`
+directly (tests/dist/parity.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,10 +12,96 @@ import json
 import sys
 from pathlib import Path
 
-from usp.engine import dist as udist
+import torch
+import torch.distributed as dist
+
 from usp.engine.accel import apply_determinism
-from usp.engine.parity import verify_plans
+from usp.engine.parallel import mesh as udist
+from usp.engine.trainer import Trainer
 from usp.rundir import read_plan, write_text_atomic
+
+_STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def run_layout(plan: dict) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Train under `plan` on the current process group; return (metrics, full parameters)."""
+    ctx = udist.make_context(plan)
+    trainer = Trainer(plan, ctx, write_outputs=False)
+    trainer.fit()
+    params = gather_full_params(trainer)
+    history = trainer.history
+    del trainer  # free DDP/FSDP state while the process group is alive
+    return history, params
+
+
+def gather_full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter of the model as a full CPU tensor, on rank 0 (pipeline stages and
+    expert-parallel ranks each contribute the pieces they hold)."""
+    local = {}
+    for module in trainer.parts.stage_modules:
+        for name, p in module.named_parameters():
+            for s in _STRIP:
+                name = name.replace(s, "")
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            if hasattr(p, "_ep_shard"):  # expert-parallel slice: rows [start, start + n) of the full tensor
+                name = f"{name}@{p._ep_shard[0]}"
+            local[name] = full.detach().float().cpu()
+    if trainer.ctx.world_size == 1:
+        return local
+    gathered = [None] * trainer.ctx.world_size if trainer.ctx.is_main else None
+    dist.gather_object(local, gathered, dst=0)
+    if not trainer.ctx.is_main:
+        return {}
+    merged, slices = {}, {}
+    for part in gathered:
+        for name, t in part.items():
+            if "@" in name:
+                base, start = name.rsplit("@", 1)
+                slices.setdefault(base, {})[int(start)] = t
+            else:
+                merged.setdefault(name, t)
+    for base, pieces in slices.items():
+        merged[base] = torch.cat([pieces[k] for k in sorted(pieces)], dim=0)
+    return merged
+
+
+def compare(reference: list[dict], layout: list[dict], ref_params: dict, params: dict) -> dict:
+    """Step-by-step loss and grad-norm differences, and the worst final-parameter difference."""
+    rows, worst = [], 0.0
+    for ref, got in zip(reference, layout):
+        rel = abs(ref["loss"] - got["loss"]) / abs(ref["loss"])
+        worst = max(worst, rel)
+        rows.append({"step": ref["step"], "ref_loss": ref["loss"], "loss": got["loss"], "rel_diff": rel,
+                     "grad_norm_diff": abs(ref["grad_norm"] - got["grad_norm"])})
+    param_err, worst_param, missing = 0.0, None, []
+    for name, ref in ref_params.items():
+        other = params.get(name)
+        if other is None:
+            missing.append(name)
+            continue
+        other = other[: ref.shape[0]] if other.shape != ref.shape else other  # padded vocab rows
+        err = float((other - ref).abs().max())
+        if err > param_err:
+            param_err, worst_param = err, name
+    return {"rows": rows, "max_rel_loss_diff": worst, "max_param_diff": param_err, "worst_param": worst_param,
+            "missing_params": missing, "steps": len(rows), "steps_expected": len(reference)}
+
+
+def verify_plans(plan: dict, reference: dict) -> dict:
+    """Rank 0 trains the single-process reference, then every rank trains the layout; rank 0
+    returns the comparison (other ranks return {})."""
+    ref = None
+    if plan["world_size"] == 1 or dist.get_rank() == 0:
+        ctx = udist.make_context(reference)
+        trainer = Trainer(reference, ctx, write_outputs=False)
+        trainer.fit()
+        ref = (trainer.history, gather_full_params(trainer))
+        del trainer
+    history, params = run_layout(plan)
+    if ref is None:
+        return {}
+    return compare(ref[0], history, ref[1], params)
+
 
 
 def run_verify(plan_path: str, reference_path: str, out: str) -> int:

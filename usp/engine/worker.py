@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from usp.engine import dist as udist
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
-from usp.engine.failure import record_failures
+from usp.engine.observe.failure import record_failures
+from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Preempted, Trainer
-from usp.rundir import read_plan
+from usp.rundir import METRICS, SAMPLE, events_path, read_plan
 
 
 @record  # on failure torchrun reports this rank's traceback in its summary
@@ -63,7 +63,7 @@ def _log_placement(ctx, plan: dict) -> None:
     launch misbehaves."""
     import logging
 
-    rank, log = ctx.rank, logging.getLogger(f"usp.rank{ctx.rank}")  # logs/rank_<R>.log (usp.engine.console)
+    rank, log = ctx.rank, logging.getLogger(f"usp.rank{ctx.rank}")  # logs/rank_<R>.log (usp.engine.observe.console)
     planned = plan["ranks"][rank] if rank < len(plan.get("ranks", [])) else {}
     env = os.environ
     log.info("placement: rank %d local_rank %s node_rank %s host %s slurm_node %s slurm_restart %s | plan: "
@@ -82,8 +82,9 @@ _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECA
 
 def log_event(run_dir: Path, event: str, **fields) -> None:
     """One line per run-level event (restart, preemption) in logs/events.jsonl."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "logs" / "events.jsonl", "a") as f:
+    path = events_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
         f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
@@ -99,9 +100,10 @@ def _final_report(trainer: Trainer, summary: dict) -> None:
     rows = [("steps", f"{summary['steps']}"), ("tokens", f"{summary['tokens']:,}"),
             ("time", f"{summary['time_s']:.1f} s"), ("tokens/s", _fmt(summary["tokens_per_s"], ",.0f")),
             ("train loss", f"{_fmt(summary['first_loss'], '.4f')} -> {_fmt(summary['final_loss'], '.4f')}"
-                           + (f" (resumed at step {summary['resumed_from_step']})" if summary.get("resumed_from_step") else "")),
+                           + (f" (resumed at step {summary['resumed_from_step']})"
+                              if summary.get("resumed_from_step") else "")),
             ("val loss", f"{val:.4f}" if val is not None else "-"),
-            ("metrics", str(trainer.run_dir / "metrics.jsonl"))]
+            ("metrics", str(trainer.run_dir / METRICS))]
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
@@ -128,7 +130,7 @@ def _sample_text(trainer: Trainer) -> str | None:
     prompt = tok.encode(train.sample_prompt)
     out = generate(trainer.raw_model, prompt, int(train.sample_tokens), trainer.seq_len, int(train.seed))
     text = train.sample_prompt + tok.decode(out)
-    (trainer.run_dir / "sample.txt").write_text(text + "\n")
+    (trainer.run_dir / SAMPLE).write_text(text + "\n")
     return text
 
 

@@ -1,4 +1,5 @@
-"""Llama-style decoder in plain PyTorch (RMSNorm, RoPE, GQA attention via SDPA, SwiGLU).
+"""Llama-style decoder in plain PyTorch (RMSNorm, RoPE, GQA attention via SDPA, SwiGLU; the
+shared pieces in usp/models/layers.py, the optional MoE feed-forward in usp/models/moe.py).
 
 Layout follows torchtitan so later parallelism passes can work on FQNs:
 `tok_embeddings`, `layers` (ModuleDict keyed "0".."L-1"), `norm`, `output`.
@@ -15,6 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from usp.models.layers import FeedForward, apply_rope, precompute_rope
+from usp.models.moe import MoE
 
 
 @dataclass
@@ -61,31 +65,6 @@ class LlamaArgs:
         if kw.get("vocab_size", -1) <= 0:
             raise ValueError("model.vocab_size is unresolved; pass the tokenizer's vocab_size")
         return cls(**kw)
-
-
-# ---------------------------------------------------------------------------- RoPE
-
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float = 10000.0,
-                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim // 2), in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (b, s, heads, head_dim) by the angles of its tokens' positions.
-
-    `cos`/`sin` are (s, head_dim // 2): the tables already indexed at the tokens' absolute
-    positions, so a shard of the sequence (context parallelism) rotates exactly like the
-    same tokens inside the full sequence. Pairs are interleaved (x[2i], x[2i+1]) as in Meta's
-    Llama. Computed in float32 and cast back.
-    """
-    xf = x.float().unflatten(-1, (-1, 2))
-    x1, x2 = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return out.flatten(-2).type_as(x)
 
 
 # ----------------------------------------------------------------------- blocks
@@ -135,19 +114,6 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, ffn_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -155,8 +121,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if args.n_experts > 0:
-            from usp.models.moe import MoE
-
             self.feed_forward = MoE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)

@@ -3,7 +3,7 @@
 Layout (FQNs under a block's `feed_forward`):
   router.weight  (E, dim)            softmax gate, no bias
   experts.w1/w3  (E, dim, hidden)    stacked per-expert SwiGLU weights, so expert parallelism
-  experts.w2     (E, hidden, dim)    can slice dim 0 (see usp.engine.parallel.expert)
+  experts.w2     (E, hidden, dim)    can slice dim 0 (expert parallelism)
   shared_expert.*                    optional always-on `FeedForward` (hidden = expert hidden)
 
 Routing: p = softmax(router(x)) in fp32; each token picks its top_k experts and their
@@ -16,6 +16,11 @@ Load-balancing loss (Switch / GShard): aux = E * sum_e f_e * P_e, f_e = share of
 assignments (before capacity drops) that chose e, P_e = mean router probability of e. It is 1
 for perfectly uniform routing. Each forward stores it in `self.aux_loss`; the trainer adds
 `aux_loss_coef * moe_aux_loss(model)` (the sum over layers) to the loss.
+
+Expert dispatch is a hook, as attention is for context parallelism: `MoE.expert_dispatch` is
+None (every expert is local: run them on the routed tokens) or a function
+(experts, routed, counts) -> outputs that a parallelism installs, e.g. expert parallelism's
+all_to_all exchange. This module knows nothing of process groups.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from usp.models.layers import FeedForward
 
 
 class GroupedExperts(nn.Module):
@@ -57,8 +64,6 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, args: Any) -> None:
         super().__init__()
-        from usp.models.llama import FeedForward  # llama imports this module
-
         dim, self.n_experts, self.top_k = args.dim, args.n_experts, args.top_k
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"model.top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
@@ -67,7 +72,9 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, self.n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, self.n_experts)
         self.shared_expert: nn.Module | None = FeedForward(dim, hidden) if args.shared_expert else None
-        self.ep_group = None  # set by usp.engine.parallel.expert.apply_expert_parallel
+        # optional (experts, routed (N, dim), counts (E,) int64) -> outputs (N, dim), replacing the
+        # local experts (expert parallelism installs its token exchange here)
+        self.expert_dispatch = None
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.tokens_dropped = 0  # assignments dropped by the capacity limit in the last forward
 
@@ -118,12 +125,10 @@ class MoE(nn.Module):
         top_w, top_e, _ = self.route(x)
         tok, slot, _, counts = self.dispatch_plan(top_e)
         routed = x[tok]
-        if self.ep_group is None:
+        if self.expert_dispatch is None:
             y = self.experts(routed, counts.tolist())
         else:
-            from usp.engine.parallel.expert import ep_dispatch_combine
-
-            y = ep_dispatch_combine(self, routed, counts)
+            y = self.expert_dispatch(self.experts, routed, counts)
         y = y * top_w.flatten()[slot].unsqueeze(-1)
         out = torch.zeros_like(x).index_add_(0, tok, y)
         if self.shared_expert is not None:

@@ -56,7 +56,7 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                `peak_phase` names the winner; the terms of the other phase are 0 in the breakdown.
   overhead     a fixed allowance (CUDA/XPU context, NCCL and cuBLAS workspaces: 1 GiB; CPU:
                Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
-               Not tensor memory: the engine's memory probe (usp/engine/memory_probe.py) compares
+               Not tensor memory: the engine's memory probe (usp/engine/observe/memory_probe.py) compares
                the total WITHOUT it with the measured tensor peak.
 """
 from __future__ import annotations

@@ -135,7 +135,7 @@ class _Compute:
 def _flops_per_token(arch: Arch, layout: Layout, seq_len: int) -> tuple[float, float, float, float]:
     """(FLOPs per token of one block, of the LM head, model total (the MFU numerator), hardware total).
     Full recomputation runs each block's forward (1/3 of its training FLOPs) again; the LM head is
-    not recomputed (usp/engine/recompute.py wraps blocks only)."""
+    not recomputed (usp/engine/parallel/recompute.py wraps blocks only)."""
     h, s = arch.dim, seq_len
     layer_fpt = 6 * arch.active_layer_matmul_params + 12 * h * s
     head_fpt = 6 * arch.vocab_size * h

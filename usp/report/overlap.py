@@ -1,5 +1,5 @@
 """How much communication is hidden behind compute, from one rank's Chrome trace
-(<run_dir>/profile/rank_<R>.json, usp/engine/profiler.py; no torch here). Per profiled step:
+(<run_dir>/profile/rank_<R>.json, usp/engine/observe/profiler.py; no torch here). Per profiled step:
 
     communication = time covered by at least one collective, on the lanes that execute it
     overlapped    = the part of it during which compute runs on another lane

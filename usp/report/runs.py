@@ -39,7 +39,7 @@ class RunData:
 
     def profiled_steps(self) -> set[int]:
         """Steps the profiler slowed down: profile.steps [first, last] and the step before it,
-        which the profiler's schedule traces as its warm-up (usp/engine/profiler.py)."""
+        which the profiler's schedule traces as its warm-up (usp/engine/observe/profiler.py)."""
         cfg = ((self.plan or {}).get("config") or {}).get("profile") or {}
         if not cfg.get("enabled") or not cfg.get("steps"):
             return set()

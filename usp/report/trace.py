@@ -1,5 +1,5 @@
 """Step-time breakdown from the profiler's Chrome trace, <run_dir>/profile/rank_<R>.json (written by
-usp/engine/profiler.py; no torch here). The trainer wraps each profiled optimizer step in a
+usp/engine/observe/profiler.py; no torch here). The trainer wraps each profiled optimizer step in a
 `usp_step_<N>` span and its phases in `usp_forward` / `usp_backward` (once per micro batch),
 `usp_pipeline_forward_backward` (pipelines) and `usp_optimizer` (clip + step). Per step:
 

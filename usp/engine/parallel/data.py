@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from usp.engine.dist import DistContext
+from usp.engine.parallel.mesh import DistContext
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 

@@ -4,7 +4,8 @@ The EP group is carved out of the data-parallel ranks: every rank of an EP group
 DIFFERENT data, routes its own tokens, and sends each token to the rank that holds its expert.
 EP rank r of an EP group of size ep keeps experts [r*E/ep, (r+1)*E/ep) of every MoE layer.
 
-Forward of one MoE layer on one rank (see `ep_dispatch_combine`):
+`apply_expert_parallel` installs `ep_dispatch_combine` as every MoE layer's `expert_dispatch`
+hook (the model itself imports nothing from here). Forward of one MoE layer on one rank:
   1. route locally (router, top-k, capacity drops all happen on the source rank, so the result
      equals a single process running the MoE on this rank's tokens);
   2. exchange per-expert token counts (all_to_all_single of an (E,) int64 tensor);
@@ -36,6 +37,7 @@ Gradient reduction (the trainer must NOT let DDP all-reduce expert parameters; c
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -43,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from usp.models.moe import GroupedExperts, MoE, moe_layers
+from usp.models.moe import GroupedExperts, moe_layers
 
 
 class _AllToAll(torch.autograd.Function):
@@ -69,11 +71,12 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-def ep_dispatch_combine(moe: MoE, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """routed (N, dim): this rank's token copies sorted by global expert id; counts (E,) int64:
+def ep_dispatch_combine(experts: GroupedExperts, routed: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:
+    """The MoE layer's `expert_dispatch` hook under expert parallelism over `group`.
+    routed (N, dim): this rank's token copies sorted by global expert id; counts (E,) int64:
     copies per global expert. Returns the expert outputs (N, dim) in the same order."""
-    group, ep = moe.ep_group, dist.get_world_size(moe.ep_group)
-    n_local = moe.experts.n_local
+    ep = dist.get_world_size(group)
+    n_local = experts.n_local
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
     recv = recv_counts.view(ep, n_local)  # recv[s, j] = copies from rank s for local expert j
@@ -84,7 +87,7 @@ def ep_dispatch_combine(moe: MoE, routed: torch.Tensor, counts: torch.Tensor) ->
     local_e = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
                                       recv.flatten().to(x.device))
     order = torch.argsort(local_e, stable=True)
-    y_sorted = moe.experts(x[order], recv.sum(0).tolist())
+    y_sorted = experts(x[order], recv.sum(0).tolist())
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return all_to_all(y_sorted[inverse], send_splits, recv_splits, group)
@@ -109,7 +112,7 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
             p._ep_shard = (start, E)  # Llama.init_weights draws the full tensor and keeps this slice
             setattr(ex, name, p)
         ex.expert_start = start
-        m.ep_group = ep_group
+        m.expert_dispatch = functools.partial(ep_dispatch_combine, group=ep_group)
     return model
 
 

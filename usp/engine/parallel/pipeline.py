@@ -23,16 +23,22 @@ schedule reports then sum to the batch mean, and (2) `scale_grads` divides whate
 Measured against a single process on the same batch (tests/dist/cases_pipeline.py, every
 schedule): divided loss + scale_grads=False gives parameters bit-identical to a single process
 that accumulates the same micro batches, and equal to a full-batch step to 2e-14 in float64;
-divided loss + the default scale_grads=True gives gradients exactly n times too small. So `build_pipeline` takes the plain per-micro-batch mean loss (e.g. cross entropy) and
-wraps it; do not divide it yourself. (With ignore_index / padded tokens, micro-batch means
+divided loss + the default scale_grads=True gives gradients exactly n times too small. So
+`build_pipeline` takes the plain per-micro-batch mean loss (e.g. cross entropy) and wraps it;
+do not divide it yourself. (With ignore_index / padded tokens, micro-batch means
 would weigh tokens unequally: pass a token-sum loss divided by the batch's token count.)
 
 Zero-bubble schedules (interleaved_zb, zbv) split the backward into input- and weight-gradient
 passes (`torch.autograd.grad` on the stage's graph); nothing special is needed for this model.
+
+Running it: `pipeline_step` is the trainer's forward + backward of one batch through the
+schedule, `pipeline_eval` its schedule-free forward for validation; both take the ModelParts
+that usp/engine/parallel/build.py makes with `build_pipeline`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,6 +52,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+
+if TYPE_CHECKING:  # parallel/build.py builds the parts with build_pipeline (below)
+    from usp.engine.parallel.build import ModelParts
+    from usp.engine.parallel.mesh import DistContext
 
 SCHEDULE_CLASSES = {
     "afab": ScheduleGPipe,  # all forwards, then all backwards
@@ -121,29 +131,52 @@ def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequ
     return schedule, modules
 
 
-def pipeline_step(schedule, stage_modules: Sequence[nn.Module], is_first: bool, is_last: bool,
-                  x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """One forward + backward over this pp group's batch (x: tokens, y: targets, both (b, s);
-    b must divide into the schedule's micro batches). Gradients accumulate into the stage
-    modules' .grad; the caller zeroes them and steps the optimizer. is_first / is_last: whether
-    this rank holds the first / last stage (with zbv rank 0 holds both). Returns the batch-mean
-    loss (detached) on the rank holding the last stage, None on the others."""
-    if is_first != any(m.tok_embeddings is not None for m in stage_modules):
-        raise ValueError("is_first does not match the stage modules (first stage holds the embedding)")
-    args = (x,) if is_first else ()
-    losses: list | None = [] if is_last else None
-    schedule.step(*args, target=y if is_last else None, losses=losses, return_outputs=False)
-    if not is_last:
-        return None
-    return torch.stack([loss.detach() for loss in losses]).sum()  # micro-batch losses are mean / n
+def pipeline_step(parts: ModelParts, ctx: DistContext, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The trainer's forward + backward of this rank's batch (x: tokens, y: targets, both (b, s);
+    b must divide into the schedule's micro batches) through the pipeline schedule. Gradients
+    accumulate into the stage modules' .grad; the caller zeroes them and steps the optimizer.
+    Returns the batch-mean loss on every pp rank."""
+    losses = [] if parts.is_last_stage else None
+    args = (x,) if parts.is_first_stage else ()
+    parts.schedule.step(*args, target=y if parts.is_last_stage else None, losses=losses, return_outputs=False)
+    # micro-batch losses are mean / n_microbatches: their sum is the batch mean
+    return _broadcast(parts, ctx, sum(_float(loss) for loss in losses) if parts.is_last_stage else 0.0)
 
 
-def broadcast_loss(loss: torch.Tensor | None, pp_group: dist.ProcessGroup, last_rank: int,
-                   device: torch.device = torch.device("cpu")) -> float:
-    """Send the loss from the pp rank holding the last stage (`last_rank`, a rank inside
-    pp_group: `usp.plan.pipeline_split.last_stage_rank`) to every pp rank, for logging."""
-    buf = torch.zeros((), dtype=torch.float64, device=device)
-    if dist.get_rank(pp_group) == last_rank:
-        buf.copy_(loss.detach())
-    dist.broadcast(buf, src=dist.get_global_rank(pp_group, last_rank), group=pp_group)
-    return float(buf.item())
+@torch.no_grad()
+def pipeline_eval(parts: ModelParts, ctx: DistContext, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward only, the whole batch through the stages in order, hidden states passed
+    point-to-point between the ranks that own consecutive stages. Independent of the schedule
+    (torch's forward-only `eval` of the zbv schedule hangs in 2.13)."""
+    group, me, loss = ctx.group("pp"), ctx.coords["pp"], 0.0
+    modules = dict(zip(parts.stage_indices, parts.modules))
+    h = None
+    n_stages = len(parts.stage_owner)
+    for stage in range(n_stages):
+        owner = parts.stage_owner[stage]
+        prev = parts.stage_owner.get(stage - 1)
+        if stage > 0 and owner != prev:  # hidden states cross ranks
+            if me == prev:
+                dist.send(h.contiguous(), dist.get_global_rank(group, owner), group=group)
+            elif me == owner:
+                s_local = x.shape[1] // ctx.degrees["tp"]  # sequence-parallel shard under TP
+                h = torch.empty((x.shape[0], s_local, parts.hidden_dim), device=ctx.device)
+                dist.recv(h, dist.get_global_rank(group, prev), group=group)
+        if me == owner:
+            h = modules[stage](x if stage == 0 else h)
+            if stage == n_stages - 1:
+                loss = _float(F.cross_entropy(h.flatten(0, 1).float(), y.flatten(0, 1)))
+    return _broadcast(parts, ctx, loss)
+
+
+def _broadcast(parts: ModelParts, ctx: DistContext, loss: float) -> float:
+    """The loss from the pp rank that holds the last stage, on every pp rank (for logging)."""
+    value = torch.tensor(loss, dtype=torch.float64, device=ctx.device)
+    group = ctx.group("pp")
+    dist.broadcast(value, src=dist.get_global_rank(group, parts.last_pp_rank), group=group)
+    return float(value)
+
+
+def _float(loss) -> float:
+    loss = loss.detach()
+    return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)

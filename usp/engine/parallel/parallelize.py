@@ -1,15 +1,17 @@
 """Apply the parallelisms of the plan to one model (or one pipeline stage), always in the
 same order (as torchtitan): TP/SP -> CP -> EP -> activation recomputation -> compile ->
-FSDP / ZeRO / DDP. Each step lives in its own file under usp/engine/parallel/."""
+FSDP / ZeRO / DDP. Each step lives in its own file beside this one in usp/engine/parallel/
+(tensor.py, context.py, expert.py, recompute.py, data.py; the FSDP2 policy in precision.py);
+build.py calls this once per model or pipeline stage."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from usp.engine.accel import fsdp_mp_policy
-from usp.engine.dist import DistContext
 from usp.engine.parallel.data import apply_ddp, apply_fsdp
-from usp.engine.recompute import apply_recompute
+from usp.engine.parallel.mesh import DistContext
+from usp.engine.parallel.precision import fsdp_mp_policy
+from usp.engine.parallel.recompute import apply_recompute
 from usp.plan.layout import data_parallel_kind
 
 

@@ -1,5 +1,6 @@
-"""Build what one rank trains from the plan: the model (or its pipeline stages), parallelized
-in the fixed order of usp/engine/parallelize.py."""
+"""Build what one rank trains from the plan: the model, or this rank's pipeline stages (each
+stage parallelized like a whole model), parallelized in the fixed order of
+usp/engine/parallel/parallelize.py. Running a pipeline step lives in parallel/pipeline.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,9 +10,11 @@ import torch
 from torch import nn
 
 from usp.engine.accel import set_attention
-from usp.engine.dist import DistContext
-from usp.engine.parallelize import parallelize
+from usp.engine.parallel.mesh import DistContext
+from usp.engine.parallel.parallelize import parallelize
+from usp.engine.parallel.pipeline import build_pipeline, lm_loss
 from usp.models.llama import Llama, LlamaArgs
+from usp.plan.pipeline_split import last_stage_rank
 
 
 @dataclass
@@ -22,6 +25,11 @@ class ModelParts:
     is_first_stage: bool = True
     is_last_stage: bool = True
     stage_modules: list[nn.Module] = field(default_factory=list)
+    # pipelined only: the pp rank holding the last stage, this rank's stages, stage -> pp rank
+    last_pp_rank: int = 0
+    stage_indices: list[int] = field(default_factory=list)
+    stage_owner: dict[int, int] = field(default_factory=dict)
+    hidden_dim: int = 0
 
     def parameters(self):
         for m in self.modules:
@@ -51,12 +59,28 @@ def model_factory(plan: dict, ctx: DistContext):
 def build_model(plan: dict, ctx: DistContext) -> ModelParts:
     build = model_factory(plan, ctx)
     if ctx.degrees["pp"] > 1:
-        from usp.engine.pipeline_setup import build_pipeline_parts
-
         return build_pipeline_parts(plan, ctx, build)
     model = build()
     wrapped = parallelize(model, plan, ctx)
     return ModelParts(modules=[wrapped], raw=model, stage_modules=[wrapped])
+
+
+def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
+    """This rank's stages of plan["pipeline"] and the schedule that runs them."""
+    pipe = plan["pipeline"]
+    mine = pipe["rank_stages"][ctx.coords["pp"]]
+    n_stages = len(pipe["stage_layers"])
+
+    schedule, wrapped = build_pipeline(build, pipe["stage_layers"], mine, ctx.group("pp"), ctx.device,
+                                       int(pipe["n_microbatches"]), pipe["schedule"], lm_loss,
+                                       parallelize_fn=lambda stage: parallelize(stage, plan, ctx))
+    return ModelParts(
+        modules=wrapped, raw=None, schedule=schedule, is_first_stage=0 in mine, is_last_stage=n_stages - 1 in mine,
+        stage_modules=wrapped,
+        last_pp_rank=last_stage_rank(ctx.degrees["pp"], int(pipe["virtual_stages"]), pipe["schedule"]),
+        stage_indices=list(mine),
+        stage_owner={stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages},
+        hidden_dim=int(plan["config"]["model"]["dim"]))
 
 
 class _Attrs(dict):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-from usp.rundir import is_comm  # the communication-op pattern, shared with usp report
+from usp.rundir import SPAN_STEP_PREFIX, is_comm, profile_dir, step_span  # shared with usp report
 
 TOP_OPS = 15
 
@@ -35,7 +35,7 @@ class StepProfiler:
 
     def __init__(self, cfg, run_dir: Path, rank: int, device: torch.device, start_step: int, first: int,
                  last: int, warn):
-        self.dir, self.rank, self.device = run_dir / "profile", rank, device
+        self.dir, self.rank, self.device = profile_dir(run_dir), rank, device
         self.dir.mkdir(parents=True, exist_ok=True)
         self.first = max(first, start_step + 1)  # resumed inside the window: profile what is left
         self.last = last
@@ -58,7 +58,7 @@ class StepProfiler:
         n = step + 1
         if self.memory and n == self.first:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        with record_function(f"usp_step_{n}"):
+        with record_function(step_span(n)):
             yield
         if self.memory and n == self.last:
             torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank_{self.rank}.pickle"))
@@ -88,9 +88,9 @@ class StepProfiler:
         comm = sorted((e for e in events if is_comm(e.key)), key=lambda e: -getattr(e, attr))
         comm_us = sum(getattr(e, attr) for e in comm)
         share = comm_us / total if total else 0.0
-        steps = [e for e in events if e.key.startswith("usp_step_")]
+        steps = [e for e in events if e.key.startswith(SPAN_STEP_PREFIX)]
         lines = [f"usp profile, rank {self.rank}, device {self.device}, optimizer steps {self.first}-{self.last}",
-                 "step wall time (CPU, usp_step_<N>): " + ", ".join(
+                 f"step wall time (CPU, {SPAN_STEP_PREFIX}<N>): " + ", ".join(
                      f"{e.key[len('usp_'):]} {e.cpu_time_total / 1e3:.1f} ms" for e in
                      sorted(steps, key=lambda e: int(e.key.rsplit('_', 1)[1]))),
                  f"communication: {100 * share:.1f}% of {what} ({comm_us / 1e3:.1f} of {total / 1e3:.1f} ms) in "

@@ -1,6 +1,6 @@
 """runs/<name>/metrics.jsonl: one JSON object per logged step, flushed as it is written so
 a crash loses nothing that was logged. Written by rank 0 only, always (W&B and TensorBoard
-are optional extras beside it: usp/engine/tracking.py)."""
+are optional extras beside it: usp/engine/observe/tracking.py)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ class MetricsWriter:
             self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def log(self, step: int, record: dict) -> None:  # the Tracker interface (usp/engine/tracking.py)
+    def log(self, step: int, record: dict) -> None:  # the Tracker interface (usp/engine/observe/tracking.py)
         self.write(record)
 
     def write(self, record: dict) -> None:

@@ -17,7 +17,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from usp.rundir import LOST_PEER, OOM, PYTHON, TIMEOUT
+from usp.rundir import LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
 
 # Lower-case message fragments, checked in this order (a lost connection often mentions a timeout).
 _OOM_TEXT = ("out of memory",)
@@ -49,10 +49,6 @@ def classify(exc: BaseException) -> str:
     return PYTHON
 
 
-def failure_path(run_dir, rank: int) -> Path:
-    return Path(run_dir) / "logs" / f"failure_rank{rank}.json"
-
-
 def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step: int | None) -> Path:
     """Write logs/failure_rank<rank>.json atomically and append a one-liner to logs/rank_<rank>.log."""
     from usp.rundir import write_text_atomic
@@ -76,7 +72,7 @@ def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step
     }
     path = failure_path(run_dir, rank)
     write_text_atomic(path, json.dumps(record, indent=2) + "\n")
-    with open(Path(run_dir) / "logs" / f"rank_{rank}.log", "a") as log:
+    with open(rank_log(run_dir, rank), "a") as log:
         log.write(failure_line(record) + "\n")
     return path
 

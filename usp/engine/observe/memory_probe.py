@@ -295,7 +295,8 @@ class MemoryProbe:
                     "memory_measured_breakdown_gib": {k: v / GIB for k, v in m["breakdown"].items()}})
         out.update(self.predicted())
         if "memory_predicted_gib" in out:
-            out["memory_error"] = (out["memory_predicted_gib"] - out["memory_measured_gib"]) / out["memory_measured_gib"]
+            measured = out["memory_measured_gib"]
+            out["memory_error"] = (out["memory_predicted_gib"] - measured) / measured
         return out
 
     def summary(self, history: list[dict]) -> dict:

@@ -6,14 +6,17 @@ import logging
 import sys
 from pathlib import Path
 
+from usp.rundir import rank_log
+
 
 def rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     log = logging.getLogger(f"usp.rank{rank}")
     log.setLevel(logging.INFO)
     log.propagate = False
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = rank_log(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
     # Appended, not truncated: a restarted or resumed run keeps the history of earlier attempts.
-    handler = logging.FileHandler(run_dir / "logs" / f"rank_{rank}.log", mode="a")
+    handler = logging.FileHandler(path, mode="a")
     handler.setFormatter(logging.Formatter("%(asctime)s rank%(rank)s %(message)s".replace("%(rank)s", str(rank))))
     log.handlers[:] = [handler]
     return log

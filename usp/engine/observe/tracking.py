@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from usp.engine.metrics import MetricsWriter
+from usp.engine.observe.metrics import MetricsWriter
+from usp.rundir import METRICS
 
 WANDB_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run appends to the same W&B run
 
@@ -32,7 +33,7 @@ def build_trackers(plan: dict, run_dir: Path, resume_step: int = 0,
         extras.append(WandbTracker(plan, run_dir, resumed=resume_step > 0, warn=warn))
     if cfg.get("tensorboard"):
         extras.append(TensorBoardTracker(run_dir / "tensorboard", plan, resume_step))
-    return Trackers(MetricsWriter(run_dir / "metrics.jsonl", keep_until=resume_step), extras, warn)
+    return Trackers(MetricsWriter(run_dir / METRICS, keep_until=resume_step), extras, warn)
 
 
 class Trackers:
@@ -118,7 +119,8 @@ class WandbTracker:
             if mode != "online":
                 raise
             warn(f"W&B online init failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                 f"logging offline to {run_dir / 'wandb'} instead (upload later: wandb sync {run_dir / 'wandb'}/offline-run-*)")
+                 f"logging offline to {run_dir / 'wandb'} instead "
+                 f"(upload later: wandb sync {run_dir / 'wandb'}/offline-run-*)")
             wandb.teardown()  # the failed attempt still holds the run id in W&B's service process
             self.run = wandb.init(mode="offline", settings=settings, **kwargs)
 
