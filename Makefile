@@ -26,10 +26,11 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# Everything but the torchrun launches and the Slurm jobs: a quick check while editing (< 3 min).
+# Everything but the multi-process, Slurm and slow (long training) tests: a quick check while editing
+# (< 3 min).
 # It complements `make test`, never replaces it.
 test-fast: setup
-	$(PY) -m pytest -m "not distributed and not slurm" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "not distributed and not slurm and not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # ruff (lint + import order) over the code, tests and scripts; mypy over the torch-free layers.

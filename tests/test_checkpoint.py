@@ -67,6 +67,7 @@ def worker_pids(plan_path: Path) -> dict[int, int]:
     return out
 
 
+@pytest.mark.distributed
 def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, shakespeare):
     """2-process DDP run stopped by SIGUSR1 (what Slurm sends before preemption): it checkpoints,
     exits 75, and the same command resumes; every loss equals an uninterrupted run's."""
@@ -95,6 +96,7 @@ def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, shakesp
     assert_same(reference, losses(run_dir), range(1, 31), 1e-6)
 
 
+@pytest.mark.distributed
 def test_kill9_of_a_rank_restarts_and_resumes(tmp_path, shakespeare):
     """SIGKILL of rank 1 mid-run: torchrun restarts the job (train.max_restarts=1), it resumes
     from the last checkpoint and completes with the uninterrupted run's losses."""
@@ -131,6 +133,7 @@ def test_resharding_across_layouts(tmp_path, shakespeare):
     assert_same(losses(tmp_path / "fsdp2"), losses(tmp_path / "fsdp2_to_tp2"), range(6, 11), 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "no_metadata"])
 def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, shakespeare, damage):
     common = ["train.steps=6", "checkpoint.interval=3", "train.name=run"]
@@ -147,6 +150,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, shakespeare, da
     assert_same(first, losses(tmp_path / "run"), range(1, 7), 1e-6)
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, shakespeare):
     """SIGKILL while step 4 is being written (a model large enough to make saving take a while):
     step 2 stays complete, the half-written one is ignored, and the run resumes from step 2."""
@@ -167,6 +171,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, shakespeare):
     assert "resumed from" in resumed.stdout and "(step 2" in resumed.stdout
 
 
+@pytest.mark.slow
 def test_async_save_and_retention(tmp_path, shakespeare):
     train(tmp_path, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep_last=2",
           "checkpoint.async_mode=async", "train.name=async")
@@ -176,6 +181,7 @@ def test_async_save_and_retention(tmp_path, shakespeare):
     assert manifest["step"] == 8 and ".metadata" in manifest["files"] and "trainer_state.json" in manifest["files"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss(tmp_path, shakespeare, policy):
     """An exploding learning rate drives the loss to inf/NaN: stop checkpoints the last good

@@ -99,6 +99,7 @@ GLOO_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed
 def test_classify_real_gloo_errors(tmp_path):
     """A peer that never joins a collective (timeout), then one that has died (lost peer)."""
     script = tmp_path / "gloo_errors.py"

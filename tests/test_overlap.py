@@ -103,6 +103,7 @@ def test_report_lines_one_row_per_rank(tmp_path):
     assert overlap_markdown(SimpleNamespace(label="run", traces={})) == []
 
 
+@pytest.mark.distributed
 def test_real_ddp_profile_overlaps_the_backward(shakespeare, tmp_path):
     """2 ranks on gloo, DDP with 1 MB buckets, steps 3-4 profiled."""
     proc = run_usp("train", "cluster.procs_per_node=2", "parallelism.dp_replicate=2", "parallelism.ddp_bucket_mb=1",

@@ -39,6 +39,7 @@ def assert_same_losses(ref: list[dict], other: list[dict], rtol: float) -> None:
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(a["grad_norm"]), (a["step"], a, b)
 
 
+@pytest.mark.slow
 def test_demo_learns_real_text(tmp_path, shakespeare):
     """The README demo, shortened, through the CLI: loss falls far below its start."""
     proc = run_usp("train", "conf=tiny_demo", "train.steps=80", f"train.runs_dir={tmp_path}",
@@ -72,6 +73,7 @@ def test_ddp_two_processes_matches_single_process(tmp_path, shakespeare):
         assert "done:" in (tmp_path / "tiny_ddp" / "logs" / f"rank_{rank}.log").read_text()
 
 
+@pytest.mark.slow
 def test_grad_accum_equals_one_big_micro_batch(tmp_path, shakespeare):
     big = train_inprocess(tmp_path, "train.steps=5", "train.micro_batch=16", "train.name=big")
     accum = train_inprocess(tmp_path, "train.steps=5", "train.micro_batch=4", "train.name=accum")
@@ -80,6 +82,7 @@ def test_grad_accum_equals_one_big_micro_batch(tmp_path, shakespeare):
     assert_same_losses(big, accum, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_gives_the_same_losses(tmp_path, shakespeare, mode):
     ref = train_inprocess(tmp_path, "train.steps=4", "train.name=ref")
