@@ -19,7 +19,7 @@ from usp.errors import ConfigError, UspError
 
 REPO = Path(__file__).resolve().parents[1]
 USP = str(Path(sys.executable).parent / "usp")
-DEFAULT_CHOICES = {"model": "tiny", "parallelism": "single", "optimizer": "adamw", "cluster": "local_cpu",
+DEFAULT_CHOICES = {"model": "tiny", "parallelism": "ddp", "optimizer": "adamw", "cluster": "local_cpu",
                    "data": "shakespeare"}
 
 
@@ -109,8 +109,8 @@ def test_user_overrides_beat_recipe_values():
 
 
 def test_command_line_group_beats_recipe_override_default():
-    cfg, choices = compose_config("tiny_ddp", ["parallelism=single", "cluster=local_cpu"])
-    assert choices["parallelism"] == "single" and choices["cluster"] == "local_cpu"
+    cfg, choices = compose_config("tiny_ddp", ["parallelism=ddp", "cluster=local_cpu"])
+    assert choices["parallelism"] == "ddp" and choices["cluster"] == "local_cpu"
     assert cfg.cluster.procs_per_node == 1
     assert cfg.train.steps == 200  # recipe body still applies
 
@@ -323,7 +323,7 @@ def test_cli_config_list(tmp_path):
     assert out.returncode == 0, out.stderr
     for group in schema.GROUPS:
         assert group in out.stdout
-    for option in ("tiny", "ddp", "single", "adamw", "local_cpu2", "local_gpu", "shakespeare", "token_files"):
+    for option in ("tiny", "ddp", "adamw", "local_cpu2", "local_gpu", "shakespeare", "token_files"):
         assert option in out.stdout
     assert "recipes" in out.stdout and "tiny_ddp" in out.stdout and "tiny_demo" in out.stdout
 
