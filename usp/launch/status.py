@@ -15,6 +15,7 @@ from usp.launch.jobs import slurm_table
 from usp.rundir import (
     CHECKPOINTS,
     LOST_PEER,
+    METRICS,
     checkpoint_dir,
     events_path,
     list_checkpoints,
@@ -194,7 +195,7 @@ def _run_table(run_dir: Path, plan: dict | None, state: str, report: FailureRepo
 def _last_step(run_dir: Path, plan: dict | None) -> str:
     metrics = [m for m in read_jsonl(metrics_path(run_dir)) if "step" in m]
     if not metrics:
-        return "none (no metrics.jsonl yet)"
+        return f"none (no {METRICS} yet)"
     total = ((plan or {}).get("config") or {}).get("train", {}).get("steps")
     last = metrics[-1]
     loss = last.get("loss")

@@ -15,7 +15,7 @@ from usp.report.runs import RunData, is_run_dir, load_run, unique_labels
 from usp.report.sweep_plots import plot_heatmap, plot_scaling
 from usp.report.sweep_tables import batch_guidance, scaling, sweep_rows
 from usp.report.trace import PHASES, run_breakdowns, run_events
-from usp.rundir import PROFILE, SPAN_STEP_PREFIX, write_text_atomic
+from usp.rundir import METRICS, PROFILE, SPAN_STEP_PREFIX, write_text_atomic
 from usp.sweeprecord import SWEEP_FILE, is_sweep_dir, layout_text, read_sweep, refresh_statuses
 
 MAX_BARS = 48  # step-time bars in one plot (runs x ranks x profiled steps)
@@ -108,7 +108,7 @@ def _runs_section(runs: list[RunData]) -> list[str]:
         memory, memory_how = r.memory_measured()
         predicted = max((v[0] for v in r.memory_predicted_gib().values()), default=None)
         steps = f"{r.metrics[-1]['step']}/{(plan.get('config') or {}).get('train', {}).get('steps', '?')}" \
-            if r.metrics else "0 (no metrics.jsonl)"
+            if r.metrics else f"0 (no {METRICS})"
         rows.append([r.label, r.world_size, layout_text(info) if plan.get("degrees") else "-", steps,
                      _num(r.final_loss(), ".4f"), _num(r.tokens_per_s()),
                      None if mfu is None else f"{100 * mfu:.1f}% ({how})",

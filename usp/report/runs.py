@@ -11,10 +11,12 @@ from pathlib import Path
 
 from usp.errors import UspError
 from usp.rundir import (
+    PLAN,
     PROFILE_SUMMARY_RE,
     PROFILE_TRACE_RE,
     RANK_LOG_GLOB,
     RANK_LOG_RE,
+    SWEEP,
     logs_dir,
     metrics_path,
     plan_path,
@@ -26,7 +28,7 @@ from usp.rundir import (
 
 GIB = 1024 ** 3
 _RANK_MEMORY = re.compile(r"memory: measured peak ([0-9.]+) GiB")  # the memory probe's log line
-_FIX = "usp report runs/<name> (a directory with plan.yaml) or runs/<sweep> (with sweep.json)"
+_FIX = f"usp report runs/<name> (a directory with {PLAN}) or runs/<sweep> (with {SWEEP})"
 
 
 @dataclass
