@@ -179,7 +179,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def _fake_checkpoint(ckpt_dir: Path, step: int, manifest: bool = True) -> Path:
     d = ckpt_dir / f"step_{step:08d}"
     d.mkdir(parents=True)
-    files = {".metadata": b"m" * 10, "__0_0.distcp": b"w" * 100, "trainer_state.json": json.dumps({"step": step}).encode()}
+    files = {".metadata": b"m" * 10, "__0_0.distcp": b"w" * 100,
+             "trainer_state.json": json.dumps({"step": step}).encode()}
     for name, data in files.items():
         (d / name).write_bytes(data)
     if manifest:
@@ -210,7 +211,8 @@ def _failed_run(tmp_path: Path) -> Path:
     _fake_checkpoint(run_dir / "checkpoints", 5)
     (run_dir / "logs").mkdir()
     (run_dir / "logs" / "rank_0.log").write_text("t rank0 start\nt rank0 step 7 loss 4.4\n")
-    record_failure(run_dir, plan, 3, raised(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")), 7)
+    oom = raised(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB"))
+    record_failure(run_dir, plan, 3, oom, 7)
     time.sleep(0.01)
     record_failure(run_dir, plan, 1, raised(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:555")), 7)
     return run_dir
@@ -451,7 +453,8 @@ def test_checkpoint_dir_needs_room_for_keep_last_plus_one(tmp_path):
     with pytest.raises(LaunchError) as err:
         check_checkpoint_dir(plan, disk_free=lambda path: need - 1)
     msg = str(err.value)
-    assert msg.startswith("checkpoint.dir: ") and "keep_last + 1 = 3" in msg and f"{plan.model.params:,} parameters" in msg
+    assert msg.startswith("checkpoint.dir: ") and "keep_last + 1 = 3" in msg
+    assert f"{plan.model.params:,} parameters" in msg
     assert f"{need - 1:,} bytes" in msg and f"{need:,} bytes" in msg
     assert "checkpoint.keep_last=1" in msg and "checkpoint.enabled=false" in msg
     assert check_checkpoint_dir(plan, disk_free=lambda path: need) == tmp_path / "x" / "checkpoints"
