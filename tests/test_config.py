@@ -19,7 +19,7 @@ from usp.errors import ConfigError, UspError
 
 REPO = Path(__file__).resolve().parents[1]
 USP = str(Path(sys.executable).parent / "usp")
-DEFAULT_CHOICES = {"model": "tiny", "parallelism": "single", "optimizer": "adamw", "cluster": "local_cpu",
+DEFAULT_CHOICES = {"model": "tiny", "parallelism": "ddp", "optimizer": "adamw", "cluster": "local_cpu",
                    "data": "shakespeare"}
 
 
@@ -46,7 +46,8 @@ def test_defaults_compose():
     assert cfg.train.steps == 150 and cfg.train.runs_dir == "runs"
     assert cfg.cluster.procs_per_node == 1
     assert "hydra" not in cfg  # the hydra node is removed from what usp sees
-    assert set(cfg) == {"model", "parallelism", "optimizer", "cluster", "data", "train", "checkpoint", "logging", "profile"}
+    assert set(cfg) == {"model", "parallelism", "optimizer", "cluster", "data", "train", "checkpoint", "logging",
+                        "profile"}
 
 
 def test_group_switch_changes_values_and_choices():
@@ -109,8 +110,8 @@ def test_user_overrides_beat_recipe_values():
 
 
 def test_command_line_group_beats_recipe_override_default():
-    cfg, choices = compose_config("tiny_ddp", ["parallelism=single", "cluster=local_cpu"])
-    assert choices["parallelism"] == "single" and choices["cluster"] == "local_cpu"
+    cfg, choices = compose_config("tiny_ddp", ["parallelism=ddp", "cluster=local_cpu"])
+    assert choices["parallelism"] == "ddp" and choices["cluster"] == "local_cpu"
     assert cfg.cluster.procs_per_node == 1
     assert cfg.train.steps == 200  # recipe body still applies
 
@@ -323,7 +324,7 @@ def test_cli_config_list(tmp_path):
     assert out.returncode == 0, out.stderr
     for group in schema.GROUPS:
         assert group in out.stdout
-    for option in ("tiny", "ddp", "single", "adamw", "local_cpu2", "local_gpu", "shakespeare", "token_files"):
+    for option in ("tiny", "ddp", "adamw", "local_cpu2", "local_gpu", "shakespeare", "token_files"):
         assert option in out.stdout
     assert "recipes" in out.stdout and "tiny_ddp" in out.stdout and "tiny_demo" in out.stdout
 

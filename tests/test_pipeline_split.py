@@ -1,9 +1,6 @@
 """Pipeline planning in pure Python: layer splits, stage placement, schedule checks."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from usp.errors import PlanError
@@ -132,7 +129,3 @@ def test_tied_embeddings():
         check_tied_embeddings(True, 2)
     assert e.value.key == "model.tie_embeddings" and e.value.fix == "model.tie_embeddings=false"
 
-
-def test_no_torch_import():
-    code = "import sys, usp.plan.pipeline_split; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -458,33 +458,6 @@ def test_failed_write_keeps_previous_file(tmp_path):
 
 # --- CLI, real processes ------------------------------------------------------------------------------
 
-def _imported(importtime_stderr: str) -> set[str]:
-    names = set()
-    for line in importtime_stderr.splitlines():
-        if line.startswith("import time:") and "|" in line:
-            name = line.rsplit("|", 1)[1].strip()
-            names.add(name.split(".")[0])
-            names.add(name)
-    return names
-
-
-def test_usp_plan_imports_no_torch(tmp_path):
-    out = usp("plan", f"train.runs_dir={tmp_path}", cwd=tmp_path, extra_env={"PYTHONPROFILEIMPORTTIME": "1"})
-    assert out.returncode == 0, out.stderr
-    imported = _imported(out.stderr)
-    assert "usp.plan.plan" in imported and "hydra" in imported  # the profile did record the plan's imports
-    assert "torch" not in imported
-
-
-def test_usp_help_imports_no_heavy_modules(tmp_path):
-    out = usp("--help", cwd=tmp_path, extra_env={"PYTHONPROFILEIMPORTTIME": "1"})
-    assert out.returncode == 0
-    assert "plan" in out.stdout and "train" in out.stdout and "config" in out.stdout
-    imported = _imported(out.stderr)
-    assert "usp.cli" in imported and "typer" in imported
-    assert not {"torch", "hydra", "omegaconf"} & imported
-
-
 def test_cli_plan_prints_rank_table_and_batch(tmp_path):
     out = usp("plan", "parallelism=ddp", "cluster=local_cpu2", "train.micro_batch=8", f"train.runs_dir={tmp_path}",
               cwd=tmp_path)

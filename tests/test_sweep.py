@@ -13,7 +13,8 @@ from conftest import run_usp
 from rich.console import Console
 
 from usp.errors import UspError
-from usp.launch.sweep import expand_grid, plan_grid, point_id, read_sweep, run_sweep_local
+from usp.launch.sweep import expand_grid, plan_grid, point_id, run_sweep_local
+from usp.sweeprecord import read_sweep
 
 QUIET = ["train.steps=2", "logging.console=quiet", "train.sample_tokens=0", "train.eval_interval=0"]
 
@@ -62,7 +63,8 @@ def test_plan_grid_splits_accepted_and_rejected(tmp_path):
     assert len(by_id) == 6
     # global batch 16 can't be split into micro batches of 32 (build_plan) ...
     assert by_id["p04_mb32_ddp_comm_hooknone"].status == "rejected"
-    assert "train.global_batch=16" in by_id["p04_mb32_ddp_comm_hooknone"].reason and "fix:" in by_id["p04_mb32_ddp_comm_hooknone"].reason
+    rejected = by_id["p04_mb32_ddp_comm_hooknone"].reason
+    assert "train.global_batch=16" in rejected and "fix:" in rejected
     # ... and a DDP communication hook on one process is refused by engine_support_errors
     assert "parallelism.ddp_comm_hook" in by_id["p01_mb4_ddp_comm_hookfp16"].reason
     assert [p.id for p in sweep.accepted] == ["p00_mb4_ddp_comm_hooknone", "p02_mb8_ddp_comm_hooknone"]
@@ -72,11 +74,12 @@ def test_plan_grid_splits_accepted_and_rejected(tmp_path):
     assert data["swept"] == {"train.micro_batch": ["4", "8", "32"], "parallelism.ddp_comm_hook": ["none", "fp16"]}
     assert data["base_overrides"] == QUIET
     points = {p["id"]: p for p in data["points"]}
-    assert points["p00_mb4_ddp_comm_hooknone"]["status"] == "planned" and points["p00_mb4_ddp_comm_hooknone"]["reason"] is None
-    assert points["p00_mb4_ddp_comm_hooknone"]["run_dir"] == str(tmp_path / "s1" / "p00_mb4_ddp_comm_hooknone")
-    assert points["p00_mb4_ddp_comm_hooknone"]["micro_batch"] == 4 and points["p00_mb4_ddp_comm_hooknone"]["grad_accum"] == 4
+    p00 = points["p00_mb4_ddp_comm_hooknone"]
+    assert p00["status"] == "planned" and p00["reason"] is None
+    assert p00["run_dir"] == str(tmp_path / "s1" / "p00_mb4_ddp_comm_hooknone")
+    assert p00["micro_batch"] == 4 and p00["grad_accum"] == 4
     # the heatmap's axes (model size x nodes) come from the plan, even for points that never run
-    assert points["p00_mb4_ddp_comm_hooknone"]["params"] == 950_912 and points["p00_mb4_ddp_comm_hooknone"]["nodes"] == 1
+    assert p00["params"] == 950_912 and p00["nodes"] == 1
     assert points["p04_mb32_ddp_comm_hooknone"]["status"] == "rejected"
     assert not (tmp_path / "s1" / "p00_mb4_ddp_comm_hooknone").exists()  # planning writes no run dir
 
@@ -140,7 +143,8 @@ def test_cli_removing_a_key_with_tilde_is_not_a_sweep_value(tmp_path):
                    f"train.runs_dir={tmp_path}", "--name", "tilde", "--dry-run")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     data = read_sweep(tmp_path / "tilde")
-    assert data["base_overrides"][:2] == ["+cluster.env.A=1", "~cluster.env.A"] and data["swept"] == {"train.micro_batch": ["4", "8"]}
+    assert data["base_overrides"][:2] == ["+cluster.env.A=1", "~cluster.env.A"]
+    assert data["swept"] == {"train.micro_batch": ["4", "8"]}
 
 
 def test_cli_every_point_rejected_exits_1(tmp_path):

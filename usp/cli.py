@@ -3,7 +3,9 @@ usp.plan, usp.data and usp.launch. Only typer is imported at module level so tha
 `usp --help` stays fast; nothing here imports torch."""
 from __future__ import annotations
 
+import functools
 import sys
+from typing import NoReturn
 
 import typer
 
@@ -19,7 +21,7 @@ Overrides = typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
 CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') and exit without running")
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception) -> NoReturn:
     from rich.console import Console
 
     Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
@@ -57,7 +59,21 @@ def _user_errors():
     return (UspError, DataError)
 
 
+def handles_errors(command):
+    """The one error wrapper of every command: a problem the user can fix (UspError, DataError)
+    is printed as one red line (with its fix) and exits 2, never as a stack trace."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except _user_errors() as exc:  # evaluated only when something was raised: no import cost
+            _fail(exc)
+
+    return wrapper
+
+
 @app.command()
+@handles_errors
 def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          save: bool = typer.Option(False, "--save", help="also write runs/<name>/plan.yaml"),
          strict: bool = typer.Option(False, "--strict", help="a TP group spanning nodes is an error, not a warning"),
@@ -65,70 +81,63 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          search: bool = typer.Option(False, "--search", help="rank the layouts that fit by predicted throughput"),
          top: int = typer.Option(5, "--top", help="with --search: how many layouts to show")) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
-    try:
-        from usp.plan.plan import plan_with_failures
-        from usp.plan.render import render_plan, render_refusals
+    from usp.plan.plan import plan_with_failures
+    from usp.plan.render import render_plan, render_refusals
 
-        composed, choices = _compose(overrides)
-        if cfg:
-            return _print_cfg(composed, cfg)
-        if search:
-            from usp.plan.search import run_search
+    composed, choices = _compose(overrides)
+    if cfg:
+        return _print_cfg(composed, cfg)
+    if search:
+        from usp.plan.search import run_search
 
-            run_search(composed, top)
-            return
-        run_plan, failures = plan_with_failures(composed, choices, force=force, strict=strict)
-        if run_plan is None:  # every failing rule, not just the first
-            for error in failures[:-1]:
-                typer.echo(f"error: {error}", err=True)
-            _fail(failures[-1])
-        render_plan(run_plan)
-        render_refusals(failures)
-        if save:
-            from usp.plan.io import write_plan
+        run_search(composed, top)
+        return
+    run_plan, failures = plan_with_failures(composed, choices, force=force, strict=strict)
+    if run_plan is None:  # every failing rule, not just the first
+        for error in failures[:-1]:
+            typer.echo(f"error: {error}", err=True)
+        _fail(failures[-1])
+    render_plan(run_plan)
+    render_refusals(failures)
+    if save:
+        from usp.plan.io import write_plan
 
-            typer.echo(f"plan written to {write_plan(run_plan)}")
-    except _user_errors() as exc:
-        _fail(exc)
+        typer.echo(f"plan written to {write_plan(run_plan)}")
 
 
 @app.command()
+@handles_errors
 def estimate(overrides: list[str] | None = Overrides,
              hours: float | None = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
              devices: int | None = typer.Option(None, "--devices", help="device count: how many hours?"),
              mfu: float | None = typer.Option(None, "--mfu", help="MFU to assume (default: the time model's)")) -> None:
     """Memory per device, and devices / hours / cost for a token budget (train.tokens=...)."""
-    try:
-        from usp.plan.estimate import run_estimate
+    from usp.plan.estimate import run_estimate
 
-        composed, choices = _compose(overrides)
-        run_estimate(composed, choices, hours=hours, devices=devices, mfu=mfu)
-    except _user_errors() as exc:
-        _fail(exc)
+    composed, choices = _compose(overrides)
+    run_estimate(composed, choices, hours=hours, devices=devices, mfu=mfu)
 
 
 DryRunOption = typer.Option(False, "--dry-run", help="Slurm: write runs/<name>/job.sbatch and print it; submit nothing")
 
 
 @app.command()
+@handles_errors
 def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
           dry_run: bool = DryRunOption) -> None:
     """Plan, prepare the data if needed, and train: here (in-process for one rank, torchrun for
     several), or as a Slurm job when the cluster group says launcher: slurm."""
-    try:
-        from usp.launch.prepare import prepare_run
+    from usp.launch.prepare import prepare_run
 
-        composed, choices = _compose(overrides)
-        if cfg:
-            return _print_cfg(composed, cfg)
-        if composed.cluster.launcher == "slurm":
-            return _submit(composed, choices, overrides, dry_run, "train")
-        if dry_run:
-            _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
-                             "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-        run_plan, plan_path = prepare_run(composed, choices)
-    except _user_errors() as exc:
-        _fail(exc)
+    composed, choices = _compose(overrides)
+    if cfg:
+        return _print_cfg(composed, cfg)
+    if composed.cluster.launcher == "slurm":
+        return _submit(composed, choices, overrides, dry_run, "train")
+    if dry_run:
+        _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
+                         "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
+    run_plan, plan_path = prepare_run(composed, choices)
     from usp.launch.local import launch_local
 
     try:
@@ -140,26 +149,25 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         code = 1
     if code:
         from usp.launch.status import print_failure_summary
+        from usp.rundir import logs_dir
 
         print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
-        typer.echo(f"usp: training exited with code {code}; per-rank logs in {run_plan.run_dir}/logs", err=True)
+        typer.echo(f"usp: training exited with code {code}; per-rank logs in {logs_dir(run_plan.run_dir)}", err=True)
     raise typer.Exit(code)
 
 
 @app.command()
+@handles_errors
 def submit(overrides: list[str] | None = Overrides, dry_run: bool = DryRunOption) -> None:
     """Plan the run and submit it to Slurm (sbatch); prints the job id and where the logs go."""
-    try:
-        composed, choices = _compose(overrides)
-        if composed.cluster.launcher != "slurm":
-            from usp.errors import LaunchError
+    composed, choices = _compose(overrides)
+    if composed.cluster.launcher != "slurm":
+        from usp.errors import LaunchError
 
-            raise LaunchError("usp submit needs a Slurm cluster group", key="cluster.launcher",
-                              value=composed.cluster.launcher, fix="cluster=local_slurm (or slurm_h100, ...), "
-                              "or `usp train` to run here")
-        _submit(composed, choices, overrides, dry_run, "submit")
-    except _user_errors() as exc:
-        _fail(exc)
+        raise LaunchError("usp submit needs a Slurm cluster group", key="cluster.launcher",
+                          value=composed.cluster.launcher, fix="cluster=local_slurm (or slurm_h100, ...), "
+                          "or `usp train` to run here")
+    _submit(composed, choices, overrides, dry_run, "submit")
 
 
 def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
@@ -171,91 +179,82 @@ def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
 
 
 @app.command()
-def cancel(run_dir: str | None = typer.Argument(None, help="run or sweep directory (default: the newest under ./runs)")) -> None:
+@handles_errors
+def cancel(run_dir: str | None = typer.Argument(None, help="run or sweep directory "
+                                                          "(default: the newest under ./runs)")) -> None:
     """Cancel the run's Slurm job (scancel; every task of a sweep's job array)."""
-    try:
-        from usp.launch.jobs import cancel_run
+    from usp.launch.jobs import cancel_run
 
-        cancel_run(run_dir)
-    except _user_errors() as exc:
-        _fail(exc)
+    cancel_run(run_dir)
 
 
 @app.command()
+@handles_errors
 def logs(run_dir: str | None = typer.Argument(None, help="run directory (default: the newest under ./runs)"),
          rank: int | None = typer.Option(None, "--rank", help="this rank's log (default: the job's batch output)"),
          tail: int = typer.Option(0, "--tail", help="only the last N lines (0 = all)"),
-         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing as the log grows (Ctrl-C stops)")) -> None:
+         follow: bool = typer.Option(False, "--follow", "-f",
+                                     help="keep printing as the log grows (Ctrl-C stops)")) -> None:
     """Print a run's log: the Slurm batch output (torchrun and rank 0), or one rank's log."""
-    try:
-        from usp.launch.jobs import show_logs
+    from usp.launch.jobs import show_logs
 
-        show_logs(run_dir, rank=rank, tail=tail, follow=follow)
-    except _user_errors() as exc:
-        _fail(exc)
+    show_logs(run_dir, rank=rank, tail=tail, follow=follow)
 
 
 @app.command()
+@handles_errors
 def status(run_dir: str | None = typer.Argument(None, help="run directory (default: the newest under ./runs)")) -> None:
     """State of a run: progress, checkpoints, restarts, and the root cause if it failed (exit 1)."""
-    try:
-        from usp.launch.status import show_status
+    from usp.launch.status import show_status
 
-        code = show_status(run_dir)
-    except _user_errors() as exc:
-        _fail(exc)
+    code = show_status(run_dir)
     raise typer.Exit(code)
 
 
 @app.command()
+@handles_errors
 def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<N> checkpoint directory)"),
            step: int | None = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
            out: str | None = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
            fmt: str = typer.Option("torch", "--format", help="torch (torch.load) | safetensors")) -> None:
     """Write one consolidated model state dict (full tensors, FQN keys) + config.json from a checkpoint."""
-    try:
-        from usp.engine.export import export_model  # imports torch: only for this command
+    from usp.engine.export import export_model  # imports torch: only for this command
 
-        result = export_model(run_dir, step=step, out=out, fmt=fmt)
-    except _user_errors() as exc:
-        _fail(exc)
+    result = export_model(run_dir, step=step, out=out, fmt=fmt)
     typer.echo(result.describe())
 
 
 @app.command()
+@handles_errors
 def verify(overrides: list[str] | None = Overrides,
            steps: int = typer.Option(5, help="optimizer steps to compare"),
            rtol: float = typer.Option(1e-5, help="relative loss tolerance per step"),
            param_atol: float = typer.Option(1e-4, help="absolute tolerance on the final parameters")) -> None:
     """Run a layout at small scale next to a single-process reference and compare them step by step."""
-    try:
-        from usp.launch.verify import verify as run
+    from usp.launch.verify import verify as run
 
-        conf, rest = _split_conf(overrides)
-        code = run(conf, rest, steps, rtol, param_atol)
-    except _user_errors() as exc:
-        _fail(exc)
+    conf, rest = _split_conf(overrides)
+    code = run(conf, rest, steps, rtol, param_atol)
     raise typer.Exit(code)
 
 
 @app.command("prepare-data")
+@handles_errors
 def prepare_data(overrides: list[str] | None = Overrides) -> None:
     """Tokenize the data group's corpus once (tokenizer + uint16 train/val token files)."""
-    try:
-        from rich.console import Console
+    from rich.console import Console
 
-        from usp.data.prepare import ensure_dataset
+    from usp.data.prepare import ensure_dataset
 
-        composed, _ = _compose(overrides)
-        console = Console()
-        path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"))
-        console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
-                      f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}")
-    except _user_errors() as exc:
-        _fail(exc)
+    composed, _ = _compose(overrides)
+    console = Console()
+    path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"))
+    console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
+                  f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}")
 
 
 @config_app.command("list")
+@handles_errors
 def config_list() -> None:
     """Config groups with their options, and the recipes."""
     from usp.config.catalogue import render_catalogue
@@ -264,60 +263,55 @@ def config_list() -> None:
 
 
 @config_app.command("show")
+@handles_errors
 def config_show(item: str = typer.Argument(..., help="group=option (e.g. model=tiny) or a recipe name/path")) -> None:
     """Print one group option or recipe, composed with the schema defaults."""
     from usp.config.catalogue import show_item
 
-    try:
-        typer.echo(show_item(item), nl=False)
-    except _user_errors() as exc:
-        _fail(exc)
+    typer.echo(show_item(item), nl=False)
 
 
 @config_app.command("cp")
+@handles_errors
 def config_cp(recipe: str = typer.Argument(..., help="recipe name (see `usp config list`)"),
               dest: str = typer.Argument(".", help="file or directory to copy to")) -> None:
     """Copy a recipe into the working directory to edit it; run it with conf=<file>."""
     from usp.config.catalogue import copy_recipe
 
-    try:
-        path = copy_recipe(recipe, dest)
-        typer.echo(f"copied to {path}; run it with: usp train conf={path}")
-    except _user_errors() as exc:
-        _fail(exc)
+    path = copy_recipe(recipe, dest)
+    typer.echo(f"copied to {path}; run it with: usp train conf={path}")
 
 
 @app.command()
+@handles_errors
 def sweep(overrides: list[str] | None = typer.Argument(None, show_default=False, help=(
               OVERRIDES_HELP + "; a comma list sweeps a key: train.micro_batch=4,8,16 parallelism.tp=1,2")),
           name: str | None = typer.Option(None, "--name", help="sweep directory runs/<name>/ "
                                              "(default: sweep-<date>-<time>); the same name again resumes it"),
           dry_run: bool = typer.Option(False, "--dry-run", help="plan every point, write sweep.json (and the Slurm "
                                        "array script), run nothing"),
-          max_parallel: int = typer.Option(0, "--max-parallel", help="Slurm: at most N array tasks at once (0 = no limit)")) -> None:
+          max_parallel: int = typer.Option(0, "--max-parallel",
+                                           help="Slurm: at most N array tasks at once (0 = no limit)")) -> None:
     """Plan the grid of the comma-list overrides and train every point the planner accepts: one
     after another here, or as one Slurm job array with a Slurm cluster group; rejected points are
     listed with the reason and skipped."""
-    try:
-        import time
+    import time
 
-        from usp.launch.sweep import expand_grid, launch_sweep, plan_grid, render_sweep
+    from usp.launch.sweep import expand_grid, launch_sweep, plan_grid, render_sweep
 
-        conf, rest = _split_conf(overrides)
-        grid_sweep = plan_grid(conf, expand_grid(rest), name or time.strftime("sweep-%Y%m%d-%H%M%S"))
-        render_sweep(grid_sweep)
-        if not grid_sweep.accepted:
-            typer.echo(f"usp sweep: the planner rejected all {len(grid_sweep.points)} points (reasons above); "
-                       "change the swept values", err=True)
-            raise typer.Exit(1)
-        failed = launch_sweep(grid_sweep, max_parallel=max_parallel, dry_run=dry_run)
-        if dry_run:
-            return
-    except _user_errors() as exc:
-        _fail(exc)
+    conf, rest = _split_conf(overrides)
+    grid_sweep = plan_grid(conf, expand_grid(rest), name or time.strftime("sweep-%Y%m%d-%H%M%S"))
+    render_sweep(grid_sweep)
+    if not grid_sweep.accepted:
+        typer.echo(f"usp sweep: the planner rejected all {len(grid_sweep.points)} points (reasons above); "
+                   "change the swept values", err=True)
+        raise typer.Exit(1)
+    failed = launch_sweep(grid_sweep, max_parallel=max_parallel, dry_run=dry_run)
+    if dry_run:
+        return
     if grid_sweep.launcher == "slurm":
-        typer.echo(f"{len(grid_sweep.accepted) - failed} point(s) submitted, {failed} could not be; when they have run: "
-                   f"usp report {grid_sweep.dir}")
+        typer.echo(f"{len(grid_sweep.accepted) - failed} point(s) submitted, {failed} could not be; "
+                   f"when they have run: usp report {grid_sweep.dir}")
         raise typer.Exit(1 if failed else 0)
     render_sweep(grid_sweep)
     typer.echo(f"{failed} of {len(grid_sweep.accepted)} point(s) failed; report: usp report {grid_sweep.dir}")
@@ -325,16 +319,14 @@ def sweep(overrides: list[str] | None = typer.Argument(None, show_default=False,
 
 
 @app.command()
+@handles_errors
 def report(paths: list[str] = typer.Argument(..., help="run directories and/or sweep directories", show_default=False),
            out: str | None = typer.Option(None, "--out", help="output directory "
                                              "(default: <first run or sweep dir>/report)")) -> None:
     """Plots (loss, lr, throughput, memory, step time) and report.md for runs or a sweep (no torch)."""
-    try:
-        from usp.report import write_report
+    from usp.report import write_report
 
-        result = write_report(paths, out)
-    except _user_errors() as exc:
-        _fail(exc)
+    result = write_report(paths, out)
     typer.echo(f"report: {result.markdown} ({len(result.plots)} plots)")
 
 

@@ -26,3 +26,11 @@ class PlanError(UspError):
 
 class LaunchError(UspError):
     """The run could not be started (run directory, launcher, missing tools)."""
+
+
+def one_line(exc: Exception) -> str:
+    """A UspError's message and fix on one line (for tables and sweep.json)."""
+    text = str(exc).strip()
+    head, _, fix = text.partition("\n  fix: ")
+    head = " ".join(head.split())
+    return f"{head} (fix: {' '.join(fix.split())})" if fix else head

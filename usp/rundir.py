@@ -39,6 +39,10 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 FAILURE_GLOB = "failure_rank*.json"
 RANK_LOG_GLOB = "rank_*.log"
+# file names with a rank in them (group 1): logs/rank_<R>.log, profile/rank_<R>.json[.gz], profile/summary_rank_<R>.txt
+RANK_LOG_RE = r"rank_(\d+)\.log"
+PROFILE_TRACE_RE = r"rank_(\d+)\.json(?:\.gz)?"
+PROFILE_SUMMARY_RE = r"summary_rank_(\d+)\.txt"
 
 # -- exit codes shared by the worker, the launchers, the batch script and sweeps ---------------
 EXIT_OK = 0
@@ -50,6 +54,7 @@ STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; runni
 OOM, TIMEOUT, LOST_PEER, PYTHON = "OOM", "collective timeout", "lost peer", "Python error"
 
 # -- profiler span names: the trainer records them, `usp report` reads them ---------------------
+SPAN_PREFIX = "usp_"  # every span the engine records starts with it
 SPAN_FORWARD, SPAN_BACKWARD, SPAN_OPTIMIZER = "usp_forward", "usp_backward", "usp_optimizer"
 SPAN_PIPELINE = "usp_pipeline_forward_backward"  # one span for a pipeline schedule's whole step
 SPAN_STEP_PREFIX = "usp_step_"  # + the optimizer step: usp_step_<N>
@@ -67,12 +72,20 @@ _COMM = re.compile(r"c10d|gloo|nccl|xccl|all_?reduce|all_?gather|reduce_?scatter
 
 def is_comm(name: str) -> bool:
     """aten:: ops are compute (aten::broadcast_tensors), usp_ spans are the engine's own."""
-    return not name.startswith(("aten::", "usp_")) and _COMM.search(name) is not None
+    return not name.startswith(("aten::", SPAN_PREFIX)) and _COMM.search(name) is not None
 
 
 # -- paths ----------------------------------------------------------------------------------
 def plan_path(run_dir) -> Path:
     return Path(run_dir) / PLAN
+
+
+def metrics_path(run_dir) -> Path:
+    return Path(run_dir) / METRICS
+
+
+def summary_path(run_dir) -> Path:
+    return Path(run_dir) / SUMMARY
 
 
 def logs_dir(run_dir) -> Path:
@@ -140,6 +153,12 @@ def read_plan_if_any(run_dir) -> dict | None:
     """The run directory's plan.yaml, or None when there is none."""
     path = plan_path(run_dir)
     return read_plan(path) if path.is_file() else None
+
+
+def read_jobs(record_dir) -> list[dict]:
+    """The Slurm submissions recorded in <dir>/job.json (a run dir, or a sweep dir); [] without one."""
+    path = Path(record_dir) / JOB_RECORD
+    return json.loads(path.read_text())["jobs"] if path.is_file() else []
 
 
 def read_jsonl(path) -> list[dict]:

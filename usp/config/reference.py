@@ -10,4 +10,4 @@ _DROPPED = ("parallelism=", "parallelism.pp_", "parallelism.zero1", "parallelism
 def reference_overrides(overrides: list[str]) -> list[str]:
     dims = tuple(f"parallelism.{d}=" for d in DEGREES)
     kept = [o for o in overrides if not o.lstrip("+").startswith(dims + _DROPPED)]
-    return kept + ["parallelism=single", "parallelism.dp_replicate=1", "train.micro_batch=-1", "train.grad_accum=-1"]
+    return kept + ["parallelism=ddp", "parallelism.dp_replicate=1", "train.micro_batch=-1", "train.grad_accum=-1"]

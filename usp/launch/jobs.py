@@ -12,7 +12,8 @@ from rich.table import Table
 
 from usp.errors import LaunchError
 from usp.launch import slurm
-from usp.launch.status import resolve_run_dir
+from usp.rundir import logs_dir, rank_log, read_jobs
+from usp.runstate import resolve_run_dir
 
 
 def cancel_run(run_dir_arg: str | None, console: Console | None = None) -> list[str]:
@@ -27,7 +28,7 @@ def cancel_run(run_dir_arg: str | None, console: Console | None = None) -> list[
     if index is not None:  # one point of a sweep: its array task
         targets = [f"{job['job_id']}_{index}"]
     else:  # a run or a sweep: every submission of it still queued or running (a sweep may have several arrays)
-        targets = [j["job_id"] for j in slurm.read_jobs(run_dir) or [job] if slurm.active_tasks(j)]
+        targets = [j["job_id"] for j in read_jobs(run_dir) or [job] if slurm.active_tasks(j)]
     if not targets:
         console.print(f"nothing to cancel: no Slurm job of {escape(str(run_dir))} is queued or running "
                       f"(usp status {escape(str(run_dir))})", highlight=False)
@@ -49,11 +50,11 @@ def show_logs(run_dir_arg: str | None, rank: int | None = None, tail: int = 0, f
     if rank is None and found is not None:
         path = slurm.log_file(*found)
     else:
-        path = run_dir / "logs" / f"rank_{rank or 0}.log"
+        path = rank_log(run_dir, rank or 0)
     if not path.is_file():
         what = "no output yet (the job may still be pending: usp status)" if found else "no such log"
         raise LaunchError(f"{path}: {what}", key="--rank" if rank is not None else "RUN_DIR",
-                          value=rank if rank is not None else str(run_dir), fix=f"ls {run_dir / 'logs'}")
+                          value=rank if rank is not None else str(run_dir), fix=f"ls {logs_dir(run_dir)}")
     _print_file(path, tail, follow)
     return path
 

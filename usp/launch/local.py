@@ -4,7 +4,6 @@ No torch import here: torchrun is started as `python -m torch.distributed.run`, 
 in-process path imports the engine only when it is called."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,8 @@ import time
 from pathlib import Path
 
 from usp.plan.specs import uses_deterministic
-from usp.rundir import EXIT_PREEMPTED
+from usp.rundir import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from usp.runstate import preempted_since
 
 WORKER_MODULE = "usp.engine.worker"
 
@@ -58,7 +58,7 @@ def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
 
 
 def launch_local(plan, plan_path: Path) -> int:
-    """Run the plan here and return the exit code of the run: 0 = success, EXIT_PREEMPTED (75)
+    """Run the plan here and return the exit code of the run: 0 = success, EXIT_PREEMPTED
     = stopped by a signal after a checkpoint (run the same command again to resume)."""
     if plan.world_size == 1:
         for key, value in plan_accelerator_env(plan).items():  # before torch initialises CUDA
@@ -77,14 +77,6 @@ def launch_local(plan, plan_path: Path) -> int:
         return _stop(proc)
     # torchrun reports any worker failure as 1: recover the workers' "preempted" exit.
     return EXIT_PREEMPTED if code and preempted_since(Path(plan.run_dir), started) else code
-
-
-def preempted_since(run_dir: Path, since: float) -> bool:
-    events = run_dir / "logs" / "events.jsonl"
-    if not events.exists():
-        return False
-    lines = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
-    return bool(lines) and lines[-1]["event"] == "preempted" and lines[-1]["time"] >= since
 
 
 def _die_with_parent() -> None:
@@ -108,4 +100,4 @@ def _stop(proc: subprocess.Popen) -> int:
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             continue
     print("usp: interrupted; all ranks stopped", file=sys.stderr)
-    return 130
+    return EXIT_INTERRUPTED

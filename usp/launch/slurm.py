@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.rundir import write_text_atomic
+from usp.rundir import JOB_RECORD, read_jobs, write_text_atomic
 
-JOB_FILE = "job.json"
 _FIELD = re.compile(r"(\w+)=(\S*)")
 
 
@@ -41,13 +40,8 @@ def submit(script: Path, plans: list[Path], log_dir: Path, record_dir: Path) -> 
     jobs = read_jobs(record_dir)
     jobs.append({"job_id": job_id, "script": str(script), "log_dir": str(log_dir),
                  "plans": [str(p) for p in plans], "submitted_at": time.time()})
-    write_text_atomic(record_dir / JOB_FILE, json.dumps({"jobs": jobs}, indent=1) + "\n")
+    write_text_atomic(record_dir / JOB_RECORD, json.dumps({"jobs": jobs}, indent=1) + "\n")
     return job_id
-
-
-def read_jobs(record_dir: Path) -> list[dict]:
-    path = Path(record_dir) / JOB_FILE
-    return json.loads(path.read_text())["jobs"] if path.is_file() else []
 
 
 def find_job(run_dir: Path) -> tuple[dict, int | None] | None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from usp.launch.local import preempted_since
 from usp.launch.slurm import unhealthy_nodes
+from usp.runstate import preempted_since
 
 
 def outcome(run_dir: Path, since: float, code: int, nodelist: str = "") -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from usp.errors import LaunchError
 from usp.launch.local import plan_accelerator_env
 from usp.plan.layout import layout_tag
+from usp.rundir import EXIT_PREEMPTED, logs_dir
 
 TEMPLATE = "job.sbatch.j2"
 GPU_REQUESTS = ("gpus_per_node", "gres", "none")
@@ -60,6 +61,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
         "rdzv_port": slurm["rdzv_port"],
         "shutdown_timeout_s": max(30, lead - 30),  # leave the ranks time to checkpoint before SIGKILL
         "srun_options": _srun_options(slurm),
+        "exit_preempted": EXIT_PREEMPTED,  # "try again later": resubmitting resumes from the checkpoint
     }
     for key, _ in context["env"]:
         if not _ENV_KEY.match(key):
@@ -71,7 +73,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
 def default_log_dir(plan) -> Path:
     """cluster.slurm.log_dir (absolute: job.json is read from other directories), or <run_dir>/logs."""
     configured = plan.config["cluster"]["slurm"].get("log_dir")
-    return Path(configured).expanduser().resolve() if configured else Path(plan.run_dir) / "logs"
+    return Path(configured).expanduser().resolve() if configured else logs_dir(plan.run_dir)
 
 
 def check_slurm_settings(slurm: dict, device: str) -> None:

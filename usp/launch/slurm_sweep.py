@@ -3,20 +3,20 @@ array (`--array=0-N[%max]`), each task reading its own plan.yaml. Points that as
 different nodes x processes can't share an array: one array per shape. No torch.
 
 Point statuses in sweep.json become `submitted` (with `slurm_job` = "<array id>_<task>");
-`refresh_statuses` later reads each run directory (summary.json: done; failure records:
-failed) so reports see what the jobs did."""
+usp.sweeprecord.refresh_statuses later reads each run directory (summary.json: done; failure
+records: failed) so reports see what the jobs did."""
 from __future__ import annotations
 
 import io
 from collections import defaultdict
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
-from usp.errors import UspError
+from usp.errors import UspError, one_line
 from usp.launch import slurm
 from usp.launch.slurm_script import check_slurm_settings, render_job
+from usp.rundir import JOB_SCRIPT, logs_dir
 
 
 def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: int = 0,
@@ -24,7 +24,6 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
     """Prepare every accepted point (plan.yaml, data) and submit one array per node shape.
     Returns the number of points that could not be prepared."""
     from usp.launch.prepare import prepare_run
-    from usp.launch.sweep import one_line
 
     console = console or Console()
     first = sweep.accepted[0].cfg.cluster
@@ -34,15 +33,15 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
         if point.status == "done":
             continue
         try:
-            plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()), plan=point.plan,
-                                          prepare_data=not dry_run)
+            plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()),
+                                          plan=point.plan, prepare_data=not dry_run)
         except UspError as exc:
             point.status, point.reason, failed = "failed", one_line(exc), failed + 1
             continue
         groups[(plan.nodes, plan.procs_per_node)].append((point, plan, plan_path))
-    log_dir = sweep.dir / "logs"
+    log_dir = logs_dir(sweep.dir)
     for _n, ((nodes, procs), members) in enumerate(sorted(groups.items())):
-        script_name = "job.sbatch" if len(groups) == 1 else f"job_{nodes}x{procs}.sbatch"
+        script_name = JOB_SCRIPT if len(groups) == 1 else f"job_{nodes}x{procs}.sbatch"
         text = render_job([m[1] for m in members], [m[2] for m in members],
                           ["usp", "sweep", *([f"conf={sweep.conf}"] if sweep.conf else []), *sweep.base_overrides,
                            *(f"{k}={','.join(v)}" for k, v in sweep.swept.items())],
@@ -66,22 +65,3 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
                              f"cancel usp cancel {sweep.dir}"), highlight=False, soft_wrap=True)
     sweep.write()
     return failed
-
-
-def refresh_statuses(sweep_dict: dict) -> dict:
-    """Statuses of submitted points from their run directories (the jobs don't write sweep.json:
-    array tasks finishing together would race). Returns the updated dict; writes nothing."""
-    from usp.launch.status import analyse_failures
-    from usp.rundir import read_plan_if_any
-
-    for point in sweep_dict["points"]:
-        if point["status"] not in ("submitted", "running"):
-            continue
-        run_dir = Path(point["run_dir"])
-        if (run_dir / "summary.json").is_file():
-            point["status"] = "done"
-        elif analyse_failures(run_dir, read_plan_if_any(run_dir)).failed:
-            point["status"], point["reason"] = "failed", f"see usp status {run_dir}"
-        elif (run_dir / "metrics.jsonl").is_file():
-            point["status"] = "running"
-    return sweep_dict

@@ -1,15 +1,9 @@
 """`usp status [RUN_DIR]`: what happened to a run, read from its run directory alone (no torch).
-
-State: completed (summary.json, no failure after it), failed (logs/failure_rank<R>.json files
-of the latest launch, not followed by a restart), else incomplete / running. For a failed run
-the root cause is the earliest failure that is not a "lost peer" (a rank that lost its
-connection only because another one died); ranks of the plan that left no failure file died
-without a Python traceback (a signal: the OOM killer, SIGKILL, or torchrun stopping them)."""
+Which state the run is in and which failure is the root cause: usp/runstate.py; here, how it is
+shown (and `usp train`'s summary after a failed run)."""
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -17,75 +11,23 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from usp.errors import LaunchError
-from usp.rundir import LOST_PEER, checkpoint_dir, list_checkpoints, read_jsonl, read_plan_if_any
+from usp.launch.jobs import slurm_table
+from usp.rundir import (
+    CHECKPOINTS,
+    LOST_PEER,
+    METRICS,
+    checkpoint_dir,
+    events_path,
+    list_checkpoints,
+    metrics_path,
+    rank_log,
+    read_jobs,
+    read_jsonl,
+    read_plan_if_any,
+)
+from usp.runstate import COMPLETED, FAILED, FailureReport, analyse_failures, resolve_run_dir, run_state
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
-
-
-@dataclass
-class FailureReport:
-    root: dict | None = None  # the failure that started it (None: only silent ranks / lost peers)
-    secondary: list[dict] = field(default_factory=list)  # failures caused by the root one
-    silent: list[dict] = field(default_factory=list)  # plan rank entries with no failure file
-    earlier: list[dict] = field(default_factory=list)  # failures before the latest launch or restart
-    lost_peer_seen: bool = False
-
-    @property
-    def failed(self) -> bool:
-        return self.root is not None or bool(self.secondary)
-
-
-# -- reading the run directory ---------------------------------------------------------------
-
-def resolve_run_dir(arg: str | None, runs_dir: str | Path = "runs") -> Path:
-    """RUN_DIR, or the most recently modified directory under ./runs."""
-    if arg:
-        path = Path(arg)
-        if not path.is_dir():
-            raise LaunchError(f"no run directory {path}", key="RUN_DIR", fix="usp status runs/<name>")
-        return path
-    runs = Path(runs_dir)
-    candidates = [p for p in runs.iterdir() if p.is_dir()] if runs.is_dir() else []
-    if not candidates:
-        raise LaunchError(f"no run directory given and {runs}/ has none", key="RUN_DIR",
-                          fix="usp status <run dir> (e.g. runs/<name>)")
-    return max(candidates, key=lambda p: p.stat().st_mtime)
-
-
-def read_failures(run_dir: Path) -> list[dict]:
-    out = []
-    for path in sorted((run_dir / "logs").glob("failure_rank*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        record["_path"] = str(path)
-        record.setdefault("unix_time", path.stat().st_mtime)
-        out.append(record)
-    return out
-
-
-def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
-    """Sort the failure files of the latest launch (and attempt) into root cause and consequences."""
-    failures = read_failures(run_dir)
-    since = (run_dir / "plan.yaml").stat().st_mtime if (run_dir / "plan.yaml").is_file() else 0.0
-    restarts = [e for e in read_jsonl(run_dir / "logs" / "events.jsonl") if e.get("event") == "restart"]
-    if restarts:
-        since = max(since, max(float(e.get("time", 0)) for e in restarts))
-    report = FailureReport()
-    active = []
-    for f in failures:
-        (active if float(f["unix_time"]) >= since - 1.0 else report.earlier).append(f)
-    active.sort(key=lambda f: float(f["unix_time"]))
-    report.lost_peer_seen = any(f.get("error_class") == LOST_PEER for f in active)
-    primary = [f for f in active if f.get("error_class") != LOST_PEER]
-    report.root = (primary or active or [None])[0]
-    report.secondary = [f for f in active if f is not report.root]
-    if active and plan:
-        reported = {int(f.get("rank", -1)) for f in active}
-        report.silent = [r for r in plan.get("ranks", []) if int(r["rank"]) not in reported]
-    return report
 
 
 # -- formatting ------------------------------------------------------------------------------
@@ -119,7 +61,7 @@ def _first_line(text: str | None, limit: int = 300) -> str:
 
 
 def _last_log_line(run_dir: Path, rank: int) -> str:
-    path = run_dir / "logs" / f"rank_{rank}.log"
+    path = rank_log(run_dir, rank)
     if not path.is_file():
         return "(no log)"
     lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -141,7 +83,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
         table = Table(title="root cause", show_header=False, title_justify="left", title_style="bold red")
         table.add_column(style="bold cyan")
         table.add_column(overflow="fold")
-        step, rank_log = root.get("last_completed_step"), f"rank_{root.get('rank')}.log"
+        step = root.get("last_completed_step")
         rows = [("failing rank", str(root.get("rank"))),
                 ("node", f"{root.get('node')} ({root.get('host', '?')}), local rank {root.get('local_rank')}"),
                 ("mesh coordinates", _coords(root.get("coords"), degrees)),
@@ -151,7 +93,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
                 ("message", _first_line(root.get("message"))),
                 ("last completed step", "-" if step is None else str(step)),
                 ("time", _when(root.get("unix_time"))),
-                ("details", escape(f"{root['_path']} (traceback), {run_dir / 'logs' / rank_log}"))]
+                ("details", escape(f"{root['_path']} (traceback), {rank_log(run_dir, root.get('rank'))}"))]
         for k, v in rows:
             table.add_row(k, v)
         console.print(table)
@@ -202,25 +144,34 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     run_dir = resolve_run_dir(run_dir_arg)
     plan = read_plan_if_any(run_dir)
     report = analyse_failures(run_dir, plan)
-    summary_file = run_dir / "summary.json"
-    events = read_jsonl(run_dir / "logs" / "events.jsonl")
-    latest_failure = max((float(f["unix_time"]) for f in [report.root, *report.secondary] if f), default=0.0)
-    launched = (run_dir / "plan.yaml").stat().st_mtime if (run_dir / "plan.yaml").is_file() else 0.0
-    done = summary_file.stat().st_mtime if summary_file.is_file() else None  # of this launch, not an earlier one
-    if done is not None and done >= launched - 1.0 and latest_failure <= done:
-        state, code = "[bold green]completed[/]", 0
-    elif report.failed:
-        state, code = "[bold red]failed[/]", 1
-    else:
-        state, code = "[yellow]incomplete / running[/]", 0
-        if events and events[-1].get("event") == "preempted":
-            from usp.launch.slurm import read_jobs  # a Slurm job requeues itself; a local run needs the user
+    events = read_jsonl(events_path(run_dir))
+    state = run_state(run_dir, report)
+    console.print(_run_table(run_dir, plan, _state_text(run_dir, state, events), report, events))
+    job_table = slurm_table(run_dir)
+    if job_table is not None:
+        console.print(job_table)
+    _render_checkpoints(run_dir, plan, console)
+    if state == FAILED:
+        render_failure(run_dir, plan, report, console)
+    return 1 if state == FAILED else 0
 
-            how = "its Slurm job requeues and resumes by itself" if read_jobs(run_dir) else \
-                "resume by running the same command"
-            state += f" (preempted at step {events[-1].get('step')}; {how})"
 
-    table = Table(title=escape(f"run: {(plan or {}).get('name', run_dir.name)}"), show_header=False, title_justify="left")
+def _state_text(run_dir: Path, state: str, events: list[dict]) -> str:
+    if state == COMPLETED:
+        return "[bold green]completed[/]"
+    if state == FAILED:
+        return "[bold red]failed[/]"
+    text = "[yellow]incomplete / running[/]"
+    if events and events[-1].get("event") == "preempted":  # a Slurm job requeues itself; a local run needs the user
+        how = "its Slurm job requeues and resumes by itself" if read_jobs(run_dir) else \
+            "resume by running the same command"
+        text += f" (preempted at step {events[-1].get('step')}; {how})"
+    return text
+
+
+def _run_table(run_dir: Path, plan: dict | None, state: str, report: FailureReport, events: list[dict]) -> Table:
+    table = Table(title=escape(f"run: {(plan or {}).get('name', run_dir.name)}"), show_header=False,
+                  title_justify="left")
     table.add_column(style="bold cyan")
     table.add_column(overflow="fold")
     table.add_row("run dir", escape(str(run_dir)))
@@ -233,16 +184,28 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     else:
         table.add_row("plan", "no plan.yaml (not a run directory, or not launched yet)")
     table.add_row("state", state)
-    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "step" in m]
+    table.add_row("last logged step", _last_step(run_dir, plan))
+    _event_rows(table, events)
+    if report.earlier:
+        table.add_row("earlier failures", f"{len(report.earlier)} failure record(s) from before the latest launch "
+                                          "or restart (recovered or superseded)")
+    return table
+
+
+def _last_step(run_dir: Path, plan: dict | None) -> str:
+    metrics = [m for m in read_jsonl(metrics_path(run_dir)) if "step" in m]
+    if not metrics:
+        return f"none (no {METRICS} yet)"
     total = ((plan or {}).get("config") or {}).get("train", {}).get("steps")
-    if metrics:
-        last = metrics[-1]
-        loss = last.get("loss")
-        val = f", val loss {last['val_loss']:.4f}" if isinstance(last.get("val_loss"), (int, float)) else ""
-        table.add_row("last logged step", f"{last['step']}{f' / {total}' if total else ''}: loss "
-                                          f"{loss:.4f}{val}" if isinstance(loss, (int, float)) else f"{last['step']}")
-    else:
-        table.add_row("last logged step", "none (no metrics.jsonl yet)")
+    last = metrics[-1]
+    loss = last.get("loss")
+    if not isinstance(loss, (int, float)):
+        return f"{last['step']}"
+    val = f", val loss {last['val_loss']:.4f}" if isinstance(last.get("val_loss"), (int, float)) else ""
+    return f"{last['step']}{f' / {total}' if total else ''}: loss {loss:.4f}{val}"
+
+
+def _event_rows(table: Table, events: list[dict]) -> None:
     restarts = [e for e in events if e.get("event") == "restart"]
     table.add_row("restarts", "none" if not restarts else "; ".join(
         f"#{e.get('restart', '?')} at {_when(e.get('time'))}"
@@ -253,19 +216,6 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
         table.add_row("events", escape("; ".join(
             f"{e['event']} at {_when(e.get('time'))}" + "".join(f", {k} {v}" for k, v in e.items()
                                                                  if k not in ("event", "time")) for e in others[-5:])))
-    if report.earlier:
-        table.add_row("earlier failures", f"{len(report.earlier)} failure record(s) from before the latest launch "
-                                          "or restart (recovered or superseded)")
-    console.print(table)
-    from usp.launch.jobs import slurm_table  # (imports this module)
-
-    job_table = slurm_table(run_dir)
-    if job_table is not None:
-        console.print(job_table)
-    _render_checkpoints(run_dir, plan, console)
-    if code == 1:
-        render_failure(run_dir, plan, report, console)
-    return code
 
 
 def _render_checkpoints(run_dir: Path, plan: dict | None, console: Console) -> None:
@@ -273,7 +223,7 @@ def _render_checkpoints(run_dir: Path, plan: dict | None, console: Console) -> N
     if plan and not ckpt_cfg.get("enabled", True):
         console.print("checkpoints: disabled (checkpoint.enabled=false)")
         return
-    where = checkpoint_dir(plan) if plan else run_dir / "checkpoints"
+    where = checkpoint_dir(plan) if plan else run_dir / CHECKPOINTS
     found = list_checkpoints(where)
     if not found:
         console.print(f"checkpoints: none in {escape(str(where))}", highlight=False)
@@ -289,5 +239,5 @@ def _render_checkpoints(run_dir: Path, plan: dict | None, console: Console) -> N
             table.add_row(str(c.step), "[red]incomplete[/]", escape(f"{c.path.name}: {c.problem}"))
     done = [c.step for c in found if c.complete]
     console.print(table)
-    console.print(escape(f"  in {where}: " + (f"resume / export from step {done[-1]}" if done else "no complete checkpoint")),
-                  highlight=False, soft_wrap=True)
+    console.print(escape(f"  in {where}: " + (f"resume / export from step {done[-1]}" if done
+                                              else "no complete checkpoint")), highlight=False, soft_wrap=True)

@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from usp.launch import slurm
 from usp.launch.slurm_script import check_slurm_settings, default_log_dir, render_job
+from usp.rundir import JOB_SCRIPT, LOGS
 
 
 def check_submittable(plan) -> None:
@@ -25,7 +26,7 @@ def submit_run(plan, plan_path: Path, command: list[str], *, dry_run: bool = Fal
     run_dir = Path(plan.run_dir)
     log_dir = default_log_dir(plan)
     text = render_job([plan], [plan_path], command, log_dir=log_dir)
-    script = slurm.write_script(text, run_dir / "job.sbatch")
+    script = slurm.write_script(text, run_dir / JOB_SCRIPT)
     if dry_run:
         log_dir.mkdir(parents=True, exist_ok=True)  # for a later `sbatch job.sbatch` (slurm.submit makes it too)
         print(text, end="", flush=True)  # plain, so it can be copied or piped
@@ -38,7 +39,8 @@ def submit_run(plan, plan_path: Path, command: list[str], *, dry_run: bool = Fal
     name = escape(str(run_dir))
     console.print(f"[bold green]submitted[/] Slurm job {job_id}: {plan.nodes} node(s) x {plan.procs_per_node} "
                   f"process(es)", highlight=False)
-    console.print(f"  script  {escape(str(script))}\n  output  {escape(str(slurm.log_file({'job_id': job_id, 'log_dir': str(log_dir)}, None)))}"
-                  f"\n  ranks   {name}/logs/rank_<N>.log\n  follow  usp logs {name}\n  status  usp status {name}"
+    output = slurm.log_file({"job_id": job_id, "log_dir": str(log_dir)}, None)
+    console.print(f"  script  {escape(str(script))}\n  output  {escape(str(output))}"
+                  f"\n  ranks   {name}/{LOGS}/rank_<N>.log\n  follow  usp logs {name}\n  status  usp status {name}"
                   f"\n  cancel  usp cancel {name}", highlight=False, soft_wrap=True)
     return job_id

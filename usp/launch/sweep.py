@@ -8,110 +8,29 @@ can reuse the first two and replace the third:
     sweep = plan_grid(conf, grid, name, runs_dir)     # compose + plan each; writes sweep.json
     run_sweep_local(sweep)                            # or: submit_sweep_slurm(sweep)
 
-A runner is registered in SWEEP_LAUNCHERS under the `cluster.launcher` it serves.
-
-runs/<sweep_name>/sweep.json (written atomically after every status change):
-
-    {"version": 1, "name": "s1", "dir": "/abs/runs/s1", "conf": "tiny_demo" | null,
-     "launcher": "local",
-     "swept": {"cluster.procs_per_node": ["1", "2"], "train.micro_batch": ["4", "8"]},
-     "base_overrides": ["train.steps=20"],            # the overrides every point shares
-     "created": 1700000000.0, "updated": 1700000100.0,
-     "points": [
-       {"index": 0, "id": "p00_n1_mb4", "run_name": "s1/p00_n1_mb4",
-        "run_dir": "/abs/runs/s1/p00_n1_mb4",          # the point's run directory
-        "overrides": ["train.steps=20", "cluster.procs_per_node=1", "train.micro_batch=4"],
-        "swept": {"cluster.procs_per_node": "1", "train.micro_batch": "4"},
-        "status": "planned",       # planned | rejected | submitted (in a Slurm array) | running | done | failed
-        "reason": null,            # rejected: the planner's message; failed: the root cause
-        "exit_code": null, "started": null, "finished": null,
-        "world_size": 1, "nodes": 1, "params": 950912, "degrees": {"pp": 1, "dp_replicate": 1, ...},
-        "micro_batch": 4, "grad_accum": 4, "global_batch": 16,
-        "predicted": {"tokens_per_s": 5790.8, "mfu": 0.24, "memory_gib": 0.46, "memory_tensor_gib": 0.15}},
-       ...]}
-
-A point's run is composed from `conf` + its `overrides` + `train.name=<run_name>` (and
-`train.runs_dir=` when the sweep was given one): the same config `usp train` would build.
+A runner is registered in SWEEP_LAUNCHERS under the `cluster.launcher` it serves. The record,
+runs/<sweep_name>/sweep.json, and its format: usp/sweeprecord.py.
 """
 from __future__ import annotations
 
 import io
 import itertools
-import json
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
-from usp.errors import LaunchError, UspError
-from usp.rundir import STOP_CODES, SWEEP, write_text_atomic
+from usp.errors import LaunchError, UspError, one_line
+from usp.rundir import EXIT_INTERRUPTED, STOP_CODES, logs_dir, read_plan_if_any
+from usp.runstate import analyse_failures
+from usp.sweeprecord import Sweep, SweepPoint, layout_text, read_sweep, refresh_statuses
 
-SWEEP_FILE = SWEEP
-SWEEP_VERSION = 1
 # Short names for the run ids (p03_n2_mb8); other keys use their last component.
 _ABBREV = {"micro_batch": "mb", "grad_accum": "ga", "global_batch": "gb", "global_batch_tokens": "gbt",
            "procs_per_node": "n", "dp_replicate": "dpr", "dp_shard": "dps", "seq_len": "seq",
            "recompute": "rc", "pp_schedule": "sched"}
-
-
-@dataclass
-class SweepPoint:
-    index: int
-    id: str
-    overrides: list[str]
-    swept: dict[str, str]
-    run_name: str
-    run_dir: str
-    status: str = "planned"
-    reason: str | None = None
-    exit_code: int | None = None
-    started: float | None = None
-    finished: float | None = None
-    info: dict = field(default_factory=dict)  # world_size, degrees, batch, predicted numbers
-    cfg: object = field(default=None, repr=False)  # composed config, group choices and checked plan:
-    choices: dict | None = field(default=None, repr=False)  # what a runner hands to prepare_run
-    plan: object = field(default=None, repr=False)
-
-    def to_dict(self) -> dict:
-        return {"index": self.index, "id": self.id, "run_name": self.run_name, "run_dir": self.run_dir,
-                "overrides": self.overrides, "swept": self.swept, "status": self.status, "reason": self.reason,
-                "exit_code": self.exit_code, "started": self.started, "finished": self.finished, **self.info}
-
-
-@dataclass
-class Sweep:
-    name: str
-    dir: Path
-    conf: str | None
-    swept: dict[str, list[str]]
-    base_overrides: list[str]
-    points: list[SweepPoint]
-    launcher: str = "local"
-    created: float = field(default_factory=time.time)
-
-    @property
-    def accepted(self) -> list[SweepPoint]:
-        return [p for p in self.points if p.status != "rejected"]
-
-    @property
-    def rejected(self) -> list[SweepPoint]:
-        return [p for p in self.points if p.status == "rejected"]
-
-    @property
-    def path(self) -> Path:
-        return self.dir / SWEEP_FILE
-
-    def to_dict(self) -> dict:
-        return {"version": SWEEP_VERSION, "name": self.name, "dir": str(self.dir), "conf": self.conf,
-                "launcher": self.launcher, "swept": self.swept, "base_overrides": self.base_overrides,
-                "created": self.created, "updated": time.time(), "points": [p.to_dict() for p in self.points]}
-
-    def write(self) -> Path:
-        write_text_atomic(self.path, json.dumps(self.to_dict(), indent=1) + "\n")
-        return self.path
 
 
 # -- 1. the grid -----------------------------------------------------------------------------
@@ -124,8 +43,8 @@ def split_sweep(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception as exc:  # OverrideParseException and friends: one clear line
-        raise UspError(str(exc).strip().splitlines()[0], key="overrides",
-                       fix="overrides are key=value, key=a,b,c (a sweep), or key='a,b' (one value with a comma)") from None
+        raise UspError(str(exc).strip().splitlines()[0], key="overrides", fix="overrides are key=value, "
+                       "key=a,b,c (a sweep), or key='a,b' (one value with a comma)") from None
     base, swept = [], {}
     for item in parsed:
         if not item.is_sweep_override():
@@ -238,7 +157,6 @@ def _resume(sweep: Sweep) -> None:
     if not sweep.path.is_file():
         return
     from usp.launch.slurm import refuse_if_active
-    from usp.launch.slurm_sweep import refresh_statuses
 
     refuse_if_active(sweep.dir)  # its array tasks read the plans this would rewrite
     old = refresh_statuses(read_sweep(sweep.dir))  # array tasks that finished count as done
@@ -250,22 +168,6 @@ def _resume(sweep: Sweep) -> None:
         if point.status != "rejected" and before["status"] == "done":
             point.status, point.exit_code = "done", before.get("exit_code")
             point.started, point.finished = before.get("started"), before.get("finished")
-
-
-def read_sweep(sweep_dir) -> dict:
-    path = Path(sweep_dir) / SWEEP_FILE
-    if not path.is_file():
-        raise LaunchError(f"no {SWEEP_FILE} in {sweep_dir}", key="SWEEP_DIR", value=str(sweep_dir),
-                          fix="a directory written by `usp sweep` (runs/<sweep name>)")
-    return json.loads(path.read_text())
-
-
-def one_line(exc: Exception) -> str:
-    """A UspError's message and fix on one line (for tables and sweep.json)."""
-    text = str(exc).strip()
-    head, _, fix = text.partition("\n  fix: ")
-    head = " ".join(head.split())
-    return f"{head} (fix: {' '.join(fix.split())})" if fix else head
 
 
 # -- 3. running ------------------------------------------------------------------------------
@@ -314,21 +216,18 @@ def _run_point(point: SweepPoint, prepare_run, launch) -> tuple[int, str | None]
     try:
         return int(launch(plan, plan_path)), None
     except KeyboardInterrupt:
-        return 130, "interrupted"
+        return EXIT_INTERRUPTED, "interrupted"
     except Exception as exc:  # one rank runs in-process: its exception is this point's failure
         return 1, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
 def _failure_reason(point: SweepPoint, code: int) -> str:
-    from usp.launch.status import analyse_failures
-    from usp.rundir import read_plan_if_any
-
     run_dir = Path(point.run_dir)
     root = analyse_failures(run_dir, read_plan_if_any(run_dir)).root
     if root:
         message = (root.get("message") or "").strip().splitlines()
         return f"exit {code}: {root.get('error_class')}: {message[0][:200] if message else ''}"
-    return f"exit {code} (logs in {run_dir / 'logs'})"
+    return f"exit {code} (logs in {logs_dir(run_dir)})"
 
 
 def _submit_slurm(sweep: Sweep, console: Console | None = None, *, max_parallel: int = 0,
@@ -368,19 +267,8 @@ def render_sweep(sweep: Sweep, console: Console | None = None) -> None:
         tps = (p.info.get("predicted") or {}).get("tokens_per_s")
         status = p.status + (f": {p.reason}" if p.reason else "")
         swept = " ".join(f"{k.split('.')[-1]}={v}" for k, v in p.swept.items())
-        table.add_row(p.id, escape(swept), str(p.info.get("world_size", "-")), layout_text(p.info, full=False), "-" if tps is None else f"{tps:,.0f}",
+        table.add_row(p.id, escape(swept), str(p.info.get("world_size", "-")), layout_text(p.info, full=False),
+                      "-" if tps is None else f"{tps:,.0f}",
                       f"[{style[p.status]}]{escape(status)}[/]" if style[p.status] else escape(status))
     console.print(table)
     console.print(f"sweep file: {escape(str(sweep.path))}", highlight=False, soft_wrap=True)
-
-
-def layout_text(info: dict, full: bool = True) -> str:
-    """dp=2 tp=1 pp=1 cp=1 ep=1 mb=8 ga=1 (dp = dp_replicate x dp_shard); full=False leaves
-    out the degrees that are 1."""
-    deg = info.get("degrees")
-    if not deg:
-        return "-"
-    dims = {"dp": int(deg.get("dp_replicate", 1)) * int(deg.get("dp_shard", 1)),
-            **{d: int(deg.get(d, 1)) for d in ("tp", "pp", "cp", "ep")}}
-    parts = [f"{d}={v}" for d, v in dims.items() if full or v > 1]
-    return " ".join(parts + [f"mb={info.get('micro_batch')}", f"ga={info.get('grad_accum')}"])

@@ -14,6 +14,7 @@ from usp.config.reference import reference_overrides
 from usp.errors import PlanError
 from usp.launch.local import torchrun_command
 from usp.launch.prepare import prepare_run
+from usp.rundir import VERIFY, logs_dir
 
 QUIET = ["logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
          "checkpoint.enabled=false"]
@@ -47,12 +48,12 @@ def verify(conf: str | None, overrides: list[str], steps: int, rtol: float, para
     plan, plan_path = prepare_run(cfg, choices, console)
     ref_cfg, ref_choices = compose_config(conf, reference_overrides(layout_ov) + [f"train.name={plan.name}-reference"])
     ref_plan, ref_path = prepare_run(ref_cfg, ref_choices, Console(quiet=True))
-    out = Path(plan.run_dir) / "verify.json"
+    out = Path(plan.run_dir) / VERIFY
     out.unlink(missing_ok=True)
     console.print(f"verify: {plan.name} on {world} process(es) vs one process, {steps} steps")
     code = _run(plan, plan_path, ref_path, out)
     if code or not out.exists():
-        console.print(f"[red]verify: the run failed (exit code {code}); logs in {plan.run_dir}/logs")
+        console.print(f"[red]verify: the run failed (exit code {code}); logs in {logs_dir(plan.run_dir)}")
         return code or 1
     return report(json.loads(out.read_text()), rtol, param_atol, console)
 
@@ -78,8 +79,9 @@ def report(result: dict, rtol: float, param_atol: float, console: Console) -> in
         table.add_column(col, justify="right")
     for r in result["rows"]:
         ok = r["rel_diff"] <= rtol
-        table.add_row(str(r["step"]), f"{r['ref_loss']:.7f}", f"{r['loss']:.7f}", f"{abs(r['loss'] - r['ref_loss']):.2e}",
-                      f"{r['rel_diff']:.2e}", f"{r['grad_norm_diff']:.2e}", "[green]pass" if ok else "[red]FAIL")
+        table.add_row(str(r["step"]), f"{r['ref_loss']:.7f}", f"{r['loss']:.7f}",
+                      f"{abs(r['loss'] - r['ref_loss']):.2e}", f"{r['rel_diff']:.2e}", f"{r['grad_norm_diff']:.2e}",
+                      "[green]pass" if ok else "[red]FAIL")
     console.print(table)
     params_ok = result["max_param_diff"] <= param_atol and not result["missing_params"]
     console.print(f"final parameters: max |Δ| {result['max_param_diff']:.2e} in {result.get('worst_param')} "

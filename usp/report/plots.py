@@ -110,8 +110,8 @@ def plot_throughput(runs: list[RunData], out: Path) -> Plot | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     caption = ("Throughput per logged step: `tokens_per_s` of metrics.jsonl (global batch tokens / wall time "
-               "of that step, measured on rank 0; step 1 includes warm-up, the memory-probe step and profiled steps are "
-               "slower)")
+               "of that step, measured on rank 0; step 1 includes warm-up, the memory-probe step and profiled steps "
+               "are slower)")
     caption += ("; MFU: the records' `mfu` field." if mfu else
                 ". No MFU plot: the records have no `mfu` field (the tables derive it from tokens/s).")
     return Plot("throughput", _save(fig, out / "throughput.png"), caption, {**data, **mfu})
@@ -137,7 +137,8 @@ def plot_memory(runs: list[RunData], out: Path, max_bars: int = 32) -> Plot | No
             label = f"{r.label} r{rank}" if len(runs) > 1 else f"rank {rank}"
             labels.append(label)
             tensor, total = predicted.get(rank, (math.nan, math.nan))
-            for key, value in (("predicted", tensor), ("predicted_total", total), ("measured", measured.get(rank, math.nan))):
+            for key, value in (("predicted", tensor), ("predicted_total", total),
+                               ("measured", measured.get(rank, math.nan))):
                 data[key]["x"].append(label)
                 data[key]["y"].append(value)
     if not labels or all(math.isnan(v) for s in data.values() for v in s["y"]):

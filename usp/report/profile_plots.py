@@ -6,6 +6,7 @@ from pathlib import Path
 
 from usp.report.plots import Plot, _plt, _save
 from usp.report.trace import PHASES, StepBreakdown
+from usp.rundir import METRICS, PROFILE, SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SPAN_STEP_PREFIX
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "forward+backward (pipeline)": "tab:purple",
           "optimizer": "tab:green", "data wait": "tab:red", "other": "tab:gray"}
@@ -38,10 +39,10 @@ def plot_step_breakdown(bars: list[tuple[str, StepBreakdown]], out: Path) -> Plo
     ax.set(ylabel="time (ms)", title="step-time breakdown (profiled steps)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, ncol=2, loc="upper left")
-    caption = ("Step-time breakdown of the profiled steps, measured by torch.profiler (profile/rank_<R>.json): "
-               "each bar is one `usp_step_<N>` span, split into the `usp_forward` / `usp_backward` / "
-               "`usp_optimizer` (/ `usp_pipeline_forward_backward`) spans inside it, data wait (`data_wait_s` of "
-               "metrics.jsonl, rank 0's own measurement, so rank 0 only) and other (the rest of the step).")
+    caption = (f"Step-time breakdown of the profiled steps, measured by torch.profiler ({PROFILE}/rank_<R>.json): "
+               f"each bar is one `{SPAN_STEP_PREFIX}<N>` span, split into the `{SPAN_FORWARD}` / `{SPAN_BACKWARD}` / "
+               f"`{SPAN_OPTIMIZER}` (/ `{SPAN_PIPELINE}`) spans inside it, data wait (`data_wait_s` of "
+               f"{METRICS}, rank 0's own measurement, so rank 0 only) and other (the rest of the step).")
     if has_comm:
         caption += (" Black: time in communication ops (c10d/gloo/nccl/all_reduce/all_gather/reduce_scatter/...; "
                     "device kernels when the trace has them), which overlaps the phases rather than adding to them.")

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from usp.errors import UspError
-from usp.launch.sweep import SWEEP_FILE, layout_text, read_sweep
 from usp.report import plots as P
 from usp.report.heatmap import heatmap_grid
 from usp.report.overlap import overlap_markdown
@@ -16,7 +15,8 @@ from usp.report.runs import RunData, is_run_dir, load_run, unique_labels
 from usp.report.sweep_plots import plot_heatmap, plot_scaling
 from usp.report.sweep_tables import batch_guidance, scaling, sweep_rows
 from usp.report.trace import PHASES, run_breakdowns, run_events
-from usp.rundir import write_text_atomic
+from usp.rundir import METRICS, PROFILE, SPAN_STEP_PREFIX, write_text_atomic
+from usp.sweeprecord import SWEEP_FILE, is_sweep_dir, layout_text, read_sweep, refresh_statuses
 
 MAX_BARS = 48  # step-time bars in one plot (runs x ranks x profiled steps)
 
@@ -40,9 +40,7 @@ def collect(paths: list[str]) -> tuple[list[RunData], list[tuple[Path, dict]]]:
         raise UspError("no run or sweep directory given", key="RUN_DIR", fix="usp report runs/<name>")
     for arg in paths:
         path = Path(arg).expanduser()
-        if (path / SWEEP_FILE).is_file():
-            from usp.launch.slurm_sweep import refresh_statuses
-
+        if is_sweep_dir(path):
             sweep = refresh_statuses(read_sweep(path))  # a Slurm array's points: from their run dirs
             sweeps.append((path, sweep))
             dirs = [Path(p["run_dir"]) for p in sweep["points"] if p.get("run_dir")]
@@ -110,7 +108,7 @@ def _runs_section(runs: list[RunData]) -> list[str]:
         memory, memory_how = r.memory_measured()
         predicted = max((v[0] for v in r.memory_predicted_gib().values()), default=None)
         steps = f"{r.metrics[-1]['step']}/{(plan.get('config') or {}).get('train', {}).get('steps', '?')}" \
-            if r.metrics else "0 (no metrics.jsonl)"
+            if r.metrics else f"0 (no {METRICS})"
         rows.append([r.label, r.world_size, layout_text(info) if plan.get("degrees") else "-", steps,
                      _num(r.final_loss(), ".4f"), _num(r.tokens_per_s()),
                      None if mfu is None else f"{100 * mfu:.1f}% ({how})",
@@ -132,7 +130,7 @@ def _profile_section(runs: list[RunData], out: Path, result: ReportResult) -> li
     profiled = [r for r in runs if r.profiles or r.traces]
     lines = ["## Step-time breakdown", ""]
     if not profiled:
-        return lines + ["No profile in these runs (`<run_dir>/profile/` not found): run with `profile.enabled=true` "
+        return lines + [f"No profile in these runs (`<run_dir>/{PROFILE}/` not found): run with `profile.enabled=true` "
                         "to get one.", ""]
     bars, overlaps = [], []
     for run in profiled:
@@ -152,7 +150,7 @@ def _profile_section(runs: list[RunData], out: Path, result: ReportResult) -> li
                             *(_num(b.phases_ms.get(p), ".1f") for p in phases), _num(b.comm_ms, ".1f")]
                            for name, _, b in bars])
     else:
-        lines += ["No `usp_step_<N>` span in a trace (`profile/rank_<R>.json`): no per-step breakdown.", ""]
+        lines += [f"No `{SPAN_STEP_PREFIX}<N>` span in a trace (`{PROFILE}/rank_<R>.json`): no per-step breakdown.", ""]
     for run, overlap in zip(profiled, overlaps):
         lines += overlap
         lines += _top_ops(run)
@@ -185,7 +183,8 @@ def _sweep_section(sweep_dir: Path, sweep: dict, runs: dict, out: Path, result: 
                        "status"],
                       [[r["id"], r["layout"] if r["info"].get("degrees") else
                         " ".join(f"{k.split('.')[-1]}={v}" for k, v in r["swept"].items()),
-                        _num(r["tokens_per_s"]), None if r["mfu"] is None else f"{100 * r['mfu']:.1f}% ({r['mfu_how']})",
+                        _num(r["tokens_per_s"]),
+                        None if r["mfu"] is None else f"{100 * r['mfu']:.1f}% ({r['mfu_how']})",
                         f"{_num(r['memory_measured_gib'], '.3f') or '-'}"
                         f"{' (allocator)' if r['memory_measured_how'] == 'allocator' else ''}"
                         f" / {_num(r['memory_predicted_gib'], '.3f') or '-'}",

@@ -10,11 +10,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from usp.errors import UspError
-from usp.rundir import read_jsonl, read_plan_if_any
+from usp.rundir import (
+    PLAN,
+    PROFILE_SUMMARY_RE,
+    PROFILE_TRACE_RE,
+    RANK_LOG_GLOB,
+    RANK_LOG_RE,
+    SWEEP,
+    logs_dir,
+    metrics_path,
+    plan_path,
+    profile_dir,
+    read_jsonl,
+    read_plan_if_any,
+    summary_path,
+)
 
 GIB = 1024 ** 3
 _RANK_MEMORY = re.compile(r"memory: measured peak ([0-9.]+) GiB")  # the memory probe's log line
-_FIX = "usp report runs/<name> (a directory with plan.yaml) or runs/<sweep> (with sweep.json)"
+_FIX = f"usp report runs/<name> (a directory with {PLAN}) or runs/<sweep> (with {SWEEP})"
 
 
 @dataclass
@@ -104,7 +118,7 @@ class RunData:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "plan.yaml").is_file()
+    return plan_path(path).is_file()
 
 
 def load_run(path, label: str | None = None) -> RunData:
@@ -114,12 +128,11 @@ def load_run(path, label: str | None = None) -> RunData:
     if not is_run_dir(path):
         raise UspError("not a run directory (no plan.yaml)", key="RUN_DIR", value=str(path), fix=_FIX)
     plan = read_plan_if_any(path)
-    by_step = {int(r["step"]): r for r in read_jsonl(path / "metrics.jsonl") if isinstance(r.get("step"), int)}
-    summary = read_json_object(path / "summary.json")
+    by_step = {int(r["step"]): r for r in read_jsonl(metrics_path(path)) if isinstance(r.get("step"), int)}
+    summary = read_json_object(summary_path(path))
     return RunData(path, label or (plan or {}).get("name") or path.name, plan,
                    [by_step[s] for s in sorted(by_step)], summary, _rank_memory(path),
-                   _per_rank(path / "profile", r"summary_rank_(\d+)\.txt"),
-                   _per_rank(path / "profile", r"rank_(\d+)\.json(?:\.gz)?"))
+                   _per_rank(profile_dir(path), PROFILE_SUMMARY_RE), _per_rank(profile_dir(path), PROFILE_TRACE_RE))
 
 
 def read_json_object(path: Path) -> dict | None:
@@ -135,8 +148,8 @@ def read_json_object(path: Path) -> dict | None:
 
 def _rank_memory(run_dir: Path) -> dict[int, float]:
     out = {}
-    for log in (run_dir / "logs").glob("rank_*.log"):
-        match = re.fullmatch(r"rank_(\d+)\.log", log.name)
+    for log in logs_dir(run_dir).glob(RANK_LOG_GLOB):
+        match = re.fullmatch(RANK_LOG_RE, log.name)
         found = _RANK_MEMORY.findall(log.read_text(errors="replace")) if match else []
         if found:
             out[int(match.group(1))] = float(found[-1])

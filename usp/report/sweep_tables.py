@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from usp.launch.sweep import layout_text
 from usp.report.runs import RunData
+from usp.sweeprecord import layout_text
 
 BATCH_KEYS = ("micro_batch", "grad_accum")
 # Swept keys that change the device count or only how the batch / the devices are split: a scaling
@@ -42,7 +42,8 @@ def sweep_rows(sweep: dict, runs: dict[str, RunData]) -> list[dict]:
                                 run.memory_measured() if run else (None, "-"))),
                      "memory_predicted_gib": (p.get("predicted") or {}).get("memory_tensor_gib"),
                      "final_loss": run.final_loss() if run and status == "done" else None,
-                     "global_batch_tokens": ((run.plan or {}).get("batch") or {}).get("global_batch_tokens") if run else None,
+                     "global_batch_tokens": ((run.plan or {}).get("batch") or {}).get("global_batch_tokens")
+                     if run else None,
                      "run": run})
     return rows
 
@@ -104,7 +105,8 @@ def batch_guidance(sweep: dict, rows: list[dict]) -> list[str]:
         best = max(fits, key=lambda r: r["tokens_per_s"])
         layout = " ".join(f"{d}={v}" for d, v in degrees if v > 1) or "one rank"
         others = "; ".join(f"micro_batch={r['info']['micro_batch']} (grad_accum {r['info']['grad_accum']}): "
-                           f"{r['tokens_per_s']:,.0f} tokens/s ({100 * (r['tokens_per_s'] / best['tokens_per_s'] - 1):+.0f}%)"
+                           f"{r['tokens_per_s']:,.0f} tokens/s "
+                           f"({100 * (r['tokens_per_s'] / best['tokens_per_s'] - 1):+.0f}%)"
                            for r in sorted(group, key=lambda r: r["info"]["micro_batch"]) if r is not best)
         pred = best["info"].get("predicted") or {}
         mem = f", predicted peak {pred['memory_gib']:.2f} GiB per rank" if pred.get("memory_gib") is not None else ""

@@ -17,12 +17,20 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from usp.rundir import is_comm
+from usp.rundir import (
+    SPAN_BACKWARD,
+    SPAN_FORWARD,
+    SPAN_OPTIMIZER,
+    SPAN_PIPELINE,
+    SPAN_PREFIX,
+    SPAN_STEP_PREFIX,
+    is_comm,
+)
 
-SPANS = {"usp_forward": "forward", "usp_backward": "backward",
-         "usp_pipeline_forward_backward": "forward+backward (pipeline)", "usp_optimizer": "optimizer"}
+SPANS = {SPAN_FORWARD: "forward", SPAN_BACKWARD: "backward",
+         SPAN_PIPELINE: "forward+backward (pipeline)", SPAN_OPTIMIZER: "optimizer"}
 PHASES = (*SPANS.values(), "data wait", "other")  # stacking order
-_STEP = re.compile(r"usp_step_(\d+)")
+_STEP = re.compile(re.escape(SPAN_STEP_PREFIX) + r"(\d+)")
 Interval = tuple[float, float]
 
 
@@ -84,7 +92,8 @@ def read_trace(path: Path) -> list[dict]:
 def step_breakdowns(events: list[dict], rank: int, data_wait_s: dict[int, float] | None = None) -> list[StepBreakdown]:
     """One StepBreakdown per usp_step_<N> span, in step order. data_wait_s: step -> seconds."""
     # CPU-side spans only: on GPU the profiler also copies annotations onto the device timeline.
-    spans = [e for e in events if e.get("cat") != "gpu_user_annotation" and str(e.get("name", "")).startswith("usp_")]
+    spans = [e for e in events
+             if e.get("cat") != "gpu_user_annotation" and str(e.get("name", "")).startswith(SPAN_PREFIX)]
     comm = [e for e in events if is_comm(str(e.get("name", "")))]
     on_device = [e for e in comm if e.get("cat") == "kernel"]  # NCCL kernels: the real transfer time
     comm, source = (on_device, "device kernels") if on_device else (comm, "CPU ops")
