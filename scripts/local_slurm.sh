@@ -7,8 +7,8 @@
 #
 # munged + slurmctld + N slurmd daemons (node1..nodeN, all on 127.0.0.1), every file
 # under $USP_SLURM_DIR (default /tmp/usp-slurm). Clients need SLURM_CONF: `start` prints
-# the export line and writes it to $USP_SLURM_DIR/env. See docs/slurm_local.md, and
-# /work/shared/design/SLURM_LOCAL.md for why each setting is what it is.
+# the export line and writes it to $USP_SLURM_DIR/env. See docs/slurm_local.md ("Settings
+# and why" says why each setting is what it is).
 set -euo pipefail
 
 DIR=${USP_SLURM_DIR:-/tmp/usp-slurm}

@@ -16,17 +16,21 @@ USP = Path(__file__).resolve().parents[1] / "usp"
 ALLOWED = {
     "usp.errors": set(),
     "usp.rundir": set(),
+    "usp.runstate": {"usp.errors", "usp.rundir"},
+    "usp.sweeprecord": {"usp.errors", "usp.rundir", "usp.runstate"},
     "usp.config": {"usp.errors"},
     "usp.data": {"usp.errors", "usp.rundir"},
     "usp.models": set(),
     "usp.plan": {"usp.errors", "usp.rundir", "usp.config", "usp.data"},
-    "usp.report": {"usp.errors", "usp.rundir", "usp.config", "usp.plan"},
-    "usp.launch": {"usp.errors", "usp.rundir", "usp.config", "usp.plan", "usp.data", "usp.engine"},
+    "usp.report": {"usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan"},
+    "usp.launch": {"usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data",
+                   "usp.engine"},
     "usp.engine": {"usp.errors", "usp.rundir", "usp.plan", "usp.data", "usp.models"},
-    "usp.cli": {"usp.errors", "usp.rundir", "usp.config", "usp.plan", "usp.data", "usp.launch", "usp.report",
-                "usp.engine"},
+    "usp.cli": {"usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data",
+                "usp.launch", "usp.report", "usp.engine"},
 }
-TORCH_FREE = ("usp.errors", "usp.rundir", "usp.config", "usp.plan", "usp.launch", "usp.report", "usp.cli")
+TORCH_FREE = ("usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord",
+              "usp.config", "usp.plan", "usp.launch", "usp.report", "usp.cli")
 
 
 def _modules() -> dict[str, Path]:

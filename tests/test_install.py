@@ -41,7 +41,8 @@ def test_a_wheel_install_composes_from_its_own_catalogue(tmp_path):
                    check=True, capture_output=True, timeout=300)
     [wheel] = (tmp_path / "dist").glob("usp-*.whl")
     prefix = tmp_path / "prefix"
-    subprocess.run([*pip, "install", "--ignore-installed", "--no-deps", "--no-compile", "--prefix", str(prefix), str(wheel)],
+    subprocess.run([*pip, "install", "--ignore-installed", "--no-deps", "--no-compile", "--prefix", str(prefix),
+                    str(wheel)],
                    check=True, capture_output=True, timeout=300)
     site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(prefix)}))
     assert (site_packages / "usp" / "cli.py").is_file() and not (site_packages / "conf").exists()

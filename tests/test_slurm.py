@@ -127,7 +127,8 @@ def reference(runs):
 @pytest.fixture(scope="module")
 def two_rank_job(slurm, runs):
     """A 2-process job through sbatch -> srun -> torchrun, with shell-special values in its config."""
-    job_id, run_dir = submit(runs, "dp2", f"train.sample_prompt='{NASTY_HYDRA}'", f"+cluster.env.USP_PROBE='{NASTY_HYDRA}'")
+    job_id, run_dir = submit(runs, "dp2", f"train.sample_prompt='{NASTY_HYDRA}'",
+                             f"+cluster.env.USP_PROBE='{NASTY_HYDRA}'")
     return job_id, run_dir, wait_for(job_id)
 
 

@@ -4,7 +4,6 @@ usp.plan, usp.data and usp.launch. Only typer is imported at module level so tha
 from __future__ import annotations
 
 import functools
-import sys
 from typing import NoReturn
 
 import typer
@@ -335,4 +334,4 @@ def main() -> None:  # pragma: no cover - console entry
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -76,13 +76,13 @@ def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
     if restarts:
         since = max(since, max(float(e.get("time", 0)) for e in restarts))
     report = FailureReport()
-    active = []
+    active: list[dict] = []
     for f in failures:
         (active if float(f["unix_time"]) >= since - 1.0 else report.earlier).append(f)
     active.sort(key=lambda f: float(f["unix_time"]))
     report.lost_peer_seen = any(f.get("error_class") == LOST_PEER for f in active)
     primary = [f for f in active if f.get("error_class") != LOST_PEER]
-    report.root = (primary or active or [None])[0]
+    report.root = (primary or active)[0] if active else None
     report.secondary = [f for f in active if f is not report.root]
     if active and plan:
         reported = {int(f.get("rank", -1)) for f in active}

@@ -31,6 +31,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from usp.errors import LaunchError
 from usp.rundir import SWEEP, metrics_path, read_plan_if_any, summary_path, write_text_atomic
@@ -54,9 +55,9 @@ class SweepPoint:
     started: float | None = None
     finished: float | None = None
     info: dict = field(default_factory=dict)  # world_size, degrees, batch, predicted numbers
-    cfg: object = field(default=None, repr=False)  # composed config, group choices and checked plan:
+    cfg: Any = field(default=None, repr=False)  # composed config, group choices and checked plan:
     choices: dict | None = field(default=None, repr=False)  # what a runner hands to prepare_run
-    plan: object = field(default=None, repr=False)
+    plan: Any = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return {"index": self.index, "id": self.id, "run_name": self.run_name, "run_dir": self.run_dir,

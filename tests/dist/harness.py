@@ -1,5 +1,5 @@
 """Run many distributed checks in one torchrun launch (launches cost 5-14 s each on this
-machine, see TORCH_ON_CPU.md).
+machine, see docs/parallelism.md, "PyTorch distributed on CPU").
 
 A case script calls `run_cases(CASES)`: every rank runs every case in order; each case
 returns a dict of results (or raises); rank 0 writes one JSON line per case to the file

@@ -96,7 +96,8 @@ def refuse_if_active(run_dir: Path) -> None:
     """A run (or sweep) directory whose job is still queued or running can't take a new
     submission: the new plan.yaml would be what that job's next requeue reads."""
     run_dir = Path(run_dir)
-    jobs = [(job, None) for job in read_jobs(run_dir)]  # every submission of this run or sweep
+    # every submission of this run or sweep: (job, array index or None)
+    jobs: list[tuple[dict, int | None]] = [(job, None) for job in read_jobs(run_dir)]
     found = find_job(run_dir)
     if found and found[1] is not None:  # a point of a sweep: its array task
         jobs.append(found)

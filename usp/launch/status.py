@@ -79,7 +79,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
     degrees = (plan or {}).get("degrees")
     root = report.root
     show_root = root is not None and not (root.get("error_class") == LOST_PEER and report.silent)
-    if show_root:
+    if show_root and root is not None:
         table = Table(title="root cause", show_header=False, title_justify="left", title_style="bold red")
         table.add_column(style="bold cyan")
         table.add_column(overflow="fold")
@@ -93,7 +93,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
                 ("message", _first_line(root.get("message"))),
                 ("last completed step", "-" if step is None else str(step)),
                 ("time", _when(root.get("unix_time"))),
-                ("details", escape(f"{root['_path']} (traceback), {rank_log(run_dir, root.get('rank'))}"))]
+                ("details", escape(f"{root['_path']} (traceback), {rank_log(run_dir, int(root.get('rank', 0)))}"))]
         for k, v in rows:
             table.add_row(k, v)
         console.print(table)
@@ -105,7 +105,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
     if report.silent:
         ranks = [int(r["rank"]) for r in report.silent]
         primary = root is not None and root.get("error_class") != LOST_PEER
-        also = f", or torchrun stopping the other ranks after rank {root.get('rank')} failed" if primary else ""
+        also = f", or torchrun stopping the other ranks after rank {(root or {}).get('rank')} failed" if primary else ""
         style = "bold red" if report.lost_peer_seen and not primary else "yellow"
         console.print(f"[{style}]rank(s) {_ranks(ranks)} died without a Python traceback[/] (killed by a signal, "
                       f"e.g. the OOM killer or SIGKILL{also})", highlight=False)

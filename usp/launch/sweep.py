@@ -48,7 +48,7 @@ def split_sweep(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     base, swept = [], {}
     for item in parsed:
         if not item.is_sweep_override():
-            base.append(item.input_line)
+            base.append(str(item.input_line))
             continue
         key = item.get_key_element()
         if key in swept:

@@ -1,7 +1,7 @@
 """`usp estimate`: memory per device for the configured layout, and how many devices / hours /
 dollars a token budget (train.tokens) takes.
 
-    train time  = FLOPs/token x tokens / (devices x peak x MFU)       (FORMULAS.md, seed 003)
+    train time  = FLOPs/token x tokens / (devices x peak x MFU)       (docs/planner.md)
     devices     = FLOPs/token x tokens / (hours x 3600 x peak x MFU)  (rounded up to whole nodes)
 
 FLOPs/token is the model's 6·N_active + 12·L·h·s at train.seq_len. The MFU comes from --mfu,

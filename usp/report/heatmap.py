@@ -95,7 +95,7 @@ def _scale_axis(swept: dict, rows: list[dict]) -> dict | None:
 def _constant_axis(rows: list[dict]) -> dict:
     """One row when nothing else is swept: named after the model of the runs."""
     names = {(row_plan(r).get("model") or {}).get("name") for r in rows} - {None}
-    name = ", ".join(sorted(names)) or "all points"
+    name = ", ".join(sorted(str(n) for n in names)) or "all points"
     return {"name": "model", "of": lambda r: name, "values": [name]}
 
 

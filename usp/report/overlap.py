@@ -93,7 +93,9 @@ def step_overlaps(events: list[dict], rank: int) -> list[StepOverlap]:
         hidden = []
         for lane in {_lane(e) for e in mine}:
             hidden += intersect(merge(_span(e) for e in mine if _lane(e) == lane), others[lane])
-        out.append(StepOverlap(int(_STEP.fullmatch(span["name"]).group(1)), rank,
+        step = _STEP.fullmatch(span["name"])
+        assert step is not None  # `steps` holds only the usp_step_<N> spans
+        out.append(StepOverlap(int(step.group(1)), rank,
                                length(merge(_span(e) for e in mine)) / 1e3, length(merge(hidden)) / 1e3, source))
     return sorted(out, key=lambda o: o.step)
 

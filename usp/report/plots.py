@@ -120,8 +120,9 @@ def plot_throughput(runs: list[RunData], out: Path) -> Plot | None:
 def plot_memory(runs: list[RunData], out: Path, max_bars: int = 32) -> Plot | None:
     """Per rank: predicted tensor memory, predicted total (with the overhead allowance) and the
     measured peak (logs/rank_<R>.log, else the run's max over ranks for rank 0)."""
-    data, labels = {"predicted": {"x": [], "y": []}, "predicted_total": {"x": [], "y": []},
-                    "measured": {"x": [], "y": []}}, []
+    labels: list[str] = []
+    data: dict[str, dict[str, list]] = {"predicted": {"x": [], "y": []}, "predicted_total": {"x": [], "y": []},
+                                        "measured": {"x": [], "y": []}}
     hows = set()
     for r in runs:
         predicted = r.memory_predicted_gib()

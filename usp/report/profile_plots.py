@@ -18,7 +18,8 @@ def plot_step_breakdown(bars: list[tuple[str, StepBreakdown]], out: Path) -> Plo
         return None
     labels = [label for label, _ in bars]
     phases = [p for p in PHASES if any(p in b.phases_ms for _, b in bars)]
-    data = {p: {"x": labels, "y": [b.phases_ms.get(p, 0.0) for _, b in bars]} for p in phases}
+    data: dict[str, dict[str, list]] = {p: {"x": labels, "y": [b.phases_ms.get(p, 0.0) for _, b in bars]}
+                                        for p in phases}
     has_comm = any(b.comm_ms is not None for _, b in bars)
     if has_comm:
         data["communication"] = {"x": labels, "y": [b.comm_ms or 0.0 for _, b in bars]}

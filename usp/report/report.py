@@ -206,8 +206,9 @@ def _sweep_section(sweep_dir: Path, sweep: dict, runs: dict, out: Path, result: 
                   "node/process counts, parallel degrees and batch split; the fastest point per world size counts.*",
                   ""]
         plot = plot_scaling(scale_rows, out)
-        result.plots.append(plot)
-        lines += [f"![scaling]({plot.path.name})", "", f"*{plot.caption}*", ""]
+        if plot is not None:
+            result.plots.append(plot)
+            lines += [f"![scaling]({plot.path.name})", "", f"*{plot.caption}*", ""]
     else:
         lines += [scale_note, ""]
     if guidance:

@@ -151,7 +151,7 @@ def _rank_memory(run_dir: Path) -> dict[int, float]:
     for log in logs_dir(run_dir).glob(RANK_LOG_GLOB):
         match = re.fullmatch(RANK_LOG_RE, log.name)
         found = _RANK_MEMORY.findall(log.read_text(errors="replace")) if match else []
-        if found:
+        if found and match is not None:
             out[int(match.group(1))] = float(found[-1])
     return dict(sorted(out.items()))
 

@@ -50,7 +50,7 @@ def plot_scaling(rows: list[dict], out: Path) -> Plot | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    data = {}
+    data: dict = {}
     for row in rows:  # one curve per kind and group (global batch / batch per rank + the fixed swept values)
         curve = data.setdefault(f"{row['kind']}: {row['group']}", {"x": [], "y": []})
         curve["x"].append(row["world"])

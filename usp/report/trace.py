@@ -104,7 +104,7 @@ def step_breakdowns(events: list[dict], rank: int, data_wait_s: dict[int, float]
             continue
         start, end = float(span["ts"]), float(span["ts"]) + float(span["dur"])
         step, total = int(match.group(1)), float(span["dur"]) / 1e3
-        phases = {}
+        phases: dict[str, float] = {}
         for e in spans:
             if e["name"] in SPANS and start <= float(e["ts"]) and float(e["ts"]) + float(e["dur"]) <= end + 1:
                 phases[SPANS[e["name"]]] = phases.get(SPANS[e["name"]], 0.0) + float(e["dur"]) / 1e3

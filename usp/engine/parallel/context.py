@@ -20,7 +20,7 @@ Attention itself (`ring_attention`) is exact causal attention computed blockwise
 Why a P2P ring rather than all-gather: it is the playbook's design, the per-step message is
 one K/V block (memory stays O(s/cp) instead of O(s)), and communication overlaps compute.
 An explicit autograd.Function keeps the gradients exact (no reliance on collectives that
-carry autograd, see TORCH_ON_CPU.md). Plain matmuls, no flash kernels.
+carry autograd, see docs/parallelism.md, "PyTorch distributed on CPU"). Plain matmuls, no flash kernels.
 
 `apply_context_parallel(model, group)` routes every Llama `Attention` through
 `ring_attention` via the model's `core_attention` hook.
