@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
+@lru_cache(maxsize=None)
 def _imports(path: Path) -> set[str]:
     """Every module named by an import statement anywhere in the file (absolute names), except the
     ones only a type checker reads."""
@@ -71,6 +73,7 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
+@lru_cache(maxsize=1)  # read every file once per session
 def _usp_edges() -> dict[str, set[str]]:
     """module -> the usp modules (files) it imports. A module's own enclosing packages are left out:
     `from usp.report import trace` inside usp.report names the package only to reach its file."""

@@ -22,6 +22,7 @@ def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.Compl
                           timeout=timeout, env=env, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_overhead_quick_no_gross_regression(shakespeare):
     proc = run_bench("overhead.py", "--quick", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,6 +46,7 @@ def test_mfu_needs_cuda_and_says_so():
     assert "needs a CUDA device" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_mfu_measures_a_case_in_its_own_process(shakespeare, tmp_path):
     """--smoke: the GPU run's path (child process per case, measurement, row, --out) on a tiny CPU case."""
     out = tmp_path / "mfu.jsonl"
@@ -59,6 +61,7 @@ def test_mfu_measures_a_case_in_its_own_process(shakespeare, tmp_path):
     assert r["mfu"] / r["tokens_per_s"] == pytest.approx(pr["mfu"] / pr["tokens_per_s"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_mfu_case_selection_plans_without_a_gpu():
     """The planner picks the cases mfu.py would run on an 80 GB H100: 1B, and the largest fitting Llama."""
     proc = run_bench("mfu.py", "--plan-only", "NVIDIA H100 80GB HBM3", "79.1", "--json")

@@ -59,7 +59,8 @@ CASES = [  # (argv, modules that must not be imported)
                   "--name", "sw_slurm"], NO_NUMPY, id="sweep-slurm-dry-run"),
     pytest.param(["status", RUN], NO_NUMPY, id="status"),
     pytest.param(["logs", RUN, "--rank", "0"], NO_NUMPY, id="logs"),
-    pytest.param(["cancel", RUN], NO_NUMPY, id="cancel"),
+    # Without a Slurm controller scontrol fails and usp says so (exit 2) after importing all it uses.
+    pytest.param(["cancel", RUN], NO_NUMPY, id="cancel", marks=pytest.mark.may_refuse),
     pytest.param(["config", "list"], NO_NUMPY, id="config-list"),
     pytest.param(["config", "show", "model=tiny"], NO_NUMPY, id="config-show-group"),
     pytest.param(["config", "show", "tiny_ddp"], NO_NUMPY, id="config-show-recipe"),
@@ -98,11 +99,12 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("argv,forbidden", CASES)
-def test_command_imports_no_torch(work, argv, forbidden, tmp_path):
+def test_command_imports_no_torch(work, argv, forbidden, tmp_path, request):
     argv = [a.replace(R, str(work / "runs")).replace(C, str(work / "corpus.txt")) for a in argv]
     out = tmp_path / "modules.json"
     proc = _run(argv, work, out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    ok = (0, 2) if request.node.get_closest_marker("may_refuse") else (0,)
+    assert proc.returncode in ok and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     modules = set(json.loads(out.read_text()))
     assert "usp.cli" in modules or argv == ["--import-all"]  # the record is of a real run
     imported = sorted(forbidden & {m.split(".")[0] for m in modules})

@@ -21,6 +21,9 @@ from usp.report.profile import parse_profile
 from usp.report.runs import load_run
 from usp.report.sweep_tables import scaling
 
+# The module-scoped sweep is trained once: under `make test-fast` (pytest-xdist) this file stays on one worker.
+pytestmark = pytest.mark.xdist_group("report_sweep")
+
 FAST = ["train.steps=3", "train.log_interval=1", "train.eval_interval=2", "train.sample_tokens=0",
         "logging.console=plain", "checkpoint.enabled=false"]
 DONE, REJECTED = ["p00_mb4", "p01_mb8", "p02_mb16"], "p03_mb32"
