@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import pytest
@@ -55,7 +55,7 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
-@lru_cache(maxsize=None)
+@cache
 def _imports(path: Path) -> set[str]:
     """Every module named by an import statement anywhere in the file (absolute names), except the
     ones only a type checker reads."""
