@@ -146,3 +146,18 @@ def test_the_rule_table_catches_a_wrong_edge(tmp_path):
     bad.write_text("def f():\n    from usp.engine.trainer import Trainer\n")
     assert "usp.engine.trainer" in _imports(bad)
     assert _package("usp.engine.trainer") not in ALLOWED["usp.models"]
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_is_longer_than_60_lines():
+    """Long functions get split into named steps (def line to last line, decorators excluded)."""
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {length} lines")
+    assert long == [], long
