@@ -78,7 +78,8 @@ def layer_forward(capacity_factor: float, shared: bool) -> dict:
     ref, ep = _models(capacity_factor=capacity_factor, shared_expert=shared)
     m_ref, m_ep = ref.layers["0"].feed_forward, ep.layers["0"].feed_forward
     g = torch.Generator().manual_seed(2)
-    xg, dyg = torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g), torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g)
+    xg = torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g)
+    dyg = torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g)
     x_ref, x_ep = _local(xg).clone().requires_grad_(), _local(xg).clone().requires_grad_()
     y_ref, y_ep = m_ref(x_ref), m_ep(x_ep)
     dense = m_ref.dense_reference(x_ref.detach())

@@ -56,7 +56,7 @@ EXTRA_LAYOUTS = {
 
 
 def measure_layout(world: int, overrides: list[str]) -> dict:
-    from tests.dist.parity import plan_dict
+    from dist.parity import plan_dict
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
