@@ -111,9 +111,9 @@ def profile_dir(run_dir) -> Path:
 def checkpoint_dir(plan) -> Path:
     """The checkpoint directory of a plan (RunPlan or the dict of plan.yaml):
     checkpoint.dir, or <run_dir>/checkpoints when that is unset."""
-    config = _field(plan, "config")
+    config = plan_field(plan, "config")
     configured = (config.get("checkpoint") or {}).get("dir")
-    return Path(configured) if configured else Path(_field(plan, "run_dir")) / CHECKPOINTS
+    return Path(configured) if configured else Path(plan_field(plan, "run_dir")) / CHECKPOINTS
 
 
 def step_dir_name(step: int) -> str:
@@ -235,5 +235,6 @@ def latest_complete(ckpt_dir) -> CheckpointInfo | None:
     return done[-1] if done else None
 
 
-def _field(obj, name: str):
+def plan_field(obj, name: str):
+    """A field of a RunPlan, or of the dict plan.yaml reads back as."""
     return obj[name] if isinstance(obj, dict) else getattr(obj, name)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.rundir import checkpoint_dir
+from usp.rundir import checkpoint_dir, plan_field
 
 # Bytes per parameter in a checkpoint: fp32 weights (4) + AdamW's first and second moments (4 + 4).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 8
@@ -26,7 +26,7 @@ def check_checkpoint_dir(plan, disk_free: Callable[[Path], int] = _disk_free) ->
     """Before launch: the checkpoint directory must be creatable and writable, and have room for
     keep_last + 1 checkpoints (the newest is written before the oldest is deleted). Returns the
     directory, or None when checkpointing is off. `disk_free(path) -> bytes` is injectable."""
-    ckpt = _field(plan, "config").get("checkpoint") or {}
+    ckpt = plan_field(plan, "config").get("checkpoint") or {}
     if not ckpt.get("enabled", True):
         return None
     path = checkpoint_dir(plan)
@@ -41,7 +41,7 @@ def check_checkpoint_dir(plan, disk_free: Callable[[Path], int] = _disk_free) ->
                           key="checkpoint.dir", value=ckpt.get("dir"),
                           fix=f"checkpoint.dir=<a writable directory>, {off}") from None
     keep = max(1, int(ckpt.get("keep_last", 2)))
-    params = int(_field(_field(plan, "model"), "params"))
+    params = int(plan_field(plan_field(plan, "model"), "params"))
     one = predicted_checkpoint_bytes(params)
     need, free = (keep + 1) * one, int(disk_free(path))
     if free < need:
@@ -59,7 +59,3 @@ def _bytes(n: float) -> str:
         if n >= div:
             return f"{n / div:.2f} {unit} ({int(n):,} bytes)"
     return f"{int(n):,} bytes"
-
-
-def _field(obj, name: str):
-    return obj[name] if isinstance(obj, dict) else getattr(obj, name)

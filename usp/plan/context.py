@@ -19,10 +19,14 @@ class PlannerContext:
     settings: Settings
 
 
-def data_vocab(model, data) -> int:
-    if int(model.vocab_size) > 0:
-        return int(model.vocab_size)
+def tokenizer_vocab(data) -> int:
+    """The vocabulary the data's token ids come from (bytes: 256)."""
     return 256 if data.tokenizer == "bytes" and data.source != "token_files" else int(data.vocab_size)
+
+
+def data_vocab(model, data) -> int:
+    """model.vocab_size when set, else the tokenizer's."""
+    return int(model.vocab_size) if int(model.vocab_size) > 0 else tokenizer_vocab(data)
 
 
 def planner_context(cfg, vocab: int | None = None) -> PlannerContext:

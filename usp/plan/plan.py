@@ -102,7 +102,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
 def _subject(cfg, training: bool = True) -> tuple[rules.Subject, dict, BatchPlan]:
     """The checks the rule subject needs first (cluster sizes, launcher, degrees, batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
-    from usp.plan.context import rule_subject
+    from usp.plan.context import data_vocab, rule_subject, tokenizer_vocab
     from usp.plan.validate import derive_batch
 
     cluster = cfg.cluster
@@ -115,16 +115,11 @@ def _subject(cfg, training: bool = True) -> tuple[rules.Subject, dict, BatchPlan
                         value=cluster.launcher, fix="cluster.launcher=local, or cluster=local_slurm")
     degrees = resolve_degrees(cfg.parallelism, nodes * per_node)
     batch = derive_batch(cfg.train, degrees)
-    data_vocab = _data_vocab(cfg.data)
-    vocab = int(cfg.model.vocab_size) if int(cfg.model.vocab_size) > 0 else data_vocab
-    if training and data_vocab > 65535:  # token ids come from the data's tokenizer
+    token_vocab = tokenizer_vocab(cfg.data)
+    if training and token_vocab > 65535:  # token ids come from the data's tokenizer
         raise PlanError("token files are uint16: the tokenizer's vocabulary must be below 65536",
-                        key="data.vocab_size", value=data_vocab, fix="data.vocab_size=32000 (or less)")
-    return rule_subject(cfg, degrees, batch, vocab), degrees, batch
-
-
-def _data_vocab(data) -> int:
-    return 256 if data.tokenizer == "bytes" and data.source != "token_files" else int(data.vocab_size)
+                        key="data.vocab_size", value=token_vocab, fix="data.vocab_size=32000 (or less)")
+    return rule_subject(cfg, degrees, batch, data_vocab(cfg.model, cfg.data)), degrees, batch
 
 
 def _backend(cluster) -> str:
