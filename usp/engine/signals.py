@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import signal
 
-from usp.rundir import EXIT_PREEMPTED  # noqa: F401  (the worker exits with it)
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -18,7 +18,7 @@ from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Preempted, Trainer
-from usp.rundir import METRICS, SAMPLE, events_path, read_plan
+from usp.rundir import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
 
 
 @record  # on failure torchrun reports this rank's traceback in its summary
@@ -41,7 +41,7 @@ def run_worker(plan_path: str) -> int:
         try:
             summary = trainer.fit()
         except Preempted as stop:
-            summary, code = None, signals.EXIT_PREEMPTED
+            summary, code = None, EXIT_PREEMPTED
             if ctx.is_main:
                 log_event(trainer.run_dir, "preempted", step=stop.step)
                 print(f"usp: {stop}; exit code {code} (resume by running the same command)", flush=True)
