@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.config.schema import ParallelismConfig, TrainConfig
@@ -22,7 +21,6 @@ from usp.plan.plan import build_plan, engine_support_errors
 from usp.plan.specs import Arch
 from usp.rundir import read_plan, write_text_atomic
 
-USP = str(Path(sys.executable).parent / "usp")
 TINY_PARAMS = 950_912  # tiny model, vocab 4096 (README: "~0.95 M parameters")
 
 
@@ -33,8 +31,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def usp(*args: str, cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="200", **(extra_env or {}))
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return usp_cli(*args, cwd=cwd, env=extra_env)
 
 
 def plan_for(*overrides: str, runs_dir: Path | None = None, conf: str | None = None):

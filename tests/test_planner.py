@@ -3,14 +3,13 @@ computations (Ultra-Scale Playbook formulas, docs/planner.md), the time model, e
 rule through the real `usp plan`, and the no-torch import boundary. No torch, all fast."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
@@ -21,7 +20,6 @@ from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses
 from usp.plan.timing import timing_plan
 
 REPO = Path(__file__).resolve().parents[1]
-USP = str(Path(sys.executable).parent / "usp")
 BF16, FP32 = Precision("bf16", 2, 2, 12, 2), Precision("fp32", 4, 4, 8, 4)
 
 
@@ -31,8 +29,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def usp(*args: str, cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="250", **(extra_env or {}))
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return usp_cli(*args, cwd=cwd, env=extra_env, columns=250)
 
 
 def cfg_for(*overrides: str):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
@@ -17,7 +16,6 @@ from usp.plan.plan import build_plan, checked_plan, engine_support_errors, plan_
 from usp.plan.search import search_config
 
 REPO = Path(__file__).resolve().parents[1]
-USP = str(Path(sys.executable).parent / "usp")
 MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 # a cluster each catalogue model fits on (the search finds at least one layout)
 CLUSTERS = {
@@ -102,8 +100,7 @@ def test_plan_builds_and_lists_engine_failures():
 
 
 def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="250")
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return usp_cli(*args, cwd=cwd, columns=250)
 
 
 def test_usp_plan_cli_lists_all_failures(tmp_path):
