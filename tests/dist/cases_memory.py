@@ -69,6 +69,7 @@ ZERO_LAYOUTS = {
 
 def measure_layout(world: int, overrides: list[str]) -> dict:
     from dist.parity import plan_dict
+    from usp.engine.observe.memory_probe import optimizer_state_tensors, storage_bytes
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
@@ -80,6 +81,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
         trainer = Trainer(plan, make_context(plan), write_outputs=False)
         summary = trainer.fit()
         record = next(r for r in trainer.history if "memory_measured_gib" in r)
+        optimizer_bytes = storage_bytes(optimizer_state_tensors(trainer.optimizers))  # this rank's share
         del trainer
     return {"world": world, "predicted_gib": summary["memory_predicted_peak_gib"],
             "predicted_total_gib": summary["memory_predicted_peak_total_gib"],
@@ -88,6 +90,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
             "measured_breakdown_gib": record["memory_measured_breakdown_gib"],
             "predicted_breakdown_gib": record["memory_predicted_breakdown_gib"],
             "peak_phase": memory["stages"][memory["peak_stage"]]["peak_phase"],
+            "optimizer_state_bytes": optimizer_bytes,
             "step_time_measured_s": summary.get("step_time_measured_s"),
             "step_time_predicted_s": summary.get("step_time_predicted_s")}
 
