@@ -182,6 +182,41 @@ def test_memory_zero1_zero2_zero3():
     assert z3_accum.gradients == 2 * PSI_8B and z3_accum.optimizer == 12 * PSI_8B / n
 
 
+def test_memory_zero1_with_tp_pp_is_fsdp2_over_the_replicas():
+    """zero1 with TP/PP is FSDP2 sharded over dp_replicate without resharding after forward: the
+    ZeRO-2 terms of a dp_shard layout with the same degrees, sharded over N = dp_replicate."""
+    n, t = 8, 4
+    z1 = mem8b(tp=t, zero1=True)
+    z2 = mem8b(dp_replicate=1, dp_shard=n, tp=t, reshard_after_forward=False)
+    psi = z1.params  # after TP slicing
+    assert z1.parameters == 2 * psi + 2 * psi / n and z1.optimizer == 12 * psi / n
+    assert z1.comm_buffers == 0 and z1.gathered == 0
+    assert (z1.parameters, z1.optimizer, z1.gradients, z1.total) == (z2.parameters, z2.optimizer, z2.gradients,
+                                                                     z2.total)
+    replicated = mem8b(tp=t)  # before: FSDP2 replication, states counted whole
+    assert replicated.optimizer == 12 * psi and replicated.total - z1.total > 12 * psi * (1 - 1 / n)
+    # gradients: sharded after the reduce-scatter, whole between micro batches under accumulation
+    accum = mem8b(tp=t, zero1=True, grad_accum=4)
+    assert accum.gradients == 2 * psi and accum.optimizer == 12 * psi / n
+    pp = Layout(pp=4, dp_replicate=8, zero1=True, micro_batch=1, grad_accum=8)
+    assert (pp.dp_kind, pp.zero_stage, pp.shard_degree) == ("zero1_fsdp", 2, 8)
+    st = stage_memory(arch("llama3_1_8b"), pp, S, h100(4), BF16, 0)
+    assert st.optimizer == 12 * st.params / 8
+
+
+def test_zero1_with_tp_communicates_like_fsdp_over_the_replicas():
+    """A reduce-scatter of the gradients and a forward all-gather of the parameters over dp_replicate,
+    instead of the replication's all-reduce: the same bytes, 2(n-1)/n Ψ."""
+    a, n = arch("llama3_1_8b"), 16
+    z1 = timing_plan(a, Layout(tp=8, dp_replicate=n, zero1=True, micro_batch=1, grad_accum=1), S, n, h100(16), BF16)
+    rep = timing_plan(a, Layout(tp=8, dp_replicate=n, micro_batch=1, grad_accum=1), S, n, h100(16), BF16)
+    dp = {c.name: c for c in z1.comm if c.dims == "dp_replicate"}
+    assert set(dp) == {"FSDP all-gather (forward)", "FSDP gradient reduce-scatter"}
+    (ar,) = [c for c in rep.comm if c.name.startswith("DP gradient")]
+    assert sum(c.bytes_per_step for c in dp.values()) == pytest.approx(ar.bytes_per_step)
+    assert all(c.crosses_nodes for c in dp.values())
+
+
 def test_memory_hsdp_shards_within_dp_shard_x_cp():
     st = mem8b(dp_replicate=2, dp_shard=2, cp=2)
     assert st.optimizer == pytest.approx(12 * PSI_8B / 4)  # N = dp_shard x cp, replicated over dp_replicate

@@ -86,6 +86,15 @@ def test_plan_lists_every_failure_plan_and_engine_kinds():
     assert plan is None and [e.key for e in errors] == ["parallelism"]
 
 
+def test_zero1_composes_with_tp_and_pp_not_with_fsdp():
+    for extra in (["parallelism.tp=2"], ["parallelism.pp=2", "model.tie_embeddings=false"]):
+        plan, errors = _plan("cluster.procs_per_node=4", "parallelism.dp_replicate=2", "parallelism.zero1=true", *extra)
+        assert plan is not None and errors == [], extra
+        assert plan.memory.dp_kind == "zero1_fsdp" and plan.memory.zero_stage == 2 and plan.memory.shard_degree == 2
+    plan, errors = _plan("cluster.procs_per_node=4", "parallelism.dp_shard=2", "parallelism.zero1=true")
+    assert [e.key for e in errors] == ["parallelism.zero1"]
+
+
 def test_plan_builds_and_lists_engine_failures():
     plan, errors = _plan("model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2")
     assert plan is not None

@@ -69,6 +69,15 @@ LAYOUTS = {
                                           "train.micro_batch=2", "parallelism.pp_schedule=interleaved_zb",
                                           "parallelism.reshard_after_forward=false",
                                           "parallelism.pp_virtual_stages=2"],
+        # ZeRO-1 with TP / PP: FSDP2 over the dp_replicate ranks (reshard_after_forward=False)
+        "zero1_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2", "parallelism.zero1=true"],
+        "zero1_x_tp_grad_accum": ["parallelism.dp_replicate=2", "parallelism.tp=2", "parallelism.zero1=true",
+                                  "train.micro_batch=4"],
+        "zero1_x_pp": PP + ["parallelism.dp_replicate=2", "parallelism.pp=2", "parallelism.zero1=true",
+                            "train.micro_batch=4"],
+        # ZeRO-2 with TP: the same sharding spelt as dp_shard
+        "zero2_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",
+                       "parallelism.reshard_after_forward=false"],
     },
     8: {
         # 3-D: ZeRO-3 data x tensor(+sequence) x pipeline

@@ -41,7 +41,8 @@ class ParallelismConfig:
     cp: int = 1
     ep: int = 1  # expert parallel: carved out of the data-parallel ranks (dp_replicate x dp_shard x cp)
     # Data parallel flavour. dp_shard > 1 = FSDP2 (ZeRO-3, or ZeRO-2 with reshard_after_forward
-    # false); dp_replicate x dp_shard = HSDP; dp_shard = 1: DDP, or ZeRO-1 with zero1 true.
+    # false); dp_replicate x dp_shard = HSDP; dp_shard = 1: DDP, or ZeRO-1 with zero1 true (with TP/PP:
+    # FSDP2 sharded over dp_replicate without resharding after forward, docs/parallelism.md).
     zero1: bool = False
     reshard_after_forward: bool = True
     ddp_bucket_mb: int = 25

@@ -30,6 +30,7 @@ from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.pipeline import pipeline_eval, pipeline_step
+from usp.plan.layout import data_parallel_kind
 from usp.rundir import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
 
 
@@ -61,7 +62,9 @@ class Trainer:
         self.raw_model = self.parts.raw
         # One optimizer (and LR schedule) per model part: pipeline ranks may hold several stages,
         # and checkpoints map each optimizer's state to its part's parameter names.
-        zero1 = ctx.group("dp_replicate") if self.cfg.parallelism.zero1 else None
+        # plain-DDP ZeRO-1 (ZeroRedundancyOptimizer); with TP/PP, FSDP2 already shards the states
+        kind = data_parallel_kind(ctx.degrees, bool(self.cfg.parallelism.zero1))
+        zero1 = ctx.group("dp_replicate") if kind == "zero1" else None
         self.optimizers = [build_optimizer(list(m.parameters()), self.cfg.optimizer, ctx.device, zero1_group=zero1)
                            for m in self.parts.modules]
         self.schedulers = [build_scheduler(o, self.cfg.optimizer, self.steps) for o in self.optimizers]

@@ -255,8 +255,10 @@ ENGINE_RULES = [
          "ZeRO-3 reshards parameters before a zero-bubble schedule's deferred weight-gradient pass, which then "
          "computes wrong gradients (measured: 8.7% loss error after 5 steps)",
          "parallelism.reshard_after_forward=false (ZeRO-2), or pp_schedule=1f1b / interleaved_1f1b", True),
-    Rule("zero1_on_ddp", "engine", "parallelism.zero1", lambda s: s.layout.zero1 and s.layout.dp_kind != "zero1",
-         lambda s: f"ZeRO-1 applies to plain DDP; this layout uses {s.layout.dp_kind}",
+    Rule("zero1_on_replicas", "engine", "parallelism.zero1",
+         lambda s: s.layout.zero1 and s.layout.dp_kind not in ("zero1", "zero1_fsdp"),
+         lambda s: f"ZeRO-1 shards over replicated data-parallel ranks (DDP, or with TP/PP FSDP2 over "
+                   f"dp_replicate); this layout uses {s.layout.dp_kind}",
          "parallelism.zero1=false (FSDP already shards the optimizer states)", True),
     Rule("comm_hook_on_ddp", "engine", "parallelism.ddp_comm_hook",
          lambda s: s.settings.ddp_comm_hook != "none" and s.layout.dp_kind != "ddp",

@@ -253,20 +253,21 @@ def _replicated_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: floa
 
 
 def _sharded_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, cx: _Compute) -> list[CommTerm]:
-    """FSDP / HSDP: parameter all-gathers (forward, and backward under ZeRO-3), the gradient
-    reduce-scatter (once per step: gradient sync is off on inner micro batches), HSDP's all-reduce."""
+    """FSDP / HSDP / ZeRO-1 with TP/PP (FSDP2 over dp_replicate): parameter all-gathers (forward, and
+    backward under ZeRO-3), the gradient reduce-scatter (once per step: gradient sync is off on
+    inner micro batches), HSDP's all-reduce."""
     m, deg, ppn = layout.grad_accum, layout.degrees, hw.procs_per_node
     gbytes, pbytes = prec.grad * psi, prec.param * psi
-    n = layout.dp_shard * layout.cp
-    x = group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
+    dims = ("dp_replicate",) if layout.dp_kind == "zero1_fsdp" else ("dp_shard", "cp")
+    group, n = " x ".join(dims), layout.shard_degree
+    x = group_crosses_nodes(deg, ppn, dims)
     units = cx.layers_r + 1
-    out = [_term("FSDP all-gather (forward)", "dp_shard x cp", n, x, hw, units * m, m * (n - 1) / n * pbytes,
-                 m * cx.fwd_s)]
+    out = [_term("FSDP all-gather (forward)", group, n, x, hw, units * m, m * (n - 1) / n * pbytes, m * cx.fwd_s)]
     if layout.zero_stage == 3:
-        out.append(_term("FSDP all-gather (backward)", "dp_shard x cp", n, x, hw, units * m,
+        out.append(_term("FSDP all-gather (backward)", group, n, x, hw, units * m,
                          m * (n - 1) / n * pbytes, m * cx.bwd_s))
     rs = 1 if (m > 1) else m
-    out.append(_term("FSDP gradient reduce-scatter", "dp_shard x cp", n, x, hw, units * rs,
+    out.append(_term("FSDP gradient reduce-scatter", group, n, x, hw, units * rs,
                      rs * (n - 1) / n * gbytes, cx.bwd_s))
     if layout.dp_kind == "hsdp":
         r = layout.dp_replicate
@@ -281,7 +282,7 @@ def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Com
     psi = max(rank_params(arch, layout))
     if layout.dp_kind in ("ddp", "zero1", "replicate"):
         return _replicated_dp_comm(layout, hw, prec, psi, cx)
-    if layout.dp_kind in ("fsdp", "hsdp"):
+    if layout.dp_kind in ("fsdp", "hsdp", "zero1_fsdp"):
         return _sharded_dp_comm(layout, hw, prec, psi, cx)
     return []
 

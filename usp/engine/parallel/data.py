@@ -8,6 +8,9 @@
 |                                          | or ZeRO-2 (false); HSDP when dp_replicate > 1 too        |
 | dp_replicate > 1 with TP/PP              | FSDP2 with a shard group of one rank (pure replication:  |
 |                                          | DDP does not take DTensor parameters)                    |
+|   + parallelism.zero1=true               | FSDP2 sharded over dp_replicate, reshard_after_forward   |
+|                                          | =False: optimizer states and gradients sharded (ZeRO-2;  |
+|                                          | ZeroRedundancyOptimizer cannot broadcast DTensors)       |
 
 Context-parallel ranks see different tokens of the same sequences, so their gradients are
 averaged like data-parallel ones: FSDP shards over dp_shard x cp (as torchtitan), DDP reduces
@@ -26,9 +29,12 @@ from usp.engine.parallel.mesh import DistContext
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
 
-def apply_fsdp(model: nn.Module, ctx: DistContext, reshard_after_forward: bool, mp_policy=None) -> nn.Module:
-    """fully_shard every block, then the root (embedding, final norm, head)."""
-    kw = {"mesh": _fsdp_mesh(ctx), "reshard_after_forward": reshard_after_forward}
+def apply_fsdp(model: nn.Module, ctx: DistContext, reshard_after_forward: bool, mp_policy=None,
+               shard_replicas: bool = False) -> nn.Module:
+    """fully_shard every block, then the root (embedding, final norm, head). shard_replicas: ZeRO-1
+    with TP/PP, sharded over the dp_replicate ranks (1-D mesh) instead of replicated across them."""
+    mesh = ctx.mesh["dp_replicate"] if shard_replicas else _fsdp_mesh(ctx)
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     for block in model.layers.values():

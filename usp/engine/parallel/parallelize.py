@@ -37,9 +37,10 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
     kind = data_parallel_kind(deg, bool(par["zero1"]))
     if int(par["ep"]) > 1:
         return model  # expert parallel: gradients are reduced by expert.reduce_gradients
-    if kind in ("fsdp", "hsdp", "replicate"):
-        return apply_fsdp(model, ctx, reshard_after_forward=bool(par["reshard_after_forward"]) and kind != "replicate",
-                          mp_policy=fsdp_mp_policy(plan))  # bf16 compute on GPU, None on CPU
+    if kind in ("fsdp", "hsdp", "replicate", "zero1_fsdp"):
+        reshard = bool(par["reshard_after_forward"]) and kind in ("fsdp", "hsdp")  # ZeRO-1/replication: never
+        return apply_fsdp(model, ctx, reshard_after_forward=reshard, mp_policy=fsdp_mp_policy(plan),
+                          shard_replicas=kind == "zero1_fsdp")  # mp_policy: bf16 compute on GPU, None on CPU
     if kind in ("ddp", "zero1"):
         return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
     return model
