@@ -23,7 +23,7 @@ PRESETS = {
     "hsdp": ("llama3_1_8b", 2, {"dp_replicate": 2, "dp_shard": 8}, "hsdp"),
     "tp_sp": ("llama3_1_8b", 2, {"dp_replicate": 2, "tp": 8}, "replicate"),
     "3d": ("llama3_1_70b", 8, {"dp_shard": 2, "tp": 8, "pp": 4}, "fsdp"),
-    "dp_tp_pp_zero1": ("llama3_1_70b", 8, {"dp_replicate": 2, "tp": 8, "pp": 4}, "replicate"),
+    "dp_tp_pp_zero1": ("llama3_1_70b", 8, {"dp_replicate": 2, "tp": 8, "pp": 4}, "zero1_fsdp"),
 }
 RECIPES = {"llama3_1_8b": 4, "llama3_1_70b": 8, "llama3_1_405b": 64, "mixtral_8x7b": 8}
 
