@@ -65,6 +65,11 @@ LAYOUTS = {
                              "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"],
         "bf16_fsdp_x_tp": BF16 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2"],
         "bf16_dp_x_tp": BF16 + ["parallelism.dp_replicate=2", "parallelism.tp=2"],
+        # context parallelism inside a pipeline: each stage rotates and ring-attends its zigzag shard
+        "cp_x_pp": PP + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.pp=2", "train.micro_batch=4"],
+        "cp_x_pp_interleaved_1f1b": PP + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.pp=2",
+                                          "train.micro_batch=4", "parallelism.pp_schedule=interleaved_1f1b",
+                                          "parallelism.pp_virtual_stages=2"],
         "zero2_x_pp_interleaved_zb": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
                                           "train.micro_batch=2", "parallelism.pp_schedule=interleaved_zb",
                                           "parallelism.reshard_after_forward=false",

@@ -248,9 +248,6 @@ ENGINE_RULES = [
     Rule("moe_without_pp", "engine", "parallelism.pp", lambda s: s.arch.moe and s.layout.pp > 1,
          "pipeline parallelism of MoE models is not implemented (the load-balancing loss spans stages)",
          "parallelism.pp=1", lambda s: s.layout.pp),
-    Rule("cp_without_pp", "engine", "parallelism.cp", lambda s: s.layout.cp > 1 and s.layout.pp > 1,
-         "context parallelism inside a pipeline is not implemented", "parallelism.cp=1 or parallelism.pp=1",
-         lambda s: s.layout.cp),
     Rule("zero_bubble_without_zero3", "engine", "parallelism.reshard_after_forward", _zero_bubble_zero3,
          "ZeRO-3 reshards parameters before a zero-bubble schedule's deferred weight-gradient pass, which then "
          "computes wrong gradients (measured: 8.7% loss error after 5 steps)",

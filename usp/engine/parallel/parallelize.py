@@ -23,9 +23,10 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
 
         apply_tensor_parallel(model, ctx.submesh("tp"), plan["model"]["vocab_size"])
     if deg["cp"] > 1:
-        from usp.engine.parallel.context import apply_context_parallel
+        from usp.engine.parallel.context import apply_context_parallel, cp_positions
 
-        apply_context_parallel(model, ctx.group("cp"))
+        positions = cp_positions(int(plan["batch"]["seq_len"]), deg["cp"], ctx.coords["cp"]).to(ctx.device)
+        apply_context_parallel(model, ctx.group("cp"), positions)  # a pipeline stage's default positions
     if int(par["ep"]) > 1:
         from usp.engine.parallel.expert import apply_expert_parallel
 
