@@ -392,12 +392,12 @@ PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8",
       "checkpoint.enabled=false"], []),
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.tp=2"], ["parallelism.tp"]),
-    (PP4 + ["parallelism.cp=2", "train.micro_batch=4"], ["parallelism.cp"]),
+    (PP4 + ["parallelism.cp=2", "train.micro_batch=4"], []),  # context parallelism inside a pipeline
     (["cluster=local_cpu2", "parallelism.dp_shard=2", "parallelism.zero1=true"], ["parallelism.zero1"]),
     (["cluster=local_cpu2", "parallelism=ddp", "parallelism.ddp_comm_hook=bf16"], ["parallelism.ddp_comm_hook"]),
     (["cluster=local_cpu2", "parallelism=ddp", "parallelism.ddp_comm_hook=powersgd"], []),
     (PP4 + ["parallelism.dp_shard=2", "parallelism.dp_replicate=1", "train.micro_batch=2",
-            "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"], ["parallelism.reshard_after_forward"]),
+            "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"], []),  # zero-bubble with ZeRO-3
     (PP4 + ["parallelism.dp_shard=2", "parallelism.dp_replicate=1", "train.micro_batch=2",
             "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2",
             "parallelism.reshard_after_forward=false"], []),
