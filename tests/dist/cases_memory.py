@@ -52,6 +52,12 @@ EXTRA_LAYOUTS = {
     "pp_1f1b": (2, PP + ["parallelism.pp_schedule=1f1b"]),
     "pp_afab": (2, PP + ["parallelism.pp_schedule=afab"]),
     "pp_zbv": (2, PP + ["parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"]),
+    "cp": (2, ["parallelism.dp_replicate=1", "parallelism.cp=2"]),
+    "cp_x_pp": (4, PP + ["parallelism.cp=2"]),
+    "cp_x_pp_interleaved_1f1b": (4, PP + ["parallelism.cp=2", "parallelism.pp_schedule=interleaved_1f1b",
+                                          "parallelism.pp_virtual_stages=2"]),
+    "zero3_x_pp_zbv": (4, PP + ["parallelism.dp_shard=2", "train.micro_batch=2", "parallelism.pp_schedule=zbv",
+                                "parallelism.pp_virtual_stages=2"]),
 }
 
 # ZeRO-1 / ZeRO-2 with TP or PP (4 ranks; tests/test_memory_calibration.py and scripts/bench/memory.py

@@ -70,8 +70,10 @@ LAYOUTS = {
         "cp_x_pp_interleaved_1f1b": PP + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.pp=2",
                                           "train.micro_batch=4", "parallelism.pp_schedule=interleaved_1f1b",
                                           "parallelism.pp_virtual_stages=2"],
+        # zero-bubble with ZeRO-3: the stage unshards before its input- and weight-gradient passes
         "zero3_x_pp_zbv": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
-                                "train.micro_batch=2", "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"],
+                                "train.micro_batch=2", "parallelism.pp_schedule=zbv",
+                                "parallelism.pp_virtual_stages=2"],
         "zero3_x_pp_interleaved_zb": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                                            "parallelism.pp=2", "train.micro_batch=2",
                                            "parallelism.pp_schedule=interleaved_zb",
