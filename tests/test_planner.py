@@ -233,8 +233,9 @@ def test_memory_activations_tp_sp_cp_recompute():
     assert st.logits == 4 * S * vocab_pad / 8
     # TP divides the layer weights by t; norms stay whole; vocab-parallel embedding and head
     assert st.params == L * ((LAYER_8B - 2 * H) / 8 + 2 * H) + 2 * V * H / 8 + H
-    cp = mem8b(dp_replicate=1, cp=2)  # CP halves s
-    assert cp.activation_per_layer == 2 * (S / 2) * layer_values()
+    cp = mem8b(dp_replicate=1, cp=2)  # CP halves s; the ring keeps K, V expanded (GQA: 2h not 2kv) and its
+    # output in fp32 (2 more bytes per value of h under bf16)
+    assert cp.activation_per_layer == 2 * (S / 2) * (layer_values() + 2 * (H - KV)) + 2 * (S / 2) * H
     b2 = mem8b(micro_batch=2)
     assert b2.activations == 2 * mem8b().activations
     # full recompute: the layer input per layer (2 bytes x s·b·h/t) + the layer being recomputed (its full
@@ -345,6 +346,44 @@ def test_ddp_all_reduce_volume_and_overlap():
     assert ar.bytes_per_step == pytest.approx(2 * 15 / 16 * 2 * EXACT["llama3_2_1b"])  # 2(n-1)/n x 2Ψ
     assert ar.crosses_nodes and ar.gbps == 50  # 16 ranks on 2 nodes: the inter-node link
     assert ar.exposed_s == pytest.approx(max(0.0, ar.seconds - 0.8 * ar.window_s))
+
+
+def test_cp_inside_a_pipeline_time():
+    """CP x PP: each pp rank's ring runs over its own layers; the pipeline sends the CP shard (s/c)."""
+    a = arch("llama3_1_8b")
+    lay = Layout(pp=2, cp=2, dp_replicate=2, micro_batch=1, grad_accum=4)
+    t = timing_plan(a, lay, S, 8, h100(), BF16)
+    (ring,) = [c for c in t.comm if c.dims == "cp"]
+    (pp,) = [c for c in t.comm if c.dims == "pp"]
+    # per layer and micro batch: c-1 K/V hops forward, c-1 backward, c dK/dV hops; fp32 blocks of all heads
+    kv_block = 2 * (S / 2) * 1 * H * 4
+    assert ring.calls == (1 + 1 + 2) * (L // 2) * 4
+    assert ring.bytes_per_step == pytest.approx(ring.calls * kv_block)
+    assert pp.bytes_per_step == pytest.approx(2 * 4 * (S / 2) * H * 2)  # activations + grads, bf16, s/c tokens
+    assert t.step_s == pytest.approx(t.compute_s + t.exposed_path_comm_s + t.bubble_s + t.exposed_dp_comm_s)
+
+
+def test_cp_inside_a_pipeline_memory():
+    """CP x PP: every stage keeps s/c tokens per micro batch in flight (1F1B: p - r on pp rank r)."""
+    a = arch("llama3_1_8b")
+    lay = Layout(pp=2, cp=2, dp_replicate=1, micro_batch=1, grad_accum=4)
+    first, last = (stage_memory(a, lay, S, h100(), BF16, r) for r in (0, 1))
+    per_layer = 2 * (S / 2) * (layer_values() + 2 * (H - KV)) + 2 * (S / 2) * H  # the ring's K/V and fp32 output
+    assert first.activation_per_layer == last.activation_per_layer == per_layer
+    stage_output = 2 * (S / 2) * H  # the pipeline keeps each in-flight micro batch's output
+    assert first.activations == pytest.approx((per_layer * first.layers + stage_output) * 2)
+    assert last.logits >= 4 * (S / 2) * V and last.in_flight == 1
+
+
+def test_zero_bubble_zero3_keeps_the_stage_unsharded():
+    """ZeRO-3 with a zero-bubble schedule: the engine unshards a whole stage for its split backward."""
+    a = arch("llama3_1_8b")
+    zb = Layout(pp=2, dp_replicate=1, dp_shard=4, pp_schedule="zbv", pp_virtual_stages=2, micro_batch=1,
+                grad_accum=4)
+    st = stage_memory(a, zb, S, h100(), BF16, 0)  # pp rank 0 of the V holds stages 0 and 3: embedding and head
+    root = 2 * V * H + H
+    assert st.gathered == pytest.approx((2 + 2) * root + (2 * st.layers + 2) * LAYER_8B)  # not 2 blocks' worth
+    assert st.layers > 2  # 14 of 32: the split balances the embedding and the head
 
 
 @pytest.mark.parametrize("schedule,v,expected", [("1f1b", 1, 3 / 8), ("afab", 1, 3 / 8),

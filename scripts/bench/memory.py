@@ -8,6 +8,7 @@ batch 16. Prints a Markdown table (MiB).
     python scripts/bench/memory.py            # the layouts tests/test_memory_calibration.py asserts
     python scripts/bench/memory.py --extra    # + byte vocabulary, accumulation, MoE, pipeline layouts
     python scripts/bench/memory.py --zero     # ZeRO-1 / ZeRO-2 with TP or PP (4 processes)
+    python scripts/bench/memory.py --cp-pp    # CP x PP, ZeRO-3 x zero-bubble PP (4 processes)
 """
 from __future__ import annotations
 
@@ -22,24 +23,25 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("USP_CACHE_DIR", tempfile.mkdtemp(prefix="usp-bench-"))
 
-from dist.cases_memory import EXTRA_LAYOUTS, MEMORY_LAYOUTS, ZERO_LAYOUTS  # noqa: E402
+from dist.cases_memory import CP_PP_LAYOUTS, EXTRA_LAYOUTS, MEMORY_LAYOUTS, ZERO_LAYOUTS  # noqa: E402
 from dist.harness import launch  # noqa: E402
 
 MIB = 1024  # GiB -> MiB
 
 
 def main() -> None:
-    extra, zero = "--extra" in sys.argv[1:], "--zero" in sys.argv[1:]
+    extra, zero, cp_pp = "--extra" in sys.argv[1:], "--zero" in sys.argv[1:], "--cp-pp" in sys.argv[1:]
     from usp.config.compose import compose_config
     from usp.data.prepare import ensure_dataset
 
     for overrides in ([], ["data.tokenizer=bytes"] if extra else []):
         ensure_dataset(compose_config(None, overrides)[0].data)  # once, before the ranks start
     start = time.perf_counter()
-    flags = ["--zero"] if zero else ["--extra"] if extra else []
-    results = launch(REPO / "tests" / "dist" / "cases_memory.py", 4 if zero else 2, *flags, timeout=900)
+    flags = ["--zero"] if zero else ["--cp-pp"] if cp_pp else ["--extra"] if extra else []
+    results = launch(REPO / "tests" / "dist" / "cases_memory.py", 4 if zero or cp_pp else 2, *flags, timeout=900)
     wall = time.perf_counter() - start
-    layouts = ZERO_LAYOUTS if zero else {**MEMORY_LAYOUTS, **(EXTRA_LAYOUTS if extra else {})}
+    layouts = ZERO_LAYOUTS if zero else CP_PP_LAYOUTS if cp_pp else {**MEMORY_LAYOUTS,
+                                                                      **(EXTRA_LAYOUTS if extra else {})}
     print("| layout | ranks | predicted (MiB) | measured (MiB) | error | peak during "
           "| predicted incl. allowance (MiB) |")
     print("|---|---:|---:|---:|---:|---|---:|")

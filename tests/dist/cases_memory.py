@@ -53,6 +53,11 @@ EXTRA_LAYOUTS = {
     "pp_afab": (2, PP + ["parallelism.pp_schedule=afab"]),
     "pp_zbv": (2, PP + ["parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"]),
     "cp": (2, ["parallelism.dp_replicate=1", "parallelism.cp=2"]),
+}
+
+# CP inside a pipeline and ZeRO-3 with a zero-bubble schedule (4 ranks; scripts/bench/memory.py
+# --cp-pp launches them on their own; not asserted).
+CP_PP_LAYOUTS = {
     "cp_x_pp": (4, PP + ["parallelism.cp=2"]),
     "cp_x_pp_interleaved_1f1b": (4, PP + ["parallelism.cp=2", "parallelism.pp_schedule=interleaved_1f1b",
                                           "parallelism.pp_virtual_stages=2"]),
@@ -106,5 +111,6 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a broken case fails, not hangs
     layouts = {**MEMORY_LAYOUTS, **EXTRA_LAYOUTS} if "--extra" in sys.argv else MEMORY_LAYOUTS
     layouts = ZERO_LAYOUTS if "--zero" in sys.argv else layouts
+    layouts = CP_PP_LAYOUTS if "--cp-pp" in sys.argv else layouts
     cases = {name: (lambda w=w, ov=ov: measure_layout(w, ov)) for name, (w, ov) in layouts.items() if w <= world}
     run_cases(cases)

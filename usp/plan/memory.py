@@ -22,7 +22,8 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                  expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert.
                Dense: (6h + 2kv + 4f)/t + 2h values (Megatron's GPT count is 17h); bytes = values x
                the activation dtype's size (prec.act); + 5·a·s²·b/t only when attention materialises
-               the scores (never with SDPA / flash). Full recompute keeps the block input (h/t);
+               the scores (never with SDPA / flash); CP's ring attention keeps K, V expanded to all
+               heads (kv = h) and its output in fp32. Full recompute keeps the block input (h/t);
                selective (the engine's policy: keep matmul and attention outputs) keeps the input,
                q/k/v, the SDPA output, the MLP's matmul outputs and the two row-parallel outputs (h
                each: partial sums over the whole sequence under TP). CP divides s by c. Times the
@@ -40,10 +41,11 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                on the last stage, the hidden states (s·b·h/t) on the others (under activations).
   gathered     ZeRO-3, during backward: the root unit (embedding + final norm + head, whose
                backward spans the whole backward) unsharded (P + G bytes) + two transformer blocks'
-               parameters (the one computing and the prefetched next, P bytes each) + one block's
-               unsharded gradient before the reduce-scatter (G bytes). ZeRO-2 keeps the sharded
-               parameters (P·Ψ/N, updated by the optimizer) and the all-gathered ones (P·Ψ) from
-               the forward until backward.
+               parameters (the one computing and the prefetched next, P bytes each; with a
+               zero-bubble schedule all the rank's blocks: the engine unshards a whole stage for its
+               split backward) + one block's unsharded gradient before the reduce-scatter (G
+               bytes). ZeRO-2 keeps the sharded parameters (P·Ψ/N, updated by the optimizer) and
+               the all-gathered ones (P·Ψ) from the forward until backward.
   comm buffers DDP / ZeRO-1: a flat copy of the gradients in buckets (PyTorch's default
                gradient_as_bucket_view=False).
   peak         the terms above are not all alive at once. Parameters, optimizer states, buckets and
@@ -72,6 +74,7 @@ FRAGMENTATION = 0.05
 LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
 VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum
 SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
 TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "comm_buffers", "overhead")
@@ -181,6 +184,8 @@ def activation_values(arch: Arch, layout: Layout) -> tuple[float, float]:
     """(values kept per token per layer between forward and backward, values of one layer's full
     set), for the Llama block of usp/models/llama.py as the engine runs it (module docstring)."""
     h, kv, t, f = arch.dim, arch.kv_dim, layout.tp, arch.ffn_dim
+    if layout.cp > 1:  # the ring attention keeps K and V expanded to every query head (GQA)
+        kv = h
     norm = 2 * h / t  # RMSNorm input and x·rstd (sequence-sharded under TP + SP)
     attention = norm + h + (h + 2 * kv) / t + h / t  # + norm output (all-gathered), q/k/v after RoPE, SDPA out
     if arch.moe:
@@ -205,7 +210,9 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
     kept, full = activation_values(arch, layout)
-    return s * b * kept * prec.act + scores, s * b * full * prec.act + scores
+    ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
+    kept_ring = ring if layout.recompute != "full" else 0
+    return s * b * kept * prec.act + scores + kept_ring, s * b * full * prec.act + scores + ring
 
 
 def activation_formula(layout: Layout) -> str:
@@ -302,13 +309,16 @@ def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMe
 
 
 def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
-    """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient."""
+    """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient.
+    Zero-bubble schedules: the engine unshards a whole stage for its input- and weight-gradient
+    passes (usp/engine/parallel/pipeline.py), so all the rank's blocks' parameters instead of two."""
     if layout.zero_stage != 3:
         return 0.0
     unit, root = h.dense_layer + h.expert_layer, h.emb + h.head
     if not h.layers:
         return (prec.param + prec.grad) * root
-    return (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit
+    blocks = h.layers if layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE else 2
+    return (prec.param + prec.grad) * root + (blocks * prec.param + prec.grad) * unit
 
 
 def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:

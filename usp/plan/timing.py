@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from usp.plan.memory import stage_layer_counts
+from usp.plan.memory import ZERO_BUBBLE, stage_layer_counts
 from usp.plan.specs import Arch, Hardware, Layout, Precision, group_crosses_nodes
 
 EFF_MAX = 0.50  # fraction of vendor peak a large transformer layer reaches (calibrated to the playbook's 40-47 % MFU)
 SAT_HALF = 128  # matmul dimension at which efficiency is half of EFF_MAX
 OVERLAP = 0.8  # share of an overlap window that communication can hide behind
 LATENCY_S = {False: 10e-6, True: 25e-6}  # per collective call: intra-node, inter-node
-ZERO_BUBBLE = ("interleaved_zb", "zbv")
 
 
 @dataclass
@@ -191,15 +190,18 @@ def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
     return _term("TP all-gather / reduce-scatter (activations)", "tp", t, x, hw, calls, nbytes, 0.0)
 
 
-def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
-    """Context parallel: ring of K, V blocks per layer (forward), K, V + dK, dV (backward); hides
-    behind the attention of its layer."""
+def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, cx: _Compute) -> CommTerm:
+    """Context parallel, per layer of this pp rank and micro batch: the ring passes a K/V block
+    c-1 times forward (again when recomputed), c-1 times backward, and the dK/dV accumulator c
+    times (it returns to its owner). The engine's ring sends fp32 blocks expanded to every
+    query head (usp/engine/parallel/context.py). Hides behind the attention of its layer."""
     c, t, m, layers_r = layout.cp, layout.tp, layout.grad_accum, cx.layers_r
     x = group_crosses_nodes(layout.degrees, hw.procs_per_node, ("cp",))
-    kv = 2 * (seq_len / c) * layout.micro_batch * arch.kv_dim / t * prec.act
-    passes = 4 if layout.recompute == "full" else 3
-    calls = passes * (c - 1) * layers_r * m
-    nbytes = passes * (c - 1) * kv * layers_r * m
+    kv = 2 * (seq_len / c) * layout.micro_batch * arch.dim / t * 4
+    forwards = 2 if layout.recompute == "full" else 1
+    hops = forwards * (c - 1) + (c - 1) + c
+    calls = hops * layers_r * m
+    nbytes = hops * kv * layers_r * m
     attn_s = cx.tokens_mb * 12 * arch.dim * seq_len / t * layers_r * m / (cx.peak * cx.eff)
     return _term("CP ring K/V exchange", "cp", c, x, hw, calls, nbytes, attn_s)
 
@@ -229,7 +231,7 @@ def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pre
     if layout.tp > 1:
         comm.append(_tp_comm(arch, layout, seq_len, hw, prec, cx))
     if layout.cp > 1:
-        comm.append(_cp_comm(arch, layout, seq_len, hw, prec, cx))
+        comm.append(_cp_comm(arch, layout, seq_len, hw, cx))
     if arch.moe and layout.ep > 1:
         comm.append(_ep_comm(arch, layout, hw, prec, cx))
     if layout.pp > 1:
