@@ -56,7 +56,7 @@ def test_matrix_covers_the_required_compositions():
                 "pp_interleaved_1f1b", "pp_zbv", "dp_x_tp", "fsdp_x_tp", "tp_x_pp", "dp_x_pp", "cp_x_dp", "hsdp",
                 "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full",
                 "bf16_ddp", "bf16_fsdp_mixed_precision", "bf16_tp_sp", "bf16_pp_1f1b", "bf16_fsdp_x_tp",
-                "zero1_x_tp", "zero1_x_pp"}
+                "zero1_x_tp", "zero1_x_pp", "cp_x_pp", "dp_x_cp_x_tp_x_pp"}
     assert required <= names, required - names
 
 

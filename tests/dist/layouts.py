@@ -102,6 +102,11 @@ LAYOUTS = {
         "fsdp_x_cp_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.cp=2",
                            "parallelism.tp=2"],
     },
+    16: {
+        # the four mesh dims at once: data x context x tensor(+sequence) x pipeline
+        "dp_x_cp_x_tp_x_pp": PP + ["parallelism.dp_replicate=2", "parallelism.cp=2", "parallelism.tp=2",
+                                   "parallelism.pp=2", "train.micro_batch=4"],
+    },
 }
 
 # bf16 layouts against the bf16 single process: bf16 matmuls summed in another order, and FSDP2's
