@@ -30,7 +30,7 @@ def results(shakespeare):
 
     def get(world: int) -> dict:
         if world not in cache:
-            cache[world] = launch(SCRIPT, world, timeout=900)
+            cache[world] = launch(SCRIPT, world, timeout=1800)  # the 4-process launch runs ~30 layouts
         return cache[world]
 
     return get
