@@ -399,7 +399,7 @@ def test_rule_through_cli(tmp_path, overrides, key, words):
     (["cluster.procs_per_node=3", "model.n_experts=4", "parallelism.ep=3", "train.global_batch=24"],
      ["4 experts (model.n_experts) can't be split over ep=3"]),
     (["cluster.procs_per_node=2", "model.n_experts=4", "parallelism.tp=2", "parallelism.ep=2"],
-     ["ep must divide", "not tp=2", "parallelism.tp=2: tensor parallelism of MoE layers"]),
+     ["dp_shard x cp = 1 x 1 = 1, which ep=2 must divide", "fix: parallelism.ep in [1]"]),
 ])
 def test_expert_parallel_rule_through_cli(tmp_path, overrides, words):
     """The EP rule is of kind "engine": `usp plan` prints the plan and what `usp train` would refuse."""

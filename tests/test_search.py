@@ -121,9 +121,8 @@ def test_moe_search_uses_expert_parallel():
                                    "train.seq_len=1024", "train.global_batch=64", "checkpoint.enabled=false"])
     result = search_config(cfg, top_k=50)
     assert {c.layout.ep for c in result.top} > {1}
-    ep = [c.layout for c in result.top if c.layout.ep > 1]  # as the engine runs it: carved out of dp_replicate
-    assert all(8 % lay.ep == 0 and lay.dp_replicate % lay.ep == 0 and lay.world == lay.dp_replicate for lay in ep)
-    assert all(c.layout.tp == c.layout.pp == 1 for c in result.top)  # no TP / PP of MoE layers in this engine
+    ep = [c.layout for c in result.top if c.layout.ep > 1]  # as the engine runs it: on the FSDP ranks
+    assert all(8 % lay.ep == 0 and (lay.dp_shard * lay.cp) % lay.ep == 0 for lay in ep)
 
 
 def test_moe_search_without_ep_when_checkpointing():

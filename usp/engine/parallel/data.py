@@ -26,15 +26,32 @@ from usp.engine.parallel.mesh import DistContext
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
 
-def apply_fsdp(model: nn.Module, ctx: DistContext, reshard_after_forward: bool, mp_policy=None) -> nn.Module:
-    """fully_shard every block, then the root (embedding, final norm, head)."""
+def apply_fsdp(model: nn.Module, ctx: DistContext, reshard_after_forward: bool, mp_policy=None,
+               ep: int = 1) -> nn.Module:
+    """fully_shard every block, then the root (embedding, final norm, head). Under expert
+    parallelism each block's experts are their own FSDP unit first (`_shard_experts`)."""
     kw = {"mesh": _fsdp_mesh(ctx), "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     for block in model.layers.values():
+        if ep > 1 and hasattr(block.feed_forward, "experts"):
+            _shard_experts(block.feed_forward.experts, ctx, ep, kw)
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def _shard_experts(experts: nn.Module, ctx: DistContext, ep: int, kw: dict) -> None:
+    """This EP rank's experts, sharded over dp_shard_mod_ep and replicated over dp_replicate (as
+    torchtitan). After backward each expert's gradient already sums the dL_s/dw of its EP group's
+    ranks (the reverse all_to_all brings them back), so the reduction over the copies is a SUM
+    divided by the whole data-parallel size, not by the number of copies; gloo has no PREMUL_SUM,
+    hence the forced plain sum plus a division."""
+    mesh = ctx.expert_mesh(ep)
+    dims = ("dp_replicate", "dp_shard_mod_ep") if ctx.degrees["dp_replicate"] > 1 else ("dp_shard_mod_ep",)
+    fully_shard(experts, **{**kw, "mesh": mesh[dims]})
+    experts.set_gradient_divide_factor(float(ctx.size("dp_replicate", "dp_shard", "cp")))
+    experts.set_force_sum_reduction_for_comms(True)
 
 
 def _fsdp_mesh(ctx: DistContext):

@@ -116,6 +116,14 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
     return model
 
 
+def expert_clip_args(modules: list[nn.Module], ctx, ep: int) -> tuple:
+    """(ep group, ids of the expert parameters) for `clip_grad_norm`; (None, None) without EP."""
+    if ep <= 1:
+        return None, None
+    ids = {id(p) for m in modules for sub in m.modules() if isinstance(sub, GroupedExperts) for p in sub.parameters()}
+    return ctx.expert_mesh(ep)["ep"].get_group(), ids
+
+
 def is_expert_param(model: nn.Module, param: torch.Tensor) -> bool:
     """True for a stacked expert weight (sharded by EP), False for everything else."""
     return any(param is p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())

@@ -26,20 +26,19 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
         from usp.engine.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, ctx.group("cp"))
-    if int(par["ep"]) > 1:
+    ep = int(par["ep"])
+    if ep > 1:  # EP ranks are dp_shard x cp ranks, so the layout is always FSDP / HSDP below
         from usp.engine.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, ctx.expert_groups(int(par["ep"]), plan["ranks"])[0])
+        apply_expert_parallel(model, ctx.expert_mesh(ep)["ep"].get_group())
     apply_recompute(model, train["recompute"])
     if train["compile"]:
         for name, block in list(model.layers.named_children()):
             model.layers[name] = torch.compile(block)
     kind = data_parallel_kind(deg, bool(par["zero1"]))
-    if int(par["ep"]) > 1:
-        return model  # expert parallel: gradients are reduced by expert.reduce_gradients
     if kind in ("fsdp", "hsdp", "replicate"):
         return apply_fsdp(model, ctx, reshard_after_forward=bool(par["reshard_after_forward"]) and kind != "replicate",
-                          mp_policy=fsdp_mp_policy(plan))  # bf16 compute on GPU, None on CPU
+                          mp_policy=fsdp_mp_policy(plan), ep=ep)  # bf16 compute on GPU, None on CPU
     if kind in ("ddp", "zero1"):
         return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
     return model
