@@ -188,7 +188,7 @@ def activation_values(arch: Arch, layout: Layout) -> tuple[float, float]:
         fe = arch.moe_ffn_dim or arch.ffn_dim
         # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
         mlp = norm + h + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fe if arch.shared_expert else 0)
-        mlp_matmuls = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fe + h) if arch.shared_expert else 0)
+        mlp_matmuls: float = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fe + h) if arch.shared_expert else 0)
     else:
         mlp = norm + h + 4 * f / t  # + w1, w3 outputs, silu, product
         mlp_matmuls = 2 * f / t + h  # w1, w3 outputs; w2's (a partial sum over the whole sequence under TP)
