@@ -2,7 +2,8 @@
 
 The mesh always has the five dims of the plan (pp, dp_replicate, dp_shard, cp, tp), size-1
 dims included, so code can ask for any dim without special cases. Groups over several dims
-(e.g. dp_replicate x dp_shard x cp for the loss) are flattened sub-meshes, cached by name."""
+(e.g. dp_replicate x dp_shard x cp for the loss) are flattened sub-meshes, cached by name.
+Expert parallelism adds a second mesh over the same ranks (`DistContext.expert_mesh`)."""
 from __future__ import annotations
 
 import gc
