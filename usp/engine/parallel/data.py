@@ -45,13 +45,15 @@ def _shard_experts(experts: nn.Module, ctx: DistContext, ep: int, kw: dict) -> N
     """This EP rank's experts, sharded over dp_shard_mod_ep and replicated over dp_replicate (as
     torchtitan). After backward each expert's gradient already sums the dL_s/dw of its EP group's
     ranks (the reverse all_to_all brings them back), so the reduction over the copies is a SUM
-    divided by the whole data-parallel size, not by the number of copies; gloo has no PREMUL_SUM,
-    hence the forced plain sum plus a division."""
+    divided by the whole data-parallel size, not by the number of copies. gloo has no PREMUL_SUM,
+    hence a plain sum and a division after it (force_sum_reduction) -- except when the shard group
+    has one rank (ep = dp_shard x cp): FSDP2 (torch 2.13, foreach_reduce) then divides while
+    copying instead of reduce-scattering, and would divide a second time after a forced sum."""
     mesh = ctx.expert_mesh(ep)
     dims = ("dp_replicate", "dp_shard_mod_ep") if ctx.degrees["dp_replicate"] > 1 else ("dp_shard_mod_ep",)
-    fully_shard(experts, **{**kw, "mesh": mesh[dims]})
-    experts.set_gradient_divide_factor(float(ctx.size("dp_replicate", "dp_shard", "cp")))
-    experts.set_force_sum_reduction_for_comms(True)
+    sharded = fully_shard(experts, **{**kw, "mesh": mesh[dims]})
+    sharded.set_gradient_divide_factor(float(ctx.size("dp_replicate", "dp_shard", "cp")))
+    sharded.set_force_sum_reduction_for_comms(mesh["dp_shard_mod_ep"].size() > 1)
 
 
 def _fsdp_mesh(ctx: DistContext):
