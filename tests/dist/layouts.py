@@ -26,6 +26,7 @@ LAYOUTS = {
         # the load-balancing loss is a per-rank batch statistic: exact parity only without it.
         # EP ranks are FSDP ranks (dp_shard x cp): here ep = dp_shard, one copy of each expert
         "ep_x_fsdp": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2"],
+        "ep_x_cp": MOE + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.ep=2"],  # EP over cp ranks
         "ep_grad_accum": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
                                 "train.micro_batch=4"],
         "ddp_fp16_compression": ["parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=fp16"],
