@@ -36,8 +36,6 @@ MEMORY_LAYOUTS = {
 BYTES = ["data.tokenizer=bytes"]
 PP = ["model.tie_embeddings=false", "model.n_layers=4", "parallelism.dp_replicate=1", "parallelism.pp=2",
       "train.micro_batch=4"]
-MOE_EP = ["model=moe_tiny", "model.aux_loss_coef=0", "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
-          "parallelism.ep=2"]
 EXTRA_LAYOUTS = {
     "single_V256": (1, SINGLE + BYTES),
     "recompute_full_V256": (1, SINGLE + BYTES + ["train.recompute=full"]),
@@ -54,12 +52,6 @@ EXTRA_LAYOUTS = {
     "pp_1f1b": (2, PP + ["parallelism.pp_schedule=1f1b"]),
     "pp_afab": (2, PP + ["parallelism.pp_schedule=afab"]),
     "pp_zbv": (2, PP + ["parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"]),
-    # expert parallelism on the FSDP ranks, alone and with TP / PP
-    "moe_ep_fsdp": (2, MOE_EP),
-    "moe_ep_fsdp4": (4, ["model=moe_tiny", "model.aux_loss_coef=0", "parallelism.dp_replicate=1",
-                         "parallelism.dp_shard=4", "parallelism.ep=4"]),
-    "moe_ep_x_tp": (4, MOE_EP + ["parallelism.tp=2"]),
-    "moe_ep_x_pp": (4, MOE_EP + PP[:2] + ["parallelism.pp=2", "train.micro_batch=4"]),
 }
 
 
