@@ -145,3 +145,11 @@ def test_no_import_cycles_in_usp_plan():
     for m in graph:
         if m not in state:
             visit(m, [m])
+
+
+def test_moe_with_tp_plans_with_a_warning_not_a_refusal():
+    """MoE x TP trains (MoE layers replicated over tp, no expert TP): a warning names the cost."""
+    plan, errors = _plan("model=moe_tiny", "cluster.procs_per_node=4", "parallelism.dp_shard=2", "parallelism.ep=2",
+                         "parallelism.tp=2", "checkpoint.enabled=false")
+    assert plan is not None and errors == []
+    assert any("parallelism.tp=2: MoE layers are not tensor-parallel" in w for w in plan.warnings)

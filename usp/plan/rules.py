@@ -296,6 +296,11 @@ WARN_RULES = [
          lambda s: s.layout.tp > 1 and group_crosses_nodes(s.layout.degrees, s.hw.procs_per_node, ("tp",)),
          _tp_across_nodes, lambda s: f"parallelism.tp in {divisors(s.hw.procs_per_node)} (a divisor of "
                                      "cluster.procs_per_node), or drop --strict", lambda s: s.layout.tp),
+    # the engine builds MoE x TP without expert tensor parallelism (usp/engine/parallel/tensor.py)
+    Rule("moe_replicated_over_tp", "warn", "parallelism.tp", lambda s: s.arch.moe and s.layout.tp > 1,
+         lambda s: f"MoE layers are not tensor-parallel (no expert TP): each of the {s.layout.tp} TP ranks runs the "
+                   "router and experts on the whole sequence (tp x their FLOPs and activations, in the plan)",
+         "parallelism.tp=1 with parallelism.ep to shard the experts, or drop --strict", lambda s: s.layout.tp),
 ]
 
 RULES: list[Rule] = [*MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *ENGINE_RULES, *WARN_RULES]
