@@ -150,3 +150,12 @@ def test_usp_plan_search_cli(tmp_path):
     assert "max micro" in r.stdout and "best:" in r.stdout and "use it: usp plan" in r.stdout
     rows = [line for line in r.stdout.splitlines() if line.startswith("│ ") and line[2].isdigit()]
     assert len(rows) == 3
+
+
+def test_mixtral_search_proposes_ep_on_the_fsdp_ranks_with_pp():
+    cfg, _ = compose_config(None, ["model=mixtral_8x7b", "cluster=slurm_h100", "cluster.nodes=16",
+                                   "train.seq_len=4096", "train.global_batch=256", "checkpoint.enabled=false"])
+    top = search_config(cfg, top_k=10).top
+    ep = [c.layout for c in top if c.layout.ep > 1]
+    assert ep and all((lay.dp_shard * lay.cp) % lay.ep == 0 for lay in ep)
+    assert any(lay.pp > 1 and lay.dp_shard > 1 for lay in ep)  # EP x FSDP x PP
