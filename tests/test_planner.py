@@ -299,6 +299,16 @@ def test_moe_not_tp_sliced_and_experts_sharded_over_dp_shard_mod_ep():
     assert fsdp8.parameters == pytest.approx(BF16.param * (dense / 8 + experts / 2))
 
 
+def test_ep_all_to_all_link_is_the_ep_groups_own():
+    """EP groups are ep·tp consecutive ranks (inside dp_shard x cp): on 8-GPU nodes ep 8 x tp 1
+    stays on NVLink even when dp_shard x cp spans 8 nodes; ep 8 x tp 2 crosses."""
+    cfg, _ = cfg_for("model=mixtral_8x7b")
+    a, hw = Arch.from_model(cfg.model), h100(nodes=8)
+    ep = {t: next(c for c in timing_plan(a, Layout(dp_shard=64 // t, tp=t, ep=8, micro_batch=1), 4096, 64, hw,
+                                         BF16).comm if c.name.startswith("EP")) for t in (1, 2)}
+    assert not ep[1].crosses_nodes and ep[2].crosses_nodes
+
+
 def test_mixtral_plans_with_ep_x_fsdp_x_tp_x_pp_on_h100():
     cfg, choices = compose_config(None, ["model=mixtral_8x7b", "cluster=slurm_h100", "cluster.nodes=16",
                                          "parallelism.ep=8", "parallelism.dp_shard=8", "parallelism.tp=4",

@@ -208,12 +208,20 @@ def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
 
 def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
     """Expert parallel: dispatch + combine all-to-alls, forward and backward."""
-    deg, ppn = layout.degrees, hw.procs_per_node
-    x = layout.ep * layout.tp > ppn or hw.nodes > 1 and group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
+    x = _ep_crosses_nodes(layout, hw)
     passes = 3 if layout.recompute == "full" else 2
     calls = 2 * passes * cx.layers_r * layout.grad_accum
     nbytes = calls * (layout.ep - 1) / layout.ep * cx.tokens_mb * arch.top_k * arch.dim * prec.act
     return _term("EP all-to-all (tokens)", "ep", layout.ep, x, hw, calls, nbytes, 0.0)
+
+
+def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
+    """An EP group is `ep` consecutive ranks of the flattened dp_shard x cp (the inner part,
+    DistContext.expert_mesh), tp apart: aligned blocks of ep·tp ranks. Does one straddle two nodes?"""
+    block, ppn = layout.ep * layout.tp, hw.procs_per_node
+    if hw.nodes == 1 or block > ppn:
+        return hw.nodes > 1
+    return ppn % block != 0 and any(b // ppn != (b + block - 1) // ppn for b in range(0, layout.world, block))
 
 
 def _pp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> CommTerm:
