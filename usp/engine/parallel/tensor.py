@@ -7,7 +7,8 @@ all-gather + reduce-scatter pairs. The embedding is row-parallel over the vocabu
 is column-parallel and keeps its logits sharded over the vocabulary for `loss_parallel`.
 
 A vocabulary that does not divide by tp is padded (the plan says by how much); the padded
-logits are masked to -inf so the loss, and every gradient, is the unpadded model's."""
+logits are masked to -inf so the loss, and every gradient, is the unpadded model's.
+A MoE layer is not tensor-parallel (`_moe_plan`: no expert TP)."""
 from __future__ import annotations
 
 import torch
