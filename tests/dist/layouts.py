@@ -2,7 +2,9 @@
 # Layouts whose loss is *not* exactly the reference's, with the tolerance that applies.
 APPROXIMATE = {"ddp_fp16_compression": 1e-3, "ddp_powersgd": 1e-2}
 # Final-parameter tolerance where the default (1e-4) is too tight for a stated reason.
-PARAM_ATOL: dict[str, float] = {}  # the expert-parallel layouts: filled in at the end of this file
+# (The expert-parallel layouts needed 5e-4 while EP was carved out of dp_replicate with a hand-written
+# gradient reduction: 1.85e-4 measured. On the FSDP ranks they meet the default: max 2.3e-5 measured.)
+PARAM_ATOL: dict[str, float] = {}
 PP = ["model.tie_embeddings=false", "model.n_layers=4"]
 MOE = ["model=moe_tiny", "model.aux_loss_coef=0"]
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
@@ -97,7 +99,3 @@ LAYOUTS = {
 # lr per step whatever the gradient's size, and bf16 rounding flips the sign of near-zero
 # gradients, which makes 1e-2 differences (measured) at lr 3e-3 -- as large as a real error.
 APPROXIMATE.update({name: 5e-4 for layouts in LAYOUTS.values() for name in layouts if name.startswith("bf16_")})
-# Final-parameter tolerance of the expert-parallel layouts: experts that receive few tokens get
-# near-zero gradients, which AdamW's 1/sqrt(v) scales up (measured 1.85e-4 on
-# layers.0.feed_forward.experts.w1, with the loss equal to 5.6e-7).
-PARAM_ATOL.update({name: 5e-4 for layouts in LAYOUTS.values() for name in layouts if name.startswith("ep")})
