@@ -317,6 +317,43 @@ def test_moe_experts_sliced_by_ep():
     assert one.params - four.params == pytest.approx(experts - experts / 4)
 
 
+def test_moe_not_tp_sliced_and_experts_sharded_over_dp_shard_mod_ep():
+    """No expert TP: tp leaves a MoE layer's router / experts whole; FSDP shards the experts over
+    dp_shard x cp / ep ranks (ZeRO-3: params / 2 here), the dense part over dp_shard x cp."""
+    cfg, _ = cfg_for("model=tiny", "model.n_experts=8", "model.top_k=2", "model.vocab_size=4096")
+    a = Arch.from_model(cfg.model)
+    all_experts = a.n_layers * a.expert_params
+    tp_ep1 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=1), 128, h100(), BF16, 0)
+    tp_ep4 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=4), 128, h100(), BF16, 0)
+    assert tp_ep1.params - tp_ep4.params == pytest.approx(all_experts - all_experts / 4)  # not / tp
+    experts = all_experts / 4  # on one EP rank, before FSDP
+    fsdp8 = stage_memory(a, Layout(dp_shard=8, ep=4), 128, h100(), BF16, 0)
+    dense = fsdp8.params - experts
+    assert fsdp8.parameters == pytest.approx(BF16.param * (dense / 8 + experts / 2))
+
+
+def test_ep_all_to_all_link_is_the_ep_groups_own():
+    """EP groups are ep·tp consecutive ranks (inside dp_shard x cp): on 8-GPU nodes ep 8 x tp 1
+    stays on NVLink even when dp_shard x cp spans 8 nodes; ep 8 x tp 2 crosses."""
+    cfg, _ = cfg_for("model=mixtral_8x7b")
+    a, hw = Arch.from_model(cfg.model), h100(nodes=8)
+    ep = {t: next(c for c in timing_plan(a, Layout(dp_shard=64 // t, tp=t, ep=8, micro_batch=1), 4096, 64, hw,
+                                         BF16).comm if c.name.startswith("EP")) for t in (1, 2)}
+    assert not ep[1].crosses_nodes and ep[2].crosses_nodes
+
+
+def test_mixtral_plans_with_ep_x_fsdp_x_tp_x_pp_on_h100():
+    cfg, choices = compose_config(None, ["model=mixtral_8x7b", "cluster=slurm_h100", "cluster.nodes=16",
+                                         "parallelism.ep=8", "parallelism.dp_shard=8", "parallelism.tp=4",
+                                         "parallelism.pp=4", "train.global_batch=256", "train.seq_len=4096",
+                                         "train.micro_batch=1", "train.recompute=full", "checkpoint.enabled=false"])
+    from usp.plan.plan import checked_plan
+
+    plan = checked_plan(cfg, choices)  # no plan or engine rule refuses it
+    assert plan.memory.fits and plan.degrees["tp"] == 4 and plan.degrees["pp"] == 4
+    assert any("EP all-to-all" in c.name and c.group == 8 for c in plan.timing.comm)
+
+
 # --- time -------------------------------------------------------------------------------------------
 
 def test_flops_match_arch_and_hfu():
@@ -470,7 +507,7 @@ def test_rule_through_cli(tmp_path, overrides, key, words):
     (["cluster.procs_per_node=3", "model.n_experts=4", "parallelism.ep=3", "train.global_batch=24"],
      ["4 experts (model.n_experts) can't be split over ep=3"]),
     (["cluster.procs_per_node=2", "model.n_experts=4", "parallelism.tp=2", "parallelism.ep=2"],
-     ["ep must divide", "not tp=2", "parallelism.tp=2: tensor parallelism of MoE layers"]),
+     ["dp_shard x cp = 1 x 1 = 1, which ep=2 must divide", "fix: parallelism.ep in [1]"]),
 ])
 def test_expert_parallel_rule_through_cli(tmp_path, overrides, words):
     """The EP rule is of kind "engine": `usp plan` prints the plan and what `usp train` would refuse."""

@@ -28,6 +28,7 @@ from usp.engine.observe.tracking import build_trackers
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
+from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.pipeline import pipeline_eval, pipeline_step
 from usp.plan.layout import data_parallel_kind
@@ -60,6 +61,7 @@ class Trainer:
 
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
+        self.experts = expert_clip_args(self.parts.modules, ctx, int(self.cfg.parallelism.ep))
         # One optimizer (and LR schedule) per model part: pipeline ranks may hold several stages,
         # and checkpoints map each optimizer's state to its part's parameter names.
         # plain-DDP ZeRO-1 (ZeroRedundancyOptimizer); with TP/PP, FSDP2 already shards the states
@@ -95,14 +97,9 @@ class Trainer:
         loss = all_reduce_mean(loss, self.ctx)
         if not math.isfinite(loss):
             return self._non_finite(step, loss, what="loss", value=loss)
-        if int(self.cfg.parallelism.ep) > 1:
-            from usp.engine.parallel.expert import reduce_gradients
-
-            ep_group, edp_group = self.ctx.expert_groups(int(self.cfg.parallelism.ep), self.plan["ranks"])
-            reduce_gradients(self.parts.modules[0], self.ctx.group("dp_replicate"), ep_group, edp_group)
         clip = float(self.cfg.optimizer.grad_clip)
         with self._region(SPAN_OPTIMIZER):
-            grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"))
+            grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"), *self.experts)
             if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
                 return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
             self._optimizer_step()

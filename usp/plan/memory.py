@@ -19,7 +19,8 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                  attention: q, k, v after RoPE (h + 2kv)/t and the SDPA output h/t;
                  SwiGLU: w1 and w3 outputs, silu output, their product: 4f/t;
                  MoE MLP: router probabilities (E) + per routed copy (top_k) the token, the
-                 expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert.
+                 expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert
+                 (not divided by t: the MoE layer runs replicated over the TP ranks).
                Dense: (6h + 2kv + 4f)/t + 2h values (Megatron's GPT count is 17h); bytes = values x
                the activation dtype's size (prec.act); + 5·a·s²·b/t only when attention materialises
                the scores (never with SDPA / flash); CP's ring attention keeps K, V expanded to all
@@ -190,8 +191,9 @@ def activation_values(arch: Arch, layout: Layout) -> tuple[float, float]:
     attention = norm + h + (h + 2 * kv) / t + h / t  # + norm output (all-gathered), q/k/v after RoPE, SDPA out
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
-        mlp = norm + h + arch.n_experts + arch.top_k * (3 * h + 4 * fe) / t + (4 * fe / t if arch.shared_expert else 0)
-        mlp_matmuls = arch.n_experts + arch.top_k * (2 * fe + h) / t + ((2 * fe / t + h) if arch.shared_expert else 0)
+        # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
+        mlp = norm + h + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fe if arch.shared_expert else 0)
+        mlp_matmuls: float = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fe + h) if arch.shared_expert else 0)
     else:
         mlp = norm + h + 4 * f / t  # + w1, w3 outputs, silu, product
         mlp_matmuls = 2 * f / t + h  # w1, w3 outputs; w2's (a partial sum over the whole sequence under TP)
@@ -256,8 +258,10 @@ def _held(arch: Arch, layout: Layout, r: int) -> _Held:
     layers = sum(counts[i] for i in held)
     holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
     vocab_pad = -(-arch.vocab_size // t) * t
-    dense_layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params
-    expert_layer = arch.expert_params / (ep * t)
+    # a MoE layer is not TP-sliced (router, experts and shared expert replicated over tp); EP slices the experts
+    dense_layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
+        + arch.norm_params
+    expert_layer = arch.expert_params / ep
     emb = vocab_pad * arch.dim / t if holds_emb else 0
     head: float = 0
     if holds_head:

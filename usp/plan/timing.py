@@ -4,7 +4,8 @@ what is not modelled). Every intermediate term stays in the TimingPlan so a figu
 Model, per optimizer step:
 
   compute     FLOPs of the busiest pp rank / (peak x kernel efficiency). FLOPs per token per
-              layer: 6·(matmul weights)/t + 12·h·s/t (attention scores, playbook convention);
+              layer: 6·(matmul weights)/t + 12·h·s/t (attention scores, playbook convention; a
+              MoE layer's 6·(router + top_k experts + shared expert) is not divided by t);
               LM head 6·V·h/t on the last stage. Full recompute adds the forward again (+1/3:
               HFU > MFU); selective recompute re-runs no matmul here (norms, activations, RoPE).
               Kernel efficiency = EFF_MAX x sat(h/t) x sat(b·s/c), sat(x) = x / (x + SAT_HALF):
@@ -97,8 +98,8 @@ def rank_params(arch: Arch, layout: Layout) -> list[float]:
     t = layout.tp
     ep = max(1, layout.ep) if arch.moe else 1
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
-    layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params \
-        + arch.expert_params / (ep * t)
+    layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
+        + arch.norm_params + arch.expert_params / ep  # a MoE layer is not TP-sliced
     vocab_pad = -(-arch.vocab_size // t) * t
     out = []
     for held in ranks:
@@ -158,7 +159,8 @@ def _compute(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
     eff = EFF_MAX * sat_h * sat_tok
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
     tokens_mb = b * s_loc
-    per_layer, head = layer_fpt / t * (1 + extra), head_fpt / t
+    moe_fpt = 6 * arch.parts["active_mlp"] if arch.moe else 0  # a MoE layer's work is repeated on every TP rank
+    per_layer, head = ((layer_fpt - moe_fpt) / t + moe_fpt) * (1 + extra), head_fpt / t
     stage_flops, stage_layers = [], []
     for held in ranks:
         n_layers = sum(counts[i] for i in held)
@@ -208,12 +210,20 @@ def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, cx: _Comput
 
 def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
     """Expert parallel: dispatch + combine all-to-alls, forward and backward."""
-    deg, ppn = layout.degrees, hw.procs_per_node
-    x = layout.ep * layout.tp > ppn or hw.nodes > 1 and group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
+    x = _ep_crosses_nodes(layout, hw)
     passes = 3 if layout.recompute == "full" else 2
     calls = 2 * passes * cx.layers_r * layout.grad_accum
     nbytes = calls * (layout.ep - 1) / layout.ep * cx.tokens_mb * arch.top_k * arch.dim * prec.act
     return _term("EP all-to-all (tokens)", "ep", layout.ep, x, hw, calls, nbytes, 0.0)
+
+
+def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
+    """An EP group is `ep` consecutive ranks of the flattened dp_shard x cp (the inner part,
+    DistContext.expert_mesh), tp apart: aligned blocks of ep·tp ranks. Does one straddle two nodes?"""
+    block, ppn = layout.ep * layout.tp, hw.procs_per_node
+    if hw.nodes == 1 or block > ppn:
+        return hw.nodes > 1
+    return ppn % block != 0 and any(b // ppn != (b + block - 1) // ppn for b in range(0, layout.world, block))
 
 
 def _pp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> CommTerm:
@@ -285,8 +295,19 @@ def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Com
     if layout.dp_kind in ("ddp", "zero1", "replicate"):
         return _replicated_dp_comm(layout, hw, prec, psi, cx)
     if layout.dp_kind in ("fsdp", "hsdp", "zero1_fsdp"):
-        return _sharded_dp_comm(layout, hw, prec, psi, cx)
+        return _sharded_dp_comm(layout, hw, prec, _fsdp_equivalent(arch, layout, psi, cx), cx)
     return []
+
+
+def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, cx: _Compute) -> float:
+    """Parameters whose traffic over dp_shard x cp (n ranks) equals this rank's: under EP the experts'
+    FSDP unit spans only the n/ep ranks of dp_shard_mod_ep, so they move (n/ep-1)/(n/ep) of their
+    bytes, not (n-1)/n (none when ep = n)."""
+    n, ep = layout.dp_shard * layout.cp, layout.ep if arch.moe else 1
+    if ep <= 1 or n <= 1:
+        return psi
+    experts, n_e = cx.layers_r * arch.expert_params / ep, n // ep
+    return psi - experts + experts * ((n_e - 1) / n_e) / ((n - 1) / n)
 
 
 def _assumptions(arch: Arch, layout: Layout, cx: _Compute, bubble: float) -> list[str]:

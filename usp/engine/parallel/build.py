@@ -14,6 +14,7 @@ from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.parallelize import parallelize
 from usp.engine.parallel.pipeline import build_pipeline, lm_loss
 from usp.models.llama import Llama, LlamaArgs
+from usp.models.moe import moe_layers
 from usp.plan.pipeline_split import last_stage_rank
 
 
@@ -74,6 +75,10 @@ def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
     schedule, wrapped = build_pipeline(build, pipe["stage_layers"], mine, ctx.group("pp"), ctx.device,
                                        int(pipe["n_microbatches"]), pipe["schedule"], lm_loss,
                                        parallelize_fn=lambda stage: parallelize(stage, plan, ctx))
+    coef = float(plan["config"]["model"].get("aux_loss_coef", 0.0) or 0.0)
+    for module in wrapped:  # no stage but the last sees the loss: each MoE layer attaches its aux loss's
+        for moe in moe_layers(module):  # gradient to its output, per micro batch (loss = mean / n_microbatches)
+            moe.aux_loss_scale = coef / int(pipe["n_microbatches"])
     return ModelParts(
         modules=wrapped, raw=None, schedule=schedule, is_first_stage=0 in mine, is_last_stage=n_stages - 1 in mine,
         stage_modules=wrapped,
