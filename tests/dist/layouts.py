@@ -118,7 +118,7 @@ LAYOUTS = {
                                    "parallelism.pp=2", "train.micro_batch=4"],
         # MoE: experts over ep 2 (sharded over the other 2 dp_shard ranks) x tp 2 x pp 2
         "ep_x_fsdp_x_tp_x_pp": MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=4", "parallelism.ep=2",
-                                           "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=4"],
+                                           "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=2"],
     },
 }
 
