@@ -13,6 +13,7 @@ from usp.engine.accel import set_attention
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.parallelize import parallelize
 from usp.engine.parallel.pipeline import build_pipeline, lm_loss
+from usp.engine.parallel.tied import tied_embedding
 from usp.models.llama import Llama, LlamaArgs
 from usp.plan.pipeline_split import last_stage_rank
 
@@ -30,6 +31,7 @@ class ModelParts:
     stage_indices: list[int] = field(default_factory=list)
     stage_owner: dict[int, int] = field(default_factory=dict)
     hidden_dim: int = 0
+    tied: Any = None  # parallel/tied.py TiedEmbedding: tied embeddings split over pipeline stages
 
     def parameters(self):
         for m in self.modules:
@@ -74,13 +76,15 @@ def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
     schedule, wrapped = build_pipeline(build, pipe["stage_layers"], mine, ctx.group("pp"), ctx.device,
                                        int(pipe["n_microbatches"]), pipe["schedule"], lm_loss,
                                        parallelize_fn=lambda stage: parallelize(stage, plan, ctx))
+    tied = tied_embedding(ctx, list(mine), wrapped, pipe["rank_stages"], plan["ranks"]) \
+        if plan["config"]["model"].get("tie_embeddings") else None
     return ModelParts(
         modules=wrapped, raw=None, schedule=schedule, is_first_stage=0 in mine, is_last_stage=n_stages - 1 in mine,
         stage_modules=wrapped,
         last_pp_rank=last_stage_rank(ctx.degrees["pp"], int(pipe["virtual_stages"]), pipe["schedule"]),
         stage_indices=list(mine),
         stage_owner={stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages},
-        hidden_dim=int(plan["config"]["model"]["dim"]))
+        hidden_dim=int(plan["config"]["model"]["dim"]), tied=tied)
 
 
 class _Attrs(dict):
