@@ -75,9 +75,14 @@ def _embedding_group(ctx, first: int, last: int, ranks: list[dict]):
 @torch.no_grad()
 def sum_tied_grads(tied: TiedEmbedding) -> None:
     """Both copies' gradients := their sum (after the data-parallel reduction, before clipping)."""
-    grads = [p.grad for p in tied.copies if p.grad is not None]
-    if len(grads) != len(tied.copies):
-        raise RuntimeError("a tied embedding copy has no gradient after the backward")
+    for p in tied.copies:
+        if p.grad is None:
+            raise RuntimeError("a tied embedding copy has no gradient after the backward")
+        if hasattr(p.grad, "placements") and tuple(p.grad.placements) != tuple(p.placements):
+            # TP: DTensor gives the row-parallel embedding a Replicate (full) gradient; shard it like
+            # the parameter (a local slice) so both copies' local shards hold the same rows
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    grads = [p.grad for p in tied.copies]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     if len(local) == 2:  # first and last stage on this rank
         local[0].add_(local[1])
