@@ -78,7 +78,7 @@ LAYOUTS = {
         "tied_fsdp_x_pp": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
                                      "train.micro_batch=2"],
         "tied_tp_x_pp": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.tp=2", "parallelism.pp=2",
-                                   "train.micro_batch=4", "model.vocab_size=4099"],
+                                   "train.micro_batch=4"],
     },
     8: {
         # 3-D: ZeRO-3 data x tensor(+sequence) x pipeline
