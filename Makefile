@@ -27,10 +27,10 @@ test: setup
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Everything but the multi-process, Slurm and slow (long training) tests: a quick check while editing
-# (< 3 min).
+# (< 3 min), on two pytest-xdist workers that take whole files (module fixtures are built once).
 # It complements `make test`, never replaces it.
 test-fast: setup
-	$(PY) -m pytest -m "not distributed and not slurm and not slow" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n 2 --dist loadfile -m "not distributed and not slurm and not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # ruff (lint + import order) over the code, tests and scripts; mypy over the torch-free layers.

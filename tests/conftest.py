@@ -32,6 +32,33 @@ def shakespeare():
 
 
 def run_usp(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the real `usp` console script as a user would."""
+    """Run the real `usp` console script as a user would (its own process: for commands that train,
+    start torchrun, or whose start-up is what the test is about)."""
     env = dict(os.environ, USP_CACHE_DIR=str(_CACHE), COLUMNS="200")
     return subprocess.run([USP, *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def usp_cli(*args: str, cwd: Path, env: dict | None = None, columns: int = 200) -> subprocess.CompletedProcess:
+    """The same `usp` command line run in this process (typer's CliRunner): the commands that only
+    plan, print or write files, where a fresh interpreter per call would cost ~1 s and test nothing
+    more (tests/test_import_boundary.py runs every command in its own process). The result reads
+    like run_usp's: returncode, stdout, stderr; an unexpected exception is exit 1 with its traceback
+    on stderr, as the console script would show it."""
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from usp.cli import app
+
+    env = {"USP_CACHE_DIR": str(cwd / "cache"), "COLUMNS": str(columns), **(env or {})}
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, list(args), env=env, prog_name="usp")
+    finally:
+        os.chdir(here)
+    stderr, code = result.stderr, result.exit_code
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+        code = 1
+    return subprocess.CompletedProcess(["usp", *args], code, result.stdout, stderr)

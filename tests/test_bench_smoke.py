@@ -76,3 +76,21 @@ def test_mfu_takes_peak_figures_from_the_cluster_groups_only():
     """An H100 PCIe has other clocks than the SXM figures in conf/cluster/slurm_h100.yaml: say so."""
     proc = run_bench("mfu.py", "--plan-only", "NVIDIA H100 PCIe", "79.1", "--only", "1b")
     assert proc.returncode != 0 and "no cluster group holds the figures of 'NVIDIA H100 PCIe'" in proc.stderr
+
+
+def test_calibration_sweep_counts_ok_runs_predicted_oom(tmp_path):
+    """Two measured-ok runs of an 8.86B-shaped Llama on one 8 x H100 node, dp 4 x tp 2: with ZeRO-1
+    (states sharded over dp) it fits; without, 12 bytes per parameter of AdamW state do not."""
+    (tmp_path / "playbook_model_archs.csv").write_text(
+        "model,params_b,layers,hidden,heads,kv_heads,ffn,vocab,tie_word_embeddings,seq_len,dtype\n"
+        "8.86B,8.86,32,4096,32,32,14336,131072,false,4096,bfloat16\n")
+    sweep = tmp_path / "sweep.csv"
+    sweep.write_text("model,nodes,gpus,dp,tp,pp,gas,mbs,gbs_seqs,zero,status,mfu_pct,tok_s_gpu,mem_gb\n"
+                     "8.86B,1,8,4,2,1,64,1,256,1,ok,30,1000,65\n"
+                     "8.86B,1,8,4,2,1,64,1,256,0,ok,30,1000,79\n"
+                     "8.86B,1,8,4,2,1,64,1,256,0,failed_or_oom,,,\n")
+    proc = run_bench("calibration_sweep.py", str(sweep), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert (out["runs"], out["ok"]) == (3, 2)
+    assert out["by_group"] == {"zero=0, tp": {"ok": 1, "predicted_oom": 1}, "zero=1, tp": {"ok": 1, "predicted_oom": 0}}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import usp_cli
 
 from usp.config import schema
 from usp.config.catalogue import copy_recipe, show_item
@@ -18,15 +19,13 @@ from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.errors import ConfigError, UspError
 
 REPO = Path(__file__).resolve().parents[1]
-USP = str(Path(sys.executable).parent / "usp")
 DEFAULT_CHOICES = {"model": "tiny", "parallelism": "ddp", "optimizer": "adamw", "cluster": "local_cpu",
                    "data": "shakespeare"}
 
 
 def usp(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
-    """The real console script, as a user runs it (wide terminal so rich does not wrap)."""
-    env = dict(os.environ, USP_CACHE_DIR=str(cache), COLUMNS="200")
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    """The usp command line (wide terminal so rich does not wrap)."""
+    return usp_cli(*args, cwd=cwd, env={"USP_CACHE_DIR": str(cache)})
 
 
 def config_error(conf=None, overrides=()) -> ConfigError:

@@ -3,19 +3,17 @@ FLOPs/token x tokens = devices x hours x 3600 x peak x MFU, checked by hand."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.plan.estimate import DEFAULT_MFU, estimate
 from usp.plan.specs import Arch
 
-USP = str(Path(sys.executable).parent / "usp")
 PEAK = 989e12
 
 
@@ -30,8 +28,7 @@ def est(*overrides: str, **kw):
 
 
 def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="200")
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return usp_cli(*args, cwd=cwd)
 
 
 def test_devices_for_a_deadline_by_hand():

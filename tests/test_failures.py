@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_usp
+from conftest import REPO, run_usp, usp_cli
 from rich.console import Console
 
 from usp.config.compose import compose_config
@@ -196,7 +196,7 @@ def test_status_completed_run(tmp_path):
                                                      "resumed_from_step": 10}])
     _fake_checkpoint(run_dir / "checkpoints", 20)
     (run_dir / "summary.json").write_text(json.dumps({"steps": 20}))
-    proc = run_usp("status", cwd=tmp_path)  # default: the newest directory under ./runs
+    proc = usp_cli("status", cwd=tmp_path)  # default: the newest directory under ./runs
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "run: run" in out and "completed" in out and "single process" in out
@@ -221,7 +221,7 @@ def _failed_run(tmp_path: Path) -> Path:
 
 def test_status_failed_run_names_the_root_cause(tmp_path):
     run_dir = _failed_run(tmp_path)
-    proc = run_usp("status", str(run_dir))
+    proc = usp_cli("status", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
     assert "failed" in out and "root cause" in out
@@ -245,7 +245,7 @@ def test_train_failure_summary_and_stale_records(tmp_path):
     time.sleep(0.01)
     os.utime(run_dir / "plan.yaml", (time.time() + 5, time.time() + 5))
     assert not print_failure_summary(run_dir, Console(file=io.StringIO()))
-    proc = run_usp("status", str(run_dir))
+    proc = usp_cli("status", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 0 and "incomplete / running" in proc.stdout and "earlier failures" in proc.stdout
 
 
@@ -263,7 +263,7 @@ def test_train_that_fails_prints_the_root_cause(tmp_path):
     assert rec["error_class"] == PYTHON and rec["last_completed_step"] is not None
     assert "root cause" in proc.stderr and "failing rank" in proc.stderr and "usp status" in proc.stderr
     assert "FAILED (Python error)" in (tmp_path / "boom" / "logs" / "rank_0.log").read_text()
-    status = run_usp("status", str(tmp_path / "boom"))
+    status = usp_cli("status", str(tmp_path / "boom"), cwd=tmp_path)
     assert status.returncode == 1 and rec["exception_type"] in status.stdout
 
 
@@ -307,7 +307,7 @@ def test_sigkilled_rank_is_named_by_status(tmp_path):
     rec = json.loads((tmp_path / "tiny_ddp" / "logs" / "failure_rank0.json").read_text())
     assert rec["error_class"] == LOST_PEER, rec["message"]
     assert not (tmp_path / "tiny_ddp" / "logs" / "failure_rank1.json").exists()
-    status = run_usp("status", str(tmp_path / "tiny_ddp"))
+    status = usp_cli("status", str(tmp_path / "tiny_ddp"), cwd=tmp_path)
     assert status.returncode == 1 and "rank 0: lost peer" in status.stdout and "dp_replicate=1" in status.stdout
 
 
@@ -376,7 +376,7 @@ def test_list_checkpoints_flags_incomplete(tmp_path, trained_run):
     assert not found[(9, "step_00000009")].complete and "no manifest.json" in found[(9, "step_00000009")].problem
     assert not found[(11, ".tmp-step_11")].complete
     assert list_checkpoints(tmp_path / "nothing") == []
-    proc = run_usp("status", str(run_dir))  # the real checkpoints are listed as complete
+    proc = usp_cli("status", str(run_dir), cwd=tmp_path)  # the real checkpoints are listed as complete
     assert proc.returncode == 0 and "step_00000003" in proc.stdout and "resume / export from step 5" in proc.stdout
 
 

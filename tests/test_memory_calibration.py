@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist.cases_memory import MEMORY_LAYOUTS
+from dist.cases_memory import MEMORY_LAYOUTS, ZERO_LAYOUTS
 from dist.harness import launch
 
 from usp.engine.observe.memory_probe import (
@@ -45,6 +45,27 @@ def test_planner_memory_within_15_percent_of_measured(calibration):
         assert r["predicted_total_gib"] > r["predicted_gib"] + 0.29
     table = {k: f"{v:+.1%}" for k, v in errors.items()}
     assert all(abs(e) <= TOLERANCE for e in errors.values()), table
+
+
+@pytest.fixture(scope="module")
+def zero_calibration(shakespeare):
+    return launch(SCRIPT, 4, "--zero", timeout=600)
+
+
+@pytest.mark.distributed
+def test_zero_with_tp_pp_memory_within_10_percent_and_states_sharded(zero_calibration):
+    """ZeRO-1 with TP / PP (FSDP2 over dp_replicate) and ZeRO-2 with TP: the planner within 10 % of
+    the measured peak; each rank holds about half (dp = 2) of the replicated layout's AdamW states."""
+    assert set(zero_calibration) == set(ZERO_LAYOUTS), set(ZERO_LAYOUTS) - set(zero_calibration)
+    errors = {}
+    for name, r in zero_calibration.items():
+        assert r["ok"], (name, r.get("trace") or r)
+        errors[name] = (r["predicted_gib"] - r["measured_gib"]) / r["measured_gib"]
+    assert all(abs(e) <= 0.10 for e in errors.values()), {k: f"{v:+.1%}" for k, v in errors.items()}
+    whole = zero_calibration["replicate_x_tp"]["optimizer_state_bytes"]
+    for name in ("zero1_x_tp", "zero1_x_tp_grad_accum", "zero2_x_tp"):
+        assert zero_calibration[name]["optimizer_state_bytes"] == pytest.approx(whole / 2, rel=0.05), name
+    assert zero_calibration["zero1_x_tp"]["measured_gib"] < zero_calibration["replicate_x_tp"]["measured_gib"]
 
 
 @pytest.mark.distributed

@@ -30,7 +30,7 @@ def results(shakespeare):
 
     def get(world: int) -> dict:
         if world not in cache:
-            cache[world] = launch(SCRIPT, world, timeout=900)
+            cache[world] = launch(SCRIPT, world, timeout=1800)  # the 4-process launch runs ~30 layouts
         return cache[world]
 
     return get
@@ -52,10 +52,12 @@ def test_layout_matches_single_process(results, world, layout):
 
 def test_matrix_covers_the_required_compositions():
     names = {name for layouts in LAYOUTS.values() for name in layouts}
-    required = {"ddp", "zero1", "fsdp_zero2", "fsdp_zero3_grad_accum", "tp_sp", "cp", "ep", "pp_afab", "pp_1f1b",
+    required = {"ddp", "zero1", "fsdp_zero2", "fsdp_zero3_grad_accum", "tp_sp", "cp", "ep_x_fsdp", "pp_afab", "pp_1f1b",
                 "pp_interleaved_1f1b", "pp_zbv", "dp_x_tp", "fsdp_x_tp", "tp_x_pp", "dp_x_pp", "cp_x_dp", "hsdp",
                 "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full",
-                "bf16_ddp", "bf16_fsdp_mixed_precision", "bf16_tp_sp", "bf16_pp_1f1b", "bf16_fsdp_x_tp"}
+                "bf16_ddp", "bf16_fsdp_mixed_precision", "bf16_tp_sp", "bf16_pp_1f1b", "bf16_fsdp_x_tp",
+                "zero1_x_tp", "zero1_x_pp", "cp_x_pp", "dp_x_cp_x_tp_x_pp", "ep_x_tp", "ep_x_pp",
+                "tied_dp_x_pp", "ep_x_fsdp_x_tp_x_pp"}
     assert required <= names, required - names
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.config.schema import ParallelismConfig, TrainConfig
@@ -22,7 +21,6 @@ from usp.plan.plan import build_plan, engine_support_errors
 from usp.plan.specs import Arch
 from usp.rundir import read_plan, write_text_atomic
 
-USP = str(Path(sys.executable).parent / "usp")
 TINY_PARAMS = 950_912  # tiny model, vocab 4096 (README: "~0.95 M parameters")
 
 
@@ -33,8 +31,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def usp(*args: str, cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="200", **(extra_env or {}))
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return usp_cli(*args, cwd=cwd, env=extra_env)
 
 
 def plan_for(*overrides: str, runs_dir: Path | None = None, conf: str | None = None):
@@ -390,17 +387,23 @@ PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node
     (["cluster.procs_per_node=2", "parallelism.tp=2"], []),
     (["cluster.procs_per_node=2", "parallelism.dp_shard=2", "train.micro_batch=8"], []),
     (PP4 + ["parallelism.tp=2", "train.micro_batch=4"], []),
-    (["parallelism.ep=2"], ["parallelism.ep", "checkpoint.enabled"]),  # dense, and ep ∤ dp_replicate 1: one EP rule
-    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8"], ["checkpoint.enabled"]),
-    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8",
+    (["parallelism.ep=2"], ["parallelism.ep", "checkpoint.enabled"]),  # dense, and ep ∤ dp_shard 1: one EP rule
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8"],
+     ["parallelism.ep", "checkpoint.enabled"]),  # ep from dp_replicate: no longer (EP ranks are FSDP ranks)
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.ep=2",
+      "train.micro_batch=8"], ["checkpoint.enabled"]),
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.ep=2",
+      "train.micro_batch=8", "checkpoint.enabled=false"], []),
+    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.tp=2"], []),  # MoE x TP: the MoE runs replicated
+    (["model=moe_tiny", "model.tie_embeddings=false", "cluster.procs_per_node=8", "parallelism.dp_shard=2",
+      "parallelism.ep=2", "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=4",
       "checkpoint.enabled=false"], []),
-    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.tp=2"], ["parallelism.tp"]),
-    (PP4 + ["parallelism.cp=2", "train.micro_batch=4"], ["parallelism.cp"]),
+    (PP4 + ["parallelism.cp=2", "train.micro_batch=4"], []),  # context parallelism inside a pipeline
     (["cluster=local_cpu2", "parallelism.dp_shard=2", "parallelism.zero1=true"], ["parallelism.zero1"]),
     (["cluster=local_cpu2", "parallelism=ddp", "parallelism.ddp_comm_hook=bf16"], ["parallelism.ddp_comm_hook"]),
     (["cluster=local_cpu2", "parallelism=ddp", "parallelism.ddp_comm_hook=powersgd"], []),
     (PP4 + ["parallelism.dp_shard=2", "parallelism.dp_replicate=1", "train.micro_batch=2",
-            "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"], ["parallelism.reshard_after_forward"]),
+            "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"], []),  # zero-bubble with ZeRO-3
     (PP4 + ["parallelism.dp_shard=2", "parallelism.dp_replicate=1", "train.micro_batch=2",
             "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2",
             "parallelism.reshard_after_forward=false"], []),

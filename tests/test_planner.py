@@ -3,14 +3,13 @@ computations (Ultra-Scale Playbook formulas, docs/planner.md), the time model, e
 rule through the real `usp plan`, and the no-torch import boundary. No torch, all fast."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
@@ -21,7 +20,6 @@ from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses
 from usp.plan.timing import timing_plan
 
 REPO = Path(__file__).resolve().parents[1]
-USP = str(Path(sys.executable).parent / "usp")
 BF16, FP32 = Precision("bf16", 2, 2, 12, 2), Precision("fp32", 4, 4, 8, 4)
 
 
@@ -31,8 +29,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def usp(*args: str, cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="250", **(extra_env or {}))
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return usp_cli(*args, cwd=cwd, env=extra_env, columns=250)
 
 
 def cfg_for(*overrides: str):
@@ -185,6 +182,41 @@ def test_memory_zero1_zero2_zero3():
     assert z3_accum.gradients == 2 * PSI_8B and z3_accum.optimizer == 12 * PSI_8B / n
 
 
+def test_memory_zero1_with_tp_pp_is_fsdp2_over_the_replicas():
+    """zero1 with TP/PP is FSDP2 sharded over dp_replicate without resharding after forward: the
+    ZeRO-2 terms of a dp_shard layout with the same degrees, sharded over N = dp_replicate."""
+    n, t = 8, 4
+    z1 = mem8b(tp=t, zero1=True)
+    z2 = mem8b(dp_replicate=1, dp_shard=n, tp=t, reshard_after_forward=False)
+    psi = z1.params  # after TP slicing
+    assert z1.parameters == 2 * psi + 2 * psi / n and z1.optimizer == 12 * psi / n
+    assert z1.comm_buffers == 0 and z1.gathered == 0
+    assert (z1.parameters, z1.optimizer, z1.gradients, z1.total) == (z2.parameters, z2.optimizer, z2.gradients,
+                                                                     z2.total)
+    replicated = mem8b(tp=t)  # before: FSDP2 replication, states counted whole
+    assert replicated.optimizer == 12 * psi and replicated.total - z1.total > 12 * psi * (1 - 1 / n)
+    # gradients: sharded after the reduce-scatter, whole between micro batches under accumulation
+    accum = mem8b(tp=t, zero1=True, grad_accum=4)
+    assert accum.gradients == 2 * psi and accum.optimizer == 12 * psi / n
+    pp = Layout(pp=4, dp_replicate=8, zero1=True, micro_batch=1, grad_accum=8)
+    assert (pp.dp_kind, pp.zero_stage, pp.shard_degree) == ("zero1_fsdp", 2, 8)
+    st = stage_memory(arch("llama3_1_8b"), pp, S, h100(4), BF16, 0)
+    assert st.optimizer == 12 * st.params / 8
+
+
+def test_zero1_with_tp_communicates_like_fsdp_over_the_replicas():
+    """A reduce-scatter of the gradients and a forward all-gather of the parameters over dp_replicate,
+    instead of the replication's all-reduce: the same bytes, 2(n-1)/n Ψ."""
+    a, n = arch("llama3_1_8b"), 16
+    z1 = timing_plan(a, Layout(tp=8, dp_replicate=n, zero1=True, micro_batch=1, grad_accum=1), S, n, h100(16), BF16)
+    rep = timing_plan(a, Layout(tp=8, dp_replicate=n, micro_batch=1, grad_accum=1), S, n, h100(16), BF16)
+    dp = {c.name: c for c in z1.comm if c.dims == "dp_replicate"}
+    assert set(dp) == {"FSDP all-gather (forward)", "FSDP gradient reduce-scatter"}
+    (ar,) = [c for c in rep.comm if c.name.startswith("DP gradient")]
+    assert sum(c.bytes_per_step for c in dp.values()) == pytest.approx(ar.bytes_per_step)
+    assert all(c.crosses_nodes for c in dp.values())
+
+
 def test_memory_hsdp_shards_within_dp_shard_x_cp():
     st = mem8b(dp_replicate=2, dp_shard=2, cp=2)
     assert st.optimizer == pytest.approx(12 * PSI_8B / 4)  # N = dp_shard x cp, replicated over dp_replicate
@@ -201,8 +233,9 @@ def test_memory_activations_tp_sp_cp_recompute():
     assert st.logits == 4 * S * vocab_pad / 8
     # TP divides the layer weights by t; norms stay whole; vocab-parallel embedding and head
     assert st.params == L * ((LAYER_8B - 2 * H) / 8 + 2 * H) + 2 * V * H / 8 + H
-    cp = mem8b(dp_replicate=1, cp=2)  # CP halves s
-    assert cp.activation_per_layer == 2 * (S / 2) * layer_values()
+    cp = mem8b(dp_replicate=1, cp=2)  # CP halves s; the ring keeps K, V expanded (GQA: 2h not 2kv) and its
+    # output in fp32 (2 more bytes per value of h under bf16)
+    assert cp.activation_per_layer == 2 * (S / 2) * (layer_values() + 2 * (H - KV)) + 2 * (S / 2) * H
     b2 = mem8b(micro_batch=2)
     assert b2.activations == 2 * mem8b().activations
     # full recompute: the layer input per layer (2 bytes x s·b·h/t) + the layer being recomputed (its full
@@ -284,6 +317,43 @@ def test_moe_experts_sliced_by_ep():
     assert one.params - four.params == pytest.approx(experts - experts / 4)
 
 
+def test_moe_not_tp_sliced_and_experts_sharded_over_dp_shard_mod_ep():
+    """No expert TP: tp leaves a MoE layer's router / experts whole; FSDP shards the experts over
+    dp_shard x cp / ep ranks (ZeRO-3: params / 2 here), the dense part over dp_shard x cp."""
+    cfg, _ = cfg_for("model=tiny", "model.n_experts=8", "model.top_k=2", "model.vocab_size=4096")
+    a = Arch.from_model(cfg.model)
+    all_experts = a.n_layers * a.expert_params
+    tp_ep1 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=1), 128, h100(), BF16, 0)
+    tp_ep4 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=4), 128, h100(), BF16, 0)
+    assert tp_ep1.params - tp_ep4.params == pytest.approx(all_experts - all_experts / 4)  # not / tp
+    experts = all_experts / 4  # on one EP rank, before FSDP
+    fsdp8 = stage_memory(a, Layout(dp_shard=8, ep=4), 128, h100(), BF16, 0)
+    dense = fsdp8.params - experts
+    assert fsdp8.parameters == pytest.approx(BF16.param * (dense / 8 + experts / 2))
+
+
+def test_ep_all_to_all_link_is_the_ep_groups_own():
+    """EP groups are ep·tp consecutive ranks (inside dp_shard x cp): on 8-GPU nodes ep 8 x tp 1
+    stays on NVLink even when dp_shard x cp spans 8 nodes; ep 8 x tp 2 crosses."""
+    cfg, _ = cfg_for("model=mixtral_8x7b")
+    a, hw = Arch.from_model(cfg.model), h100(nodes=8)
+    ep = {t: next(c for c in timing_plan(a, Layout(dp_shard=64 // t, tp=t, ep=8, micro_batch=1), 4096, 64, hw,
+                                         BF16).comm if c.name.startswith("EP")) for t in (1, 2)}
+    assert not ep[1].crosses_nodes and ep[2].crosses_nodes
+
+
+def test_mixtral_plans_with_ep_x_fsdp_x_tp_x_pp_on_h100():
+    cfg, choices = compose_config(None, ["model=mixtral_8x7b", "cluster=slurm_h100", "cluster.nodes=16",
+                                         "parallelism.ep=8", "parallelism.dp_shard=8", "parallelism.tp=4",
+                                         "parallelism.pp=4", "train.global_batch=256", "train.seq_len=4096",
+                                         "train.micro_batch=1", "train.recompute=full", "checkpoint.enabled=false"])
+    from usp.plan.plan import checked_plan
+
+    plan = checked_plan(cfg, choices)  # no plan or engine rule refuses it
+    assert plan.memory.fits and plan.degrees["tp"] == 4 and plan.degrees["pp"] == 4
+    assert any("EP all-to-all" in c.name and c.group == 8 for c in plan.timing.comm)
+
+
 # --- time -------------------------------------------------------------------------------------------
 
 def test_flops_match_arch_and_hfu():
@@ -313,6 +383,44 @@ def test_ddp_all_reduce_volume_and_overlap():
     assert ar.bytes_per_step == pytest.approx(2 * 15 / 16 * 2 * EXACT["llama3_2_1b"])  # 2(n-1)/n x 2Ψ
     assert ar.crosses_nodes and ar.gbps == 50  # 16 ranks on 2 nodes: the inter-node link
     assert ar.exposed_s == pytest.approx(max(0.0, ar.seconds - 0.8 * ar.window_s))
+
+
+def test_cp_inside_a_pipeline_time():
+    """CP x PP: each pp rank's ring runs over its own layers; the pipeline sends the CP shard (s/c)."""
+    a = arch("llama3_1_8b")
+    lay = Layout(pp=2, cp=2, dp_replicate=2, micro_batch=1, grad_accum=4)
+    t = timing_plan(a, lay, S, 8, h100(), BF16)
+    (ring,) = [c for c in t.comm if c.dims == "cp"]
+    (pp,) = [c for c in t.comm if c.dims == "pp"]
+    # per layer and micro batch: c-1 K/V hops forward, c-1 backward, c dK/dV hops; fp32 blocks of all heads
+    kv_block = 2 * (S / 2) * 1 * H * 4
+    assert ring.calls == (1 + 1 + 2) * (L // 2) * 4
+    assert ring.bytes_per_step == pytest.approx(ring.calls * kv_block)
+    assert pp.bytes_per_step == pytest.approx(2 * 4 * (S / 2) * H * 2)  # activations + grads, bf16, s/c tokens
+    assert t.step_s == pytest.approx(t.compute_s + t.exposed_path_comm_s + t.bubble_s + t.exposed_dp_comm_s)
+
+
+def test_cp_inside_a_pipeline_memory():
+    """CP x PP: every stage keeps s/c tokens per micro batch in flight (1F1B: p - r on pp rank r)."""
+    a = arch("llama3_1_8b")
+    lay = Layout(pp=2, cp=2, dp_replicate=1, micro_batch=1, grad_accum=4)
+    first, last = (stage_memory(a, lay, S, h100(), BF16, r) for r in (0, 1))
+    per_layer = 2 * (S / 2) * (layer_values() + 2 * (H - KV)) + 2 * (S / 2) * H  # the ring's K/V and fp32 output
+    assert first.activation_per_layer == last.activation_per_layer == per_layer
+    stage_output = 2 * (S / 2) * H  # the pipeline keeps each in-flight micro batch's output
+    assert first.activations == pytest.approx((per_layer * first.layers + stage_output) * 2)
+    assert last.logits >= 4 * (S / 2) * V and last.in_flight == 1
+
+
+def test_zero_bubble_zero3_keeps_the_stage_unsharded():
+    """ZeRO-3 with a zero-bubble schedule: the engine unshards a whole stage for its split backward."""
+    a = arch("llama3_1_8b")
+    zb = Layout(pp=2, dp_replicate=1, dp_shard=4, pp_schedule="zbv", pp_virtual_stages=2, micro_batch=1,
+                grad_accum=4)
+    st = stage_memory(a, zb, S, h100(), BF16, 0)  # pp rank 0 of the V holds stages 0 and 3: embedding and head
+    root = 2 * V * H + H
+    assert st.gathered == pytest.approx((2 + 2) * root + (2 * st.layers + 2) * LAYER_8B)  # not 2 blocks' worth
+    assert st.layers > 2  # 14 of 32: the split balances the embedding and the head
 
 
 @pytest.mark.parametrize("schedule,v,expected", [("1f1b", 1, 3 / 8), ("afab", 1, 3 / 8),
@@ -419,7 +527,7 @@ def test_rule_through_cli(tmp_path, overrides, key, words):
     (["cluster.procs_per_node=3", "model.n_experts=4", "parallelism.ep=3", "train.global_batch=24"],
      ["4 experts (model.n_experts) can't be split over ep=3"]),
     (["cluster.procs_per_node=2", "model.n_experts=4", "parallelism.tp=2", "parallelism.ep=2"],
-     ["ep must divide", "not tp=2", "parallelism.tp=2: tensor parallelism of MoE layers"]),
+     ["dp_shard x cp = 1 x 1 = 1, which ep=2 must divide", "fix: parallelism.ep in [1]"]),
 ])
 def test_expert_parallel_rule_through_cli(tmp_path, overrides, words):
     """The EP rule is of kind "engine": `usp plan` prints the plan and what `usp train` would refuse."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_usp
+from conftest import run_usp, usp_cli
 
 from usp.engine.observe.metrics import read_metrics
 from usp.report import write_report
@@ -21,15 +21,12 @@ from usp.report.profile import parse_profile
 from usp.report.runs import load_run
 from usp.report.sweep_tables import scaling
 
-# The module-scoped sweep is trained once: under `make test-fast` (pytest-xdist) this file stays on one worker.
-pytestmark = pytest.mark.xdist_group("report_sweep")
-
 FAST = ["train.steps=3", "train.log_interval=1", "train.eval_interval=2", "train.sample_tokens=0",
         "logging.console=plain", "checkpoint.enabled=false"]
 DONE, REJECTED = ["p00_mb4", "p01_mb8", "p02_mb16"], "p03_mb32"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # `make test-fast` hands whole files to its workers: trained once
 def sweep_dir(tmp_path_factory, shakespeare):
     runs = tmp_path_factory.mktemp("runs")
     proc = run_usp("sweep", "conf=tiny_demo", *FAST, "train.micro_batch=4,8,16,32", f"train.runs_dir={runs}",
@@ -189,10 +186,10 @@ def test_scaling_efficiency_definitions():
 
 
 def test_report_errors_are_clear(tmp_path):
-    proc = run_usp("report", str(tmp_path))
+    proc = usp_cli("report", str(tmp_path), cwd=tmp_path)
     assert proc.returncode == 2 and "RUN_DIR" in proc.stderr and "plan.yaml" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
-    proc = run_usp("report", str(tmp_path / "missing"))
+    proc = usp_cli("report", str(tmp_path / "missing"), cwd=tmp_path)
     assert proc.returncode == 2 and "no such directory" in proc.stderr
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
@@ -17,7 +16,6 @@ from usp.plan.plan import build_plan, checked_plan, engine_support_errors, plan_
 from usp.plan.search import search_config
 
 REPO = Path(__file__).resolve().parents[1]
-USP = str(Path(sys.executable).parent / "usp")
 MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 # a cluster each catalogue model fits on (the search finds at least one layout)
 CLUSTERS = {
@@ -61,9 +59,8 @@ def test_moe_search_proposes_expert_parallel_only_as_the_engine_runs_it():
                                    "checkpoint.enabled=false"])
     top = search_config(cfg, top_k=50).top
     assert any(c.layout.ep > 1 for c in top)
-    assert all(c.layout.tp == c.layout.pp == 1 for c in top)
-    assert all(c.layout.dp_replicate % c.layout.ep == 0 and c.layout.dp_shard == c.layout.cp == 1
-               for c in top if c.layout.ep > 1)
+    # EP ranks are sharded data-parallel ranks (dp_shard x cp), as torchtitan
+    assert all((c.layout.dp_shard * c.layout.cp) % c.layout.ep == 0 for c in top if c.layout.ep > 1)
 
 
 def test_the_table_is_well_formed():
@@ -79,19 +76,30 @@ def _plan(*overrides):
 
 
 def test_plan_lists_every_failure_plan_and_engine_kinds():
-    # seq_len 102 doesn't split into 2 x cp = 4 chunks; 0 virtual stages; MoE with tp (engine kind)
+    # seq_len 102 doesn't split into 2 x cp = 4 chunks; 0 virtual stages; ep not within dp_shard x cp (engine kind)
     plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=2", "parallelism.cp=2", "train.seq_len=102",
-                         "parallelism.pp_virtual_stages=0", "model.n_experts=4")
+                         "parallelism.pp_virtual_stages=0", "model.n_experts=4", "parallelism.ep=4")
     assert plan is None
-    assert [e.key for e in errors] == ["train.seq_len", "parallelism.pp_virtual_stages", "parallelism.tp"]
+    assert [e.key for e in errors] == ["train.seq_len", "parallelism.pp_virtual_stages", "parallelism.ep",
+                                       "checkpoint.enabled"]
     plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=3")  # a degree error: before the rules
     assert plan is None and [e.key for e in errors] == ["parallelism"]
 
 
+def test_zero1_composes_with_tp_and_pp_not_with_fsdp():
+    for extra in (["parallelism.tp=2"], ["parallelism.pp=2", "model.tie_embeddings=false"]):
+        plan, errors = _plan("cluster.procs_per_node=4", "parallelism.dp_replicate=2", "parallelism.zero1=true", *extra)
+        assert plan is not None and errors == [], extra
+        assert plan.memory.dp_kind == "zero1_fsdp" and plan.memory.zero_stage == 2 and plan.memory.shard_degree == 2
+    plan, errors = _plan("cluster.procs_per_node=4", "parallelism.dp_shard=2", "parallelism.zero1=true")
+    assert [e.key for e in errors] == ["parallelism.zero1"]
+
+
 def test_plan_builds_and_lists_engine_failures():
     plan, errors = _plan("model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2")
-    assert plan is not None
-    assert [e.key for e in errors] == ["parallelism.ep", "parallelism.tp", "checkpoint.enabled"]
+    assert plan is not None  # ep=2 needs dp_shard x cp >= 2; dp_replicate=2 doesn't count
+    assert [e.key for e in errors] == ["parallelism.ep", "checkpoint.enabled"]
+    assert "parallelism.dp_shard=2 parallelism.dp_replicate=1" in errors[0].fix
     assert [str(e) for e in errors] == [str(e) for e in engine_support_errors(plan)]
     cfg, choices = compose_config(None, ["model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2",
                                          "parallelism.tp=2"])
@@ -102,20 +110,20 @@ def test_plan_builds_and_lists_engine_failures():
 
 
 def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), COLUMNS="250")
-    return subprocess.run([USP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return usp_cli(*args, cwd=cwd, columns=250)
 
 
 def test_usp_plan_cli_lists_all_failures(tmp_path):
-    r = usp("plan", "cluster.procs_per_node=3", "parallelism.tp=3", "model.n_experts=4", cwd=tmp_path)
+    r = usp("plan", "cluster.procs_per_node=3", "parallelism.tp=3", "model.n_experts=4", "parallelism.ep=2",
+            cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "model.n_heads=4: 4 heads can't be split over parallelism.tp=3" in r.stderr
-    assert "parallelism.tp=3: tensor parallelism of MoE layers is not implemented" in r.stderr
-    assert r.stderr.count("fix:") == 2 and "Traceback" not in r.stderr
+    assert "parallelism.ep=2: expert parallelism takes its ranks from the sharded data-parallel ranks" in r.stderr
+    assert r.stderr.count("fix:") == 3 and "Traceback" not in r.stderr  # + checkpoints of EP runs
     r = usp("plan", "model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2",
             cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("usp train would refuse:") == 3 and "memory per device" in r.stdout
+    assert r.stdout.count("usp train would refuse:") == 2 and "memory per device" in r.stdout
 
 
 def test_no_import_cycles_in_usp_plan():
@@ -143,3 +151,11 @@ def test_no_import_cycles_in_usp_plan():
     for m in graph:
         if m not in state:
             visit(m, [m])
+
+
+def test_moe_with_tp_plans_with_a_warning_not_a_refusal():
+    """MoE x TP trains (MoE layers replicated over tp, no expert TP): a warning names the cost."""
+    plan, errors = _plan("model=moe_tiny", "cluster.procs_per_node=4", "parallelism.dp_shard=2", "parallelism.ep=2",
+                         "parallelism.tp=2", "checkpoint.enabled=false")
+    assert plan is not None and errors == []
+    assert any("parallelism.tp=2: MoE layers are not tensor-parallel" in w for w in plan.warnings)

@@ -121,9 +121,8 @@ def test_moe_search_uses_expert_parallel():
                                    "train.seq_len=1024", "train.global_batch=64", "checkpoint.enabled=false"])
     result = search_config(cfg, top_k=50)
     assert {c.layout.ep for c in result.top} > {1}
-    ep = [c.layout for c in result.top if c.layout.ep > 1]  # as the engine runs it: carved out of dp_replicate
-    assert all(8 % lay.ep == 0 and lay.dp_replicate % lay.ep == 0 and lay.world == lay.dp_replicate for lay in ep)
-    assert all(c.layout.tp == c.layout.pp == 1 for c in result.top)  # no TP / PP of MoE layers in this engine
+    ep = [c.layout for c in result.top if c.layout.ep > 1]  # as the engine runs it: on the FSDP ranks
+    assert all(8 % lay.ep == 0 and (lay.dp_shard * lay.cp) % lay.ep == 0 for lay in ep)
 
 
 def test_moe_search_without_ep_when_checkpointing():
@@ -151,3 +150,12 @@ def test_usp_plan_search_cli(tmp_path):
     assert "max micro" in r.stdout and "best:" in r.stdout and "use it: usp plan" in r.stdout
     rows = [line for line in r.stdout.splitlines() if line.startswith("│ ") and line[2].isdigit()]
     assert len(rows) == 3
+
+
+def test_mixtral_search_proposes_ep_on_the_fsdp_ranks_with_pp():
+    cfg, _ = compose_config(None, ["model=mixtral_8x7b", "cluster=slurm_h100", "cluster.nodes=16",
+                                   "train.seq_len=4096", "train.global_batch=256", "checkpoint.enabled=false"])
+    top = search_config(cfg, top_k=10).top
+    ep = [c.layout for c in top if c.layout.ep > 1]
+    assert ep and all((lay.dp_shard * lay.cp) % lay.ep == 0 for lay in ep)
+    assert any(lay.pp > 1 and lay.dp_shard > 1 for lay in ep)  # EP x FSDP x PP

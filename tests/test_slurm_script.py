@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_usp
+from conftest import REPO, usp_cli
 
 GOLDEN = REPO / "tests" / "golden"
 
@@ -28,7 +28,7 @@ SUPERMUC_4x4 = ["model=llama3_1_8b", "cluster=supermuc_ng_p2", "cluster.nodes=4"
 
 
 def dry_run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
-    r = run_usp("submit", "--dry-run", *overrides, f"train.runs_dir={tmp_path}", cwd=tmp_path)
+    r = usp_cli("submit", "--dry-run", *overrides, f"train.runs_dir={tmp_path}", cwd=tmp_path)
     return r, tmp_path
 
 
@@ -132,7 +132,7 @@ def test_bad_slurm_settings_fail_before_anything_is_written(tmp_path, override, 
 
 
 def test_submit_refuses_a_local_cluster(tmp_path):
-    r = run_usp("submit", "conf=tiny_demo", f"train.runs_dir={tmp_path}", cwd=tmp_path)
+    r = usp_cli("submit", "conf=tiny_demo", f"train.runs_dir={tmp_path}", cwd=tmp_path)
     assert r.returncode == 2 and "cluster.launcher" in r.stderr and "cluster=local_slurm" in r.stderr
 
 

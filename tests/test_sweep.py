@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_usp
+from conftest import usp_cli
 from rich.console import Console
 
 from usp.errors import UspError
@@ -129,8 +129,8 @@ def test_a_finished_array_task_is_done_when_the_sweep_runs_again(tmp_path):
 
 
 def test_cli_dry_run_prints_the_grid(tmp_path):
-    proc = run_usp("sweep", "conf=tiny_demo", "train.micro_batch=4,8,32", f"train.runs_dir={tmp_path}",
-                   "--name", "dry", "--dry-run")
+    proc = usp_cli("sweep", "conf=tiny_demo", "train.micro_batch=4,8,32", f"train.runs_dir={tmp_path}",
+                   "--name", "dry", "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     for text in ("p00_mb4", "p01_mb8", "p02_mb32", "planned", "rejected", "train.global_batch=16"):
         assert text in proc.stdout
@@ -139,8 +139,8 @@ def test_cli_dry_run_prints_the_grid(tmp_path):
 
 def test_cli_removing_a_key_with_tilde_is_not_a_sweep_value(tmp_path):
     """`~key` has no '=': it is a shared override, not a crash."""
-    proc = run_usp("sweep", "conf=tiny_demo", "+cluster.env.A=1", "~cluster.env.A", "train.micro_batch=4,8",
-                   f"train.runs_dir={tmp_path}", "--name", "tilde", "--dry-run")
+    proc = usp_cli("sweep", "conf=tiny_demo", "+cluster.env.A=1", "~cluster.env.A", "train.micro_batch=4,8",
+                   f"train.runs_dir={tmp_path}", "--name", "tilde", "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     data = read_sweep(tmp_path / "tilde")
     assert data["base_overrides"][:2] == ["+cluster.env.A=1", "~cluster.env.A"]
@@ -148,11 +148,11 @@ def test_cli_removing_a_key_with_tilde_is_not_a_sweep_value(tmp_path):
 
 
 def test_cli_every_point_rejected_exits_1(tmp_path):
-    proc = run_usp("sweep", "train.micro_batch=32,64", f"train.runs_dir={tmp_path}", "--name", "bad")
+    proc = usp_cli("sweep", "train.micro_batch=32,64", f"train.runs_dir={tmp_path}", "--name", "bad", cwd=tmp_path)
     assert proc.returncode == 1
     assert "rejected all 2 points" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
 
 
 def test_cli_bad_name_is_a_clear_error(tmp_path):
-    proc = run_usp("sweep", "train.micro_batch=4,8", f"train.runs_dir={tmp_path}", "--name", "a/b")
+    proc = usp_cli("sweep", "train.micro_batch=4,8", f"train.runs_dir={tmp_path}", "--name", "a/b", cwd=tmp_path)
     assert proc.returncode == 2 and "--name" in proc.stderr and "Traceback" not in proc.stderr

@@ -7,6 +7,8 @@ batch 16. Prints a Markdown table (MiB).
 
     python scripts/bench/memory.py            # the layouts tests/test_memory_calibration.py asserts
     python scripts/bench/memory.py --extra    # + byte vocabulary, accumulation, MoE, pipeline layouts
+    python scripts/bench/memory.py --zero     # ZeRO-1 / ZeRO-2 with TP or PP (4 processes)
+    python scripts/bench/memory.py --cp-pp    # CP x PP, ZeRO-3 x zero-bubble PP (4 processes)
 """
 from __future__ import annotations
 
@@ -21,23 +23,25 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("USP_CACHE_DIR", tempfile.mkdtemp(prefix="usp-bench-"))
 
-from dist.cases_memory import EXTRA_LAYOUTS, MEMORY_LAYOUTS  # noqa: E402
+from dist.cases_memory import CP_PP_LAYOUTS, EXTRA_LAYOUTS, MEMORY_LAYOUTS, ZERO_LAYOUTS  # noqa: E402
 from dist.harness import launch  # noqa: E402
 
 MIB = 1024  # GiB -> MiB
 
 
 def main() -> None:
-    extra = "--extra" in sys.argv[1:]
+    extra, zero, cp_pp = "--extra" in sys.argv[1:], "--zero" in sys.argv[1:], "--cp-pp" in sys.argv[1:]
     from usp.config.compose import compose_config
     from usp.data.prepare import ensure_dataset
 
     for overrides in ([], ["data.tokenizer=bytes"] if extra else []):
         ensure_dataset(compose_config(None, overrides)[0].data)  # once, before the ranks start
     start = time.perf_counter()
-    results = launch(REPO / "tests" / "dist" / "cases_memory.py", 2, *(["--extra"] if extra else []), timeout=900)
+    flags = ["--zero"] if zero else ["--cp-pp"] if cp_pp else ["--extra"] if extra else []
+    results = launch(REPO / "tests" / "dist" / "cases_memory.py", 4 if zero or cp_pp else 2, *flags, timeout=900)
     wall = time.perf_counter() - start
-    layouts = {**MEMORY_LAYOUTS, **(EXTRA_LAYOUTS if extra else {})}
+    layouts = ZERO_LAYOUTS if zero else CP_PP_LAYOUTS if cp_pp else {**MEMORY_LAYOUTS,
+                                                                      **(EXTRA_LAYOUTS if extra else {})}
     print("| layout | ranks | predicted (MiB) | measured (MiB) | error | peak during "
           "| predicted incl. allowance (MiB) |")
     print("|---|---:|---:|---:|---:|---|---:|")
@@ -48,7 +52,7 @@ def main() -> None:
             print(f"| {name} | | | | failed: {r and r.get('error')} | | |")
             continue
         err = (r["predicted_gib"] - r["measured_gib"]) / r["measured_gib"]
-        worst = max(worst, abs(err)) if name in MEMORY_LAYOUTS else worst
+        worst = max(worst, abs(err)) if name in MEMORY_LAYOUTS or zero else worst
         print(f"| {name} | {r['world']} | {r['predicted_gib'] * MIB:.1f} | {r['measured_gib'] * MIB:.1f} | "
               f"{err:+.1%} | {r['peak_phase']} | {r['predicted_total_gib'] * MIB:.1f} |")
     print(f"\nworst |error| over the asserted layouts: {worst:.1%}; one torchrun launch, {wall:.0f} s; "

@@ -56,11 +56,35 @@ EXTRA_LAYOUTS = {
     "tied_pp_1f1b": (2, ["model.tie_embeddings=true", *PP[1:], "parallelism.pp_schedule=1f1b"]),
     "tied_pp_zbv": (2, ["model.tie_embeddings=true", *PP[1:], "parallelism.pp_schedule=zbv",
                         "parallelism.pp_virtual_stages=2"]),
+    "cp": (2, ["parallelism.dp_replicate=1", "parallelism.cp=2"]),
+}
+
+# CP inside a pipeline and ZeRO-3 with a zero-bubble schedule (4 ranks; scripts/bench/memory.py
+# --cp-pp launches them on their own; not asserted).
+CP_PP_LAYOUTS = {
+    "cp_x_pp": (4, PP + ["parallelism.cp=2"]),
+    "cp_x_pp_interleaved_1f1b": (4, PP + ["parallelism.cp=2", "parallelism.pp_schedule=interleaved_1f1b",
+                                          "parallelism.pp_virtual_stages=2"]),
+    "zero3_x_pp_zbv": (4, PP + ["parallelism.dp_shard=2", "train.micro_batch=2", "parallelism.pp_schedule=zbv",
+                                "parallelism.pp_virtual_stages=2"]),
+}
+
+# ZeRO-1 / ZeRO-2 with TP or PP (4 ranks; tests/test_memory_calibration.py and scripts/bench/memory.py
+# --zero launch them on their own), next to the replicated layout they replace.
+ZERO_TP_PP = ["parallelism.dp_replicate=2", "parallelism.zero1=true"]
+ZERO_LAYOUTS = {
+    "replicate_x_tp": (4, ["parallelism.dp_replicate=2", "parallelism.tp=2"]),
+    "zero1_x_tp": (4, ZERO_TP_PP + ["parallelism.tp=2"]),
+    "zero1_x_tp_grad_accum": (4, ZERO_TP_PP + ["parallelism.tp=2", "train.micro_batch=4"]),
+    "zero1_x_pp": (4, ZERO_TP_PP + PP[:2] + ["parallelism.pp=2", "train.micro_batch=4"]),
+    "zero2_x_tp": (4, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",
+                       "parallelism.reshard_after_forward=false"]),
 }
 
 
 def measure_layout(world: int, overrides: list[str]) -> dict:
     from dist.parity import plan_dict
+    from usp.engine.observe.memory_probe import optimizer_state_tensors, storage_bytes
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
@@ -72,6 +96,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
         trainer = Trainer(plan, make_context(plan), write_outputs=False)
         summary = trainer.fit()
         record = next(r for r in trainer.history if "memory_measured_gib" in r)
+        optimizer_bytes = storage_bytes(optimizer_state_tensors(trainer.optimizers))  # this rank's share
         del trainer
     return {"world": world, "predicted_gib": summary["memory_predicted_peak_gib"],
             "predicted_total_gib": summary["memory_predicted_peak_total_gib"],
@@ -80,6 +105,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
             "measured_breakdown_gib": record["memory_measured_breakdown_gib"],
             "predicted_breakdown_gib": record["memory_predicted_breakdown_gib"],
             "peak_phase": memory["stages"][memory["peak_stage"]]["peak_phase"],
+            "optimizer_state_bytes": optimizer_bytes,
             "step_time_measured_s": summary.get("step_time_measured_s"),
             "step_time_predicted_s": summary.get("step_time_predicted_s")}
 
@@ -88,5 +114,7 @@ if __name__ == "__main__":
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a broken case fails, not hangs
     layouts = {**MEMORY_LAYOUTS, **EXTRA_LAYOUTS} if "--extra" in sys.argv else MEMORY_LAYOUTS
+    layouts = ZERO_LAYOUTS if "--zero" in sys.argv else layouts
+    layouts = CP_PP_LAYOUTS if "--cp-pp" in sys.argv else layouts
     cases = {name: (lambda w=w, ov=ov: measure_layout(w, ov)) for name, (w, ov) in layouts.items() if w <= world}
     run_cases(cases)

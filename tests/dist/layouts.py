@@ -1,11 +1,12 @@
 """The parity matrix: layout name -> overrides, by world size. Global batch 16 sequences."""
 # Layouts whose loss is *not* exactly the reference's, with the tolerance that applies.
 APPROXIMATE = {"ddp_fp16_compression": 1e-3, "ddp_powersgd": 1e-2}
-# Final-parameter tolerance where the default (1e-4) is too tight for a stated reason: experts
-# that receive few tokens get near-zero gradients, which AdamW's 1/sqrt(v) scales up
-# (measured 1.85e-4 on layers.0.feed_forward.experts.w1, with the loss equal to 5.6e-7).
-PARAM_ATOL = {"ep": 5e-4, "ep_grad_accum": 5e-4}
+# Final-parameter tolerance where the default (1e-4) is too tight for a stated reason.
+# (The expert-parallel layouts needed 5e-4 while EP was carved out of dp_replicate with a hand-written
+# gradient reduction: 1.85e-4 measured. On the FSDP ranks they meet the default: max 2.3e-5 measured.)
+PARAM_ATOL: dict[str, float] = {}
 PP = ["model.tie_embeddings=false", "model.n_layers=4"]
+MOE = ["model=moe_tiny", "model.aux_loss_coef=0"]
 TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4"]  # embedding on the first stage, its copy on the last
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
 # MixedPrecisionPolicy(bf16 params, fp32 reduction), the others bf16 autocast; the reference is a
@@ -25,10 +26,12 @@ LAYOUTS = {
         "tp_sp_recompute_selective": ["parallelism.dp_replicate=1", "parallelism.tp=2", "train.recompute=selective"],
         "fsdp_recompute_full": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "train.recompute=full"],
         "cp": ["parallelism.dp_replicate=1", "parallelism.cp=2"],
-        # the load-balancing loss is a per-rank batch statistic: exact parity only without it
-        "ep": ["model=moe_tiny", "model.aux_loss_coef=0", "parallelism.dp_replicate=2", "parallelism.ep=2"],
-        "ep_grad_accum": ["model=moe_tiny", "model.aux_loss_coef=0", "parallelism.dp_replicate=2",
-                          "parallelism.ep=2", "train.micro_batch=4"],
+        # the load-balancing loss is a per-rank batch statistic: exact parity only without it.
+        # EP ranks are FSDP ranks (dp_shard x cp): here ep = dp_shard, one copy of each expert
+        "ep_x_fsdp": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2"],
+        "ep_x_cp": MOE + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.ep=2"],  # EP over cp ranks
+        "ep_grad_accum": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
+                                "train.micro_batch=4"],
         "ddp_fp16_compression": ["parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=fp16"],
         "ddp_powersgd": ["parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=powersgd"],
         "pp_afab": PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=afab",
@@ -43,8 +46,7 @@ LAYOUTS = {
         "bf16_fsdp_mixed_precision": BF16 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"],
         "bf16_tp_sp": BF16 + ["parallelism.dp_replicate=1", "parallelism.tp=2"],
         "bf16_cp": BF16 + ["parallelism.dp_replicate=1", "parallelism.cp=2"],
-        "bf16_ep": BF16 + ["model=moe_tiny", "model.aux_loss_coef=0", "parallelism.dp_replicate=2",
-                           "parallelism.ep=2"],
+        "bf16_ep": BF16 + MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2"],
         "bf16_pp_1f1b": BF16 + PP + ["parallelism.dp_replicate=1", "parallelism.pp=2",
                                      "parallelism.pp_schedule=1f1b", "train.micro_batch=4"],
         "tied_pp_1f1b": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=1f1b",
@@ -70,6 +72,27 @@ LAYOUTS = {
                              "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"],
         "bf16_fsdp_x_tp": BF16 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2"],
         "bf16_dp_x_tp": BF16 + ["parallelism.dp_replicate=2", "parallelism.tp=2"],
+        # context parallelism inside a pipeline: each stage rotates and ring-attends its zigzag shard
+        "cp_x_pp": PP + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.pp=2", "train.micro_batch=4"],
+        "cp_x_pp_interleaved_1f1b": PP + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.pp=2",
+                                          "train.micro_batch=4", "parallelism.pp_schedule=interleaved_1f1b",
+                                          "parallelism.pp_virtual_stages=2"],
+        # zero-bubble with ZeRO-3: the stage unshards before its input- and weight-gradient passes
+        "zero3_x_pp_zbv": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
+                                "train.micro_batch=2", "parallelism.pp_schedule=zbv",
+                                "parallelism.pp_virtual_stages=2"],
+        "zero3_x_pp_interleaved_zb": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                           "parallelism.pp=2", "train.micro_batch=2",
+                                           "parallelism.pp_schedule=interleaved_zb",
+                                           "parallelism.pp_virtual_stages=2"],
+        # experts sharded over dp_shard_mod_ep (2 ranks) / replicated over dp_replicate (HSDP)
+        "ep_fsdp_mod_ep": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=4", "parallelism.ep=2"],
+        "ep_x_hsdp": MOE + ["parallelism.dp_replicate=2", "parallelism.dp_shard=2", "parallelism.ep=2"],
+        # MoE layers replicated over tp (no expert TP), attention / embeddings / head tensor-parallel
+        "ep_x_tp": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
+                          "parallelism.tp=2"],
+        "ep_x_pp": MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
+                               "parallelism.pp=2", "train.micro_batch=4"],
         "zero2_x_pp_interleaved_zb": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
                                           "train.micro_batch=2", "parallelism.pp_schedule=interleaved_zb",
                                           "parallelism.reshard_after_forward=false",
@@ -79,6 +102,15 @@ LAYOUTS = {
                                      "train.micro_batch=2"],
         "tied_tp_x_pp": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.tp=2", "parallelism.pp=2",
                                    "train.micro_batch=4"],
+        # ZeRO-1 with TP / PP: FSDP2 over the dp_replicate ranks (reshard_after_forward=False)
+        "zero1_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2", "parallelism.zero1=true"],
+        "zero1_x_tp_grad_accum": ["parallelism.dp_replicate=2", "parallelism.tp=2", "parallelism.zero1=true",
+                                  "train.micro_batch=4"],
+        "zero1_x_pp": PP + ["parallelism.dp_replicate=2", "parallelism.pp=2", "parallelism.zero1=true",
+                            "train.micro_batch=4"],
+        # ZeRO-2 with TP: the same sharding spelt as dp_shard
+        "zero2_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",
+                       "parallelism.reshard_after_forward=false"],
     },
     8: {
         # 3-D: ZeRO-3 data x tensor(+sequence) x pipeline
@@ -89,6 +121,14 @@ LAYOUTS = {
         # ZeRO-3 x context x tensor(+sequence)
         "fsdp_x_cp_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.cp=2",
                            "parallelism.tp=2"],
+    },
+    16: {
+        # the four mesh dims at once: data x context x tensor(+sequence) x pipeline
+        "dp_x_cp_x_tp_x_pp": PP + ["parallelism.dp_replicate=2", "parallelism.cp=2", "parallelism.tp=2",
+                                   "parallelism.pp=2", "train.micro_batch=4"],
+        # MoE: experts over ep 2 (sharded over the other 2 dp_shard ranks) x tp 2 x pp 2
+        "ep_x_fsdp_x_tp_x_pp": MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=4", "parallelism.ep=2",
+                                           "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=4"],
     },
 }
 

@@ -39,9 +39,10 @@ class ParallelismConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    ep: int = 1  # expert parallel: carved out of the data-parallel ranks (dp_replicate x dp_shard x cp)
+    ep: int = 1  # expert parallel: ranks of dp_shard x cp (which ep divides); experts sharded over the rest
     # Data parallel flavour. dp_shard > 1 = FSDP2 (ZeRO-3, or ZeRO-2 with reshard_after_forward
-    # false); dp_replicate x dp_shard = HSDP; dp_shard = 1: DDP, or ZeRO-1 with zero1 true.
+    # false); dp_replicate x dp_shard = HSDP; dp_shard = 1: DDP, or ZeRO-1 with zero1 true (with TP/PP:
+    # FSDP2 sharded over dp_replicate without resharding after forward, docs/parallelism.md).
     zero1: bool = False
     reshard_after_forward: bool = True
     ddp_bucket_mb: int = 25

@@ -1,5 +1,7 @@
 """Gradient clipping over every rank that holds a piece of the model: DTensor gradients
-(TP / FSDP) are reduced by DTensor itself; pipeline stages add their squared norms. A tied
+(TP / FSDP) are reduced by DTensor itself, one group of same-mesh gradients at a time (a MoE
+model's experts, and its router under TP, live on other meshes than the rest); expert-parallel
+ranks add their experts' squared norms; pipeline stages add their squared norms. A tied
 embedding's LM-head copy on the last stage (usp/engine/parallel/tied.py) holds the same gradient
 as the embedding: it is clipped but left out of the norm, so the weight counts once."""
 from __future__ import annotations
@@ -8,16 +10,40 @@ import torch
 import torch.distributed as dist
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None,
-                   duplicate: torch.nn.Parameter | None = None) -> float:
-    grads = [p.grad for p in params if p.grad is not None and p is not duplicate]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if hasattr(total, "full_tensor"):  # DTensor: the norm over all shards
-        total = total.full_tensor()
+def _by_mesh(params: list[torch.nn.Parameter], expert_ids: set[int]) -> dict:
+    """{(is expert, mesh or None): params with a gradient}."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((id(p) in expert_ids, getattr(p, "device_mesh", None)), []).append(p)
+    return groups
+
+
+def _norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    return total.full_tensor() if hasattr(total, "full_tensor") else total  # DTensor: over all shards
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None, ep_group=None,
+                   expert_ids: set[int] | None = None, duplicate: torch.nn.Parameter | None = None) -> float:
+    """expert_ids: ids of the expert-parallel parameters (each EP rank holds different experts:
+    their squared norms add up over ep_group). duplicate: a parameter left out of the norm."""
+    groups = _by_mesh([p for p in params if p is not duplicate], expert_ids or set())
+    if ep_group is None and len(groups) == 1:  # the common case: one norm over one mesh
+        total = _norm(next(iter(groups.values())))
+    else:
+        squares = {key: _norm(ps).pow(2) for key, ps in groups.items()}
+        zero = next(iter(squares.values())).new_zeros(()) if squares else torch.zeros(())
+        dense = sum((sq for (is_expert, _), sq in squares.items() if not is_expert), zero)
+        experts = sum((sq for (is_expert, _), sq in squares.items() if is_expert), zero.clone())
+        if ep_group is not None:
+            dist.all_reduce(experts, group=ep_group)
+        total = (dense + experts).sqrt()
     if pp_group is not None:  # each stage holds different layers: sum of squares across stages
         total = total.pow(2)
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for ps in _by_mesh(params, set()).values():  # per mesh: foreach ops don't mix DTensors of different meshes
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return float(total)

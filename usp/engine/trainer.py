@@ -28,9 +28,11 @@ from usp.engine.observe.tracking import build_trackers
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
+from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.pipeline import pipeline_eval, pipeline_step
 from usp.engine.parallel.tied import sum_tied_grads
+from usp.plan.layout import data_parallel_kind
 from usp.rundir import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
 
 
@@ -60,9 +62,12 @@ class Trainer:
 
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
+        self.experts = expert_clip_args(self.parts.modules, ctx, int(self.cfg.parallelism.ep))
         # One optimizer (and LR schedule) per model part: pipeline ranks may hold several stages,
         # and checkpoints map each optimizer's state to its part's parameter names.
-        zero1 = ctx.group("dp_replicate") if self.cfg.parallelism.zero1 else None
+        # plain-DDP ZeRO-1 (ZeroRedundancyOptimizer); with TP/PP, FSDP2 already shards the states
+        kind = data_parallel_kind(ctx.degrees, bool(self.cfg.parallelism.zero1))
+        zero1 = ctx.group("dp_replicate") if kind == "zero1" else None
         self.optimizers = [build_optimizer(list(m.parameters()), self.cfg.optimizer, ctx.device, zero1_group=zero1)
                            for m in self.parts.modules]
         self.schedulers = [build_scheduler(o, self.cfg.optimizer, self.steps) for o in self.optimizers]
@@ -93,17 +98,12 @@ class Trainer:
         loss = all_reduce_mean(loss, self.ctx)
         if not math.isfinite(loss):
             return self._non_finite(step, loss, what="loss", value=loss)
-        if int(self.cfg.parallelism.ep) > 1:
-            from usp.engine.parallel.expert import reduce_gradients
-
-            ep_group, edp_group = self.ctx.expert_groups(int(self.cfg.parallelism.ep), self.plan["ranks"])
-            reduce_gradients(self.parts.modules[0], self.ctx.group("dp_replicate"), ep_group, edp_group)
         tied = self.parts.tied  # tied embeddings over pipeline stages: sum the two copies' gradients
         if tied is not None:
             sum_tied_grads(tied)
         clip = float(self.cfg.optimizer.grad_clip)
         with self._region(SPAN_OPTIMIZER):
-            grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"),
+            grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"), *self.experts,
                                        duplicate=tied.head_copy if tied is not None else None)
             if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
                 return self._non_finite(step, loss, what="gradient norm", value=grad_norm)

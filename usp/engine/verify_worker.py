@@ -18,6 +18,7 @@ import torch.distributed as dist
 from usp.engine.accel import apply_determinism
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Trainer
+from usp.models.moe import GroupedExperts
 from usp.rundir import read_plan, write_text_atomic
 
 _STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -39,12 +40,15 @@ def gather_full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     expert-parallel ranks each contribute the pieces they hold)."""
     local = {}
     for module in trainer.parts.stage_modules:
+        # expert-parallel slices: rows [expert_start, expert_start + n_local) of the full tensor
+        starts = {id(p): m.expert_start for m in module.modules()
+                  if isinstance(m, GroupedExperts) and m.n_local != m.n_experts for p in m.parameters()}
         for name, p in module.named_parameters():
             for s in _STRIP:
                 name = name.replace(s, "")
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            if hasattr(p, "_ep_shard"):  # expert-parallel slice: rows [start, start + n) of the full tensor
-                name = f"{name}@{p._ep_shard[0]}"
+            if id(p) in starts:
+                name = f"{name}@{starts[id(p)]}"
             local[name] = full.detach().float().cpu()
     if trainer.ctx.world_size == 1:
         return local

@@ -15,7 +15,9 @@ token order (token 0 slot 0, token 0 slot 1, token 1 slot 0, ...) and the overfl
 Load-balancing loss (Switch / GShard): aux = E * sum_e f_e * P_e, f_e = share of the T*top_k
 assignments (before capacity drops) that chose e, P_e = mean router probability of e. It is 1
 for perfectly uniform routing. Each forward stores it in `self.aux_loss`; the trainer adds
-`aux_loss_coef * moe_aux_loss(model)` (the sum over layers) to the loss.
+`aux_loss_coef * moe_aux_loss(model)` (the sum over layers) to the loss, or, under pipeline
+parallelism (no stage but the last sees the loss), sets `aux_loss_scale` and every layer attaches
+its aux loss's gradient to its own output (`AttachAuxLoss`).
 
 Expert dispatch is a hook, as attention is for context parallelism: `MoE.expert_dispatch` is
 None (every expert is local: run them on the routed tokens) or a function
@@ -32,6 +34,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.models.layers import FeedForward
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on the MoE layer's output whose backward also sends `scale` as the gradient of the
+    layer's load-balancing loss (Megatron's MoEAuxLossAutoScaler): the aux loss then trains the
+    router inside the stage's own backward, without being added to the final loss (which a
+    pipeline only has on its last stage)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 class GroupedExperts(nn.Module):
@@ -77,6 +97,9 @@ class MoE(nn.Module):
         self.expert_dispatch = None
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.tokens_dropped = 0  # assignments dropped by the capacity limit in the last forward
+        # > 0: the aux loss gets this gradient through the output (AttachAuxLoss) instead of the
+        # caller adding aux_loss_coef x aux to the loss (pipelines: coef / micro batches per step)
+        self.aux_loss_scale = 0.0
 
     # ------------------------------------------------------------------ routing
 
@@ -133,6 +156,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(x).index_add_(0, tok, y)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
+        if self.aux_loss_scale and torch.is_grad_enabled():
+            out = AttachAuxLoss.apply(out, self.aux_loss, self.aux_loss_scale)
         return out.reshape(shape)
 
     def dense_reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -77,12 +77,13 @@ def layout_tag(degrees: dict[str, int]) -> str:
 
 def data_parallel_kind(degrees: dict[str, int], zero1: bool = False) -> str:
     """How gradients are reduced across data-parallel (and context-parallel) ranks:
-    none | ddp | zero1 | fsdp | hsdp | replicate (FSDP2 replication, for DTensor models)."""
+    none | ddp | zero1 | fsdp | hsdp | replicate (FSDP2 replication, for DTensor models) |
+    zero1_fsdp (zero1 with TP/PP: FSDP2 sharded over the dp_replicate ranks, reshard_after_forward=False)."""
     shard = degrees["dp_shard"] * degrees["cp"]
     if shard > 1:
         return "hsdp" if degrees["dp_replicate"] > 1 else "fsdp"
     if degrees["dp_replicate"] == 1:
         return "none"
     if degrees["tp"] > 1 or degrees["pp"] > 1:
-        return "replicate"
+        return "zero1_fsdp" if zero1 else "replicate"
     return "zero1" if zero1 else "ddp"

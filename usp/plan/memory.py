@@ -19,10 +19,12 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                  attention: q, k, v after RoPE (h + 2kv)/t and the SDPA output h/t;
                  SwiGLU: w1 and w3 outputs, silu output, their product: 4f/t;
                  MoE MLP: router probabilities (E) + per routed copy (top_k) the token, the
-                 expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert.
+                 expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert
+                 (not divided by t: the MoE layer runs replicated over the TP ranks).
                Dense: (6h + 2kv + 4f)/t + 2h values (Megatron's GPT count is 17h); bytes = values x
                the activation dtype's size (prec.act); + 5·a·s²·b/t only when attention materialises
-               the scores (never with SDPA / flash). Full recompute keeps the block input (h/t);
+               the scores (never with SDPA / flash); CP's ring attention keeps K, V expanded to all
+               heads (kv = h) and its output in fp32. Full recompute keeps the block input (h/t);
                selective (the engine's policy: keep matmul and attention outputs) keeps the input,
                q/k/v, the SDPA output, the MLP's matmul outputs and the two row-parallel outputs (h
                each: partial sums over the whole sequence under TP). CP divides s by c. Times the
@@ -40,10 +42,11 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                on the last stage, the hidden states (s·b·h/t) on the others (under activations).
   gathered     ZeRO-3, during backward: the root unit (embedding + final norm + head, whose
                backward spans the whole backward) unsharded (P + G bytes) + two transformer blocks'
-               parameters (the one computing and the prefetched next, P bytes each) + one block's
-               unsharded gradient before the reduce-scatter (G bytes). ZeRO-2 keeps the sharded
-               parameters (P·Ψ/N, updated by the optimizer) and the all-gathered ones (P·Ψ) from
-               the forward until backward.
+               parameters (the one computing and the prefetched next, P bytes each; with a
+               zero-bubble schedule all the rank's blocks: the engine unshards a whole stage for its
+               split backward) + one block's unsharded gradient before the reduce-scatter (G
+               bytes). ZeRO-2 keeps the sharded parameters (P·Ψ/N, updated by the optimizer) and
+               the all-gathered ones (P·Ψ) from the forward until backward.
   comm buffers DDP / ZeRO-1: a flat copy of the gradients in buckets (PyTorch's default
                gradient_as_bucket_view=False).
   peak         the terms above are not all alive at once. Parameters, optimizer states, buckets and
@@ -72,6 +75,7 @@ FRAGMENTATION = 0.05
 LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
 VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum
 SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
 TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "comm_buffers", "overhead")
@@ -181,12 +185,15 @@ def activation_values(arch: Arch, layout: Layout) -> tuple[float, float]:
     """(values kept per token per layer between forward and backward, values of one layer's full
     set), for the Llama block of usp/models/llama.py as the engine runs it (module docstring)."""
     h, kv, t, f = arch.dim, arch.kv_dim, layout.tp, arch.ffn_dim
+    if layout.cp > 1:  # the ring attention keeps K and V expanded to every query head (GQA)
+        kv = h
     norm = 2 * h / t  # RMSNorm input and x·rstd (sequence-sharded under TP + SP)
     attention = norm + h + (h + 2 * kv) / t + h / t  # + norm output (all-gathered), q/k/v after RoPE, SDPA out
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
-        mlp = norm + h + arch.n_experts + arch.top_k * (3 * h + 4 * fe) / t + (4 * fe / t if arch.shared_expert else 0)
-        mlp_matmuls = arch.n_experts + arch.top_k * (2 * fe + h) / t + ((2 * fe / t + h) if arch.shared_expert else 0)
+        # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
+        mlp = norm + h + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fe if arch.shared_expert else 0)
+        mlp_matmuls: float = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fe + h) if arch.shared_expert else 0)
     else:
         mlp = norm + h + 4 * f / t  # + w1, w3 outputs, silu, product
         mlp_matmuls = 2 * f / t + h  # w1, w3 outputs; w2's (a partial sum over the whole sequence under TP)
@@ -205,7 +212,9 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
     kept, full = activation_values(arch, layout)
-    return s * b * kept * prec.act + scores, s * b * full * prec.act + scores
+    ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
+    kept_ring = ring if layout.recompute != "full" else 0
+    return s * b * kept * prec.act + scores + kept_ring, s * b * full * prec.act + scores + ring
 
 
 def activation_formula(layout: Layout) -> str:
@@ -249,8 +258,10 @@ def _held(arch: Arch, layout: Layout, r: int) -> _Held:
     layers = sum(counts[i] for i in held)
     holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
     vocab_pad = -(-arch.vocab_size // t) * t
-    dense_layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params
-    expert_layer = arch.expert_params / (ep * t)
+    # a MoE layer is not TP-sliced (router, experts and shared expert replicated over tp); EP slices the experts
+    dense_layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
+        + arch.norm_params
+    expert_layer = arch.expert_params / ep
     emb = vocab_pad * arch.dim / t if holds_emb else 0
     head: float = 0
     if holds_head:  # tied: the head is the embedding itself only without pp; a pipeline's last stage holds a copy
@@ -302,13 +313,16 @@ def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMe
 
 
 def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
-    """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient."""
+    """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient.
+    Zero-bubble schedules: the engine unshards a whole stage for its input- and weight-gradient
+    passes (usp/engine/parallel/pipeline.py), so all the rank's blocks' parameters instead of two."""
     if layout.zero_stage != 3:
         return 0.0
     unit, root = h.dense_layer + h.expert_layer, h.emb + h.head
     if not h.layers:
         return (prec.param + prec.grad) * root
-    return (prec.param + prec.grad) * root + (2 * prec.param + prec.grad) * unit
+    blocks = h.layers if layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE else 2
+    return (prec.param + prec.grad) * root + (blocks * prec.param + prec.grad) * unit
 
 
 def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:

@@ -202,8 +202,10 @@ BATCH_RULES = [  # torch's schedule rules (usp.plan.pipeline_split), then ours
 # --- what this engine trains ---------------------------------------------------------------------------
 
 def _ep_problems(s: Subject) -> list[str]:
-    """Expert parallelism as the engine runs it (usp.engine.parallel): ep ranks carved out of
-    dp_replicate, with dp_shard = cp = tp = pp = 1, and model.n_experts split evenly over them."""
+    """Expert parallelism as the engine runs it (usp.engine.parallel, as torchtitan): the ep ranks are
+    sharded data-parallel ranks, ep divides dp_shard x cp; experts are sharded over the rest of
+    dp_shard x cp (dp_shard_mod_ep) and replicated over dp_replicate; tp and pp compose (the MoE layer
+    runs replicated over tp: no expert tensor parallelism). model.n_experts splits evenly over ep."""
     lay, experts = s.layout, s.arch.n_experts
     if lay.ep <= 1:
         return []
@@ -212,25 +214,23 @@ def _ep_problems(s: Subject) -> list[str]:
     out = []
     if experts % lay.ep:
         out.append(f"{experts} experts (model.n_experts) can't be split over ep={lay.ep}")
-    if lay.dp_replicate % lay.ep:
-        out.append(f"expert parallelism is carved out of dp_replicate={lay.dp_replicate}, which ep must divide")
-    others = [f"{d}={getattr(lay, d)}" for d in ("dp_shard", "cp", "tp", "pp") if getattr(lay, d) > 1]
-    if others:
-        out.append(f"expert parallelism composes with dp_replicate only in this version (not {', '.join(others)})")
+    shard = lay.dp_shard * lay.cp
+    if shard % lay.ep:
+        out.append(f"expert parallelism takes its ranks from the sharded data-parallel ranks, dp_shard x cp = "
+                   f"{lay.dp_shard} x {lay.cp} = {shard}, which ep={lay.ep} must divide")
     return out
 
 
 def _ep_fix(s: Subject) -> str:
     if s.arch.n_experts == 0:
         return "parallelism.ep=1, or a MoE model (model=moe_tiny)"
-    ok = [d for d in divisors(s.arch.n_experts) if s.layout.dp_replicate % d == 0]
-    return f"parallelism.ep in {ok} (a divisor of model.n_experts and of parallelism.dp_replicate), with " \
-           "parallelism.dp_shard=1 parallelism.cp=1 parallelism.tp=1 parallelism.pp=1"
-
-
-def _zero_bubble_zero3(s: Subject) -> bool:
-    lay = s.layout
-    return lay.pp > 1 and lay.pp_schedule in ("interleaved_zb", "zbv") and lay.zero_stage == 3
+    shard = s.layout.dp_shard * s.layout.cp
+    ok = [d for d in divisors(s.arch.n_experts) if shard % d == 0]
+    fix = f"parallelism.ep in {ok} (divisors of model.n_experts={s.arch.n_experts} and of dp_shard x cp={shard})"
+    if s.arch.n_experts % s.layout.ep == 0 and s.layout.dp_replicate % s.layout.ep == 0:
+        fix += f", or move the replicas to shards: parallelism.dp_shard={s.layout.dp_shard * s.layout.ep} " \
+               f"parallelism.dp_replicate={s.layout.dp_replicate // s.layout.ep}"
+    return fix
 
 
 def _flash(s: Subject) -> bool:
@@ -240,21 +240,10 @@ def _flash(s: Subject) -> bool:
 ENGINE_RULES = [
     Rule("expert_parallel", "engine", "parallelism.ep", lambda s: bool(_ep_problems(s)),
          lambda s: "; ".join(_ep_problems(s)), _ep_fix, lambda s: s.layout.ep),
-    Rule("moe_without_tp", "engine", "parallelism.tp", lambda s: s.arch.moe and s.layout.tp > 1,
-         "tensor parallelism of MoE layers is not implemented", "parallelism.tp=1 (use parallelism.ep for the experts)",
-         lambda s: s.layout.tp),
-    Rule("moe_without_pp", "engine", "parallelism.pp", lambda s: s.arch.moe and s.layout.pp > 1,
-         "pipeline parallelism of MoE models is not implemented (the load-balancing loss spans stages)",
-         "parallelism.pp=1", lambda s: s.layout.pp),
-    Rule("cp_without_pp", "engine", "parallelism.cp", lambda s: s.layout.cp > 1 and s.layout.pp > 1,
-         "context parallelism inside a pipeline is not implemented", "parallelism.cp=1 or parallelism.pp=1",
-         lambda s: s.layout.cp),
-    Rule("zero_bubble_without_zero3", "engine", "parallelism.reshard_after_forward", _zero_bubble_zero3,
-         "ZeRO-3 reshards parameters before a zero-bubble schedule's deferred weight-gradient pass, which then "
-         "computes wrong gradients (measured: 8.7% loss error after 5 steps)",
-         "parallelism.reshard_after_forward=false (ZeRO-2), or pp_schedule=1f1b / interleaved_1f1b", True),
-    Rule("zero1_on_ddp", "engine", "parallelism.zero1", lambda s: s.layout.zero1 and s.layout.dp_kind != "zero1",
-         lambda s: f"ZeRO-1 applies to plain DDP; this layout uses {s.layout.dp_kind}",
+    Rule("zero1_on_replicas", "engine", "parallelism.zero1",
+         lambda s: s.layout.zero1 and s.layout.dp_kind not in ("zero1", "zero1_fsdp"),
+         lambda s: f"ZeRO-1 shards over replicated data-parallel ranks (DDP, or with TP/PP FSDP2 over "
+                   f"dp_replicate); this layout uses {s.layout.dp_kind}",
          "parallelism.zero1=false (FSDP already shards the optimizer states)", True),
     Rule("comm_hook_on_ddp", "engine", "parallelism.ddp_comm_hook",
          lambda s: s.settings.ddp_comm_hook != "none" and s.layout.dp_kind != "ddp",
@@ -295,6 +284,11 @@ WARN_RULES = [
          lambda s: s.layout.tp > 1 and group_crosses_nodes(s.layout.degrees, s.hw.procs_per_node, ("tp",)),
          _tp_across_nodes, lambda s: f"parallelism.tp in {divisors(s.hw.procs_per_node)} (a divisor of "
                                      "cluster.procs_per_node), or drop --strict", lambda s: s.layout.tp),
+    # the engine builds MoE x TP without expert tensor parallelism (usp/engine/parallel/tensor.py)
+    Rule("moe_replicated_over_tp", "warn", "parallelism.tp", lambda s: s.arch.moe and s.layout.tp > 1,
+         lambda s: f"MoE layers are not tensor-parallel (no expert TP): each of the {s.layout.tp} TP ranks runs the "
+                   "router and experts on the whole sequence (tp x their FLOPs and activations, in the plan)",
+         "parallelism.tp=1 with parallelism.ep to shard the experts, or drop --strict", lambda s: s.layout.tp),
 ]
 
 RULES: list[Rule] = [*MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *ENGINE_RULES, *WARN_RULES]

@@ -308,11 +308,12 @@ class Layout:
 
     @cached_property
     def zero_stage(self) -> int:
-        """0 = DDP/replicated, 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3 (FSDP2 reshard_after_forward)."""
+        """0 = DDP/replicated, 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3 (FSDP2 reshard_after_forward).
+        zero1 with TP/PP is built as FSDP2 without resharding after forward: it holds ZeRO-2's memory."""
         kind = self.dp_kind
         if kind in ("fsdp", "hsdp"):
             return 3 if self.reshard_after_forward else 2
-        return 1 if kind == "zero1" else 0
+        return {"zero1": 1, "zero1_fsdp": 2}.get(kind, 0)
 
     @cached_property
     def shard_degree(self) -> int:
@@ -322,6 +323,8 @@ class Layout:
             return self.dp_shard * self.cp
         if kind == "zero1":
             return self.dp_replicate * self.cp
+        if kind == "zero1_fsdp":
+            return self.dp_replicate  # cp = dp_shard = 1 here (else the kind is fsdp / hsdp)
         return 1
 
     @cached_property
@@ -339,6 +342,7 @@ class Layout:
         if kind in ("fsdp", "hsdp"):
             return f"{kind.upper()} ZeRO-{self.zero_stage}"
         return {"ddp": "DDP", "zero1": "DDP + ZeRO-1", "replicate": "replicated (FSDP2, 1-rank shards)",
+                "zero1_fsdp": "ZeRO-1 with TP/PP (FSDP2 over dp_replicate, gradients sharded too: ZeRO-2)",
                 "none": "no data parallel"}[kind]
 
     def overrides(self) -> list[str]:
@@ -348,7 +352,7 @@ class Layout:
             out.append(f"parallelism.ep={self.ep}")
         if self.dp_kind in ("fsdp", "hsdp"):
             out.append(f"parallelism.reshard_after_forward={str(self.reshard_after_forward).lower()}")
-        if self.dp_kind in ("ddp", "zero1"):
+        if self.dp_kind in ("ddp", "zero1", "replicate", "zero1_fsdp"):
             out.append(f"parallelism.zero1={str(self.zero1).lower()}")
         if self.pp > 1:
             out += [f"parallelism.pp_schedule={self.pp_schedule}",

@@ -4,7 +4,8 @@ what is not modelled). Every intermediate term stays in the TimingPlan so a figu
 Model, per optimizer step:
 
   compute     FLOPs of the busiest pp rank / (peak x kernel efficiency). FLOPs per token per
-              layer: 6·(matmul weights)/t + 12·h·s/t (attention scores, playbook convention);
+              layer: 6·(matmul weights)/t + 12·h·s/t (attention scores, playbook convention; a
+              MoE layer's 6·(router + top_k experts + shared expert) is not divided by t);
               LM head 6·V·h/t on the last stage. Full recompute adds the forward again (+1/3:
               HFU > MFU); selective recompute re-runs no matmul here (norms, activations, RoPE).
               Kernel efficiency = EFF_MAX x sat(h/t) x sat(b·s/c), sat(x) = x / (x + SAT_HALF):
@@ -27,14 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from usp.plan.memory import stage_layer_counts
+from usp.plan.memory import ZERO_BUBBLE, stage_layer_counts
 from usp.plan.specs import Arch, Hardware, Layout, Precision, group_crosses_nodes
 
 EFF_MAX = 0.50  # fraction of vendor peak a large transformer layer reaches (calibrated to the playbook's 40-47 % MFU)
 SAT_HALF = 128  # matmul dimension at which efficiency is half of EFF_MAX
 OVERLAP = 0.8  # share of an overlap window that communication can hide behind
 LATENCY_S = {False: 10e-6, True: 25e-6}  # per collective call: intra-node, inter-node
-ZERO_BUBBLE = ("interleaved_zb", "zbv")
 
 
 @dataclass
@@ -99,8 +99,8 @@ def rank_params(arch: Arch, layout: Layout) -> list[float]:
     t = layout.tp
     ep = max(1, layout.ep) if arch.moe else 1
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
-    layer = (arch.attn_params + arch.dense_mlp_params) / t + arch.router_params + arch.norm_params \
-        + arch.expert_params / (ep * t)
+    layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
+        + arch.norm_params + arch.expert_params / ep  # a MoE layer is not TP-sliced
     vocab_pad = -(-arch.vocab_size // t) * t
     out = []
     for held in ranks:
@@ -160,7 +160,8 @@ def _compute(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
     eff = EFF_MAX * sat_h * sat_tok
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
     tokens_mb = b * s_loc
-    per_layer, head = layer_fpt / t * (1 + extra), head_fpt / t
+    moe_fpt = 6 * arch.parts["active_mlp"] if arch.moe else 0  # a MoE layer's work is repeated on every TP rank
+    per_layer, head = ((layer_fpt - moe_fpt) / t + moe_fpt) * (1 + extra), head_fpt / t
     stage_flops, stage_layers = [], []
     for held in ranks:
         n_layers = sum(counts[i] for i in held)
@@ -192,27 +193,38 @@ def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
     return _term("TP all-gather / reduce-scatter (activations)", "tp", t, x, hw, calls, nbytes, 0.0)
 
 
-def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
-    """Context parallel: ring of K, V blocks per layer (forward), K, V + dK, dV (backward); hides
-    behind the attention of its layer."""
+def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, cx: _Compute) -> CommTerm:
+    """Context parallel, per layer of this pp rank and micro batch: the ring passes a K/V block
+    c-1 times forward (again when recomputed), c-1 times backward, and the dK/dV accumulator c
+    times (it returns to its owner). The engine's ring sends fp32 blocks expanded to every
+    query head (usp/engine/parallel/context.py). Hides behind the attention of its layer."""
     c, t, m, layers_r = layout.cp, layout.tp, layout.grad_accum, cx.layers_r
     x = group_crosses_nodes(layout.degrees, hw.procs_per_node, ("cp",))
-    kv = 2 * (seq_len / c) * layout.micro_batch * arch.kv_dim / t * prec.act
-    passes = 4 if layout.recompute == "full" else 3
-    calls = passes * (c - 1) * layers_r * m
-    nbytes = passes * (c - 1) * kv * layers_r * m
+    kv = 2 * (seq_len / c) * layout.micro_batch * arch.dim / t * 4
+    forwards = 2 if layout.recompute == "full" else 1
+    hops = forwards * (c - 1) + (c - 1) + c
+    calls = hops * layers_r * m
+    nbytes = hops * kv * layers_r * m
     attn_s = cx.tokens_mb * 12 * arch.dim * seq_len / t * layers_r * m / (cx.peak * cx.eff)
     return _term("CP ring K/V exchange", "cp", c, x, hw, calls, nbytes, attn_s)
 
 
 def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Compute) -> CommTerm:
     """Expert parallel: dispatch + combine all-to-alls, forward and backward."""
-    deg, ppn = layout.degrees, hw.procs_per_node
-    x = layout.ep * layout.tp > ppn or hw.nodes > 1 and group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
+    x = _ep_crosses_nodes(layout, hw)
     passes = 3 if layout.recompute == "full" else 2
     calls = 2 * passes * cx.layers_r * layout.grad_accum
     nbytes = calls * (layout.ep - 1) / layout.ep * cx.tokens_mb * arch.top_k * arch.dim * prec.act
     return _term("EP all-to-all (tokens)", "ep", layout.ep, x, hw, calls, nbytes, 0.0)
+
+
+def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
+    """An EP group is `ep` consecutive ranks of the flattened dp_shard x cp (the inner part,
+    DistContext.expert_mesh), tp apart: aligned blocks of ep·tp ranks. Does one straddle two nodes?"""
+    block, ppn = layout.ep * layout.tp, hw.procs_per_node
+    if hw.nodes == 1 or block > ppn:
+        return hw.nodes > 1
+    return ppn % block != 0 and any(b // ppn != (b + block - 1) // ppn for b in range(0, layout.world, block))
 
 
 def _pp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> CommTerm:
@@ -230,7 +242,7 @@ def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pre
     if layout.tp > 1:
         comm.append(_tp_comm(arch, layout, seq_len, hw, prec, cx))
     if layout.cp > 1:
-        comm.append(_cp_comm(arch, layout, seq_len, hw, prec, cx))
+        comm.append(_cp_comm(arch, layout, seq_len, hw, cx))
     if arch.moe and layout.ep > 1:
         comm.append(_ep_comm(arch, layout, hw, prec, cx))
     if layout.pp > 1:
@@ -254,20 +266,21 @@ def _replicated_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: floa
 
 
 def _sharded_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, cx: _Compute) -> list[CommTerm]:
-    """FSDP / HSDP: parameter all-gathers (forward, and backward under ZeRO-3), the gradient
-    reduce-scatter (once per step: gradient sync is off on inner micro batches), HSDP's all-reduce."""
+    """FSDP / HSDP / ZeRO-1 with TP/PP (FSDP2 over dp_replicate): parameter all-gathers (forward, and
+    backward under ZeRO-3), the gradient reduce-scatter (once per step: gradient sync is off on
+    inner micro batches), HSDP's all-reduce."""
     m, deg, ppn = layout.grad_accum, layout.degrees, hw.procs_per_node
     gbytes, pbytes = prec.grad * psi, prec.param * psi
-    n = layout.dp_shard * layout.cp
-    x = group_crosses_nodes(deg, ppn, ("dp_shard", "cp"))
+    dims = ("dp_replicate",) if layout.dp_kind == "zero1_fsdp" else ("dp_shard", "cp")
+    group, n = " x ".join(dims), layout.shard_degree
+    x = group_crosses_nodes(deg, ppn, dims)
     units = cx.layers_r + 1
-    out = [_term("FSDP all-gather (forward)", "dp_shard x cp", n, x, hw, units * m, m * (n - 1) / n * pbytes,
-                 m * cx.fwd_s)]
+    out = [_term("FSDP all-gather (forward)", group, n, x, hw, units * m, m * (n - 1) / n * pbytes, m * cx.fwd_s)]
     if layout.zero_stage == 3:
-        out.append(_term("FSDP all-gather (backward)", "dp_shard x cp", n, x, hw, units * m,
+        out.append(_term("FSDP all-gather (backward)", group, n, x, hw, units * m,
                          m * (n - 1) / n * pbytes, m * cx.bwd_s))
     rs = 1 if (m > 1) else m
-    out.append(_term("FSDP gradient reduce-scatter", "dp_shard x cp", n, x, hw, units * rs,
+    out.append(_term("FSDP gradient reduce-scatter", group, n, x, hw, units * rs,
                      rs * (n - 1) / n * gbytes, cx.bwd_s))
     if layout.dp_kind == "hsdp":
         r = layout.dp_replicate
@@ -284,8 +297,8 @@ def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Com
         and layout.pp_schedule != "zbv" else []  # zbv: first and last stage on one rank, summed locally
     if layout.dp_kind in ("ddp", "zero1", "replicate"):
         return _replicated_dp_comm(layout, hw, prec, psi, cx) + tied
-    if layout.dp_kind in ("fsdp", "hsdp"):
-        return _sharded_dp_comm(layout, hw, prec, psi, cx) + tied
+    if layout.dp_kind in ("fsdp", "hsdp", "zero1_fsdp"):
+        return _sharded_dp_comm(layout, hw, prec, _fsdp_equivalent(arch, layout, psi, cx), cx) + tied
     return tied
 
 
@@ -298,6 +311,17 @@ def _tied_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision) -> Com
     shard = layout.shard_degree if layout.zero_stage >= 2 else 1
     nbytes = prec.grad * vocab_pad * arch.dim / layout.tp / shard  # 2(n-1)/n·S with n = 2
     return _term("tied embedding gradient all-reduce (first + last stage)", "pp", 2, x, hw, 1, nbytes, 0.0)
+
+
+def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, cx: _Compute) -> float:
+    """Parameters whose traffic over dp_shard x cp (n ranks) equals this rank's: under EP the experts'
+    FSDP unit spans only the n/ep ranks of dp_shard_mod_ep, so they move (n/ep-1)/(n/ep) of their
+    bytes, not (n-1)/n (none when ep = n)."""
+    n, ep = layout.dp_shard * layout.cp, layout.ep if arch.moe else 1
+    if ep <= 1 or n <= 1:
+        return psi
+    experts, n_e = cx.layers_r * arch.expert_params / ep, n // ep
+    return psi - experts + experts * ((n_e - 1) / n_e) / ((n - 1) / n)
 
 
 def _assumptions(arch: Arch, layout: Layout, cx: _Compute, bubble: float) -> list[str]:

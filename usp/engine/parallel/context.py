@@ -22,8 +22,9 @@ one K/V block (memory stays O(s/cp) instead of O(s)), and communication overlaps
 An explicit autograd.Function keeps the gradients exact (no reliance on collectives that
 carry autograd, see docs/parallelism.md, "PyTorch distributed on CPU"). Plain matmuls, no flash kernels.
 
-`apply_context_parallel(model, group)` routes every Llama `Attention` through
-`ring_attention` via the model's `core_attention` hook.
+`apply_context_parallel(model, group, positions)` routes every Llama `Attention` through
+`ring_attention` via the model's `core_attention` hook and, for a pipeline stage (which the
+schedule calls with its input alone), makes the shard's positions the default ones.
 """
 from __future__ import annotations
 
@@ -213,11 +214,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     return _RingAttention.apply(q, k, v, group)
 
 
-def apply_context_parallel(model: nn.Module, cp_group) -> nn.Module:
+def apply_context_parallel(model: nn.Module, cp_group, positions: torch.Tensor | None = None) -> nn.Module:
     """Make every Llama `Attention` in `model` use ring attention over `cp_group`.
 
-    The caller feeds each rank its zigzag shard of the tokens with
-    `positions=cp_positions(seq_len, cp, rank)`, and averages gradients over the CP group.
+    The caller feeds each rank its zigzag shard of the tokens and averages gradients over the CP
+    group. `positions` (this rank's `cp_positions`), when given, becomes the model's default
+    `positions` argument (a forward pre-hook): a pipeline stage is called by the schedule with
+    its input alone, yet its RoPE must rotate the shard's global positions.
     """
     from usp.models.llama import Attention
 
@@ -228,4 +231,13 @@ def apply_context_parallel(model: nn.Module, cp_group) -> nn.Module:
             n += 1
     if n == 0:
         raise ValueError("apply_context_parallel: the model has no Attention modules")
+    if positions is not None:
+        model.register_forward_pre_hook(functools.partial(_default_positions, positions=positions), with_kwargs=True)
     return model
+
+
+def _default_positions(module: nn.Module, args: tuple, kwargs: dict, positions: torch.Tensor):
+    """Forward pre-hook: pass `positions` unless the caller gave them (Llama.forward(tokens, positions))."""
+    if len(args) < 2 and kwargs.get("positions") is None:
+        kwargs = {**kwargs, "positions": positions}
+    return args, kwargs

@@ -8,6 +8,9 @@
 |                                          | or ZeRO-2 (false); HSDP when dp_replicate > 1 too        |
 | dp_replicate > 1 with TP/PP              | FSDP2 with a shard group of one rank (pure replication:  |
 |                                          | DDP does not take DTensor parameters)                    |
+|   + parallelism.zero1=true               | FSDP2 sharded over dp_replicate, reshard_after_forward   |
+|                                          | =False: optimizer states and gradients sharded (ZeRO-2;  |
+|                                          | ZeroRedundancyOptimizer cannot broadcast DTensors)       |
 
 Context-parallel ranks see different tokens of the same sequences, so their gradients are
 averaged like data-parallel ones: FSDP shards over dp_shard x cp (as torchtitan), DDP reduces
@@ -26,15 +29,37 @@ from usp.engine.parallel.mesh import DistContext
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
 
-def apply_fsdp(model: nn.Module, ctx: DistContext, reshard_after_forward: bool, mp_policy=None) -> nn.Module:
-    """fully_shard every block, then the root (embedding, final norm, head)."""
-    kw = {"mesh": _fsdp_mesh(ctx), "reshard_after_forward": reshard_after_forward}
+def apply_fsdp(model: nn.Module, ctx: DistContext, reshard_after_forward: bool, mp_policy=None,
+               shard_replicas: bool = False, ep: int = 1) -> nn.Module:
+    """fully_shard every block, then the root (embedding, final norm, head). shard_replicas: ZeRO-1
+    with TP/PP, sharded over the dp_replicate ranks (1-D mesh) instead of replicated across them.
+    Under expert parallelism each block's experts are their own FSDP unit first (`_shard_experts`)."""
+    mesh = ctx.mesh["dp_replicate"] if shard_replicas else _fsdp_mesh(ctx)
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
     for block in model.layers.values():
+        if ep > 1 and hasattr(block.feed_forward, "experts"):
+            _shard_experts(block.feed_forward.experts, ctx, ep, kw)
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def _shard_experts(experts: nn.Module, ctx: DistContext, ep: int, kw: dict) -> None:
+    """This EP rank's experts, sharded over dp_shard_mod_ep and replicated over dp_replicate (as
+    torchtitan). After backward each expert's gradient already sums the dL_s/dw of its EP group's
+    ranks (the reverse all_to_all brings them back), so the reduction over the copies is a SUM
+    divided by the whole data-parallel size, not by the number of copies. gloo has no PREMUL_SUM,
+    hence a plain sum and a division after it (force_sum_reduction) -- except when the shard group
+    has one rank (ep = dp_shard x cp): FSDP2 (torch 2.13, foreach_reduce) then divides while
+    copying instead of reduce-scattering, and would divide a second time after a forced sum
+    (measured, one rank, factor 4: gradient x 1/16 with the forced sum, x 1/4 without)."""
+    mesh = ctx.expert_mesh(ep)
+    dims = ("dp_replicate", "dp_shard_mod_ep") if ctx.degrees["dp_replicate"] > 1 else ("dp_shard_mod_ep",)
+    sharded = fully_shard(experts, **{**kw, "mesh": mesh[dims]})
+    sharded.set_gradient_divide_factor(float(ctx.size("dp_replicate", "dp_shard", "cp")))
+    sharded.set_force_sum_reduction_for_comms(mesh["dp_shard_mod_ep"].size() > 1)
 
 
 def _fsdp_mesh(ctx: DistContext):

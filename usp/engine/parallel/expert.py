@@ -1,7 +1,8 @@
 """Expert parallelism (EP) for `usp.models.moe.MoE` layers, with all_to_all token dispatch.
 
-The EP group is carved out of the data-parallel ranks: every rank of an EP group reads
-DIFFERENT data, routes its own tokens, and sends each token to the rank that holds its expert.
+The EP group is made of sharded data-parallel ranks (dp_shard x cp, `DistContext.expert_mesh`, as
+torchtitan): every rank of an EP group reads DIFFERENT data (or other tokens of the same sequences
+under CP), routes its own tokens, and sends each token to the rank that holds its expert.
 EP rank r of an EP group of size ep keeps experts [r*E/ep, (r+1)*E/ep) of every MoE layer.
 
 `apply_expert_parallel` installs `ep_dispatch_combine` as every MoE layer's `expert_dispatch`
@@ -19,8 +20,10 @@ Both all_to_alls are differentiable (`_AllToAll`: backward = the reverse all_to_
 values and gradients on gloo too, but 2 of 9 test launches died with "terminate called
 without an active exception" at process exit, so a plain autograd.Function is used.)
 
-Gradient reduction (the trainer must NOT let DDP all-reduce expert parameters; call
-`reduce_gradients` after backward instead, or give DDP only the non-expert parameters):
+Gradient reduction. In training the engine lets FSDP2 do it (usp/engine/parallel/data.py:
+experts are their own FSDP unit over (dp_replicate, dp_shard_mod_ep), gradients summed and divided
+by the data-parallel size). `reduce_gradients` below is the same arithmetic by hand, for a model
+without a data-parallel wrapper (tests/dist/cases_expert.py):
   Let dp = number of data-parallel ranks whose losses are averaged (the EP group lies inside
   them), L = (1/dp) * sum_s L_s the global loss, L_s the mean loss of rank s's batch.
   * non-expert parameters (attention, norms, embeddings, router, shared expert) are replicated
@@ -114,6 +117,14 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
         ex.expert_start = start
         m.expert_dispatch = functools.partial(ep_dispatch_combine, group=ep_group)
     return model
+
+
+def expert_clip_args(modules: list[nn.Module], ctx, ep: int) -> tuple:
+    """(ep group, ids of the expert parameters) for `clip_grad_norm`; (None, None) without EP."""
+    if ep <= 1:
+        return None, None
+    ids = {id(p) for m in modules for sub in m.modules() if isinstance(sub, GroupedExperts) for p in sub.parameters()}
+    return ctx.expert_mesh(ep)["ep"].get_group(), ids
 
 
 def is_expert_param(model: nn.Module, param: torch.Tensor) -> bool:

@@ -2,7 +2,8 @@
 
 The mesh always has the five dims of the plan (pp, dp_replicate, dp_shard, cp, tp), size-1
 dims included, so code can ask for any dim without special cases. Groups over several dims
-(e.g. dp_replicate x dp_shard x cp for the loss) are flattened sub-meshes, cached by name."""
+(e.g. dp_replicate x dp_shard x cp for the loss) are flattened sub-meshes, cached by name.
+Expert parallelism adds a second mesh over the same ranks (`DistContext.expert_mesh`)."""
 from __future__ import annotations
 
 import gc
@@ -13,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+EXPERT_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 @dataclass
@@ -60,30 +63,19 @@ class DistContext:
         mesh = self.submesh(*dims)
         return mesh.get_group() if mesh is not None else None
 
-    def expert_groups(self, ep: int, ranks: list[dict]):
-        """(ep group, expert-data-parallel group) for expert parallelism carved out of
-        dp_replicate: consecutive blocks of `ep` data-parallel ranks exchange tokens (ep group);
-        ranks at the same offset in different blocks hold the same experts (edp group).
-        Every rank creates every group, in the same order, as torch.distributed requires."""
-        if "ep" in self._flat:
-            return self._flat["ep"]
-        slices: dict[tuple, list[int]] = {}
-        for r in ranks:  # the data-parallel ranks of each (pp, dp_shard, cp, tp) slice, in dp order
-            c = r["coords"]
-            slices.setdefault((c["pp"], c["dp_shard"], c["cp"], c["tp"]), []).append(r["rank"])
-        ep_group = edp_group = None
-        for dp_ranks in slices.values():
-            blocks = [dp_ranks[i:i + ep] for i in range(0, len(dp_ranks), ep)]
-            for block in blocks:
-                group = dist.new_group(block)
-                ep_group = group if self.rank in block else ep_group
-            for offset in range(ep):
-                same_experts = [block[offset] for block in blocks]
-                group = dist.new_group(same_experts) if len(same_experts) > 1 else None
-                edp_group = group if self.rank in same_experts else edp_group
-        mine = (ep_group, edp_group)
-        self._flat["ep"] = mine
-        return mine
+    def expert_mesh(self, ep: int) -> DeviceMesh:
+        """Expert parallelism on the sharded data-parallel ranks (as torchtitan): the dp_shard x cp
+        ranks of a slice (row-major, S of them) split into dp_shard_mod_ep (S/ep, outer) x ep
+        (inner). Returns the mesh EXPERT_DIMS over the same ranks as the run's mesh: "ep" exchanges
+        tokens; ("dp_replicate", "dp_shard_mod_ep") holds copies of the same experts (FSDP shards
+        them over dp_shard_mod_ep and replicates them over dp_replicate). Built once, by every rank."""
+        if "ep" not in self._flat:
+            if self.mesh is None:
+                raise RuntimeError("expert parallelism needs several ranks")
+            d = self.degrees
+            shape = (d["pp"], d["dp_replicate"], d["dp_shard"] * d["cp"] // ep, ep, d["tp"])
+            self._flat["ep"] = DeviceMesh(self.device.type, self.mesh.mesh.reshape(shape), mesh_dim_names=EXPERT_DIMS)
+        return self._flat["ep"]
 
 
 def init_process_group(plan: dict) -> None:

@@ -23,23 +23,24 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
 
         apply_tensor_parallel(model, ctx.submesh("tp"), plan["model"]["vocab_size"])
     if deg["cp"] > 1:
-        from usp.engine.parallel.context import apply_context_parallel
+        from usp.engine.parallel.context import apply_context_parallel, cp_positions
 
-        apply_context_parallel(model, ctx.group("cp"))
-    if int(par["ep"]) > 1:
+        positions = cp_positions(int(plan["batch"]["seq_len"]), deg["cp"], ctx.coords["cp"]).to(ctx.device)
+        apply_context_parallel(model, ctx.group("cp"), positions)  # a pipeline stage's default positions
+    ep = int(par["ep"])
+    if ep > 1:  # EP ranks are dp_shard x cp ranks, so the layout is always FSDP / HSDP below
         from usp.engine.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, ctx.expert_groups(int(par["ep"]), plan["ranks"])[0])
+        apply_expert_parallel(model, ctx.expert_mesh(ep)["ep"].get_group())
     apply_recompute(model, train["recompute"])
     if train["compile"]:
         for name, block in list(model.layers.named_children()):
             model.layers[name] = torch.compile(block)
     kind = data_parallel_kind(deg, bool(par["zero1"]))
-    if int(par["ep"]) > 1:
-        return model  # expert parallel: gradients are reduced by expert.reduce_gradients
-    if kind in ("fsdp", "hsdp", "replicate"):
-        return apply_fsdp(model, ctx, reshard_after_forward=bool(par["reshard_after_forward"]) and kind != "replicate",
-                          mp_policy=fsdp_mp_policy(plan))  # bf16 compute on GPU, None on CPU
+    if kind in ("fsdp", "hsdp", "replicate", "zero1_fsdp"):
+        reshard = bool(par["reshard_after_forward"]) and kind in ("fsdp", "hsdp")  # ZeRO-1/replication: never
+        return apply_fsdp(model, ctx, reshard_after_forward=reshard, mp_policy=fsdp_mp_policy(plan),
+                          shard_replicas=kind == "zero1_fsdp", ep=ep)  # mp_policy: bf16 compute on GPU, None on CPU
     if kind in ("ddp", "zero1"):
         return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
     return model

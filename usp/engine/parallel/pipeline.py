@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -90,6 +91,26 @@ def build_stage_module(model: nn.Module, layer_ids: Sequence[int], is_first: boo
     return model
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose zero-bubble split backward works under ZeRO-3.
+
+    torch's input-gradient pass (I) maps the stage's parameters, `submod.parameters()`, to the
+    autograd graph's weight nodes, and the deferred weight-gradient pass (W) maps them back. FSDP2
+    swaps a module's parameters between sharded DTensors and the unsharded tensors the graph
+    holds, and with reshard_after_forward=true the stage is sharded again after each forward:
+    at I its parameters are not in the graph, W computes no weight gradient and the blocks don't
+    learn (8.7 % loss error after 5 steps on torch 2.13). Unsharding the stage (FSDP2's own
+    `unshard()`) before I and W makes both see the graph's parameters; FSDP2 reshards them at
+    the next forward and after the step."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type in ("input", "weight"):
+            for m in self.submod.modules():
+                if isinstance(m, FSDPModule):
+                    m.unshard()
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
 def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequence[Sequence[int]],
                    stage_indices: Sequence[int], pp_group: dist.ProcessGroup, device: torch.device,
                    n_microbatches: int, schedule_name: str,
@@ -117,7 +138,7 @@ def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequ
         module = parallelize_fn(build_stage_module(model_factory(), stage_layer_ids[idx],
                                                    is_first=idx == 0, is_last=idx == num_stages - 1).to(device))
         modules.append(module)
-        stages.append(PipelineStage(module, idx, num_stages, device, group=pp_group))
+        stages.append(_Stage(module, idx, num_stages, device, group=pp_group))
 
     def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return loss_fn(output, target) / n_microbatches

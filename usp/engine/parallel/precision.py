@@ -17,7 +17,7 @@ def fsdp_mixed_precision(plan: dict) -> bool:
     cfg, deg = plan["config"], plan["degrees"]
     par = cfg["parallelism"]
     return (uses_bf16(str(cfg["train"]["dtype"]), plan["device"])
-            and data_parallel_kind(deg, bool(par["zero1"])) in ("fsdp", "hsdp", "replicate")
+            and data_parallel_kind(deg, bool(par["zero1"])) in ("fsdp", "hsdp", "replicate", "zero1_fsdp")
             and deg["pp"] == 1 and int(par["ep"]) == 1)
 
 

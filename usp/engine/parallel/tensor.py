@@ -7,7 +7,8 @@ all-gather + reduce-scatter pairs. The embedding is row-parallel over the vocabu
 is column-parallel and keeps its logits sharded over the vocabulary for `loss_parallel`.
 
 A vocabulary that does not divide by tp is padded (the plan says by how much); the padded
-logits are masked to -inf so the loss, and every gradient, is the unpadded model's."""
+logits are masked to -inf so the loss, and every gradient, is the unpadded model's.
+A MoE layer is not tensor-parallel (`_moe_plan`: no expert TP)."""
 from __future__ import annotations
 
 import torch
@@ -17,10 +18,13 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from usp.models.moe import MoE
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -52,15 +56,32 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, real_vocab: int
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            **(_moe_plan() if isinstance(block.feed_forward, MoE) else _mlp_plan()),
         })
 
     model.sequence_shards = tp_mesh.size()  # hidden states between blocks are sequence-sharded
     if model.output is not None and model.output.weight.shape[0] > real_vocab:
         _mask_padded_logits(model.output, tp_mesh, real_vocab)
+
+
+def _mlp_plan() -> dict:
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def _moe_plan() -> dict:
+    """A MoE layer is not tensor-parallel (no expert TP): its input is all-gathered over the
+    sequence, every TP rank runs the same router, experts (expert parallelism, if any, exchanges
+    tokens within its own TP slice) and shared expert on plain local tensors, and keeps its
+    sequence shard of the output (Replicate -> Shard(1) is a local slice). The backward is exact
+    because the TP ranks compute identical gradients; the MoE's work is repeated tp times."""
+    return {"feed_forward": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
 
 
 def _mask_padded_logits(output: nn.Module, tp_mesh: DeviceMesh, real_vocab: int) -> None:
