@@ -133,6 +133,35 @@ def test_resharding_across_layouts(tmp_path, shakespeare):
     assert_same(losses(tmp_path / "fsdp2"), losses(tmp_path / "fsdp2_to_tp2"), range(6, 11), 1e-5)
 
 
+@pytest.mark.distributed
+def test_tied_embeddings_under_pp_stored_once_and_resharded(tmp_path, shakespeare):
+    """Tied embeddings under pp=2 (first stage: the embedding, last: its copy): the checkpoint
+    holds the weight once, under tok_embeddings.weight; it continues on one process, and a
+    one-process checkpoint continues under pp=2, with the uninterrupted run's losses; the export
+    keeps the tie."""
+    import torch.distributed.checkpoint as dcp
+
+    from usp.engine.export import export_model
+
+    base = ["model.tie_embeddings=true", "model.n_layers=4", "train.steps=10", "checkpoint.interval=5",
+            "train.global_batch=8"]
+    pp2 = ["cluster.procs_per_node=2", "parallelism.pp=2", "parallelism.dp_replicate=1"]
+    train(tmp_path, *base, *pp2, "train.name=tied_pp2")
+    ckpt = tmp_path / "tied_pp2" / "checkpoints" / "step_00000005"
+    keys = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    assert "model.tok_embeddings.weight" in keys and not any("output.weight" in k for k in keys), sorted(keys)
+    assert "optim.state.tok_embeddings.weight.exp_avg" in keys
+    train(tmp_path, *base, "train.name=tied_pp2_to_single", f"checkpoint.resume={ckpt}")
+    assert_same(losses(tmp_path / "tied_pp2"), losses(tmp_path / "tied_pp2_to_single"), range(6, 11), 1e-5)
+    train(tmp_path, *base, "train.name=tied_single")
+    proc = train(tmp_path, *base, *pp2, "train.name=tied_single_to_pp2",
+                 f"checkpoint.resume={tmp_path / 'tied_single' / 'checkpoints' / 'step_00000005'}")
+    assert "saved under one process, now pp=2" in proc.stdout
+    assert_same(losses(tmp_path / "tied_single"), losses(tmp_path / "tied_single_to_pp2"), range(6, 11), 1e-5)
+    assert_same(losses(tmp_path / "tied_single"), losses(tmp_path / "tied_pp2"), range(1, 11), 1e-5)
+    assert export_model(tmp_path / "tied_pp2").tied == {"output.weight": "tok_embeddings.weight"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "no_metadata"])
 def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, shakespeare, damage):

@@ -475,6 +475,26 @@ def test_pipeline_batch_derivation_fills_the_pipeline():
     assert plan.batch.grad_accum == 4 and plan.batch.micro_batch == 4
 
 
+def test_tied_embeddings_under_pp_plan_with_the_head_copy(tmp_path):
+    """llama3_2_1b (tied) with pp=2 is planned, not refused: the last stage holds the embedding's
+    copy as its LM head (parameters, gradients, AdamW states), so both stages hold the same
+    parameters; the embedding group's gradient all-reduce is a timed (exposed) term."""
+    a = arch("llama3_2_1b")
+    plan = plan_for("model=llama3_2_1b", "cluster=h200", "parallelism.pp=2")
+    first, last = plan.memory.stages
+    layer = a.layer_params
+    assert first.params == 8 * layer + a.embed_params
+    assert last.params == 8 * layer + a.embed_params + a.dim  # + final norm
+    assert last.optimizer == first.optimizer + 12 * a.dim  # bf16 mixed precision: 12 B/param of AdamW
+    tied = [c for c in plan.timing.comm if c.name.startswith("tied embedding")]
+    assert len(tied) == 1 and tied[0].bytes_per_step == 2 * a.embed_params and tied[0].exposed_s > 0
+    zbv = plan_for("model=llama3_2_1b", "cluster=h200", "parallelism.pp=2", "parallelism.pp_schedule=zbv",
+                   "parallelism.pp_virtual_stages=2")
+    assert not [c for c in zbv.timing.comm if c.name.startswith("tied embedding")]  # one rank: summed locally
+    out = usp("plan", "model=llama3_2_1b", "cluster=h200", "parallelism.pp=2", cwd=tmp_path)
+    assert out.returncode == 0 and "tie_embeddings" not in out.stderr, out.stderr
+
+
 # --- validation rules through the CLI -----------------------------------------------------------------
 
 UNTIED4 = ["model.n_layers=4", "model.tie_embeddings=false"]

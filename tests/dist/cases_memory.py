@@ -52,6 +52,10 @@ EXTRA_LAYOUTS = {
     "pp_1f1b": (2, PP + ["parallelism.pp_schedule=1f1b"]),
     "pp_afab": (2, PP + ["parallelism.pp_schedule=afab"]),
     "pp_zbv": (2, PP + ["parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"]),
+    # tied embeddings under pp: the last stage holds the embedding's copy (+ gradient, AdamW states)
+    "tied_pp_1f1b": (2, ["model.tie_embeddings=true", *PP[1:], "parallelism.pp_schedule=1f1b"]),
+    "tied_pp_zbv": (2, ["model.tie_embeddings=true", *PP[1:], "parallelism.pp_schedule=zbv",
+                        "parallelism.pp_virtual_stages=2"]),
     "cp": (2, ["parallelism.dp_replicate=1", "parallelism.cp=2"]),
 }
 

@@ -7,6 +7,7 @@ APPROXIMATE = {"ddp_fp16_compression": 1e-3, "ddp_powersgd": 1e-2}
 PARAM_ATOL: dict[str, float] = {}
 PP = ["model.tie_embeddings=false", "model.n_layers=4"]
 MOE = ["model=moe_tiny", "model.aux_loss_coef=0"]
+TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4"]  # embedding on the first stage, its copy on the last
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
 # MixedPrecisionPolicy(bf16 params, fp32 reduction), the others bf16 autocast; the reference is a
 # bf16-autocast single process (tolerance: at the end of this file).
@@ -48,6 +49,10 @@ LAYOUTS = {
         "bf16_ep": BF16 + MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2"],
         "bf16_pp_1f1b": BF16 + PP + ["parallelism.dp_replicate=1", "parallelism.pp=2",
                                      "parallelism.pp_schedule=1f1b", "train.micro_batch=4"],
+        "tied_pp_1f1b": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=1f1b",
+                                   "train.micro_batch=4"],
+        "tied_pp_zbv": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "train.micro_batch=4",
+                                  "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"],
     },
     4: {
         "dp_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2"],
@@ -92,6 +97,11 @@ LAYOUTS = {
                                           "train.micro_batch=2", "parallelism.pp_schedule=interleaved_zb",
                                           "parallelism.reshard_after_forward=false",
                                           "parallelism.pp_virtual_stages=2"],
+        "tied_dp_x_pp": TIED_PP + ["parallelism.dp_replicate=2", "parallelism.pp=2", "train.micro_batch=4"],
+        "tied_fsdp_x_pp": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
+                                     "train.micro_batch=2"],
+        "tied_tp_x_pp": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.tp=2", "parallelism.pp=2",
+                                   "train.micro_batch=4"],
         # ZeRO-1 with TP / PP: FSDP2 over the dp_replicate ranks (reshard_after_forward=False)
         "zero1_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2", "parallelism.zero1=true"],
         "zero1_x_tp_grad_accum": ["parallelism.dp_replicate=2", "parallelism.tp=2", "parallelism.zero1=true",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.rundir import (
     MANIFEST,
     PLAN,
@@ -44,12 +45,15 @@ class Checkpointer:
         self.dir = checkpoint_dir(plan)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
+        self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
 
     # -- what goes in ------------------------------------------------------------------
     def _state(self) -> dict:
+        """{"model", "optim"} of every part, by FQN; a tied embedding stored once (under
+        tok_embeddings.weight: parallel/tied.py), so every layout saves and loads the same keys."""
         model, optim = {}, {}
         for module, optimizer in zip(self.parts.modules, self.optimizers):
-            m, o = get_state_dict(module, optimizer, options=OPTIONS)
+            m, o = canonical_state(*get_state_dict(module, optimizer, options=OPTIONS), self.tie)
             model.update(m)
             optim.update(o)
         return {"model": model, "optim": optim}
@@ -140,7 +144,10 @@ class Checkpointer:
         state = self._state()
         dcp.load(state, checkpoint_id=str(path))
         for module, optimizer in zip(self.parts.modules, self.optimizers):
-            set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            model_sd, optim_sd = state["model"], state["optim"]
+            if is_head_copy(module, self.tie):  # a last stage's copy of the tied embedding
+                model_sd, optim_sd = head_copy_state(model_sd, optim_sd)
+            set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                            options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
         trainer_state = json.loads((path / TRAINER_STATE).read_text())
         for scheduler in self.schedulers:  # one per model part, all on the same schedule

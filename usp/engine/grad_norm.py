@@ -1,7 +1,9 @@
 """Gradient clipping over every rank that holds a piece of the model: DTensor gradients
 (TP / FSDP) are reduced by DTensor itself, one group of same-mesh gradients at a time (a MoE
 model's experts, and its router under TP, live on other meshes than the rest); expert-parallel
-ranks add their experts' squared norms; pipeline stages add their squared norms."""
+ranks add their experts' squared norms; pipeline stages add their squared norms. A tied
+embedding's LM-head copy on the last stage (usp/engine/parallel/tied.py) holds the same gradient
+as the embedding: it is clipped but left out of the norm, so the weight counts once."""
 from __future__ import annotations
 
 import torch
@@ -23,10 +25,10 @@ def _norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=None, ep_group=None,
-                   expert_ids: set[int] | None = None) -> float:
+                   expert_ids: set[int] | None = None, duplicate: torch.nn.Parameter | None = None) -> float:
     """expert_ids: ids of the expert-parallel parameters (each EP rank holds different experts:
-    their squared norms add up over ep_group)."""
-    groups = _by_mesh(params, expert_ids or set())
+    their squared norms add up over ep_group). duplicate: a parameter left out of the norm."""
+    groups = _by_mesh([p for p in params if p is not duplicate], expert_ids or set())
     if ep_group is None and len(groups) == 1:  # the common case: one norm over one mesh
         total = _norm(next(iter(groups.values())))
     else:
@@ -42,6 +44,6 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=N
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
     if max_norm > 0:
-        for ps in groups.values():  # per mesh: foreach ops don't mix DTensors of different meshes
+        for ps in _by_mesh(params, set()).values():  # per mesh: foreach ops don't mix DTensors of different meshes
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return float(total)

@@ -31,6 +31,7 @@ from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.pipeline import pipeline_eval, pipeline_step
+from usp.engine.parallel.tied import sum_tied_grads
 from usp.plan.layout import data_parallel_kind
 from usp.rundir import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
 
@@ -97,9 +98,13 @@ class Trainer:
         loss = all_reduce_mean(loss, self.ctx)
         if not math.isfinite(loss):
             return self._non_finite(step, loss, what="loss", value=loss)
+        tied = self.parts.tied  # tied embeddings over pipeline stages: sum the two copies' gradients
+        if tied is not None:
+            sum_tied_grads(tied)
         clip = float(self.cfg.optimizer.grad_clip)
         with self._region(SPAN_OPTIMIZER):
-            grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"), *self.experts)
+            grad_norm = clip_grad_norm(list(self.parts.parameters()), clip, self.ctx.group("pp"), *self.experts,
+                                       duplicate=tied.head_copy if tied is not None else None)
             if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
                 return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
             self._optimizer_step()

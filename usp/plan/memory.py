@@ -264,8 +264,8 @@ def _held(arch: Arch, layout: Layout, r: int) -> _Held:
     expert_layer = arch.expert_params / ep
     emb = vocab_pad * arch.dim / t if holds_emb else 0
     head: float = 0
-    if holds_head:
-        tied_here = arch.tie_embeddings and holds_emb
+    if holds_head:  # tied: the head is the embedding itself only without pp; a pipeline's last stage holds a copy
+        tied_here = arch.tie_embeddings and layout.pp == 1
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
     return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
                  layers * dense_layer + emb + head, layers * expert_layer)

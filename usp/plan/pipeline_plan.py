@@ -1,6 +1,6 @@
 """The pipeline part of the run plan: schedule, micro batches, layer -> stage split and the
 stages each pp rank holds. Pure Python; the engine builds exactly these stages. The rules
-(tied embeddings, schedule vs micro batches, layers per stage) are in usp.plan.rules."""
+(schedule vs micro batches, layers per stage) are in usp.plan.rules."""
 from __future__ import annotations
 
 from usp.plan.pipeline_split import arch_split, stage_ranks

@@ -163,8 +163,9 @@ def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tup
 
 def arch_split(arch, n_stages: int, pp_layers: Sequence[int] | None = None) -> list[list[int]]:
     """split_layers for a model shape (usp.plan.specs.Arch): the memory-balanced split, or the
-    explicit parallelism.pp_layers."""
-    return split_layers(arch.n_layers, n_stages, arch.embed_params, arch.head_params, arch.layer_params,
+    explicit parallelism.pp_layers. The last stage always holds a v x h LM head: with tied
+    embeddings it is the embedding's copy (usp/engine/parallel/tied.py)."""
+    return split_layers(arch.n_layers, n_stages, arch.embed_params, arch.dim + arch.embed_params, arch.layer_params,
                         list(pp_layers) if pp_layers else None)
 
 
@@ -231,10 +232,3 @@ def validate_schedule(schedule: str, pp: int, virtual: int, n_microbatches: int)
                             key=gkey, value=n_microbatches,
                             fix=f"{gkey}={lower} or {upper} (a multiple of pp={pp})")
 
-
-def check_tied_embeddings(tie: bool, pp: int) -> None:
-    """Tied input/output embeddings would put one weight on the first and the last stage."""
-    if tie and pp > 1:
-        raise PlanError("tied embeddings cannot be split across pipeline stages (the embedding "
-                        "lives on the first stage, the LM head on the last)",
-                        key="model.tie_embeddings", value=tie, fix="model.tie_embeddings=false")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from usp.errors import PlanError
-from usp.plan.pipeline_split import check_explicit, check_tied_embeddings, validate_schedule
+from usp.plan.pipeline_split import check_explicit, validate_schedule
 from usp.plan.specs import ATTENTION_CHOICES, RECOMPUTE_MODES, Arch, Hardware, Layout, group_crosses_nodes
 
 KINDS = ("plan", "engine", "warn")
@@ -165,8 +165,6 @@ LAYOUT_RULES = [
          lambda s: f"zigzag context parallelism splits the sequence into 2 x cp = {2 * s.layout.cp} chunks",
          lambda s: f"train.seq_len={-(-s.settings.seq_len // (2 * s.layout.cp)) * 2 * s.layout.cp}",
          lambda s: s.settings.seq_len),
-    Rule("tied_embeddings_one_stage", "plan",
-         check=lambda s: check_tied_embeddings(s.arch.tie_embeddings, s.layout.pp)),
     Rule("recompute_mode", "plan", "train.recompute", lambda s: s.layout.recompute not in RECOMPUTE_MODES,
          f"unknown recompute mode; choose one of {', '.join(RECOMPUTE_MODES)}", "train.recompute=none",
          lambda s: s.layout.recompute),

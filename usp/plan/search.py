@@ -8,7 +8,7 @@ FSDP ZeRO-3 or ZeRO-2, HSDP when both > 1), ep for MoE models, recompute none / 
 micro batch that divides the per-rank batch. Fixed: the model, seq_len, the global batch and the
 cluster (every device is used). Selective recompute is not searched: with SDPA the model gives it
 the memory and FLOPs of `none`. Kept: the layouts no rule of kind "plan" or "engine" refuses
-(usp.plan.rules, the table `usp train` asks): so tp divides the heads, no pp with tied embeddings,
+(usp.plan.rules, the table `usp train` asks): so tp divides the heads,
 seq_len divisible by 2·cp, and for MoE models only the layouts this engine trains.
 """
 from __future__ import annotations

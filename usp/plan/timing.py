@@ -21,7 +21,8 @@ Model, per optimizer step:
               forward / backward; reduce-scatter: the backward); CP's K/V ring hides behind the
               attention of its layer up to OVERLAP; TP, EP all-to-alls and PP sends are exposed.
   step        compute_path x (1 + bubble) + exposed data-parallel comm, where compute_path =
-              compute + exposed TP / CP / EP / PP comm.
+              compute + exposed TP / CP / EP / PP comm. Tied embeddings under pp add the
+              embedding group's gradient all-reduce (exposed) to the data-parallel comm.
 """
 from __future__ import annotations
 
@@ -106,8 +107,8 @@ def rank_params(arch: Arch, layout: Layout) -> list[float]:
         n = sum(counts[i] for i in held) * layer
         if 0 in held:
             n += vocab_pad * arch.dim / t
-        if len(counts) - 1 in held:  # final norm, + the LM head unless it is the embedding on this rank
-            n += arch.dim + (0 if arch.tie_embeddings and 0 in held else vocab_pad * arch.dim / t)
+        if len(counts) - 1 in held:  # final norm, + the LM head unless it is the embedding (tied, no pp)
+            n += arch.dim + (0 if arch.tie_embeddings and layout.pp == 1 else vocab_pad * arch.dim / t)
         out.append(n)
     return out
 
@@ -290,13 +291,26 @@ def _sharded_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, 
 
 
 def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, cx: _Compute) -> list[CommTerm]:
-    """The data-parallel communication of the busiest rank's parameters."""
+    """The data-parallel communication of the busiest rank's parameters (+ the tied embedding's sum)."""
     psi = max(rank_params(arch, layout))
+    tied = [_tied_comm(arch, layout, hw, prec)] if arch.tie_embeddings and layout.pp > 1 \
+        and layout.pp_schedule != "zbv" else []  # zbv: first and last stage on one rank, summed locally
     if layout.dp_kind in ("ddp", "zero1", "replicate"):
-        return _replicated_dp_comm(layout, hw, prec, psi, cx)
+        return _replicated_dp_comm(layout, hw, prec, psi, cx) + tied
     if layout.dp_kind in ("fsdp", "hsdp", "zero1_fsdp"):
-        return _sharded_dp_comm(layout, hw, prec, _fsdp_equivalent(arch, layout, psi, cx), cx)
-    return []
+        return _sharded_dp_comm(layout, hw, prec, _fsdp_equivalent(arch, layout, psi, cx), cx) + tied
+    return tied
+
+
+def _tied_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision) -> CommTerm:
+    """Tied embeddings under pp: the embedding's and its LM-head copy's gradients (V·h/t, sharded
+    like the gradients under ZeRO-2/3) all-reduced between the first and the last stage's pp ranks,
+    once per step after the data-parallel reduction, before the optimizer: exposed."""
+    x = group_crosses_nodes(layout.degrees, hw.procs_per_node, ("pp",))
+    vocab_pad = -(-arch.vocab_size // layout.tp) * layout.tp
+    shard = layout.shard_degree if layout.zero_stage >= 2 else 1
+    nbytes = prec.grad * vocab_pad * arch.dim / layout.tp / shard  # 2(n-1)/n·S with n = 2
+    return _term("tied embedding gradient all-reduce (first + last stage)", "pp", 2, x, hw, 1, nbytes, 0.0)
 
 
 def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, cx: _Compute) -> float:

@@ -13,6 +13,7 @@ from usp.engine.accel import set_attention
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.parallelize import parallelize
 from usp.engine.parallel.pipeline import build_pipeline, lm_loss
+from usp.engine.parallel.tied import tied_embedding
 from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import moe_layers
 from usp.plan.pipeline_split import last_stage_rank
@@ -31,6 +32,7 @@ class ModelParts:
     stage_indices: list[int] = field(default_factory=list)
     stage_owner: dict[int, int] = field(default_factory=dict)
     hidden_dim: int = 0
+    tied: Any = None  # parallel/tied.py TiedEmbedding: tied embeddings split over pipeline stages
 
     def parameters(self):
         for m in self.modules:
@@ -75,6 +77,8 @@ def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
     schedule, wrapped = build_pipeline(build, pipe["stage_layers"], mine, ctx.group("pp"), ctx.device,
                                        int(pipe["n_microbatches"]), pipe["schedule"], lm_loss,
                                        parallelize_fn=lambda stage: parallelize(stage, plan, ctx))
+    tied = tied_embedding(ctx, list(mine), wrapped, pipe["rank_stages"], plan["ranks"]) \
+        if plan["config"]["model"].get("tie_embeddings") else None
     coef = float(plan["config"]["model"].get("aux_loss_coef", 0.0) or 0.0)
     for module in wrapped:  # no stage but the last sees the loss: each MoE layer attaches its aux loss's
         for moe in moe_layers(module):  # gradient to its output, per micro batch (loss = mean / n_microbatches)
@@ -85,7 +89,7 @@ def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
         last_pp_rank=last_stage_rank(ctx.degrees["pp"], int(pipe["virtual_stages"]), pipe["schedule"]),
         stage_indices=list(mine),
         stage_owner={stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages},
-        hidden_dim=int(plan["config"]["model"]["dim"]))
+        hidden_dim=int(plan["config"]["model"]["dim"]), tied=tied)
 
 
 class _Attrs(dict):

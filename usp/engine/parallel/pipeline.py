@@ -77,7 +77,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def build_stage_module(model: nn.Module, layer_ids: Sequence[int], is_first: bool, is_last: bool) -> nn.Module:
     """Cut a full Llama down to one stage, in place: keep `layer_ids`, the embedding only on the
-    first stage, the final norm and LM head only on the last. FQNs are unchanged."""
+    first stage, the final norm and LM head only on the last. FQNs are unchanged. A tied LM head
+    on a last stage without the embedding stays as the embedding's copy (parallel/tied.py)."""
     keep = {str(i) for i in layer_ids}
     for name in list(model.layers.keys()):
         if name not in keep:
