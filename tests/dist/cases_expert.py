@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -14,15 +15,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
 
 from tests.dist.harness import run_cases  # noqa: E402
-from usp.engine.parallel.expert import apply_expert_parallel, expert_param_names, reduce_gradients  # noqa: E402
+from usp.engine.parallel.expert import apply_expert_parallel  # noqa: E402
 from usp.models.llama import Llama, LlamaArgs  # noqa: E402
-from usp.models.moe import moe_aux_loss  # noqa: E402
+from usp.models.moe import expert_params, moe_aux_loss  # noqa: E402
 
 dist.init_process_group("gloo")
 WORLD, RANK = dist.get_world_size(), dist.get_rank()
 EP = dist.group.WORLD  # ep = dp = world: the edp group has one rank
+
+
+def expert_param_names(model: nn.Module) -> list[str]:
+    """FQNs (as model.named_parameters() spells them) of the expert-sharded parameters."""
+    ids = {id(p) for p in expert_params(model)}
+    return [n for n, p in model.named_parameters() if id(p) in ids]
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _sum_then_scale(params: Iterable[torch.Tensor], group, scale: float) -> None:
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    for p in params:  # an expert that got no tokens anywhere has no grad: reduce zeros
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    if _group_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat.mul_(scale)
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module, dp_group, ep_group=None, edp_group=None) -> None:
+    """After backward of each rank's own mean loss, make every gradient the gradient of the mean
+    of the dp ranks' losses (usp/engine/parallel/expert.py's docstring): non-expert grads SUM over
+    dp_group / dp, expert grads SUM over edp_group / dp. A group of None means a group of one rank (no
+    communication). ep_group is only used to check dp = ep * edp."""
+    dp, ep, edp = _group_size(dp_group), _group_size(ep_group), _group_size(edp_group)
+    if dp != ep * edp:
+        raise ValueError(f"dp size {dp} != ep size {ep} x edp size {edp}")
+    experts = {id(p) for p in expert_params(model)}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    expert = [p for p in model.parameters() if id(p) in experts]
+    _sum_then_scale(dense, dp_group, 1.0 / dp)
+    _sum_then_scale(expert, edp_group, 1.0 / dp)
 torch.set_num_threads(1)
 
 # moe_tiny's shape (conf/model/moe_tiny.yaml) with a small vocabulary.

@@ -193,6 +193,11 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
 
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The stacked expert weights of every MoE layer (what expert parallelism splits)."""
+    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+
+
 def moe_layers(model: nn.Module):
     return [m for m in model.modules() if isinstance(m, MoE)]
 

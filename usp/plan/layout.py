@@ -75,6 +75,10 @@ def layout_tag(degrees: dict[str, int]) -> str:
     return "-".join(parts) or "single"
 
 
+# The data-parallel kinds the engine builds with FSDP2's fully_shard (the others: DDP, or nothing).
+FSDP_KINDS = ("fsdp", "hsdp", "replicate", "zero1_fsdp")
+
+
 def data_parallel_kind(degrees: dict[str, int], zero1: bool = False) -> str:
     """How gradients are reduced across data-parallel (and context-parallel) ranks:
     none | ddp | zero1 | fsdp | hsdp | replicate (FSDP2 replication, for DTensor models) |

@@ -22,8 +22,8 @@ without an active exception" at process exit, so a plain autograd.Function is us
 
 Gradient reduction. In training the engine lets FSDP2 do it (usp/engine/parallel/data.py:
 experts are their own FSDP unit over (dp_replicate, dp_shard_mod_ep), gradients summed and divided
-by the data-parallel size). `reduce_gradients` below is the same arithmetic by hand, for a model
-without a data-parallel wrapper (tests/dist/cases_expert.py):
+by the data-parallel size). tests/dist/cases_expert.py does the same arithmetic by hand
+(`reduce_gradients`), for a model without a data-parallel wrapper:
   Let dp = number of data-parallel ranks whose losses are averaged (the EP group lies inside
   them), L = (1/dp) * sum_s L_s the global loss, L_s the mean loss of rank s's batch.
   * non-expert parameters (attention, norms, embeddings, router, shared expert) are replicated
@@ -41,14 +41,12 @@ without a data-parallel wrapper (tests/dist/cases_expert.py):
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from usp.models.moe import GroupedExperts, moe_layers
+from usp.models.moe import GroupedExperts, expert_params, moe_layers
 
 
 class _AllToAll(torch.autograd.Function):
@@ -123,52 +121,4 @@ def expert_clip_args(modules: list[nn.Module], ctx, ep: int) -> tuple:
     """(ep group, ids of the expert parameters) for `clip_grad_norm`; (None, None) without EP."""
     if ep <= 1:
         return None, None
-    ids = {id(p) for m in modules for sub in m.modules() if isinstance(sub, GroupedExperts) for p in sub.parameters()}
-    return ctx.expert_mesh(ep)["ep"].get_group(), ids
-
-
-def is_expert_param(model: nn.Module, param: torch.Tensor) -> bool:
-    """True for a stacked expert weight (sharded by EP), False for everything else."""
-    return any(param is p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
-
-
-def expert_param_names(model: nn.Module) -> list[str]:
-    """FQNs (as model.named_parameters() spells them) of the expert-sharded parameters."""
-    ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-    return [n for n, p in model.named_parameters() if id(p) in ids]
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _sum_then_scale(params: Iterable[torch.Tensor], group, scale: float) -> None:
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        return
-    for p in params:  # an expert that got no tokens anywhere has no grad: reduce zeros
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
-    if _group_size(group) > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    flat.mul_(scale)
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
-
-
-@torch.no_grad()
-def reduce_gradients(model: nn.Module, dp_group, ep_group=None, edp_group=None) -> None:
-    """After backward of each rank's own mean loss, make every gradient the gradient of the mean
-    of the dp ranks' losses (module docstring): non-expert grads SUM over dp_group / dp, expert
-    grads SUM over edp_group / dp. A group of None means a group of one rank (no
-    communication). ep_group is only used to check dp = ep * edp."""
-    dp, ep, edp = _group_size(dp_group), _group_size(ep_group), _group_size(edp_group)
-    if dp != ep * edp:
-        raise ValueError(f"dp size {dp} != ep size {ep} x edp size {edp}")
-    experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-    dense = [p for p in model.parameters() if id(p) not in experts]
-    expert = [p for p in model.parameters() if id(p) in experts]
-    _sum_then_scale(dense, dp_group, 1.0 / dp)
-    _sum_then_scale(expert, edp_group, 1.0 / dp)
+    return ctx.expert_mesh(ep)["ep"].get_group(), {id(p) for m in modules for p in expert_params(m)}

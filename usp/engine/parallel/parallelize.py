@@ -12,7 +12,7 @@ from usp.engine.parallel.data import apply_ddp, apply_fsdp
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.precision import fsdp_mp_policy
 from usp.engine.parallel.recompute import apply_recompute
-from usp.plan.layout import data_parallel_kind
+from usp.plan.layout import FSDP_KINDS, data_parallel_kind
 
 
 def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
@@ -37,7 +37,7 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
         for name, block in list(model.layers.named_children()):
             model.layers[name] = torch.compile(block)
     kind = data_parallel_kind(deg, bool(par["zero1"]))
-    if kind in ("fsdp", "hsdp", "replicate", "zero1_fsdp"):
+    if kind in FSDP_KINDS:
         reshard = bool(par["reshard_after_forward"]) and kind in ("fsdp", "hsdp")  # ZeRO-1/replication: never
         return apply_fsdp(model, ctx, reshard_after_forward=reshard, mp_policy=fsdp_mp_policy(plan),
                           shard_replicas=kind == "zero1_fsdp", ep=ep)  # mp_policy: bf16 compute on GPU, None on CPU
