@@ -192,6 +192,13 @@ class ProfileConfig:
 
 
 @dataclass
+class PlannerConfig:
+    # Whose training recipe the planner predicts (usp/plan/profile.py): usp (this engine) | nanotron
+    # (the settings of the Ultra-Scale Playbook's benchmark runs).
+    profile: str = "usp"
+
+
+@dataclass
 class UspConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -202,6 +209,7 @@ class UspConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 SCHEMA_NAME = "usp_schema"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from usp.plan.profile import Profile, get_profile
 from usp.plan.rules import Settings, Subject
 from usp.plan.specs import Arch, Hardware, Layout, Precision
 
@@ -17,6 +18,7 @@ class PlannerContext:
     seq_len: int
     global_batch: int
     settings: Settings
+    profile: Profile
 
 
 def tokenizer_vocab(data) -> int:
@@ -35,7 +37,10 @@ def planner_context(cfg, vocab: int | None = None) -> PlannerContext:
     gb = int(train.global_batch_tokens) // seq if train.global_batch_tokens is not None else int(train.global_batch)
     arch = Arch.from_model(cfg.model, vocab or data_vocab(cfg.model, cfg.data))
     hw = Hardware.from_cluster(cfg.cluster)
-    return PlannerContext(arch, hw, Precision.resolve(str(train.dtype), hw.device), seq, gb, Settings.from_config(cfg))
+    planner = getattr(cfg, "planner", None)
+    profile = get_profile(str(getattr(planner, "profile", "usp")))
+    return PlannerContext(arch, hw, Precision.resolve(str(train.dtype), hw.device), seq, gb, Settings.from_config(cfg),
+                          profile)
 
 
 def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:

@@ -13,6 +13,7 @@ from usp.errors import PlanError
 from usp.plan import rules
 from usp.plan.batch import BatchPlan, plan_batch
 from usp.plan.context import PlannerContext
+from usp.plan.profile import get_profile
 from usp.plan.rules import Subject
 from usp.plan.specs import GIB, Layout, Precision
 
@@ -45,7 +46,8 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
 
     hw, layout = subject.hw, subject.layout
     ctx = PlannerContext(subject.arch, hw, Precision.resolve(str(cfg.train.dtype), hw.device), plan.batch.seq_len,
-                         plan.batch.global_batch, subject.settings)
+                         plan.batch.global_batch, subject.settings,
+                         get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp"))))
     warnings = rules.warnings(subject, strict=strict)
     warnings += check_observability(cfg, training)
     plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec)
