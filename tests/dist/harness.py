@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -65,10 +66,12 @@ def run_cases(cases: dict) -> None:
     for name, fn in cases.items():
         if only and only not in name:
             continue
+        start = time.perf_counter()
         try:
             result = {"ok": True, **(fn() or {})}
         except Exception as exc:  # report and go on with the next case
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        result["seconds"] = round(time.perf_counter() - start, 2)  # where a launch's time goes
         if path and (rank == 0 or not result["ok"]):
             with open(path, "a") as f:
                 f.write(json.dumps({"case": name, "rank": rank, **result}, default=float) + "\n")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import tempfile
 
+import torch.distributed as dist
+
 from usp.config.reference import reference_overrides
-from usp.engine.verify_worker import verify_plans
+from usp.engine.verify_worker import train_reference, verify_against
 
 
 def plan_dict(overrides: list[str], world: int, runs_dir: str) -> dict:
@@ -25,7 +27,17 @@ def plan_dict(overrides: list[str], world: int, runs_dir: str) -> dict:
     return plan.to_dict()
 
 
+_REFERENCES: dict[tuple, tuple] = {}  # reference overrides -> (metrics, parameters), rank 0 of one launch
+
+
 def verify_case(overrides: list[str], world: int) -> dict:
-    """Plan a layout and its reference from overrides (tests), then verify_plans."""
+    """Plan a layout and its reference from overrides (tests), then verify them as `usp verify`
+    does. Layouts of one launch share references (same model, data, dtype): each is trained once."""
+    key = tuple(reference_overrides(overrides))
     with tempfile.TemporaryDirectory() as tmp:
-        return verify_plans(plan_dict(overrides, world, tmp), plan_dict(reference_overrides(overrides), 1, tmp))
+        ref = None
+        if dist.get_rank() == 0:
+            if key not in _REFERENCES:
+                _REFERENCES[key] = train_reference(plan_dict(list(key), 1, tmp))
+            ref = _REFERENCES[key]
+        return verify_against(plan_dict(overrides, world, tmp), ref)

@@ -100,18 +100,24 @@ def compare(reference: list[dict], layout: list[dict], ref_params: dict, params:
 def verify_plans(plan: dict, reference: dict) -> dict:
     """Rank 0 trains the single-process reference, then every rank trains the layout; rank 0
     returns the comparison (other ranks return {})."""
-    ref = None
-    if plan["world_size"] == 1 or dist.get_rank() == 0:
-        ctx = udist.make_context(reference)
-        trainer = Trainer(reference, ctx, write_outputs=False)
-        trainer.fit()
-        ref = (trainer.history, gather_full_params(trainer))
-        del trainer
-    history, params = run_layout(plan)
-    if ref is None:
-        return {}
-    return compare(ref[0], history, ref[1], params)
+    ref = train_reference(reference) if plan["world_size"] == 1 or dist.get_rank() == 0 else None
+    return verify_against(plan, ref)
 
+
+def train_reference(reference: dict) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The single-process reference's metrics and final parameters (on rank 0 only: it trains
+    alone while the other ranks wait)."""
+    trainer = Trainer(reference, udist.make_context(reference), write_outputs=False)
+    trainer.fit()
+    ref = (trainer.history, gather_full_params(trainer))
+    del trainer
+    return ref
+
+
+def verify_against(plan: dict, ref: tuple | None) -> dict:
+    """Every rank trains the layout; rank 0 (holding `ref`) returns the comparison, the others {}."""
+    history, params = run_layout(plan)
+    return {} if ref is None else compare(ref[0], history, ref[1], params)
 
 
 def run_verify(plan_path: str, reference_path: str, out: str) -> int:
