@@ -22,8 +22,10 @@ demo: setup
 	$(VENV)/bin/usp train conf=tiny_demo
 
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
+# Two pytest-xdist workers, each taking whole files (module fixtures such as the parity matrix's
+# torchrun launches are built once), the longest files first (tests/conftest.py LONGEST_FIRST).
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # Everything but the multi-process, Slurm and slow (long training) tests: a quick check while editing

@@ -17,6 +17,21 @@ _CACHE = Path(tempfile.mkdtemp(prefix="usp-test-cache-"))
 os.environ["USP_CACHE_DIR"] = str(_CACHE)
 
 
+# The files that take longest, longest first. `make test` runs the suite on two pytest-xdist
+# workers that each take whole files in collection order (--dist loadfile --no-loadscope-reorder):
+# starting these first keeps both cores busy to the end instead of leaving one file running alone.
+# Much of their time is single-process (CLI start-up, rank 0's reference, Slurm scheduling), so two
+# at once overlap well on two cores.
+LONGEST_FIRST = ("test_parallel.py", "test_checkpoint.py", "test_slurm.py", "test_training.py", "test_moe.py",
+                 "test_memory_calibration.py", "test_pipeline.py", "test_bench_smoke.py", "test_failures.py",
+                 "test_context_parallel.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE, ignore_errors=True)
 
