@@ -136,8 +136,9 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-    run_plan, plan_path = prepare_run(composed, choices)
+    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
     from usp.launch.local import launch_local
+    from usp.runlock import release
 
     try:
         code = launch_local(run_plan, plan_path)
@@ -146,6 +147,8 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
 
         traceback.print_exc()
         code = 1
+    finally:
+        release(run_plan.run_dir)
     if code:
         from usp.launch.status import print_failure_summary
         from usp.rundir import logs_dir
@@ -173,7 +176,8 @@ def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
     from usp.launch.prepare import prepare_run
     from usp.launch.submit import check_submittable, submit_run
 
-    run_plan, plan_path = prepare_run(composed, choices, prepare_data=not dry_run, check=check_submittable)
+    run_plan, plan_path = prepare_run(composed, choices, prepare_data=not dry_run, check=check_submittable,
+                                      hold_lock=False)
     submit_run(run_plan, plan_path, ["usp", verb, *(overrides or [])], dry_run=dry_run)
 
 

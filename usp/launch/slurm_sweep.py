@@ -34,7 +34,7 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
             continue
         try:
             plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()),
-                                          plan=point.plan, prepare_data=not dry_run)
+                                          plan=point.plan, prepare_data=not dry_run, hold_lock=False)
         except UspError as exc:
             point.status, point.reason, failed = "failed", one_line(exc), failed + 1
             continue

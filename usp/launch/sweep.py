@@ -22,6 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from usp import runlock
 from usp.errors import LaunchError, UspError, one_line
 from usp.names import check_dir_name
 from usp.rundir import EXIT_INTERRUPTED, STOP_CODES, logs_dir, read_plan_if_any
@@ -218,6 +219,8 @@ def _run_point(point: SweepPoint, prepare_run, launch) -> tuple[int, str | None]
         return EXIT_INTERRUPTED, "interrupted"
     except Exception as exc:  # one rank runs in-process: its exception is this point's failure
         return 1, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    finally:
+        runlock.release(plan.run_dir)
 
 
 def _failure_reason(point: SweepPoint, code: int) -> str:
