@@ -58,15 +58,25 @@ def _user_errors():
     return (UspError, DataError)
 
 
+def _nothing_to_do():
+    from usp.launch.checkpoints import RunAlreadyDone
+
+    return RunAlreadyDone
+
+
 def handles_errors(command):
     """The one error wrapper of every command: a problem the user can fix (UspError, DataError)
-    is printed as one red line (with its fix) and exits 2, never as a stack trace."""
+    is printed as one red line (with its fix) and exits 2, never as a stack trace. A run that is
+    already at train.steps says so and exits 0."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except _user_errors() as exc:  # evaluated only when something was raised: no import cost
             _fail(exc)
+        except _nothing_to_do() as done:
+            typer.echo(str(done))
+            raise typer.Exit(0) from None
 
     return wrapper
 

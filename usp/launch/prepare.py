@@ -10,7 +10,7 @@ from rich.console import Console
 
 from usp import runlock
 from usp.errors import LaunchError
-from usp.launch.checkpoints import check_checkpoint_dir
+from usp.launch.checkpoints import check_checkpoint_dir, check_resume
 from usp.plan.io import write_plan
 from usp.plan.plan import checked_plan
 from usp.plan.render import render_plan
@@ -48,6 +48,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
 
 
 def _prepare(plan, cfg, run_dir: Path, console: Console, prepare_data: bool):
+    check_resume(plan)  # an incompatible checkpoint, or nothing left to train: before plan.yaml is rewritten
     try:
         check_checkpoint_dir(plan)  # writable, with room for keep_last + 1 checkpoints
     except LaunchError as exc:

@@ -24,6 +24,7 @@ from rich.console import Console
 
 from usp import runlock
 from usp.errors import LaunchError, UspError, one_line
+from usp.launch.checkpoints import RunAlreadyDone
 from usp.names import check_dir_name
 from usp.rundir import EXIT_INTERRUPTED, STOP_CODES, logs_dir, read_plan_if_any
 from usp.runstate import analyse_failures
@@ -213,6 +214,8 @@ def _run_point(point: SweepPoint, prepare_run, launch) -> tuple[int, str | None]
         plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()), plan=point.plan)
     except UspError as exc:  # e.g. the run directory or the data: this point only
         return 2, one_line(exc)
+    except RunAlreadyDone:  # its checkpoint is at train.steps already
+        return 0, None
     try:
         return int(launch(plan, plan_path)), None
     except KeyboardInterrupt:
