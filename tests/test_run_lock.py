@@ -15,7 +15,6 @@ import pytest
 from conftest import _CACHE, run_usp, usp_cli
 
 from usp import runlock
-from usp.errors import LaunchError
 
 FAST = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
         "train.eval_batches=1", "train.sample_tokens=0", "logging.console=plain", "train.log_interval=1",
@@ -89,11 +88,14 @@ def test_lock_is_exclusive_and_released(tmp_path):
     lock = runlock.acquire(tmp_path, say=lambda m: None)
     info = runlock.read_lock(tmp_path)
     assert info is not None and info.live and info.record["pid"] == os.getpid()
-    with pytest.raises(LaunchError) as err:  # a second launch in this very process is refused too
-        runlock.acquire(tmp_path, say=lambda m: None)
-    assert f"pid {os.getpid()}" in str(err.value) and "train.name" in str(err.value)
-    adopted = runlock.acquire(tmp_path, token=lock.token)  # the engine's rank 0: the launcher's lock
-    adopted.release()
+    other = subprocess.run([sys.executable, "-c", f"from usp import runlock; runlock.acquire({str(tmp_path)!r})"],
+                           capture_output=True, text=True)  # another process: refused
+    assert other.returncode == 1 and "LaunchError" in other.stderr and f"pid {os.getpid()}" in other.stderr
+    assert "train.name" in other.stderr
+    for adopted in (runlock.acquire(tmp_path, token=lock.token),  # the engine's rank 0: the launcher's lock
+                    runlock.acquire(tmp_path)):  # this process runs it again (a sweep, one point after another)
+        assert adopted.token == lock.token and not adopted.owned
+        adopted.release()
     assert runlock.read_lock(tmp_path) is not None  # adopting never removes it
     lock.release()
     assert runlock.read_lock(tmp_path) is None

@@ -93,7 +93,8 @@ def read_lock(run_dir, now: float | None = None) -> LockInfo | None:
     except (ValueError, AssertionError):
         live = age < _FRESH_EMPTY_S
         return LockInfo(path, {}, heartbeat, live, "being written" if live else "unreadable and old")
-    host, pid = record.get("host"), int(record.get("pid") or 0)
+    host, pid = record.get("host"), record.get("pid")
+    pid = pid if isinstance(pid, int) else 0
     if host == socket.gethostname() and pid:
         start = _pid_start(pid)
         if not _pid_alive(pid) or (start is not None and record.get("pid_start") not in (None, start)):
@@ -193,11 +194,17 @@ def refuse_if_locked(run_dir, verb: str = "train") -> LockInfo | None:
 
 def acquire(run_dir, say=print, token: str | None = None) -> RunLock:
     """Take the run directory's lock: refused (LaunchError) while a live run holds it; a stale lock
-    is taken over with a message. `token`: a lock with this token is ours already (adopted)."""
+    is taken over with a message. A lock with `token`, or one this process holds already, is
+    adopted: kept alive, not removed by the adopter's release (the engine's rank 0 under its
+    launcher; a process that runs several runs one after another, like a sweep or the tests)."""
     path = lock_path(run_dir)
     for _ in range(3):
-        if token is not None and (held := read_lock(run_dir)) is not None and held.record.get("token") == token:
-            return RunLock(run_dir, token, owned=False)  # the launcher's: keep it alive, don't remove it
+        current = read_lock(run_dir)
+        ours = _HELD.get(str(path))  # one process may run its runs one after another
+        adoptable = {t for t in (token, ours.token if ours is not None else None) if t}
+        if current is not None and current.record.get("token") in adoptable:
+            # the launcher's (or ours): keep it alive, don't remove it
+            return RunLock(run_dir, current.record["token"], owned=False)
         mine = secrets.token_hex(8)
         if _create(path, mine):
             lock = _HELD[str(path)] = RunLock(run_dir, mine, owned=True)

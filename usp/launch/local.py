@@ -72,7 +72,10 @@ def launch_local(plan, plan_path: Path) -> int:
             os.environ[TOKEN_ENV] = token
         from usp.engine.worker import run_worker  # torch is imported only now, to train
 
-        return run_worker(str(plan_path))
+        try:
+            return run_worker(str(plan_path))
+        finally:
+            os.environ.pop(TOKEN_ENV, None)
     started = time.time()
     cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
     proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
