@@ -123,13 +123,15 @@ def test_stale_locks(tmp_path):
     assert "taking over the stale run lock" in said[0] and "Slurm job 77" in said[0] and "no heartbeat" in said[0]
 
 
-def test_submit_refuses_a_run_dir_held_by_a_live_run(tmp_path):
+def test_submit_and_plan_save_refuse_a_run_dir_held_by_a_live_run(tmp_path):
     run_dir = tmp_path / "runs" / "held"
     run_dir.mkdir(parents=True)
     lock = runlock.acquire(run_dir, say=lambda m: None)
     try:
         proc = usp_cli("submit", "cluster=local_slurm", "train.name=held", "--dry-run", cwd=tmp_path)
         assert proc.returncode == 2 and "in use by a live run" in proc.stderr, proc.stdout + proc.stderr
+        saved = usp_cli("plan", "train.name=held", "--save", cwd=tmp_path)
+        assert saved.returncode == 2 and "in use by a live run" in saved.stderr, saved.stdout + saved.stderr
         assert sorted(p.name for p in run_dir.iterdir()) == [runlock.LOCK]  # nothing written
     finally:
         lock.release()

@@ -110,7 +110,9 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     render_refusals(failures)
     if save:
         from usp.plan.io import write_plan
+        from usp.runlock import refuse_if_locked
 
+        refuse_if_locked(run_plan.run_dir, "plan --save")  # a live run's checkpoints copy its plan.yaml
         typer.echo(f"plan written to {write_plan(run_plan)}")
 
 
