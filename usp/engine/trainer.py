@@ -250,8 +250,7 @@ class Trainer:
                    "final_loss": loss, "final_val_loss": val_loss, "world_size": self.ctx.world_size}
         if self.probe:
             summary.update(self.probe.summary(self.history))
-        # JSON has no NaN: a non-finite value (a skipped step's loss) is written as null.
-        summary = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
+        summary = finite_or_null(summary)
         self.log.info("done: %s", json.dumps(summary))
         if self.trackers:
             write_text_atomic(self.run_dir / SUMMARY, json.dumps(summary, indent=2, allow_nan=False) + "\n")
@@ -339,6 +338,11 @@ class Preempted(Exception):
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+def finite_or_null(summary: dict) -> dict:
+    """JSON has no NaN or Infinity: a non-finite value (the loss of a skipped step) becomes null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
 
 
 def _item(loss) -> float:
