@@ -129,7 +129,7 @@ def test_two_runs_are_overlaid(sweep_dir, tmp_path):
     assert loss["p02_mb16 train"]["y"] == [r["loss"] for r in read_metrics(sweep_dir / "p02_mb16" / "metrics.jsonl")]
     assert len(result.plot("memory").data["measured"]["x"]) == 2
     md = result.markdown.read_text()
-    assert "| s/p00_mb4 |" in md and "| s/p02_mb16 |" in md
+    assert "| p00_mb4 |" in md and "| p02_mb16 |" in md
 
 
 def test_profile_summary_without_trace_gives_the_top_ops_table(sweep_dir, tmp_path):
