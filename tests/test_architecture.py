@@ -13,24 +13,27 @@ import pytest
 USP = Path(__file__).resolve().parents[1] / "usp"
 
 # package -> the usp packages it may import (besides itself). usp.errors and usp.rundir are the
-# floor every layer stands on; launch reaches the engine only to run one rank in-process.
+# floor every layer stands on (with usp.names, the directory-name rule, and usp.runlock, the run
+# lock, both on usp.errors alone); launch reaches the engine only to run one rank in-process.
+BASE = {"usp.errors", "usp.rundir", "usp.names", "usp.runlock"}
 ALLOWED = {
     "usp.errors": set(),
     "usp.rundir": set(),
-    "usp.runstate": {"usp.errors", "usp.rundir"},
-    "usp.sweeprecord": {"usp.errors", "usp.rundir", "usp.runstate"},
+    "usp.names": {"usp.errors"},
+    "usp.runlock": {"usp.errors"},
+    "usp.runstate": BASE,
+    "usp.sweeprecord": BASE | {"usp.runstate"},
     "usp.config": {"usp.errors"},
     "usp.data": {"usp.errors", "usp.rundir"},
     "usp.models": set(),
-    "usp.plan": {"usp.errors", "usp.rundir", "usp.config", "usp.data"},
-    "usp.report": {"usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan"},
-    "usp.launch": {"usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data",
-                   "usp.engine"},
-    "usp.engine": {"usp.errors", "usp.rundir", "usp.plan", "usp.data", "usp.models"},
-    "usp.cli": {"usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data",
-                "usp.launch", "usp.report", "usp.engine"},
+    "usp.plan": BASE | {"usp.config", "usp.data"},
+    "usp.report": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan"},
+    "usp.launch": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data", "usp.engine"},
+    "usp.engine": BASE | {"usp.plan", "usp.data", "usp.models"},
+    "usp.cli": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data", "usp.launch",
+                       "usp.report", "usp.engine"},
 }
-TORCH_FREE = ("usp.errors", "usp.rundir", "usp.runstate", "usp.sweeprecord",
+TORCH_FREE = ("usp.errors", "usp.rundir", "usp.names", "usp.runlock", "usp.runstate", "usp.sweeprecord",
               "usp.config", "usp.plan", "usp.launch", "usp.report", "usp.cli")
 
 

@@ -5,6 +5,7 @@ leaves the previous checkpoint usable."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -163,19 +164,23 @@ def test_tied_embeddings_under_pp_stored_once_and_resharded(tmp_path, shakespear
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncate", "no_metadata"])
+@pytest.mark.parametrize("damage", ["truncate", "no_metadata", "corrupt_metadata"])
 def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, shakespeare, damage):
-    common = ["train.steps=6", "checkpoint.interval=3", "train.name=run"]
-    train(tmp_path, *common)
+    common = ["checkpoint.interval=3", "train.name=run"]
+    train(tmp_path, "train.steps=6", *common)
     first = losses(tmp_path / "run")
     newest = tmp_path / "run" / "checkpoints" / "step_00000006"
     if damage == "truncate":
         shard = next(newest.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    else:
+    elif damage == "no_metadata":
         (newest / ".metadata").unlink()
-    proc = train(tmp_path, *common)
-    assert "step_00000006 is incomplete" in proc.stdout and "resumed from" in proc.stdout and "step 3" in proc.stdout
+    else:  # same size, other bytes: the manifest can't tell; DCP's load fails (a CheckpointException)
+        meta = (newest / ".metadata").read_bytes()
+        (newest / ".metadata").write_bytes(bytes(b ^ 0xFF for b in meta))
+    proc = train(tmp_path, "train.steps=7", *common)  # one more step: not "already at step 6"
+    said = "is corrupt (" if damage == "corrupt_metadata" else "is incomplete"
+    assert f"step_00000006 {said}" in proc.stdout and "resumed from" in proc.stdout and "step 3" in proc.stdout
     assert_same(first, losses(tmp_path / "run"), range(1, 7), 1e-6)
 
 
@@ -225,3 +230,18 @@ def test_non_finite_loss(tmp_path, shakespeare, policy):
         assert complete and f"at step {complete[-1] + 1}" in text
     else:
         assert proc.returncode == 0 and "step skipped" in text
+        summary = json.loads((tmp_path / "nan" / "summary.json").read_text(), parse_constant=_no_nan)
+        assert summary["final_loss"] is None or math.isfinite(summary["final_loss"])
+
+
+def _no_nan(name: str):
+    raise AssertionError(f"{name} in summary.json (not JSON)")
+
+
+def test_summary_never_holds_nan():
+    from usp.engine.trainer import finite_or_null
+
+    summary = finite_or_null({"steps": 3, "final_loss": float("nan"), "first_loss": float("inf"), "tokens_per_s": 2.5,
+                              "final_val_loss": None})
+    assert summary == {"steps": 3, "final_loss": None, "first_loss": None, "tokens_per_s": 2.5, "final_val_loss": None}
+    json.loads(json.dumps(summary, allow_nan=False), parse_constant=_no_nan)

@@ -246,7 +246,7 @@ def test_train_failure_summary_and_stale_records(tmp_path):
     os.utime(run_dir / "plan.yaml", (time.time() + 5, time.time() + 5))
     assert not print_failure_summary(run_dir, Console(file=io.StringIO()))
     proc = usp_cli("status", str(run_dir), cwd=tmp_path)
-    assert proc.returncode == 0 and "incomplete / running" in proc.stdout and "earlier failures" in proc.stdout
+    assert proc.returncode == 0 and "stopped" in proc.stdout and "earlier failures" in proc.stdout
 
 
 FAST_TRAIN = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",

@@ -105,10 +105,10 @@ def test_run_plots_match_metrics(sweep_dir, tmp_path):
     assert result.out == run / "report" and result.markdown.is_file()
     metrics = read_metrics(run / "metrics.jsonl")
     loss = result.plot("loss").data
-    assert loss["s/p01_mb8 train"] == {"x": [1, 2, 3], "y": [r["loss"] for r in metrics]}
-    assert loss["s/p01_mb8 val"]["x"] == [2, 3]
-    assert result.plot("lr").data["s/p01_mb8"]["y"] == [r["lr"] for r in metrics]
-    assert result.plot("throughput").data["s/p01_mb8 tokens/s"]["y"] == [r["tokens_per_s"] for r in metrics]
+    assert loss["p01_mb8 train"] == {"x": [1, 2, 3], "y": [r["loss"] for r in metrics]}
+    assert loss["p01_mb8 val"]["x"] == [2, 3]
+    assert result.plot("lr").data["p01_mb8"]["y"] == [r["lr"] for r in metrics]
+    assert result.plot("throughput").data["p01_mb8 tokens/s"]["y"] == [r["tokens_per_s"] for r in metrics]
     memory = result.plot("memory").data
     plan_memory = __import__("yaml").safe_load((run / "plan.yaml").read_text())["memory"]["stages"][0]
     assert memory["predicted"]["y"][0] == pytest.approx((plan_memory["total"] - plan_memory["overhead"]) / 2 ** 30)
@@ -125,11 +125,11 @@ def test_run_plots_match_metrics(sweep_dir, tmp_path):
 def test_two_runs_are_overlaid(sweep_dir, tmp_path):
     result = write_report([str(sweep_dir / "p00_mb4"), str(sweep_dir / "p02_mb16")], tmp_path / "two")
     loss = result.plot("loss").data
-    assert {"s/p00_mb4 train", "s/p02_mb16 train"} <= set(loss)
-    assert loss["s/p02_mb16 train"]["y"] == [r["loss"] for r in read_metrics(sweep_dir / "p02_mb16" / "metrics.jsonl")]
+    assert {"p00_mb4 train", "p02_mb16 train"} <= set(loss)
+    assert loss["p02_mb16 train"]["y"] == [r["loss"] for r in read_metrics(sweep_dir / "p02_mb16" / "metrics.jsonl")]
     assert len(result.plot("memory").data["measured"]["x"]) == 2
     md = result.markdown.read_text()
-    assert "| s/p00_mb4 |" in md and "| s/p02_mb16 |" in md
+    assert "| p00_mb4 |" in md and "| p02_mb16 |" in md
 
 
 def test_profile_summary_without_trace_gives_the_top_ops_table(sweep_dir, tmp_path):

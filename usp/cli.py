@@ -58,15 +58,25 @@ def _user_errors():
     return (UspError, DataError)
 
 
+def _nothing_to_do():
+    from usp.launch.checkpoints import RunAlreadyDone
+
+    return RunAlreadyDone
+
+
 def handles_errors(command):
     """The one error wrapper of every command: a problem the user can fix (UspError, DataError)
-    is printed as one red line (with its fix) and exits 2, never as a stack trace."""
+    is printed as one red line (with its fix) and exits 2, never as a stack trace. A run that is
+    already at train.steps says so and exits 0."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except _user_errors() as exc:  # evaluated only when something was raised: no import cost
             _fail(exc)
+        except _nothing_to_do() as done:
+            typer.echo(str(done))
+            raise typer.Exit(0) from None
 
     return wrapper
 
@@ -100,7 +110,9 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     render_refusals(failures)
     if save:
         from usp.plan.io import write_plan
+        from usp.runlock import refuse_if_locked
 
+        refuse_if_locked(run_plan.run_dir, "plan --save")  # a live run's checkpoints copy its plan.yaml
         typer.echo(f"plan written to {write_plan(run_plan)}")
 
 
@@ -136,8 +148,9 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-    run_plan, plan_path = prepare_run(composed, choices)
+    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
     from usp.launch.local import launch_local
+    from usp.runlock import release
 
     try:
         code = launch_local(run_plan, plan_path)
@@ -146,6 +159,8 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
 
         traceback.print_exc()
         code = 1
+    finally:
+        release(run_plan.run_dir)
     if code:
         from usp.launch.status import print_failure_summary
         from usp.rundir import logs_dir
@@ -173,7 +188,8 @@ def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
     from usp.launch.prepare import prepare_run
     from usp.launch.submit import check_submittable, submit_run
 
-    run_plan, plan_path = prepare_run(composed, choices, prepare_data=not dry_run, check=check_submittable)
+    run_plan, plan_path = prepare_run(composed, choices, prepare_data=not dry_run, check=check_submittable,
+                                      hold_lock=False)
     submit_run(run_plan, plan_path, ["usp", verb, *(overrides or [])], dry_run=dry_run)
 
 

@@ -1,8 +1,10 @@
 """What state a run is in, read from its run directory alone (no torch): `usp status`, `usp train`'s
 failure summary, sweeps and `usp report` all ask here.
 
-State: completed (summary.json, no failure after it), failed (logs/failure_rank<R>.json files
-of the latest launch, not followed by a restart), else incomplete / running. For a failed run
+State: running (a live run lock, usp/runlock.py: its process is alive, or its heartbeat is
+fresh), else completed (summary.json, no failure after it), failed (logs/failure_rank<R>.json
+files of the latest launch, not followed by a restart), else stopped (killed, interrupted or
+preempted: nothing runs, and it didn't finish). A dead run is never "running". For a failed run
 the root cause is the earliest failure that is not a "lost peer" (a rank that lost its
 connection only because another one died); ranks of the plan that left no failure file died
 without a Python traceback (a signal: the OOM killer, SIGKILL, or torchrun stopping them)."""
@@ -14,8 +16,9 @@ from pathlib import Path
 
 from usp.errors import LaunchError
 from usp.rundir import FAILURE_GLOB, LOST_PEER, events_path, logs_dir, plan_path, read_jsonl, summary_path
+from usp.runlock import read_lock
 
-COMPLETED, FAILED, INCOMPLETE = "completed", "failed", "incomplete"
+RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"
 
 
 @dataclass
@@ -91,12 +94,16 @@ def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
 
 
 def run_state(run_dir: Path, report: FailureReport) -> str:
-    """COMPLETED (summary.json of this launch, no failure after it), FAILED or INCOMPLETE."""
+    """RUNNING (a live run lock), COMPLETED (summary.json of this launch, no failure after it),
+    FAILED or STOPPED."""
+    lock = read_lock(run_dir)
+    if lock is not None and lock.live:
+        return RUNNING
     latest_failure = max((float(f["unix_time"]) for f in [report.root, *report.secondary] if f), default=0.0)
     done = _mtime(summary_path(run_dir))  # of this launch, not an earlier one
     if done is not None and done >= launched_at(run_dir) - 1.0 and latest_failure <= done:
         return COMPLETED
-    return FAILED if report.failed else INCOMPLETE
+    return FAILED if report.failed else STOPPED
 
 
 def preempted_since(run_dir: Path, since: float) -> bool:

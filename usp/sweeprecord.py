@@ -22,8 +22,9 @@ runs/<sweep_name>/sweep.json (written atomically after every status change):
         "predicted": {"tokens_per_s": 5790.8, "mfu": 0.24, "memory_gib": 0.46, "memory_tensor_gib": 0.15}},
        ...]}
 
-A point's run is composed from `conf` + its `overrides` + `train.name=<run_name>` (and
-`train.runs_dir=` when the sweep was given one): the same config `usp train` would build.
+A point's run is composed from `conf` + its `overrides` + `train.name=<id>`, with `train.runs_dir`
+set to the sweep's directory (a run name is one directory name, usp/names.py): the same config
+`usp train conf=... <overrides> train.runs_dir=runs/<sweep_name> train.name=<id>` would build.
 """
 from __future__ import annotations
 

@@ -6,7 +6,11 @@ reshards), one rng_rank<R>.pt per rank, and from rank 0 trainer_state.json (step
 schedule, data position), plan.yaml (the layout it was saved under) and manifest.json
 (every file with its size) written last. It is written under .tmp-step_<N> and renamed into
 place once complete, so a reader never sees half a checkpoint; a checkpoint whose files don't
-match its manifest (truncated, missing) is skipped with a message, and the previous one used."""
+match its manifest (truncated, missing) is skipped with a message, and the previous one used.
+A load that fails all the same (whatever the exception class: DCP's CheckpointException is a
+BaseException) is classified: corrupt or missing falls back to the previous checkpoint; a shape or
+architecture mismatch stops with CheckpointLoadError naming the fixes (`usp train` refuses that
+case before launch: usp.launch.checkpoints.check_resume)."""
 from __future__ import annotations
 
 import json
@@ -122,23 +126,35 @@ class Checkpointer:
         if not self.enabled or self.resume_mode == "never":
             return 0
         if self.resume_mode == "auto":
-            found = list_checkpoints(self.dir)
+            found, failed = list_checkpoints(self.dir), []
             for _step, path, complete, problem in reversed(found):
                 if not complete:
                     self._say(f"checkpoint {path.name} is incomplete ({problem}); using an older one")
                     continue
                 try:
                     return self._load(path)
-                except Exception as exc:  # a file that matches its manifest can still be unreadable
-                    self._say(f"checkpoint {path.name} could not be loaded ({type(exc).__name__}: "
-                              f"{str(exc)[:200]}); using an older one")
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as exc:  # torch's CheckpointException is not an Exception
+                    kind, detail = classify_load_error(exc)
+                    if kind == MISMATCH:  # every checkpoint of the run has the same shape: no fallback
+                        raise CheckpointLoadError(path, kind, detail) from None
+                    failed.append(path.name)
+                    self._say(f"checkpoint {path.name} is {kind} ({detail}); using an older one")
+            if failed:  # a failed load may have filled some tensors: don't train on from them
+                raise CheckpointLoadError(self.dir, CORRUPT, f"no intact checkpoint ({', '.join(failed)} failed)")
             return 0
         path = Path(self.resume_mode).expanduser()
         entry = [c for c in list_checkpoints(path.parent) if c[1].resolve() == path.resolve()]
         if not entry or not entry[0][2]:
-            raise RuntimeError(f"checkpoint.resume={self.resume_mode!r}: not a complete checkpoint "
-                               f"({entry[0][3] if entry else 'no manifest.json'})")
-        return self._load(path)
+            raise CheckpointLoadError(path, MISSING, f"checkpoint.resume={self.resume_mode!r} is not a complete "
+                                      f"checkpoint ({entry[0][3] if entry else 'no manifest.json'})")
+        try:
+            return self._load(path)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            raise CheckpointLoadError(path, *classify_load_error(exc)) from None
 
     def _load(self, path: Path) -> int:
         state = self._state()
@@ -169,6 +185,36 @@ class Checkpointer:
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+
+MISMATCH, CORRUPT, MISSING = "a shape/architecture mismatch", "corrupt", "missing"
+_MISMATCH_TEXT = ("size mismatch", "missing key", "unexpected key", "shape mismatch")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes."""
+
+    def __init__(self, path: Path, kind: str, detail: str):
+        self.path, self.kind = path, kind
+        fix = ("train.name=<a new name> (a new run), checkpoint.resume=never (train from scratch here), or the "
+               "model settings it was saved with (its plan.yaml)" if kind == MISMATCH else
+               "checkpoint.resume=never (train from scratch here), or checkpoint.resume=<an intact step_N directory>")
+        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}\n  fix: {fix}")
+
+
+def classify_load_error(exc: BaseException) -> tuple[str, str]:
+    """(MISMATCH | CORRUPT | MISSING, the first cause's message) of a failed load. DCP's
+    CheckpointException carries each rank's exception in .failures: {rank: (exception, stack)}."""
+    failures = getattr(exc, "failures", None)
+    causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+    causes = causes or [exc]
+    detail = "; ".join(sorted({f"{type(c).__name__}: {str(c).strip().splitlines()[0][:200] if str(c).strip() else ''}"
+                               for c in causes}))
+    if any(t in str(c).lower() for c in causes for t in _MISMATCH_TEXT):
+        return MISMATCH, detail
+    if any(isinstance(c, FileNotFoundError) for c in causes):
+        return MISSING, detail
+    return CORRUPT, detail
 
 
 def _layout(degrees: dict) -> str:

@@ -174,14 +174,18 @@ class Trainer:
         return all_reduce_mean(sum(losses) / max(1, len(losses)), self.ctx)
 
     # -- the loop ----------------------------------------------------------------------
-    def fit(self) -> dict:
-        """Train from start_step to train.steps; returns the summary (rank 0 also writes summary.json)."""
+    def fit(self) -> dict | None:
+        """Train from start_step to train.steps; returns the summary (rank 0 also writes summary.json),
+        or None when the checkpoint resumed is at train.steps already (nothing trained or rewritten)."""
         self.log.info("start: %d steps, %d tokens/step, world %d, device %s, layout %s", self.steps,
                       self.global_tokens, self.ctx.world_size, self.ctx.device, self.ctx.degrees)
         started = time.perf_counter()
         loss, val_loss, first_loss, self.history = float("nan"), None, None, []
-        if self.start_step >= self.steps:
+        if self.start_step >= self.steps:  # `usp train` says so before launch; torchrun by hand gets here
             self.log.info("nothing to do: resumed at step %d of %d", self.start_step, self.steps)
+            self.console.print(f"usp: already at step {self.start_step} >= train.steps={self.steps}: nothing to do")
+            self._close_outputs()
+            return None
         try:
             for step in range(self.start_step, self.steps):
                 loss, val_loss = self._fit_step(step, started)
@@ -246,9 +250,10 @@ class Trainer:
                    "final_loss": loss, "final_val_loss": val_loss, "world_size": self.ctx.world_size}
         if self.probe:
             summary.update(self.probe.summary(self.history))
+        summary = finite_or_null(summary)
         self.log.info("done: %s", json.dumps(summary))
         if self.trackers:
-            write_text_atomic(self.run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+            write_text_atomic(self.run_dir / SUMMARY, json.dumps(summary, indent=2, allow_nan=False) + "\n")
         return summary
 
     def _should_stop(self) -> bool:
@@ -333,6 +338,11 @@ class Preempted(Exception):
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+def finite_or_null(summary: dict) -> dict:
+    """JSON has no NaN or Infinity: a non-finite value (the loss of a skipped step) becomes null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
 
 
 def _item(loss) -> float:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from usp import runlock
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures
@@ -30,8 +31,11 @@ def run_worker(plan_path: str) -> int:
     torch.manual_seed(int(cfg["seed"]))
     apply_determinism(plan)
     ctx = udist.setup(plan)
-    clean, code = False, 0
+    clean, code, lock = False, 0, None
     try:
+        if ctx.is_main:  # the launcher's run lock kept alive, or taken here (a Slurm job, torchrun by hand)
+            lock = runlock.acquire(plan["run_dir"], token=os.environ.get(runlock.TOKEN_ENV))
+            lock.start_heartbeat()
         trainer = Trainer(plan, ctx)
         signals.install(trainer)
         _log_placement(ctx, plan)
@@ -53,6 +57,8 @@ def run_worker(plan_path: str) -> int:
         del trainer
         clean = True
     finally:
+        if lock is not None:
+            lock.release()
         udist.teardown(clean)
     return code
 

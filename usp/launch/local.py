@@ -13,6 +13,7 @@ from pathlib import Path
 
 from usp.plan.specs import uses_deterministic
 from usp.rundir import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from usp.runlock import TOKEN_ENV, held_token
 from usp.runstate import preempted_since
 
 WORKER_MODULE = "usp.engine.worker"
@@ -28,6 +29,9 @@ def worker_env(plan) -> dict[str, str]:
     # (measured: 3 of 5 kill -9 restarts under load). A fresh store per attempt avoids it.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.update({k: v for k, v in plan_accelerator_env(plan).items() if k not in env})  # the user's setting wins
+    token = held_token(plan.run_dir)
+    if token:  # rank 0 keeps this launch's run lock alive (usp.runlock)
+        env[TOKEN_ENV] = token
     return env
 
 
@@ -63,9 +67,15 @@ def launch_local(plan, plan_path: Path) -> int:
     if plan.world_size == 1:
         for key, value in plan_accelerator_env(plan).items():  # before torch initialises CUDA
             os.environ.setdefault(key, value)
+        token = held_token(plan.run_dir)
+        if token:
+            os.environ[TOKEN_ENV] = token
         from usp.engine.worker import run_worker  # torch is imported only now, to train
 
-        return run_worker(str(plan_path))
+        try:
+            return run_worker(str(plan_path))
+        finally:
+            os.environ.pop(TOKEN_ENV, None)
     started = time.time()
     cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
     proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)

@@ -1,5 +1,5 @@
 """Everything `usp train` does before processes start: plan, refuse what can't run, check
-the run directory, make sure the tokenized data exists, write plan.yaml."""
+the run directory and take its lock, make sure the tokenized data exists, write plan.yaml."""
 from __future__ import annotations
 
 import os
@@ -8,19 +8,23 @@ from pathlib import Path
 
 from rich.console import Console
 
+from usp import runlock
 from usp.errors import LaunchError
-from usp.launch.checkpoints import check_checkpoint_dir
+from usp.launch.checkpoints import check_checkpoint_dir, check_resume
 from usp.plan.io import write_plan
 from usp.plan.plan import checked_plan
 from usp.plan.render import render_plan
 from usp.rundir import plan_path
+from usp.runlock import refuse_if_locked
 
 
 def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data: bool = True,
-                check: Callable | None = None, plan=None):
+                check: Callable | None = None, plan=None, hold_lock: bool = True):
     """prepare_data=False (a Slurm --dry-run): plan and write plan.yaml, tokenize nothing.
     check(plan): the launcher's own refusals, run before anything is written.
-    plan: already built by checked_plan (a sweep point): not built or printed again."""
+    plan: already built by checked_plan (a sweep point): not built or printed again.
+    hold_lock: take the run lock (usp.runlock) before writing anything, and keep it (the caller
+    gives it back with runlock.release once the run ends); False (Slurm): only refuse a live run."""
     console = console or Console()
     if plan is None:
         plan = checked_plan(cfg, choices)
@@ -32,6 +36,19 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         console.print(f"[yellow]note:[/] {gpus} NVIDIA GPU(s) visible here, but cluster.device=cpu: "
                       f"cluster=local_gpu cluster.procs_per_node={gpus} trains on them (bf16, NCCL)", highlight=False)
     run_dir = check_run_dir(Path(plan.run_dir))
+    if not hold_lock:  # a Slurm job takes the lock when it starts; a live run here is refused now
+        refuse_if_locked(run_dir, "submit")
+        return _prepare(plan, cfg, run_dir, console, prepare_data)
+    runlock.acquire(run_dir, say=lambda msg: console.print(msg, markup=False, highlight=False))
+    try:  # from here on the run directory is ours: give it back if preparing fails
+        return _prepare(plan, cfg, run_dir, console, prepare_data)
+    except BaseException:
+        runlock.release(run_dir)
+        raise
+
+
+def _prepare(plan, cfg, run_dir: Path, console: Console, prepare_data: bool):
+    check_resume(plan)  # an incompatible checkpoint, or nothing left to train: before plan.yaml is rewritten
     try:
         check_checkpoint_dir(plan)  # writable, with room for keep_last + 1 checkpoints
     except LaunchError as exc:

@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from usp.errors import UspError, one_line
 from usp.launch import slurm
+from usp.launch.checkpoints import RunAlreadyDone
 from usp.launch.slurm_script import check_slurm_settings, render_job
 from usp.rundir import JOB_SCRIPT, logs_dir
 
@@ -34,9 +35,12 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
             continue
         try:
             plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()),
-                                          plan=point.plan, prepare_data=not dry_run)
+                                          plan=point.plan, prepare_data=not dry_run, hold_lock=False)
         except UspError as exc:
             point.status, point.reason, failed = "failed", one_line(exc), failed + 1
+            continue
+        except RunAlreadyDone:  # its checkpoint is at train.steps already
+            point.status = "done"
             continue
         groups[(plan.nodes, plan.procs_per_node)].append((point, plan, plan_path))
     log_dir = logs_dir(sweep.dir)

@@ -25,7 +25,8 @@ from usp.rundir import (
     read_jsonl,
     read_plan_if_any,
 )
-from usp.runstate import COMPLETED, FAILED, FailureReport, analyse_failures, resolve_run_dir, run_state
+from usp.runlock import read_lock
+from usp.runstate import COMPLETED, FAILED, RUNNING, FailureReport, analyse_failures, resolve_run_dir, run_state
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
@@ -161,7 +162,13 @@ def _state_text(run_dir: Path, state: str, events: list[dict]) -> str:
         return "[bold green]completed[/]"
     if state == FAILED:
         return "[bold red]failed[/]"
-    text = "[yellow]incomplete / running[/]"
+    lock = read_lock(run_dir)
+    if state == RUNNING and lock is not None:
+        return escape(f"running ({lock.owner()}; {lock.reason})")
+    text = "[yellow]stopped[/] (not finished, and no live process holds the run lock"
+    text += escape(f": {lock.owner()}, {lock.reason})" if lock is not None else ")")
+    if read_jobs(run_dir) and not (events and events[-1].get("event") == "preempted"):
+        text += "; its Slurm job may still be queued (below)"
     if events and events[-1].get("event") == "preempted":  # a Slurm job requeues itself; a local run needs the user
         how = "its Slurm job requeues and resumes by itself" if read_jobs(run_dir) else \
             "resume by running the same command"

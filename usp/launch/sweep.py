@@ -22,7 +22,10 @@ from pathlib import Path
 
 from rich.console import Console
 
+from usp import runlock
 from usp.errors import LaunchError, UspError, one_line
+from usp.launch.checkpoints import RunAlreadyDone
+from usp.names import check_dir_name
 from usp.rundir import EXIT_INTERRUPTED, STOP_CODES, logs_dir, read_plan_if_any
 from usp.runstate import analyse_failures
 from usp.sweeprecord import Sweep, SweepPoint, layout_text, read_sweep, refresh_statuses
@@ -83,12 +86,14 @@ def point_id(index: int, swept: dict[str, str]) -> str:
 def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir: str | None = None) -> Sweep:
     """Compose and plan every point as `usp train` would (checked_plan);
     a point that can't run is kept as `rejected` with the reason. Writes sweep.json."""
+    from omegaconf import OmegaConf
+
     from usp.config.compose import compose_config
     from usp.plan.plan import checked_plan
 
     if not grid:
         raise UspError("the sweep has no points", key="overrides", fix="sweep a key: e.g. train.micro_batch=4,8")
-    _check_name(sweep_name)
+    check_dir_name(sweep_name, key="--name", fix="--name my_sweep")
     swept_keys = _swept_keys(grid)
     extra = [f"train.runs_dir={runs_dir}"] if runs_dir else []
     points, sweep_dir, launchers = [], None, set()
@@ -97,9 +102,11 @@ def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir
         pid = point_id(index, swept)
         point = SweepPoint(index, pid, list(overrides), swept, f"{sweep_name}/{pid}", "")
         try:
-            point.cfg, point.choices = compose_config(conf, [*overrides, *extra, f"train.name={point.run_name}"])
+            point.cfg, point.choices = compose_config(conf, [*overrides, *extra, f"train.name={pid}"])
             runs = Path(point.cfg.train.runs_dir).expanduser().resolve()
             point.run_dir = str(runs / point.run_name)
+            # A run name is one directory name (usp.names): the point's run lives in the sweep's directory.
+            OmegaConf.update(point.cfg, "train.runs_dir", str(runs / sweep_name))
             sweep_dir = sweep_dir or runs / sweep_name
             launchers.add(str(point.cfg.cluster.launcher))
             point.plan = checked_plan(point.cfg, point.choices)  # what prepare_run refuses, refused here
@@ -143,12 +150,6 @@ def _swept_keys(grid: list[list[str]]) -> dict[str, list[str]]:
             if v not in values.setdefault(k, []):
                 values[k].append(v)
     return {k: v for k, v in values.items() if len(v) > 1}
-
-
-def _check_name(name: str) -> None:
-    if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise UspError("a sweep name is one directory name: letters, digits, '.', '_', '-'", key="--name",
-                       value=name, fix="--name my_sweep")
 
 
 def _resume(sweep: Sweep) -> None:
@@ -213,12 +214,16 @@ def _run_point(point: SweepPoint, prepare_run, launch) -> tuple[int, str | None]
         plan, plan_path = prepare_run(point.cfg, point.choices, console=Console(file=io.StringIO()), plan=point.plan)
     except UspError as exc:  # e.g. the run directory or the data: this point only
         return 2, one_line(exc)
+    except RunAlreadyDone:  # its checkpoint is at train.steps already
+        return 0, None
     try:
         return int(launch(plan, plan_path)), None
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED, "interrupted"
     except Exception as exc:  # one rank runs in-process: its exception is this point's failure
         return 1, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    finally:
+        runlock.release(plan.run_dir)
 
 
 def _failure_reason(point: SweepPoint, code: int) -> str:

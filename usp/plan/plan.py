@@ -73,7 +73,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     from omegaconf import OmegaConf
 
     from usp.data.prepare import dataset_dir
-    from usp.plan.validate import analyse
+    from usp.plan.validate import analyse, check_run
 
     cluster, train, model = cfg.cluster, cfg.train, cfg.model
     subject, degrees, batch = _subject(cfg, training)
@@ -84,7 +84,8 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     per_token = float(arch.flops_per_token(batch.seq_len))
     pipeline = plan_pipeline(cfg.parallelism, arch, degrees, batch.grad_accum)
     nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
-    name = train.name or f"{model.name}-{layout_tag(degrees)}"
+    name = f"{model.name}-{layout_tag(degrees)}" if train.name is None else str(train.name)  # "" is refused
+    check_run(cfg, name)
     plan = RunPlan(
         name=name, run_dir=str(Path(train.runs_dir).expanduser().resolve() / name), world_size=nodes * per_node,
         nodes=nodes, procs_per_node=per_node, device=cluster.device, backend=_backend(cluster),

@@ -16,6 +16,7 @@ Rules checked elsewhere, because the Subject can't be built without them: degree
 (usp.plan.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), cluster
 sizes and launcher, the tokenizer's vocabulary (usp.plan.plan.build_plan), train.dtype
 (usp.plan.specs.Precision.resolve); logging / profile settings (usp.plan.validate.check_observability);
+the run's name (one directory name, usp.names) and train.steps >= 1 (usp.plan.validate.check_run);
 predicted OOM (usp.plan.validate.analyse: it needs the memory model).
 
 To add a rule: append a Rule to RULES (kind, key, broken, why, fix; `batch=True` when it reads

@@ -1,6 +1,7 @@
 """Whole-plan checks that are not layout rules, and the predictions: `analyse` attaches the memory
 and time models' figures to the plan and raises the predicted-OOM error; `check_observability`
-checks logging.* / profile.*; `derive_batch` fills the pipeline with micro batches.
+checks logging.* / profile.*; `check_run` the run's name and step count; `derive_batch` fills the
+pipeline with micro batches.
 
 The layout rules (model shape, degrees vs heads and layers, pipeline schedules, expert
 parallelism, what the engine trains, TP across nodes) are one table, usp.plan.rules; its
@@ -10,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from usp.errors import PlanError
+from usp.names import check_dir_name
 from usp.plan import rules
 from usp.plan.batch import BatchPlan, plan_batch
 from usp.plan.context import PlannerContext
@@ -57,6 +59,17 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
         if not force:
             raise oom_error(plan, ctx, layout)
         plan.warnings.append(f"--force: {oom_error(plan, ctx, layout, search=False)}")
+
+
+def check_run(cfg, name: str) -> None:
+    """The run's own values: its name is one directory name under train.runs_dir (the rule shared
+    with `usp sweep --name`, usp.names), and it trains at least one step."""
+    check_dir_name(name, key="model.name" if cfg.train.name is None else "train.name", error=PlanError,
+                   fix="train.name=my_run (letters, digits, '.', '_', '-'); train.runs_dir=<dir> says where it goes")
+    steps = int(cfg.train.steps)
+    if steps < 1:
+        raise PlanError("a run trains at least one optimizer step", key="train.steps", value=steps,
+                        fix="train.steps=100 (any number >= 1)")
 
 
 WANDB_MODES = ("offline", "online", "disabled")

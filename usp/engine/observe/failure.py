@@ -94,7 +94,9 @@ def record_failures(worker):
     def wrapper(plan_path, *args, **kwargs):
         try:
             return worker(plan_path, *args, **kwargs)
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
             try:
                 from usp.rundir import read_plan
 
