@@ -1,0 +1,68 @@
+"""The planner's memory model on real H100 runs (calibration/playbook_h100: the Ultra-Scale
+Playbook's nanotron sweep, 1,027 ok runs of a 1.34B and an 8.86B Llama on 1-64 nodes): the
+`nanotron` profile's predicted peak memory of pp rank 0 against the measured one (mem_gb: peak
+allocated memory on rank 0). The rows become layouts once (usp.plan.sweep_rows, also behind
+scripts/bench/calibration_sweep.py). Pure Python, no torch; docs/planner.md has the numbers."""
+from __future__ import annotations
+
+import pytest
+
+from usp.plan.memory import stage_memory, zero_sharding
+from usp.plan.pipeline_split import matmul_threshold_split
+from usp.plan.profile import PROFILES
+from usp.plan.specs import Layout
+from usp.plan.sweep_rows import BF16, SEQ_LEN, accuracy, check_memory, fit_constants, h100_nodes, read_sweep
+
+NANOTRON = PROFILES["nanotron"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return read_sweep()
+
+
+def _line(name: str, acc: dict) -> str:
+    return (f"{name}: {acc['ok_runs']} ok runs, median |error| {acc['median_abs_error']:.1%}, "
+            f"{acc['within_10pct']:.0%} within 10 %, {acc['ok_predicted_oom']} predicted OOM; "
+            f"{acc['failed_predicted_fit']} of {acc['failed_runs']} failed runs predicted to fit")
+
+
+def test_nanotron_profile_predicts_the_playbook_runs(runs):
+    checks = check_memory(runs, NANOTRON)
+    acc = accuracy(checks)
+    print("\n" + _line("nanotron profile, all", acc))
+    for model in ("1.34B", "8.86B"):
+        print(_line(f"  {model}", accuracy([c for c in checks if c.run.model == model])))
+    assert acc["ok_runs"] == 1027 and acc["ok_unplaced"] == 0
+    assert acc["median_abs_error"] <= 0.08  # issue 17's bar; 6.8 % today
+    # the bar is >= 70 % within 10 %: not reached (62 % today, docs/planner.md); this guards against losing it
+    assert acc["within_10pct"] >= 0.60
+    assert acc["ok_predicted_oom"] <= 5  # 3 today (8.86B pp 16/32 with ZeRO-1, predicted 1-3 % over 80 GiB)
+    # usp's own recipe on the same layouts is another engine: far off, and that is the point of a profile
+    assert accuracy(check_memory(runs, PROFILES["usp"]))["median_abs_error"] > 0.2
+
+
+def test_constants_fitted_on_one_model_hold_on_the_other(runs):
+    """The two fitted constants (activation_scale, sp_full_buffers) chosen on one model's runs, checked
+    on the other model's: the fit must not be a lookup of these rows."""
+    for fit_on, held_out in (("1.34B", "8.86B"), ("8.86B", "1.34B")):
+        fitted, fit_acc = fit_constants([r for r in runs if r.model == fit_on], NANOTRON,
+                                        scales=(1.0, 1.1, 1.2), buffers=(0, 2, 4))
+        held = accuracy(check_memory([r for r in runs if r.model == held_out], fitted))
+        print(f"\nfit on {fit_on} (activation_scale {fitted.activation_scale}, sp_full_buffers "
+              f"{fitted.sp_full_buffers}): " + _line("fit", fit_acc) + "\n  " + _line(f"held out {held_out}", held))
+        assert held["median_abs_error"] <= 0.10 and held["ok_predicted_oom"] <= 5
+
+
+def test_nanotron_split_and_zero1_are_the_recipe_s():
+    """nanotron's layer split counts the LM head as V·h of matmul (the 1.34B's first of 4 ranks gets 6
+    layers, the last only the head); its ZeRO-1 with TP/PP shards the optimizer states only."""
+    run = next(r for r in read_sweep() if r.model == "1.34B")
+    assert matmul_threshold_split(run.arch, 2) == (11, 5)
+    assert matmul_threshold_split(run.arch, 4) == (6, 5, 5, 0)
+    lay = Layout(pp=2, dp_replicate=4, tp=2, zero1=True, micro_batch=1, grad_accum=8)
+    assert zero_sharding(lay, NANOTRON) == (1, 4) and zero_sharding(lay, PROFILES["usp"]) == (2, 4)
+    st = stage_memory(run.arch, lay, SEQ_LEN, h100_nodes(1), BF16, 0, NANOTRON)
+    assert st.layers == 11 and st.parameters == 2 * st.params and st.optimizer == pytest.approx(12 * st.params / 4)
+    assert st.gradients == (2 + 4) * st.params  # bf16 gradients + the fp32 accumulation buffer, unsharded
+    assert st.comm_buffers == 0 and st.overhead == 0  # no DDP under ZeRO-1; peak allocated memory
