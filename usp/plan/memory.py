@@ -61,6 +61,10 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
                Not tensor memory: the engine's memory probe (usp/engine/observe/memory_probe.py) compares
                the total WITHOUT it with the measured tensor peak.
+
+All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.plan.profile:
+nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
+norm, sequence-sharded norm outputs, its loss, its layer split, no overhead (docs/planner.md, Profiles).
 """
 from __future__ import annotations
 

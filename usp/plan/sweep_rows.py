@@ -10,6 +10,7 @@ engine refuses, but nanotron ran it). Pure Python, no torch."""
 from __future__ import annotations
 
 import csv
+import statistics
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -107,7 +108,7 @@ def accuracy(checks: list[MemoryCheck]) -> dict:
     errors = sorted(abs(c.error) for c in ok)
     failed = [c for c in checks if not c.run.ok]
     return {"ok_runs": len(ok), "ok_unplaced": sum(c.run.ok and c.predicted_gib is None for c in checks),
-            "median_abs_error": errors[len(errors) // 2] if errors else float("nan"),
+            "median_abs_error": statistics.median(errors) if errors else float("nan"),
             "within_10pct": sum(e <= 0.10 for e in errors) / len(errors) if errors else float("nan"),
             "ok_predicted_oom": sum(not c.fits for c in ok),
             "failed_runs": len(failed), "failed_predicted_fit": sum(c.fits for c in failed)}
