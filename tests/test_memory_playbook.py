@@ -6,8 +6,9 @@ scripts/bench/calibration_sweep.py). Pure Python, no torch; docs/planner.md has 
 from __future__ import annotations
 
 import pytest
+from conftest import usp_cli
 
-from usp.plan.memory import stage_memory, zero_sharding
+from usp.plan.memory import activation_values, stage_memory, zero_sharding
 from usp.plan.pipeline_split import matmul_threshold_split
 from usp.plan.profile import PROFILES
 from usp.plan.specs import Layout
@@ -66,3 +67,24 @@ def test_nanotron_split_and_zero1_are_the_recipe_s():
     assert st.layers == 11 and st.parameters == 2 * st.params and st.optimizer == pytest.approx(12 * st.params / 4)
     assert st.gradients == (2 + 4) * st.params  # bf16 gradients + the fp32 accumulation buffer, unsharded
     assert st.comm_buffers == 0 and st.overhead == 0  # no DDP under ZeRO-1; peak allocated memory
+
+
+def test_nanotron_layer_keeps_sharded_norm_outputs_and_a_packed_kv():
+    """A dense layer as nanotron keeps it, per token: norm inputs and outputs h/t each (fused norm,
+    sequence-sharded), q/k/v (h + 2kv)/t + the packed K/V 2kv/t + the attention output h/t, the MLP
+    4f/t: (10h + 4f)/t with MHA; usp's engine keeps x·rstd too and the norm outputs all-gathered."""
+    arch = next(r for r in read_sweep() if r.model == "8.86B").arch
+    h, f = arch.dim, arch.ffn_dim
+    for t in (1, 4):
+        lay = Layout(tp=t)
+        assert activation_values(arch, lay, NANOTRON)[0] == pytest.approx((10 * h + 4 * f) / t)
+        assert activation_values(arch, lay, PROFILES["usp"])[0] == pytest.approx((8 * h + 4 * f) / t + 2 * h)
+
+
+def test_usp_plan_predicts_as_the_profile_says(tmp_path):
+    args = ("plan", "model=llama3_1_8b", "cluster=slurm_h100", "cluster.nodes=2", "parallelism.tp=4",
+            "parallelism.dp_replicate=4", "parallelism.zero1=true", "train.seq_len=4096")
+    usp, nano = (usp_cli(*args, *extra, cwd=tmp_path) for extra in ((), ("planner.profile=nanotron",)))
+    assert usp.returncode == nano.returncode == 0, usp.stderr + nano.stderr
+    assert "profile nanotron" in nano.stdout and "fp32 gradient-accumulation buffer" in nano.stdout
+    assert "profile usp" in usp.stdout and "fp32 gradient-accumulation" not in usp.stdout
