@@ -319,7 +319,8 @@ def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: Sta
 def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory,
                  profile: Profile) -> float:
     """Kept activations into st (+ the profile's full-sequence buffers under TP + SP: the all-gather
-    buffer, a layer backward's unsharded input gradient); returns the bytes of the layer being
+    buffer, a layer backward's unsharded input gradient; + its measured extra per token when a rank
+    holding the whole model accumulates gradients); returns the bytes of the layer being
     recomputed (its full set minus what was kept)."""
     kept, full_set = activation_per_layer(arch, layout, seq_len, prec, profile)
     st.activation_per_layer = kept
@@ -330,6 +331,8 @@ def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _
         st.activations += tokens * arch.dim / layout.tp * prec.act * st.in_flight
     if layout.tp > 1:
         st.activations += profile.sp_full_buffers * tokens * arch.dim * prec.act
+    if layout.pp == 1 and layout.grad_accum > 1:  # measured on nanotron (docs/planner.md): 0 for usp's engine
+        st.activations += profile.accum_bytes_per_token_h * tokens * arch.dim
     return full_set - kept if layout.recompute != "none" and h.layers else 0
 
 

@@ -26,6 +26,9 @@ class Profile:
     kv_packed_copy: bool = False  # attention keeps a packed copy of K and V (2·kv) besides q/k/v
     activation_scale: float = 1.0  # fitted: kept activations / the counted tensors (a layer's backward transients)
     sp_full_buffers: int = 0  # fitted: full-sequence s·b·h buffers alive at the peak under TP + SP
+    # measured: bytes per token of the micro batch per hidden unit that a rank holding the whole model (pp = 1)
+    # keeps on top when it accumulates gradients (grad_accum > 1); not divided by tp (docs/planner.md, Profiles)
+    accum_bytes_per_token_h: float = 0.0
     loss_forward_bytes: float = 0.0  # bytes per logit at the loss forward (0: usp's kept log-probs + backward buffers)
     pp_split: str = "params"  # params: usp.plan.pipeline_split; matmul: nanotron's cumulative matmul-cost thresholds
     fixed_overhead_gib: float | None = None  # None: the device's allowance (usp.plan.memory)
@@ -39,6 +42,7 @@ PROFILES = {
         "gradient-accumulation buffers, sequence parallel (reduce-scatter), 1F1B, flash attention, fused AdamW",
         fp32_grad_accum=True, grads_at_peak=True, data_parallel="nanotron", fused_norm=True,
         sp_norm_outputs_sharded=True, kv_packed_copy=True, activation_scale=1.1, sp_full_buffers=2,
+        accum_bytes_per_token_h=100.0,
         loss_forward_bytes=10.0, pp_split="matmul", fixed_overhead_gib=0.0, fragmentation=0.0),
 }
 

@@ -115,20 +115,21 @@ def accuracy(checks: list[MemoryCheck]) -> dict:
 
 
 def fit_constants(runs: list[SweepRun], profile, scales=(1.0, 1.1, 1.2, 1.3),
-                  buffers=(0, 1, 2, 3, 4)) -> tuple:
-    """The profile's two fitted memory constants (activation_scale, sp_full_buffers) chosen on
-    `runs` by a grid search: the smallest median |error| on the ok runs, then the larger share within
-    10 %. Returns (the profile with them, its accuracy on `runs`). Everything else in the profile is
-    read from the recipe's code, not fitted."""
+                  buffers=(0, 1, 2, 3, 4), accum=(0.0, 50.0, 75.0, 100.0, 125.0)) -> tuple:
+    """The profile's three fitted memory constants (activation_scale, sp_full_buffers,
+    accum_bytes_per_token_h) chosen on `runs` by a grid search: the smallest median |error| on the ok
+    runs, then the larger share within 10 %. Returns (the profile with them, its accuracy on `runs`).
+    Everything else in the profile is read from the recipe's code, not fitted."""
     from dataclasses import replace
 
     best = None
     for scale in scales:
         for n in buffers:
-            trial = replace(profile, activation_scale=scale, sp_full_buffers=n)
-            acc = accuracy(check_memory(runs, trial))
-            key = (round(acc["median_abs_error"], 4), -acc["within_10pct"])
-            if best is None or key < best[0]:
-                best = (key, trial, acc)
+            for extra in accum:
+                trial = replace(profile, activation_scale=scale, sp_full_buffers=n, accum_bytes_per_token_h=extra)
+                acc = accuracy(check_memory(runs, trial))
+                key = (round(acc["median_abs_error"], 4), -acc["within_10pct"])
+                if best is None or key < best[0]:
+                    best = (key, trial, acc)
     assert best is not None
     return best[1], best[2]
