@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from conftest import usp_cli
 
-from usp.plan.memory import activation_values, stage_memory, zero_sharding
+from usp.plan.memory import activation_values, memory_plan, stage_memory, zero_sharding
 from usp.plan.pipeline_split import matmul_threshold_split
 from usp.plan.profile import PROFILES
 from usp.plan.specs import Layout
@@ -81,6 +81,10 @@ def test_gradient_accumulation_term_only_where_measured():
                                                                                    grad_accum=4)  # not measured
     usp = PROFILES["usp"]
     assert activations(usp, tp=8, micro_batch=2, grad_accum=4) == activations(usp, tp=8, micro_batch=2)
+    said = [memory_plan(run.arch, Layout(tp=8, grad_accum=4), SEQ_LEN, h100_nodes(1), BF16, p).assumptions
+            for p in (NANOTRON, usp)]
+    assert any("gradient accumulation on the whole model: + 100 bytes" in a for a in said[0])
+    assert not any("gradient accumulation on the whole model" in a for a in said[1])
 
 
 def test_nanotron_split_and_zero1_are_the_recipe_s():

@@ -64,7 +64,8 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
 
 All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.plan.profile:
 nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
-norm, sequence-sharded norm outputs, its loss, its layer split, no overhead (docs/planner.md, Profiles).
+norm, sequence-sharded norm outputs, its loss, its layer split, no overhead, and a measured extra per
+token when a whole-model rank accumulates gradients (docs/planner.md, Profiles).
 """
 from __future__ import annotations
 
@@ -465,6 +466,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
         "(not tensor memory)",
     ]
+    if profile.accum_bytes_per_token_h and layout.pp == 1 and layout.grad_accum > 1:
+        assumptions.append(f"gradient accumulation on the whole model: + {profile.accum_bytes_per_token_h:g} bytes "
+                           "per token per hidden unit (measured on the profile's runs, not divided by tp)")
     if layout.zero_stage >= 2 and FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1:
         assumptions.append("FSDP with grad_accum > 1: gradients unsharded between micro batches (no reduce-scatter "
                            "on inner micro batches)")
