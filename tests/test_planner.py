@@ -16,11 +16,13 @@ from usp.errors import PlanError
 from usp.plan.layout import rank_table
 from usp.plan.memory import in_flight, memory_plan, stage_memory
 from usp.plan.plan import build_plan
+from usp.plan.profile import PROFILES
 from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.plan.timing import timing_plan
 
 REPO = Path(__file__).resolve().parents[1]
 BF16, FP32 = Precision("bf16", 2, 2, 12, 2), Precision("fp32", 4, 4, 8, 4)
+USP = PROFILES["usp"]
 
 
 @pytest.fixture(autouse=True)
@@ -134,7 +136,7 @@ def final_norm_values(t: int = 1) -> float:
 
 def mem8b(**kw) -> object:
     lay = Layout(**{"dp_replicate": 8, "micro_batch": 1, "grad_accum": 1, **kw})
-    return stage_memory(arch("llama3_1_8b"), lay, S, h100(), BF16, 0)
+    return stage_memory(arch("llama3_1_8b"), lay, S, h100(), BF16, 0, USP)
 
 
 def overhead(subtotal: float, fixed_gib: float = 1.0) -> float:
@@ -200,7 +202,7 @@ def test_memory_zero1_with_tp_pp_is_fsdp2_over_the_replicas():
     assert accum.gradients == 2 * psi and accum.optimizer == 12 * psi / n
     pp = Layout(pp=4, dp_replicate=8, zero1=True, micro_batch=1, grad_accum=8)
     assert (pp.dp_kind, pp.zero_stage, pp.shard_degree) == ("zero1_fsdp", 2, 8)
-    st = stage_memory(arch("llama3_1_8b"), pp, S, h100(4), BF16, 0)
+    st = stage_memory(arch("llama3_1_8b"), pp, S, h100(4), BF16, 0, USP)
     assert st.optimizer == 12 * st.params / 8
 
 
@@ -258,7 +260,7 @@ def test_memory_fp32_on_cpu():
     cfg, _ = cfg_for("cluster=local_cpu2")
     hw = Hardware.from_cluster(cfg.cluster)
     lay = Layout(dp_replicate=2, micro_batch=1, grad_accum=1)
-    st = stage_memory(a, lay, 512, hw, FP32, 0)
+    st = stage_memory(a, lay, 512, hw, FP32, 0, USP)
     psi = EXACT["llama3_2_1b"]
     assert (st.parameters, st.gradients, st.optimizer, st.comm_buffers) == (4 * psi, 4 * psi, 8 * psi, 4 * psi)
     # fp32: 4 bytes per value; 1B: h 2048, kv 512 (8 KV heads x 64), f 8192: 8h + 2kv + 4f values per token
@@ -285,7 +287,7 @@ def test_pipeline_stages_hold_embedding_and_head():
     activations follow the in-flight count (4, 3, 2, 1 micro batches)."""
     a = arch("llama3_1_70b")
     lay = Layout(pp=4, tp=8, dp_replicate=1, micro_batch=1, grad_accum=8)
-    mem = memory_plan(a, lay, S, h100(4), BF16)
+    mem = memory_plan(a, lay, S, h100(4), BF16, USP)
     st = mem.stages
     assert [s.holds_embedding for s in st] == [True, False, False, False]
     assert [s.holds_head for s in st] == [False, False, False, True]
@@ -311,8 +313,8 @@ def test_pipeline_stages_hold_embedding_and_head():
 def test_moe_experts_sliced_by_ep():
     cfg, _ = cfg_for("model=tiny", "model.n_experts=8", "model.top_k=2", "model.vocab_size=4096")
     a = Arch.from_model(cfg.model)
-    one = stage_memory(a, Layout(dp_replicate=4, ep=1), 128, h100(), BF16, 0)
-    four = stage_memory(a, Layout(dp_replicate=4, ep=4), 128, h100(), BF16, 0)
+    one = stage_memory(a, Layout(dp_replicate=4, ep=1), 128, h100(), BF16, 0, USP)
+    four = stage_memory(a, Layout(dp_replicate=4, ep=4), 128, h100(), BF16, 0, USP)
     experts = a.n_layers * a.expert_params
     assert one.params - four.params == pytest.approx(experts - experts / 4)
 
@@ -323,11 +325,11 @@ def test_moe_not_tp_sliced_and_experts_sharded_over_dp_shard_mod_ep():
     cfg, _ = cfg_for("model=tiny", "model.n_experts=8", "model.top_k=2", "model.vocab_size=4096")
     a = Arch.from_model(cfg.model)
     all_experts = a.n_layers * a.expert_params
-    tp_ep1 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=1), 128, h100(), BF16, 0)
-    tp_ep4 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=4), 128, h100(), BF16, 0)
+    tp_ep1 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=1), 128, h100(), BF16, 0, USP)
+    tp_ep4 = stage_memory(a, Layout(dp_shard=4, tp=2, ep=4), 128, h100(), BF16, 0, USP)
     assert tp_ep1.params - tp_ep4.params == pytest.approx(all_experts - all_experts / 4)  # not / tp
     experts = all_experts / 4  # on one EP rank, before FSDP
-    fsdp8 = stage_memory(a, Layout(dp_shard=8, ep=4), 128, h100(), BF16, 0)
+    fsdp8 = stage_memory(a, Layout(dp_shard=8, ep=4), 128, h100(), BF16, 0, USP)
     dense = fsdp8.params - experts
     assert fsdp8.parameters == pytest.approx(BF16.param * (dense / 8 + experts / 2))
 
@@ -404,7 +406,7 @@ def test_cp_inside_a_pipeline_memory():
     """CP x PP: every stage keeps s/c tokens per micro batch in flight (1F1B: p - r on pp rank r)."""
     a = arch("llama3_1_8b")
     lay = Layout(pp=2, cp=2, dp_replicate=1, micro_batch=1, grad_accum=4)
-    first, last = (stage_memory(a, lay, S, h100(), BF16, r) for r in (0, 1))
+    first, last = (stage_memory(a, lay, S, h100(), BF16, r, USP) for r in (0, 1))
     per_layer = 2 * (S / 2) * (layer_values() + 2 * (H - KV)) + 2 * (S / 2) * H  # the ring's K/V and fp32 output
     assert first.activation_per_layer == last.activation_per_layer == per_layer
     stage_output = 2 * (S / 2) * H  # the pipeline keeps each in-flight micro batch's output
@@ -417,7 +419,7 @@ def test_zero_bubble_zero3_keeps_the_stage_unsharded():
     a = arch("llama3_1_8b")
     zb = Layout(pp=2, dp_replicate=1, dp_shard=4, pp_schedule="zbv", pp_virtual_stages=2, micro_batch=1,
                 grad_accum=4)
-    st = stage_memory(a, zb, S, h100(), BF16, 0)  # pp rank 0 of the V holds stages 0 and 3: embedding and head
+    st = stage_memory(a, zb, S, h100(), BF16, 0, USP)  # pp rank 0 of the V holds stages 0 and 3: embedding and head
     root = 2 * V * H + H
     assert st.gathered == pytest.approx((2 + 2) * root + (2 * st.layers + 2) * LAYER_8B)  # not 2 blocks' worth
     assert st.layers > 2  # 14 of 32: the split balances the embedding and the head

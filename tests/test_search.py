@@ -64,7 +64,7 @@ def test_best_beats_naive_layouts(eight_b):
     assert best.tokens_per_s_per_device > throughput(tp8)
     # pure data parallel: plain DDP does not even fit an 8B on 80 GiB, ZeRO-3 over all 16 does
     ddp = Layout(dp_replicate=16, micro_batch=1, grad_accum=8)
-    assert peak_bytes(ctx.arch, ddp, ctx.seq_len, ctx.hw, ctx.prec)[0] > 80 * GIB
+    assert peak_bytes(ctx.arch, ddp, ctx.seq_len, ctx.hw, ctx.prec, ctx.profile)[0] > 80 * GIB
     fsdp = next(c for c in _fitting(ctx, Layout(dp_replicate=1, dp_shard=16)))
     assert best.tokens_per_s_per_device >= throughput(fsdp)
     assert any("pure data parallel" in line or "other tp/pp" in line for line in __import__(
@@ -75,7 +75,7 @@ def _fitting(ctx, base: Layout):
     local = ctx.global_batch // base.dp
     for b in sorted(divisors(local), reverse=True):
         lay = replace(base, micro_batch=b, grad_accum=local // b)
-        if peak_bytes(ctx.arch, lay, ctx.seq_len, ctx.hw, ctx.prec)[0] <= ctx.hw.memory_gib * GIB:
+        if peak_bytes(ctx.arch, lay, ctx.seq_len, ctx.hw, ctx.prec, ctx.profile)[0] <= ctx.hw.memory_gib * GIB:
             yield lay
 
 
@@ -86,10 +86,10 @@ def test_max_micro_batch_is_the_largest_that_fits(eight_b):
         local = lay.micro_batch * lay.grad_accum
         bigger = [b for b in divisors(local) if b > cand.max_micro_batch]
         at_max = replace(lay, micro_batch=cand.max_micro_batch, grad_accum=local // cand.max_micro_batch)
-        assert peak_bytes(ctx.arch, at_max, ctx.seq_len, ctx.hw, ctx.prec)[0] <= 80 * GIB
+        assert peak_bytes(ctx.arch, at_max, ctx.seq_len, ctx.hw, ctx.prec, ctx.profile)[0] <= 80 * GIB
         if bigger:
             over = replace(lay, micro_batch=bigger[0], grad_accum=local // bigger[0])
-            assert memory_plan(ctx.arch, over, ctx.seq_len, ctx.hw, ctx.prec).peak_gib > 80
+            assert memory_plan(ctx.arch, over, ctx.seq_len, ctx.hw, ctx.prec, ctx.profile).peak_gib > 80
 
 
 def test_peak_candidates_match_all_stages():
@@ -99,8 +99,9 @@ def test_peak_candidates_match_all_stages():
         for pp in (3, 4, 6, 16):
             lay = Layout(pp=pp, tp=8, dp_replicate=64 // pp if 64 % pp == 0 else 1, pp_schedule=sched,
                          pp_virtual_stages=v, micro_batch=1, grad_accum=16)
-            mem = memory_plan(ctx.arch, lay, ctx.seq_len, ctx.hw, ctx.prec)
-            assert peak_bytes(ctx.arch, lay, ctx.seq_len, ctx.hw, ctx.prec)[0] == pytest.approx(mem.peak.total)
+            mem = memory_plan(ctx.arch, lay, ctx.seq_len, ctx.hw, ctx.prec, ctx.profile)
+            peak = peak_bytes(ctx.arch, lay, ctx.seq_len, ctx.hw, ctx.prec, ctx.profile)[0]
+            assert peak == pytest.approx(mem.peak.total)
             assert max(rank_params(ctx.arch, lay)) == pytest.approx(max(s.params for s in mem.stages), abs=1)
 
 
@@ -135,7 +136,7 @@ def test_moe_search_without_ep_when_checkpointing():
 def test_nothing_fits_is_said():
     ctx = planner_context(compose_config(None, ["model=llama3_1_405b", "cluster=slurm_h100", "train.seq_len=4096",
                                                 "train.global_batch=8"])[0])
-    result = search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch)
+    result = search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, profile=ctx.profile)
     from usp.plan.search import explain
 
     assert result.best is None and "no layout" in explain(result)[0]

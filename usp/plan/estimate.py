@@ -107,7 +107,8 @@ def _searched_mfu(ctx, notes: list[str]) -> tuple[float, str]:
         trial = hw.with_nodes(hw.nodes * 2 ** k)
         # a cluster of more nodes than the local launcher runs is sized as a Slurm one
         settings = replace(ctx.settings, launcher="slurm") if trial.nodes > 1 else ctx.settings
-        best = search(ctx.arch, trial, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=1, settings=settings).best
+        best = search(ctx.arch, trial, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=1, settings=settings,
+                      profile=ctx.profile).best
         if best is not None:
             notes.append("the configured layout does not fit; the MFU is the search's best layout "
                          f"{best.describe()} on {trial.nodes} node(s)")

@@ -61,12 +61,18 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
                Not tensor memory: the engine's memory probe (usp/engine/observe/memory_probe.py) compares
                the total WITHOUT it with the measured tensor peak.
+
+All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.plan.profile:
+nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
+norm, sequence-sharded norm outputs, its loss, its layer split, no overhead, and a measured extra per
+token when a whole-model rank accumulates gradients (docs/planner.md, Profiles).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from usp.plan.profile import Profile
 from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
@@ -152,13 +158,16 @@ class MemoryPlan:
 # --- pipeline stages ---------------------------------------------------------------------------------
 
 @lru_cache(maxsize=1024)
-def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None) -> tuple:
+def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None,
+                       split: str = "params") -> tuple:
     """(layers per virtual stage, virtual stages per pp rank): usp.plan.pipeline_split's split, the
-    one the engine builds."""
-    from usp.plan.pipeline_split import arch_split, stage_ranks
+    one the engine builds, or (split="matmul", a profile's) nanotron's matmul-cost split."""
+    from usp.plan.pipeline_split import arch_split, matmul_threshold_split, stage_ranks
 
     if pp * virtual == 1:
         return (arch.n_layers,), ((0,),)
+    if split == "matmul" and virtual == 1 and pp_layers is None:
+        return matmul_threshold_split(arch, pp), tuple((r,) for r in range(pp))
     counts = tuple(len(s) for s in arch_split(arch, pp * virtual, pp_layers))
     ranks = stage_ranks(pp, virtual, schedule if schedule in ("zbv",) else "1f1b")
     return counts, tuple(tuple(r) for r in ranks)
@@ -181,21 +190,24 @@ def in_flight(layout: Layout, r: int) -> float:
 
 # --- the per-layer numbers ---------------------------------------------------------------------------
 
-def activation_values(arch: Arch, layout: Layout) -> tuple[float, float]:
+def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[float, float]:
     """(values kept per token per layer between forward and backward, values of one layer's full
-    set), for the Llama block of usp/models/llama.py as the engine runs it (module docstring)."""
+    set), for the Llama block of usp/models/llama.py as the engine runs it (module docstring), or as
+    the profile's recipe runs it (a fused norm, sequence-sharded norm outputs, a packed K/V copy)."""
     h, kv, t, f = arch.dim, arch.kv_dim, layout.tp, arch.ffn_dim
     if layout.cp > 1:  # the ring attention keeps K and V expanded to every query head (GQA)
         kv = h
-    norm = 2 * h / t  # RMSNorm input and x·rstd (sequence-sharded under TP + SP)
-    attention = norm + h + (h + 2 * kv) / t + h / t  # + norm output (all-gathered), q/k/v after RoPE, SDPA out
+    norm = (1 if profile.fused_norm else 2) * h / t  # RMSNorm input (and x·rstd), sequence-sharded under TP + SP
+    norm_out = h / t if profile.sp_norm_outputs_sharded else h  # the projections' input: all-gathered by DTensor
+    packed_kv = 2 * kv / t if profile.kv_packed_copy else 0
+    attention = norm + norm_out + (h + 2 * kv) / t + packed_kv + h / t  # + q/k/v after RoPE, SDPA out
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
         # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
-        mlp = norm + h + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fe if arch.shared_expert else 0)
+        mlp = norm + norm_out + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fe if arch.shared_expert else 0)
         mlp_matmuls: float = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fe + h) if arch.shared_expert else 0)
     else:
-        mlp = norm + h + 4 * f / t  # + w1, w3 outputs, silu, product
+        mlp = norm + norm_out + 4 * f / t  # + w1, w3 outputs, silu, product
         mlp_matmuls = 2 * f / t + h  # w1, w3 outputs; w2's (a partial sum over the whole sequence under TP)
     full = attention + mlp
     if layout.recompute == "full":
@@ -205,16 +217,19 @@ def activation_values(arch: Arch, layout: Layout) -> tuple[float, float]:
     return full, full
 
 
-def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precision) -> tuple[float, float]:
+def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precision,
+                         profile: Profile) -> tuple[float, float]:
     """(bytes kept per layer per micro batch between forward and backward, bytes of one layer's
-    full activation set): activation_values x tokens of the micro batch x prec.act bytes."""
+    full activation set): activation_values x tokens of the micro batch x prec.act bytes (x the
+    profile's fitted activation_scale)."""
     s, b, t = seq_len / layout.cp, layout.micro_batch, layout.tp
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
-    kept, full = activation_values(arch, layout)
+    kept, full = activation_values(arch, layout, profile)
     ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
     kept_ring = ring if layout.recompute != "full" else 0
-    return s * b * kept * prec.act + scores + kept_ring, s * b * full * prec.act + scores + ring
+    scale = profile.activation_scale
+    return (s * b * kept * prec.act + scores + kept_ring) * scale, (s * b * full * prec.act + scores + ring) * scale
 
 
 def activation_formula(layout: Layout) -> str:
@@ -251,9 +266,10 @@ class _Held:
         return self.dense + self.experts
 
 
-def _held(arch: Arch, layout: Layout, r: int) -> _Held:
+def _held(arch: Arch, layout: Layout, r: int, profile: Profile) -> _Held:
     t, ep = layout.tp, max(1, layout.ep) if arch.moe else 1
-    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
+    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers,
+                                       profile.pp_split)
     held = ranks[r]
     layers = sum(counts[i] for i in held)
     holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
@@ -271,39 +287,67 @@ def _held(arch: Arch, layout: Layout, r: int) -> _Held:
                  layers * dense_layer + emb + head, layers * expert_layer)
 
 
-def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: StageMemory) -> float:
+def zero_sharding(layout: Layout, profile: Profile) -> tuple[int, int]:
+    """(ZeRO stage, ranks sharding the model states) as the profile's recipe builds the layout:
+    usp's data_parallel_kind, or nanotron's ZeRO-1 (optimizer states only, over dp, also with TP/PP)."""
+    if profile.data_parallel == "nanotron" and layout.dp_kind in ("zero1", "zero1_fsdp"):
+        return 1, layout.dp_replicate
+    return layout.zero_stage, layout.shard_degree
+
+
+def ddp_buckets(layout: Layout, profile: Profile) -> bool:
+    """Is the data parallelism DDP, with its bucket copy of the gradients? usp: DDP and ZeRO-1 without
+    TP/PP; nanotron: any dp_replicate > 1 without ZeRO-1 (its ZeRO-1 runs without DDP)."""
+    if profile.data_parallel == "nanotron":
+        return layout.dp_kind in ("ddp", "replicate")
+    return layout.dp_kind in ("ddp", "zero1")
+
+
+def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: StageMemory, profile: Profile) -> float:
     """Parameters and optimizer states into st (ZeRO-2 keeps its sharded parameters next to the
-    all-gathered ones); returns the gradients' bytes (where they are alive: the peak decides)."""
+    all-gathered ones); returns the gradients' bytes (where they are alive: the peak decides), with
+    the profile's fp32 gradient-accumulation buffer (every parameter, 4 bytes, never sharded)."""
     ep = max(1, layout.ep) if arch.moe else 1
-    zero, n = layout.zero_stage, layout.shard_degree
+    zero, n = zero_sharding(layout, profile)
     n_exp = max(1, n // ep) if n % ep == 0 else 1
     sharded = h.dense / n + h.experts / n_exp  # params after data-parallel sharding
     st.parameters = prec.param * (sharded if zero == 3 else h.params + (sharded if zero == 2 and n > 1 else 0))
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
     st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
-    return prec.grad * (sharded if grads_sharded else h.params)
+    return prec.grad * (sharded if grads_sharded else h.params) + (4 * h.params if profile.fp32_grad_accum else 0)
 
 
-def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory) -> float:
-    """Kept activations into st; returns the bytes of the layer being recomputed (its full set
-    minus what was kept)."""
-    kept, full_set = activation_per_layer(arch, layout, seq_len, prec)
+def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory,
+                 profile: Profile) -> float:
+    """Kept activations into st (+ the profile's full-sequence buffers under TP + SP: the all-gather
+    buffer, a layer backward's unsharded input gradient; + its measured extra per token when a rank
+    holding the whole model accumulates gradients); returns the bytes of the layer being
+    recomputed (its full set minus what was kept)."""
+    kept, full_set = activation_per_layer(arch, layout, seq_len, prec, profile)
     st.activation_per_layer = kept
     tokens = (seq_len / layout.cp) * layout.micro_batch
     final_norm = tokens * (2 * arch.dim / layout.tp + arch.dim) * prec.act if h.holds_head else 0
     st.activations = (kept * h.layers + final_norm) * st.in_flight
     if layout.pp > 1 and not h.holds_head:  # torch.distributed.pipelining keeps each micro batch's stage output
         st.activations += tokens * arch.dim / layout.tp * prec.act * st.in_flight
+    if layout.tp > 1:
+        st.activations += profile.sp_full_buffers * tokens * arch.dim * prec.act
+    if layout.pp == 1 and layout.grad_accum > 1:  # measured on nanotron (docs/planner.md): 0 for usp's engine
+        st.activations += profile.accum_bytes_per_token_h * tokens * arch.dim
     return full_set - kept if layout.recompute != "none" and h.layers else 0
 
 
-def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory) -> float:
+def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory, profile: Profile) -> float:
     """Kept log-probabilities (+ the stage output under pp) into st; returns the loss backward's
-    extra buffers."""
+    extra buffers. A profile with loss_forward_bytes: that many bytes per logit at the loss forward
+    (nanotron: the bf16 logits, their fp32 copy and its max-shifted copy), nothing extra after."""
     if not h.holds_head:
         return 0.0
     t = layout.tp
     tokens = (seq_len / layout.cp) * layout.micro_batch
+    if profile.loss_forward_bytes:
+        st.logits = profile.loss_forward_bytes * tokens * h.vocab_pad / t
+        return 0.0
     one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
     n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
     st.logits = one * n_logits  # log-probabilities kept for backward
@@ -325,21 +369,28 @@ def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
     return (prec.param + prec.grad) * root + (blocks * prec.param + prec.grad) * unit
 
 
-def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int) -> StageMemory:
-    """One rank of pp rank r: the terms of the module docstring, at the peak."""
-    h = _held(arch, layout, r)
+def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int,
+                 profile: Profile) -> StageMemory:
+    """One rank of pp rank r: the terms of the module docstring, at the peak, as the profile's recipe
+    holds them."""
+    h = _held(arch, layout, r, profile)
     st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
                      virtual_stages=list(h.held), layers=h.layers, holds_embedding=h.holds_emb,
                      holds_head=h.holds_head, params=int(h.params), in_flight=in_flight(layout, r),
                      activation_per_layer=0.0)
-    grads = _model_states(arch, layout, prec, h, st)
-    recompute = _activations(arch, layout, seq_len, prec, h, st)
-    loss_extra = _logits(layout, seq_len, prec, h, st)
+    grads = _model_states(arch, layout, prec, h, st, profile)
+    recompute = _activations(arch, layout, seq_len, prec, h, st, profile)
+    loss_extra = _logits(layout, seq_len, prec, h, st, profile)
     gathered = _gathered(layout, prec, h)
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some) or
     # a layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer), whichever is larger.
     loss_phase = loss_extra + (grads if layout.grad_accum > 1 else 0)
-    if h.holds_head and loss_phase > grads + gathered + recompute:
+    if profile.grads_at_peak:  # the recipe's peak sits in a backward: everything at once
+        st.peak_phase = "backward"
+        st.logits += loss_extra
+        st.gradients, st.gathered = grads, gathered
+        st.activations += recompute
+    elif h.holds_head and loss_phase > grads + gathered + recompute:
         st.peak_phase = "loss backward"
         st.logits += loss_extra
         st.gradients = grads if layout.grad_accum > 1 else 0.0
@@ -347,63 +398,82 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.peak_phase = "layer backward"
         st.gradients, st.gathered = grads, gathered
         st.activations += recompute
-    if layout.dp_kind in ("ddp", "zero1"):
+    if ddp_buckets(layout, profile):
         st.comm_buffers = prec.grad * h.params
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
-    st.overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * subtotal
+    st.overhead = fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal
     st.total = subtotal + st.overhead
     return st
 
 
-def candidate_stages(arch: Arch, layout: Layout) -> list[int]:
+def fixed_overhead_gib(hw: Hardware, profile: Profile) -> float:
+    """The fixed allowance (not tensor memory): the profile's, else the device's."""
+    if profile.fixed_overhead_gib is not None:
+        return profile.fixed_overhead_gib
+    return FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB)
+
+
+def candidate_stages(arch: Arch, layout: Layout, profile: Profile) -> list[int]:
     """The pp ranks that can hold the peak: the last one (LM head, logits) and, for each
     distinct layer count, the first rank with it (in-flight micro batches never grow with the
     pp rank, and rank 0 also holds the embedding)."""
     if layout.pp == 1:
         return [0]
-    return list(_candidates(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers))
+    return list(_candidates(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, profile.pp_split))
 
 
 @lru_cache(maxsize=1024)
-def _candidates(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None) -> tuple:
-    counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers)
+def _candidates(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None, split: str) -> tuple:
+    counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers, split)
     firsts: dict[int, int] = {}
     for r, held in enumerate(ranks):
         firsts.setdefault(sum(counts[i] for i in held), r)
     return tuple(sorted(set(firsts.values()) | {pp - 1}))
 
 
-def peak_bytes(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> tuple[float, int]:
+def peak_bytes(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+               profile: Profile) -> tuple[float, int]:
     """(largest stage total, its pp rank), for the search: only the candidate stages."""
     best = (-1.0, 0)
-    for r in candidate_stages(arch, layout):
-        total = stage_memory(arch, layout, seq_len, hw, prec, r).total
+    for r in candidate_stages(arch, layout, profile):
+        total = stage_memory(arch, layout, seq_len, hw, prec, r, profile).total
         if total > best[0]:
             best = (total, r)
     return best
 
 
-def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> MemoryPlan:
-    stages = [stage_memory(arch, layout, seq_len, hw, prec, r) for r in range(layout.pp)]
+def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+                profile: Profile) -> MemoryPlan:
+    stages = [stage_memory(arch, layout, seq_len, hw, prec, r, profile) for r in range(layout.pp)]
+    zero, shards = zero_sharding(layout, profile)
     peak = max(range(len(stages)), key=lambda i: stages[i].total)
     peak_gib = stages[peak].total / GIB
     assumptions = [
+        f"profile {profile.name}: {profile.description}",
         f"{prec.name}: {prec.param} B/param, {prec.grad} B/grad, {prec.optim} B/param of AdamW state"
-        + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)"),
-        f"data parallel: {layout.dp_label()}, sharded over {layout.shard_degree} rank(s)",
-        f"activations: {activation_formula(layout)}",
-        f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
+        + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)")
+        + (", + a 4 B/param fp32 gradient-accumulation buffer (unsharded)" if profile.fp32_grad_accum else ""),
+        f"data parallel: {layout.dp_label() if profile.data_parallel == 'usp' else profile.data_parallel}, "
+        f"ZeRO-{zero} sharded over {shards} rank(s)",
+        f"activations: {activation_formula(layout)}" + (
+            "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)"),
+        f"logits: {profile.loss_forward_bytes:g} bytes per logit at the loss forward" if profile.loss_forward_bytes
+        else f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
         f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
-        f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer backward's "
-        "gradients + gathered units + recomputed layer",
-        f"overhead: {FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB)} GiB fixed + "
-        f"{FRAGMENTATION:.0%} fragmentation (not tensor memory)",
+        "peak in a backward: gradients, kept activations and the loss's buffers at once" if profile.grads_at_peak
+        else f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer "
+        "backward's gradients + gathered units + recomputed layer",
+        f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
+        "(not tensor memory)",
     ]
+    if profile.accum_bytes_per_token_h and layout.pp == 1 and layout.grad_accum > 1:
+        assumptions.append(f"gradient accumulation on the whole model: + {profile.accum_bytes_per_token_h:g} bytes "
+                           "per token per hidden unit (measured on the profile's runs, not divided by tp)")
     if layout.zero_stage >= 2 and FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1:
         assumptions.append("FSDP with grad_accum > 1: gradients unsharded between micro batches (no reduce-scatter "
                            "on inner micro batches)")
-    return MemoryPlan(dtype=prec.name, dp_kind=layout.dp_kind, zero_stage=layout.zero_stage,
-                      shard_degree=layout.shard_degree, recompute=layout.recompute, capacity_gib=hw.memory_gib,
+    return MemoryPlan(dtype=prec.name, dp_kind=layout.dp_kind, zero_stage=zero,
+                      shard_degree=shards, recompute=layout.recompute, capacity_gib=hw.memory_gib,
                       device_name=hw.device_name, stages=stages, peak_stage=peak, peak_gib=peak_gib,
                       fits=peak_gib <= hw.memory_gib, activation_formula=activation_formula(layout),
                       assumptions=assumptions)

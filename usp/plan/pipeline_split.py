@@ -169,6 +169,23 @@ def arch_split(arch, n_stages: int, pp_layers: Sequence[int] | None = None) -> l
                         list(pp_layers) if pp_layers else None)
 
 
+def matmul_threshold_split(arch, pp: int) -> tuple[int, ...]:
+    """Layers per pp rank as nanotron's build_model assigns them (models/base.py at the playbook's
+    sweep): blocks in order (embedding, layers, final norm, LM head) go to the current rank until
+    the cumulative matmul cost exceeds (rank + 1)/pp of the total, where a layer costs its matmul
+    weights (4h² + 3hf) and the LM head V·h. The head outweighs a few layers, so the first ranks get
+    more layers than the last ones, and the last may get none (pp beyond the layers it can fill).
+    The planner's `nanotron` profile uses it; usp's engine uses split_layers."""
+    layer = 4 * arch.dim * arch.dim + 3 * arch.dim * arch.ffn_dim
+    total = arch.n_layers * layer + arch.vocab_size * arch.dim
+    counts, rank = [0] * pp, 0
+    for i in range(1, arch.n_layers + 1):
+        counts[rank] += 1
+        if rank < pp - 1 and i * layer * pp > total * (rank + 1):
+            rank += 1
+    return tuple(counts)
+
+
 def stage_ranks(pp: int, virtual: int, schedule: str) -> list[list[int]]:
     """Stage indices held by each pp rank, in the order the rank builds them.
     Loop order (afab, 1f1b, interleaved): rank r holds r, r+pp, r+2pp, ...

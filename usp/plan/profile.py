@@ -3,7 +3,7 @@ published runs the planner is calibrated against. A profile holds the recipe's c
 memory or time (gradient buffers, sequence-parallel activations, allocator behaviour, overlap) so
 the same layout can be predicted as usp runs it or as, say, nanotron ran it. Pure Python.
 
-Selected with `planner.profile=<name>`."""
+Selected with `planner.profile=<name>`. docs/planner.md ("Profiles") gives each field's source."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,13 +15,35 @@ from usp.errors import PlanError
 class Profile:
     name: str
     description: str
+    # memory (usp.plan.memory reads these; the defaults are usp's engine)
+    fp32_grad_accum: bool = False  # an fp32 gradient-accumulation buffer of every parameter (4 bytes), never sharded
+    grads_at_peak: bool = False  # the low-precision gradients count at the peak (else the peak-phase model decides)
+    # data parallel as built: usp (usp.plan.specs.Layout.dp_kind) | nanotron (without ZeRO-1: DDP with its buckets,
+    # also under TP/PP; ZeRO-1: no DDP, only the optimizer states sharded over dp, also under TP/PP)
+    data_parallel: str = "usp"
+    fused_norm: bool = False  # RMSNorm keeps only its input (a fused kernel), not x·rstd as well
+    sp_norm_outputs_sharded: bool = False  # under TP + SP the projections keep their input sequence-sharded
+    kv_packed_copy: bool = False  # attention keeps a packed copy of K and V (2·kv) besides q/k/v
+    activation_scale: float = 1.0  # fitted: kept activations / the counted tensors (a layer's backward transients)
+    sp_full_buffers: int = 0  # fitted: full-sequence s·b·h buffers alive at the peak under TP + SP
+    # measured: bytes per token of the micro batch per hidden unit that a rank holding the whole model (pp = 1)
+    # keeps on top when it accumulates gradients (grad_accum > 1); not divided by tp (docs/planner.md, Profiles)
+    accum_bytes_per_token_h: float = 0.0
+    loss_forward_bytes: float = 0.0  # bytes per logit at the loss forward (0: usp's kept log-probs + backward buffers)
+    pp_split: str = "params"  # params: usp.plan.pipeline_split; matmul: nanotron's cumulative matmul-cost thresholds
+    fixed_overhead_gib: float | None = None  # None: the device's allowance (usp.plan.memory)
+    fragmentation: float = 0.05  # allocator fragmentation on top of the tensors (0: the peak is allocated memory)
 
 
 PROFILES = {
     "usp": Profile("usp", "usp's own engine (this repository), as it trains"),
-    "nanotron": Profile("nanotron", "nanotron as the Ultra-Scale Playbook's benchmark sweep ran it: bf16 with fp32 "
-                        "gradient-accumulation buffers, sequence parallel (reduce-scatter), 1F1B, flash attention, "
-                        "fused AdamW"),
+    "nanotron": Profile(
+        "nanotron", "nanotron as the Ultra-Scale Playbook's benchmark sweep ran it: bf16 with fp32 "
+        "gradient-accumulation buffers, sequence parallel (reduce-scatter), 1F1B, flash attention, fused AdamW",
+        fp32_grad_accum=True, grads_at_peak=True, data_parallel="nanotron", fused_norm=True,
+        sp_norm_outputs_sharded=True, kv_packed_copy=True, activation_scale=1.1, sp_full_buffers=2,
+        accum_bytes_per_token_h=100.0,
+        loss_forward_bytes=10.0, pp_split="matmul", fixed_overhead_gib=0.0, fragmentation=0.0),
 }
 
 

@@ -52,7 +52,7 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
                          get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp"))))
     warnings = rules.warnings(subject, strict=strict)
     warnings += check_observability(cfg, training)
-    plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec)
+    plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec, ctx.profile)
     plan.timing = timing_plan(ctx.arch, layout, plan.batch.seq_len, plan.batch.global_batch, hw, ctx.prec)
     plan.warnings.extend(w for w in warnings if w not in plan.warnings)
     if not plan.memory.fits:
@@ -129,7 +129,8 @@ def oom_error(plan, ctx: PlannerContext, layout: Layout, search: bool = True) ->
 def _fitting_fix(ctx: PlannerContext) -> str:
     from usp.plan.search import search
 
-    found = search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=1, settings=ctx.settings).best
+    found = search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=1, settings=ctx.settings,
+                   profile=ctx.profile).best
     if found is None:
         return (f"no layout fits {ctx.hw.world} device(s) of {ctx.hw.memory_gib:g} GiB at this global batch: add "
                 "devices (`usp estimate` sizes it) or shorten train.seq_len; --force plans it anyway")

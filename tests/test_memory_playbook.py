@@ -1,0 +1,122 @@
+"""The planner's memory model on real H100 runs (calibration/playbook_h100: the Ultra-Scale
+Playbook's nanotron sweep, 1,027 ok runs of a 1.34B and an 8.86B Llama on 1-64 nodes): the
+`nanotron` profile's predicted peak memory of pp rank 0 against the measured one (mem_gb: peak
+allocated memory on rank 0). The rows become layouts once (usp.plan.sweep_rows, also behind
+scripts/bench/calibration_sweep.py). Pure Python, no torch; docs/planner.md has the numbers."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from conftest import usp_cli
+
+from usp.plan.memory import activation_values, memory_plan, stage_memory, zero_sharding
+from usp.plan.pipeline_split import matmul_threshold_split
+from usp.plan.profile import PROFILES
+from usp.plan.specs import Layout
+from usp.plan.sweep_rows import BF16, SEQ_LEN, accuracy, check_memory, fit_constants, h100_nodes, read_sweep
+
+NANOTRON = PROFILES["nanotron"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return read_sweep()
+
+
+def _line(name: str, acc: dict) -> str:
+    return (f"{name}: {acc['ok_runs']} ok runs, median |error| {acc['median_abs_error']:.1%}, "
+            f"{acc['within_10pct']:.0%} within 10 %, {acc['ok_predicted_oom']} predicted OOM; "
+            f"{acc['failed_predicted_fit']} of {acc['failed_runs']} failed runs predicted to fit")
+
+
+def test_nanotron_profile_predicts_the_playbook_runs(runs):
+    checks = check_memory(runs, NANOTRON)
+    acc = accuracy(checks)
+    print("\n" + _line("nanotron profile, all", acc))
+    for model in ("1.34B", "8.86B"):
+        print(_line(f"  {model}", accuracy([c for c in checks if c.run.model == model])))
+    assert acc["ok_runs"] == 1027 and acc["ok_unplaced"] == 0
+    assert acc["median_abs_error"] <= 0.06  # issue 17's bar is 8 %; 5.5 % today (6.8 % before the accumulation term)
+    # the bar is >= 70 % within 10 %: not reached (69.0 % today, 61.6 % before; docs/planner.md); guards the gain
+    assert acc["within_10pct"] >= 0.68
+    # 6 today: 3 as before (8.86B pp 2-8 with ZeRO-1, pp rank 0 predicted 80-85 GiB, measured 72-77) and 3 rows
+    # with huge micro batches at tp 32 measured far below any count (8.86B mbs 64: 25.6 GiB, under mbs 16's 46-49)
+    assert acc["ok_predicted_oom"] <= 6
+    # usp's own recipe on the same layouts is another engine: far off, and that is the point of a profile
+    assert accuracy(check_memory(runs, PROFILES["usp"]))["median_abs_error"] > 0.2
+
+
+def test_constants_fitted_on_one_model_hold_on_the_other(runs):
+    """The three fitted constants (activation_scale, sp_full_buffers, accum_bytes_per_token_h) chosen on one
+    model's runs, checked on the other model's: the fit must not be a lookup of these rows, and the
+    gradient-accumulation term comes out the same on both models (it scales with h, not per model)."""
+    chosen = []
+    for fit_on, held_out in (("1.34B", "8.86B"), ("8.86B", "1.34B")):
+        fitted, fit_acc = fit_constants([r for r in runs if r.model == fit_on], NANOTRON,
+                                        scales=(1.0, 1.1), buffers=(0, 2, 4), accum=(0.0, 100.0))
+        held = accuracy(check_memory([r for r in runs if r.model == held_out], fitted))
+        print(f"\nfit on {fit_on} (activation_scale {fitted.activation_scale}, sp_full_buffers "
+              f"{fitted.sp_full_buffers}, accum_bytes_per_token_h {fitted.accum_bytes_per_token_h}): "
+              + _line("fit", fit_acc) + "\n  " + _line(f"held out {held_out}", held))
+        assert held["median_abs_error"] <= 0.08 and held["ok_predicted_oom"] <= 5
+        chosen.append(fitted.accum_bytes_per_token_h)
+    assert chosen == [100.0, 100.0]
+
+
+def test_gradient_accumulation_term_only_where_measured():
+    """The measured extra of a rank holding the whole model that accumulates gradients: 100 bytes per
+    token per hidden unit, not divided by tp, absent at gas = 1, at pp > 1 and in usp's profile."""
+    run = next(r for r in read_sweep() if r.model == "8.86B")
+    h = run.arch.dim
+
+    def activations(profile, **kw):
+        return stage_memory(run.arch, Layout(**kw), SEQ_LEN, h100_nodes(4), BF16, 0, profile).activations
+
+    for t in (1, 8):
+        extra = activations(NANOTRON, tp=t, micro_batch=2, grad_accum=4) - activations(NANOTRON, tp=t, micro_batch=2)
+        assert extra == pytest.approx(100 * SEQ_LEN * 2 * h)
+    without = replace(NANOTRON, accum_bytes_per_token_h=0.0)
+    assert activations(NANOTRON, pp=2, micro_batch=2, grad_accum=4) == activations(without, pp=2, micro_batch=2,
+                                                                                   grad_accum=4)  # not measured
+    usp = PROFILES["usp"]
+    assert activations(usp, tp=8, micro_batch=2, grad_accum=4) == activations(usp, tp=8, micro_batch=2)
+    said = [memory_plan(run.arch, Layout(tp=8, grad_accum=4), SEQ_LEN, h100_nodes(1), BF16, p).assumptions
+            for p in (NANOTRON, usp)]
+    assert any("gradient accumulation on the whole model: + 100 bytes" in a for a in said[0])
+    assert not any("gradient accumulation on the whole model" in a for a in said[1])
+
+
+def test_nanotron_split_and_zero1_are_the_recipe_s():
+    """nanotron's layer split counts the LM head as V·h of matmul (the 1.34B's first of 4 ranks gets 6
+    layers, the last only the head); its ZeRO-1 with TP/PP shards the optimizer states only."""
+    run = next(r for r in read_sweep() if r.model == "1.34B")
+    assert matmul_threshold_split(run.arch, 2) == (11, 5)
+    assert matmul_threshold_split(run.arch, 4) == (6, 5, 5, 0)
+    lay = Layout(pp=2, dp_replicate=4, tp=2, zero1=True, micro_batch=1, grad_accum=8)
+    assert zero_sharding(lay, NANOTRON) == (1, 4) and zero_sharding(lay, PROFILES["usp"]) == (2, 4)
+    st = stage_memory(run.arch, lay, SEQ_LEN, h100_nodes(1), BF16, 0, NANOTRON)
+    assert st.layers == 11 and st.parameters == 2 * st.params and st.optimizer == pytest.approx(12 * st.params / 4)
+    assert st.gradients == (2 + 4) * st.params  # bf16 gradients + the fp32 accumulation buffer, unsharded
+    assert st.comm_buffers == 0 and st.overhead == 0  # no DDP under ZeRO-1; peak allocated memory
+
+
+def test_nanotron_layer_keeps_sharded_norm_outputs_and_a_packed_kv():
+    """A dense layer as nanotron keeps it, per token: norm inputs and outputs h/t each (fused norm,
+    sequence-sharded), q/k/v (h + 2kv)/t + the packed K/V 2kv/t + the attention output h/t, the MLP
+    4f/t: (10h + 4f)/t with MHA; usp's engine keeps x·rstd too and the norm outputs all-gathered."""
+    arch = next(r for r in read_sweep() if r.model == "8.86B").arch
+    h, f = arch.dim, arch.ffn_dim
+    for t in (1, 4):
+        lay = Layout(tp=t)
+        assert activation_values(arch, lay, NANOTRON)[0] == pytest.approx((10 * h + 4 * f) / t)
+        assert activation_values(arch, lay, PROFILES["usp"])[0] == pytest.approx((8 * h + 4 * f) / t + 2 * h)
+
+
+def test_usp_plan_predicts_as_the_profile_says(tmp_path):
+    args = ("plan", "model=llama3_1_8b", "cluster=slurm_h100", "cluster.nodes=2", "parallelism.tp=4",
+            "parallelism.dp_replicate=4", "parallelism.zero1=true", "train.seq_len=4096")
+    usp, nano = (usp_cli(*args, *extra, cwd=tmp_path) for extra in ((), ("planner.profile=nanotron",)))
+    assert usp.returncode == nano.returncode == 0, usp.stderr + nano.stderr
+    assert "profile nanotron" in nano.stdout and "fp32 gradient-accumulation buffer" in nano.stdout
+    assert "profile usp" in usp.stdout and "fp32 gradient-accumulation" not in usp.stdout
