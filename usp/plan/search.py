@@ -21,6 +21,7 @@ from usp.errors import PlanError
 from usp.plan import rules
 from usp.plan.context import planner_context
 from usp.plan.memory import peak_bytes
+from usp.plan.profile import PROFILES, Profile
 from usp.plan.rules import BATCH_ONLY, LAYOUT_ONLY, Settings, Subject, divisors
 from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
 from usp.plan.timing import TimingPlan, timing_plan
@@ -122,7 +123,8 @@ def _micro_batches(arch: Arch, hw: Hardware, settings: Settings, base: Layout, l
 
 
 def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch: int, top_k: int = 5,
-           recomputes=("none", "full"), settings: Settings | None = None) -> SearchResult:
+           recomputes=("none", "full"), settings: Settings | None = None,
+           profile: Profile = PROFILES["usp"]) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
     (default: Settings(seq_len): any launcher, auto dtype, no checkpoints, no DDP hook)."""
     start = time.perf_counter()
@@ -158,7 +160,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
             lay = replace(base, micro_batch=micro[i], grad_accum=local // micro[i])
             peak, stage = peaks.get(i) or peak_bytes(arch, lay, seq_len, hw, prec)
             cand = Candidate(lay, peak / GIB, stage, micro[best_i],
-                             timing_plan(arch, lay, seq_len, global_batch, hw, prec))
+                             timing_plan(arch, lay, seq_len, global_batch, hw, prec, profile))
             if best_here is None or cand.tokens_per_s_per_device > best_here.tokens_per_s_per_device:
                 best_here = cand
         if best_here is not None:
@@ -250,7 +252,8 @@ def search_config(cfg, top_k: int = 5) -> SearchResult:
     ctx = planner_context(cfg)
     if ctx.hw.world < 1:
         raise PlanError("must be at least 1", key="cluster.nodes", value=ctx.hw.nodes, fix="cluster.nodes=1")
-    return search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=top_k, settings=ctx.settings)
+    return search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=top_k, settings=ctx.settings,
+                  profile=ctx.profile)
 
 
 def run_search(cfg, top_k: int = 5, console=None) -> SearchResult:
