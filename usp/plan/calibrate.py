@@ -19,8 +19,9 @@ from usp.plan.specs import Hardware, Precision, uses_bf16
 from usp.plan.time_constants import Calibrated
 from usp.plan.timing import TimeShape, evaluate, layout_features, mfu, time_shape
 
-# (name, lower, upper): Hardware link bandwidths (GB/s) and TimeConstants fields
-PARAMS = (("intra_node_gbps", 20.0, 2000.0), ("inter_node_gbps", 1.0, 400.0),
+# (name, lower, upper): Hardware link bandwidths (GB/s; upper bound: the cluster's nominal figure,
+# an achieved bandwidth never exceeds it) and TimeConstants fields
+PARAMS = (("intra_node_gbps", 1.0, 1e4), ("inter_node_gbps", 0.1, 1e4),
           ("kernel_efficiency", 0.1, 1.0), ("kernel_half_tokens", 1.0, 1e5), ("kernel_half_dim", 1.0, 1e5),
           ("intra_hop_us", 0.5, 2000.0), ("inter_hop_us", 0.5, 5000.0),
           ("call_overhead_us", 1.0, 1e4), ("p2p_us", 1.0, 1e6), ("layer_overhead_us", 1.0, 1e5),
@@ -110,11 +111,22 @@ def with_params(hw: Hardware, values: dict) -> Hardware:
     return replace(hw, timing=const, **{k: v for k, v in values.items() if k in HW_PARAMS})
 
 
+# Where an uncalibrated cluster's search starts (its link bandwidths start at the nominal figures):
+# round values of a GPU cluster; the search moves each by factors of 4, 2, sqrt 2, ...
+START = {"kernel_efficiency": 0.6, "kernel_half_tokens": 128.0, "kernel_half_dim": 128.0, "intra_hop_us": 5.0,
+         "inter_hop_us": 20.0, "call_overhead_us": 50.0, "p2p_us": 1000.0, "layer_overhead_us": 50.0,
+         "step_overhead_ms": 10.0, "optimizer_gbps": 1000.0}
+
+
 def _params(hw: Hardware) -> dict:
+    """The search's start: the cluster's constants if it was calibrated before, else START."""
     out = {}
     for name, lo, hi in PARAMS:
-        v = getattr(hw, name) if name in HW_PARAMS else getattr(hw.timing, name)
-        out[name] = min(hi, max(lo, v))  # 0 (= not modelled) starts at the bound
+        if name in HW_PARAMS:
+            v = getattr(hw, name)
+        else:
+            v = getattr(hw.timing, name) if hw.timing.calibrated.source else START[name]
+        out[name] = min(hi, max(lo, v))
     return out
 
 
@@ -143,6 +155,8 @@ def fit(problem: Problem, rounds: int = 40) -> Fit:
     """Coordinate search in log space: each constant in turn is multiplied / divided by a step
     factor while the loss improves; the factor shrinks when no constant moves."""
     values, bounds = _params(problem.hw), {n: (lo, hi) for n, lo, hi in PARAMS}
+    for name in HW_PARAMS:  # effective <= nominal
+        bounds[name] = (bounds[name][0], getattr(problem.hw, name))
     best, evals, step = problem.loss(with_params(problem.hw, values)), 1, 4.0
     for _ in range(rounds):
         moved = False
