@@ -105,10 +105,13 @@ def _per_node(shape: tuple, per_node: int, idx: tuple) -> int:
 
 def _locality(layout: Layout, hw: Hardware, dims: tuple) -> tuple[bool, int]:
     """(does the group cross nodes, its ranks per node)."""
-    crosses = group_crosses_nodes(layout.degrees, hw.procs_per_node, dims)
-    idx = tuple(sorted(MESH_DIMS.index(d) for d in dims))
-    shape = tuple(layout.degrees[d] for d in MESH_DIMS)
-    return crosses, _per_node(shape, hw.procs_per_node, idx)
+    return _locality_of(tuple(layout.degrees[d] for d in MESH_DIMS), hw.procs_per_node, dims)
+
+
+@lru_cache(maxsize=65536)
+def _locality_of(shape: tuple, per_node: int, dims: tuple) -> tuple[bool, int]:
+    crosses = group_crosses_nodes(dict(zip(MESH_DIMS, shape)), per_node, dims)
+    return crosses, _per_node(shape, per_node, tuple(sorted(MESH_DIMS.index(d) for d in dims)))
 
 
 def collective_s(kind: str, n: int, per_node: int, crosses: bool, nbytes: float, hw: Hardware) -> tuple[float, float]:
@@ -375,10 +378,9 @@ def _sharded_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, 
     return out
 
 
-def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, layers_r: int,
+def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, layers_r: int, psi: float,
              profile: Profile) -> list[Comm]:
-    """The data-parallel communication of the busiest rank's parameters (+ the tied embedding's sum)."""
-    psi = max(rank_params(arch, layout))
+    """The data-parallel communication of the busiest rank's parameters psi (+ the tied embedding's sum)."""
     tied = [_tied_comm(arch, layout, hw, prec, profile)] if arch.tie_embeddings and layout.pp > 1 \
         and layout.pp_schedule != "zbv" else []  # zbv: first and last stage on one rank, summed locally
     kind = layout.dp_kind
@@ -418,12 +420,13 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
     _, _, model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
     busiest, layers, mats = _stage_matmuls(arch, layout, seq_len)
     tokens_mb = layout.micro_batch * seq_len / layout.cp
+    psi = max(rank_params(arch, layout))
     comms = _path_comm(arch, layout, seq_len, hw, prec, layers[busiest], tokens_mb, profile) \
-        + _dp_comm(arch, layout, hw, prec, layers[busiest], profile)
+        + _dp_comm(arch, layout, hw, prec, layers[busiest], psi, profile)
     return TimeShape(peak=hw.peak_flops(prec), tokens_mb=tokens_mb, grad_accum=layout.grad_accum,
                      bubble=_bubble(layout), recompute_extra=_recompute_extra(layout), busiest=busiest,
                      stage_layers=layers, matmuls=mats, attn_fpt=12 * arch.dim * seq_len / layout.tp,
-                     comms=tuple(comms), optimizer_params=max(rank_params(arch, layout)) / layout.shard_degree,
+                     comms=tuple(comms), optimizer_params=psi / layout.shard_degree,
                      optimizer_bytes=profile.optimizer_bytes_per_param, tokens_per_step=global_batch * seq_len,
                      model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world)
 
