@@ -118,6 +118,38 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
 
 @app.command()
 @handles_errors
+def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layouts (like calibration/playbook_h100/"
+                                               "playbook_sweep_calibration.csv) or a directory of usp runs"),
+              cluster: str = typer.Option(..., "--cluster", help="the cluster group to fit: a name in conf/cluster "
+                                                                  "or a YAML path"),
+              profile: str = typer.Option("usp", "--profile", help="the recipe the runs were trained with "
+                                                                    "(planner.profile: usp | nanotron)"),
+              out: str | None = typer.Option(None, "--out", help="write the fitted cluster group here (e.g. "
+                                                                  "conf/cluster/mine.yaml); default: print it"),
+              archs: str | None = typer.Option(None, "--archs", help="model shapes of a CSV (default: "
+                                                                      "playbook_model_archs.csv beside it)"),
+              holdout: int = typer.Option(0, "--holdout", help="hold every N-th run out of the fit and score it "
+                                                                "separately")) -> None:
+    """Fit the cluster's time constants (link bandwidth and latency, kernel efficiency, overheads) to
+    measured runs, report the residuals, write the cluster group."""
+    from pathlib import Path
+
+    from usp.plan.calibrate import calibrate as fit_cluster
+    from usp.plan.calibrate import report
+    from usp.rundir import write_text_atomic
+
+    result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
+    for line in report(result):
+        typer.echo(line)
+    if out:
+        write_text_atomic(Path(out), result.yaml)
+        typer.echo(f"cluster group written to {out} (use it with cluster={Path(out).stem} or commit it)")
+    else:
+        typer.echo(result.yaml)
+
+
+@app.command()
+@handles_errors
 def estimate(overrides: list[str] | None = Overrides,
              hours: float | None = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
              devices: int | None = typer.Option(None, "--devices", help="device count: how many hours?"),

@@ -69,6 +69,35 @@ class OptimizerConfig:
 
 
 @dataclass
+class CalibratedConfig:
+    # What cluster.timing was fitted on (written by `usp calibrate`; usp/plan/time_constants.py).
+    source: str = ""  # "" = never calibrated
+    runs: int = 0
+    nodes: list[int] = field(default_factory=list)
+    features: list[str] = field(default_factory=list)
+    mfu_abs_err_p50: float = 0.0  # fit residuals, MFU points
+    mfu_abs_err_p90: float = 0.0
+    ratio_p10: float = 1.0  # predicted / measured MFU
+    ratio_p90: float = 1.0
+
+
+@dataclass
+class ClusterTimingConfig:
+    # The time model's cluster constants (docs/planner.md "Time"); `usp calibrate` fits them.
+    kernel_efficiency: float = 0.5  # fraction of peak a large matmul reaches
+    kernel_half_tokens: float = 128.0  # tokens per micro batch at which a matmul reaches half of it
+    kernel_half_dim: float = 128.0  # matmul output width (h/tp, ffn/tp) at which it reaches half of it
+    intra_hop_us: float = 10.0  # latency per ring step inside a node
+    inter_hop_us: float = 25.0  # latency per ring step between nodes
+    call_overhead_us: float = 0.0  # fixed cost per collective call (launch, stream sync)
+    p2p_us: float = 0.0  # extra fixed cost of a pipeline send/recv pair
+    layer_overhead_us: float = 0.0  # fixed cost per layer and micro batch
+    step_overhead_ms: float = 0.0  # fixed cost per optimizer step
+    optimizer_gbps: float = 0.0  # memory bandwidth of the optimizer step; 0 = not modelled
+    calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
+
+
+@dataclass
 class SlurmConfig:
     """How a cluster=<slurm group> job is requested (usp/launch/templates/job.sbatch.j2).
     Nodes, processes per node and GPUs come from the plan: never typed here."""
@@ -112,6 +141,7 @@ class ClusterConfig:
     intra_node_gbps: float = 5.0  # per-device link bandwidth inside a node, GB/s (one direction)
     inter_node_gbps: float = 1.25  # per-device bandwidth between nodes, GB/s
     price_per_device_hour: float = 0.0  # 0 = unknown
+    timing: ClusterTimingConfig = field(default_factory=ClusterTimingConfig)
     timeout_s: int = 600  # collective timeout: a hung collective fails after this long
     env: dict[str, str] = field(default_factory=dict)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # used when launcher=slurm

@@ -33,6 +33,12 @@ class Profile:
     pp_split: str = "params"  # params: usp.plan.pipeline_split; matmul: nanotron's cumulative matmul-cost thresholds
     fixed_overhead_gib: float | None = None  # None: the device's allowance (usp.plan.memory)
     fragmentation: float = 0.05  # allocator fragmentation on top of the tensors (0: the peak is allocated memory)
+    # time (usp/plan/timing.py): how the recipe runs its communication and optimizer
+    dp_overlap: float = 0.8  # share of the data-parallel window (the last backward) its gradient reduction hides behind
+    cp_overlap: float = 0.8  # share of a layer's attention the CP ring exchange hides behind
+    reduce_bytes: int = 0  # bytes per gradient value reduced over dp; 0 = the precision's gradient bytes
+    zero1_once_per_step: bool = False  # ZeRO-1 with TP/PP: one gradient reduction + all-gather per step (not FSDP2)
+    optimizer_bytes_per_param: int = 34  # AdamW (+ clipping) streams fp32 master, m, v, the gradient, writes bf16
 
 
 PROFILES = {
@@ -40,10 +46,13 @@ PROFILES = {
     "nanotron": Profile(
         "nanotron", "nanotron as the Ultra-Scale Playbook's benchmark sweep ran it: bf16 with fp32 "
         "gradient-accumulation buffers, sequence parallel (reduce-scatter), 1F1B, flash attention, fused AdamW",
+        # memory
         fp32_grad_accum=True, grads_at_peak=True, data_parallel="nanotron", fused_norm=True,
         sp_norm_outputs_sharded=True, kv_packed_copy=True, activation_scale=1.1, sp_full_buffers=2,
         accum_bytes_per_token_h=100.0,
-        loss_forward_bytes=10.0, pp_split="matmul", fixed_overhead_gib=0.0, fragmentation=0.0),
+        loss_forward_bytes=10.0, pp_split="matmul", fixed_overhead_gib=0.0, fragmentation=0.0,
+        # time
+        dp_overlap=0.8, reduce_bytes=4, zero1_once_per_step=True),
 }
 
 

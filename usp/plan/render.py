@@ -145,11 +145,22 @@ def timing_table(tim):
          f"{tim.exposed_dp_comm_s:.3g} s"),
         ("tokens / s", f"{tim.tokens_per_s:,.0f}", f"{tim.tokens_per_s_per_device:,.0f} per device"),
         ("[bold]MFU[/]", f"[bold]{tim.mfu:.1%}[/]", "model FLOPs / (step time x devices x peak)"),
+        *_band_rows(tim),
         ("HFU", f"{tim.hfu:.1%}", "counting recomputed FLOPs"),
     ]
     for row in rows:
         table.add_row(*row)
-    return _with_notes(table, tim.assumptions)
+    return _with_notes(table, [*tim.calibration, *tim.assumptions])
+
+
+def _band_rows(tim) -> list[tuple]:
+    """The calibrated uncertainty of MFU and tokens/s (none before `usp calibrate`)."""
+    if tim.mfu_band is None:
+        return [("MFU band", "-", "uncalibrated cluster: no band (`usp calibrate` fits one)")]
+    lo, hi = tim.mfu_band
+    tok = tim.tokens_per_s / tim.mfu if tim.mfu else 0.0
+    return [("MFU band", f"{lo:.1%} - {hi:.1%}", "10th-90th percentile of the calibration's predicted/measured"),
+            ("tokens / s band", f"{tok * lo:,.0f} - {tok * hi:,.0f}", "the same band")]
 
 
 def _with_notes(table: Table, notes: list[str]):

@@ -11,6 +11,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from usp.plan.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
+from usp.plan.time_constants import TimeConstants
 
 GIB = 1024 ** 3
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -192,6 +193,7 @@ class Hardware:
     price_per_device_hour: float
     nodes: int
     procs_per_node: int
+    timing: TimeConstants = TimeConstants()  # fitted by `usp calibrate` (usp/plan/time_constants.py)
 
     @classmethod
     def from_cluster(cls, c) -> Hardware:
@@ -201,7 +203,8 @@ class Hardware:
                    peak_tflops_fp32=float(g("peak_tflops_fp32", 0.15)),
                    intra_node_gbps=float(g("intra_node_gbps", 5.0)), inter_node_gbps=float(g("inter_node_gbps", 1.25)),
                    price_per_device_hour=float(g("price_per_device_hour", 0.0)),
-                   nodes=int(g("nodes", 1)), procs_per_node=int(g("procs_per_node", 1)))
+                   nodes=int(g("nodes", 1)), procs_per_node=int(g("procs_per_node", 1)),
+                   timing=TimeConstants.from_config(g("timing")))
 
     @property
     def world(self) -> int:

@@ -1,0 +1,66 @@
+"""A cluster's time constants (`cluster.timing`): the few physical figures the planner's time model
+(usp/plan/timing.py) needs beyond the nominal peak FLOP/s and link bandwidths, and what they were
+fitted on. `usp calibrate` (usp/plan/calibrate.py) fits them from measured runs; the defaults are
+uncalibrated round figures. Pure Python."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """What the constants were fitted on: `usp plan` derives its uncertainty band from the residuals
+    and says when a layout lies outside (a node count or a feature never measured)."""
+
+    source: str = ""  # "" = never calibrated
+    runs: int = 0
+    nodes: tuple = ()  # node counts measured
+    features: tuple = ()  # layout features measured (usp.plan.calibrate.FEATURES)
+    mfu_abs_err_p50: float = 0.0  # MFU points, fit residuals
+    mfu_abs_err_p90: float = 0.0
+    ratio_p10: float = 1.0  # predicted / measured MFU, 10th and 90th percentile
+    ratio_p90: float = 1.0
+
+
+@dataclass(frozen=True)
+class TimeConstants:
+    kernel_efficiency: float = 0.50  # fraction of peak a large matmul reaches
+    kernel_half_tokens: float = 128.0  # tokens per micro batch (b·s/cp) at which a matmul reaches half of it
+    kernel_half_dim: float = 128.0  # output width (h/tp, ffn/tp, V/tp) at which a matmul reaches half of it
+    intra_hop_us: float = 10.0  # latency of one ring step inside a node
+    inter_hop_us: float = 25.0  # latency of one ring step between nodes
+    call_overhead_us: float = 0.0  # fixed cost per collective call (launch, stream sync, host)
+    p2p_us: float = 0.0  # extra fixed cost of a pipeline send/recv pair (handshake, host sync)
+    layer_overhead_us: float = 0.0  # fixed cost per layer and micro batch, forward + backward (launches, host)
+    step_overhead_ms: float = 0.0  # fixed cost per optimizer step (gradient clipping, host sync, logging)
+    optimizer_gbps: float = 0.0  # memory bandwidth the optimizer step streams its states at; 0 = not modelled
+    calibrated: Calibrated = field(default_factory=Calibrated)
+
+    @classmethod
+    def from_config(cls, node) -> TimeConstants:
+        from usp.plan.specs import _getter  # specs imports this module
+
+        if node is None:
+            return cls()
+        g = _getter(node)
+        cal = g("calibrated")
+        kw = {f.name: float(g(f.name, f.default)) for f in fields(cls) if f.name != "calibrated"}
+        return cls(**kw, calibrated=_calibrated(cal))
+
+    def fitted(self) -> dict:
+        """The fitted numbers, by name (what `usp calibrate` writes)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibrated"}
+
+
+def _calibrated(node) -> Calibrated:
+    from usp.plan.specs import _getter
+
+    if node is None:
+        return Calibrated()
+    g = _getter(node)
+    return Calibrated(source=str(g("source", "") or ""), runs=int(g("runs", 0) or 0),
+                      nodes=tuple(int(n) for n in (g("nodes", ()) or ())),
+                      features=tuple(str(f) for f in (g("features", ()) or ())),
+                      mfu_abs_err_p50=float(g("mfu_abs_err_p50", 0.0)),
+                      mfu_abs_err_p90=float(g("mfu_abs_err_p90", 0.0)),
+                      ratio_p10=float(g("ratio_p10", 1.0)), ratio_p90=float(g("ratio_p90", 1.0)))
