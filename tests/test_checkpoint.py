@@ -18,7 +18,8 @@ from conftest import _CACHE, USP, run_usp
 from usp.engine.observe.metrics import read_metrics
 from usp.rundir import list_checkpoints
 
-QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0"]
+QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
+         "train.eval_batches=1", "train.measure_memory=false"]  # neither is checked here; both cost time
 UNTIED = ["model.tie_embeddings=false", "model.n_layers=4"]
 
 
@@ -68,11 +69,24 @@ def worker_pids(plan_path: Path) -> dict[int, int]:
     return out
 
 
+STEPS = 30
+DDP_RUN = ["conf=tiny_ddp", f"train.steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, shakespeare) -> dict[int, float]:
+    """The losses of the 2-process run that the interrupted runs below must reproduce
+    (checkpoint.interval and max_restarts don't change them)."""
+    runs = tmp_path_factory.mktemp("uninterrupted")
+    train(runs, *DDP_RUN, "train.name=uninterrupted")
+    return losses(runs / "uninterrupted")
+
+
 @pytest.mark.distributed
-def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, shakespeare):
+def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, uninterrupted):
     """2-process DDP run stopped by SIGUSR1 (what Slurm sends before preemption): it checkpoints,
     exits 75, and the same command resumes; every loss equals an uninterrupted run's."""
-    common = ["conf=tiny_ddp", "train.steps=30", "train.name=preempted"]
+    common = [*DDP_RUN, "train.name=preempted"]
     proc = spawn(tmp_path, *common)
     run_dir = tmp_path / "preempted"
     wait_for_step(run_dir, 6, proc)
@@ -83,26 +97,23 @@ def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, shakesp
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 75, out[-3000:]
     stopped_at = max(losses(run_dir))
-    assert stopped_at < 30 and [c[0] for c in list_checkpoints(run_dir / "checkpoints") if c[2]][-1] == stopped_at
+    assert stopped_at < STEPS and [c[0] for c in list_checkpoints(run_dir / "checkpoints") if c[2]][-1] == stopped_at
     resumed = train(tmp_path, *common)
     assert f"resumed from {run_dir / 'checkpoints'}" in resumed.stdout
     summary = json.loads((run_dir / "summary.json").read_text())  # of the resumed attempt: its own steps only
-    assert summary["resumed_from_step"] == stopped_at and summary["steps"] == 30
-    assert summary["tokens_per_s"] * summary["time_s"] == pytest.approx((30 - stopped_at) * 16 * 128)
+    assert summary["resumed_from_step"] == stopped_at and summary["steps"] == STEPS
+    assert summary["tokens_per_s"] * summary["time_s"] == pytest.approx((STEPS - stopped_at) * 16 * 128)
     events = [json.loads(line)["event"] for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
     assert "preempted" in events
-    reference = train(tmp_path, "conf=tiny_ddp", "train.steps=30", "train.name=uninterrupted") and \
-        losses(tmp_path / "uninterrupted")
-    assert sorted(losses(run_dir)) == list(range(1, 31))
-    assert_same(reference, losses(run_dir), range(1, 31), 1e-6)
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    assert_same(uninterrupted, losses(run_dir), range(1, STEPS + 1), 1e-6)
 
 
 @pytest.mark.distributed
-def test_kill9_of_a_rank_restarts_and_resumes(tmp_path, shakespeare):
+def test_kill9_of_a_rank_restarts_and_resumes(tmp_path, uninterrupted):
     """SIGKILL of rank 1 mid-run: torchrun restarts the job (train.max_restarts=1), it resumes
     from the last checkpoint and completes with the uninterrupted run's losses."""
-    common = ["conf=tiny_ddp", "train.steps=40", "checkpoint.interval=5", "train.max_restarts=1"]
-    proc = spawn(tmp_path, *common, "train.name=killed")
+    proc = spawn(tmp_path, *DDP_RUN, "checkpoint.interval=5", "train.max_restarts=1", "train.name=killed")
     run_dir = tmp_path / "killed"
     wait_for_step(run_dir, 12, proc)
     os.kill(worker_pids(run_dir / "plan.yaml")[1], signal.SIGKILL)
@@ -112,9 +123,8 @@ def test_kill9_of_a_rank_restarts_and_resumes(tmp_path, shakespeare):
     restart = [e for e in events if e["event"] == "restart"]
     assert restart and restart[0]["resumed_from_step"] >= 10
     assert "resumed from" in (run_dir / "logs" / "rank_0.log").read_text()
-    train(tmp_path, *common, "train.name=reference")
-    assert sorted(losses(run_dir)) == list(range(1, 41))
-    assert_same(losses(tmp_path / "reference"), losses(run_dir), range(1, 41), 1e-6)
+    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
+    assert_same(uninterrupted, losses(run_dir), range(1, STEPS + 1), 1e-6)
 
 
 @pytest.mark.distributed
