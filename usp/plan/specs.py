@@ -5,24 +5,16 @@ handed to usp.plan.memory and usp.plan.timing. Pure Python: never imports torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from typing import Any
 
 from usp.plan.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
+from usp.plan.nodes import getter as _getter
 from usp.plan.time_constants import TimeConstants
 
 GIB = 1024 ** 3
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
-
-
-def _getter(obj) -> Callable[..., Any]:
-    """Field access for a config node, a dataclass or a plain dict alike: g(key, default)."""
-    if isinstance(obj, dict):
-        return lambda k, d=None: obj.get(k, d)
-    return lambda k, d=None: getattr(obj, k, d)
 
 
 @dataclass(frozen=True)

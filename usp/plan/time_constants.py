@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from usp.plan.nodes import getter as _getter
+
 
 @dataclass(frozen=True)
 class Calibrated:
@@ -38,8 +40,6 @@ class TimeConstants:
 
     @classmethod
     def from_config(cls, node) -> TimeConstants:
-        from usp.plan.specs import _getter  # specs imports this module
-
         if node is None:
             return cls()
         g = _getter(node)
@@ -53,8 +53,6 @@ class TimeConstants:
 
 
 def _calibrated(node) -> Calibrated:
-    from usp.plan.specs import _getter
-
     if node is None:
         return Calibrated()
     g = _getter(node)
