@@ -122,8 +122,9 @@ class DataConfig:
     name: str = "shakespeare"
     source: str = "shakespeare"  # shakespeare | stdlib | text_files | token_files
     paths: list[str] = field(default_factory=list)  # text_files: files or globs
-    train_bin: str | None = None  # token_files: uint16 token file for training
-    val_bin: str | None = None  # token_files: uint16 token file for validation
+    train_bin: str | None = None  # token_files: token file for training
+    val_bin: str | None = None  # token_files: token file for validation
+    token_dtype: str = "auto"  # token_files: auto (uint16 if vocab_size <= 65536, else uint32) | uint16 | uint32
     tokenizer: str = "bpe"  # bpe (byte-level BPE trained at prepare time) | bytes
     vocab_size: int = 4096
     val_fraction: float = 0.05

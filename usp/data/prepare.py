@@ -1,5 +1,6 @@
-"""Turn a data config into a ready dataset directory: train.bin / val.bin (uint16 token ids),
-tokenizer.json and meta.json, cached under a fingerprint of everything that shapes the tokens.
+"""Turn a data config into a ready dataset directory: train.bin / val.bin (uint16 or uint32
+token ids, as meta["dtype"] says), tokenizer.json and meta.json, cached under a fingerprint of
+everything that shapes the tokens.
 
 Publishing is atomic (build in a temp dir, then os.replace), so a reader never sees a half-written
 dataset: a directory is ready exactly when its meta.json exists."""
@@ -28,7 +29,8 @@ from usp.data.corpus import (
     unknown_source_error,
 )
 from usp.data.errors import DataError
-from usp.data.tokenizer import MAX_VOCAB, check_tokenizer_config, train_tokenizer
+from usp.data.tokenizer import check_tokenizer_config, train_tokenizer
+from usp.data.tokens import ITEMSIZE, UINT16_VOCAB, check_file_size, dtype_for_vocab, looks_like_uint32, meta_dtype
 
 FORMAT_VERSION = 1  # bump when the corpus cleaning, encoding or file layout changes
 META_FILE = "meta.json"
@@ -103,7 +105,15 @@ def ensure_dataset(data_cfg: Any, progress: Progress = None) -> tuple[Path, dict
     meta = load_meta(target)
     if meta is None:
         meta = prepare_dataset(data_cfg, progress)
+    check_dataset_files(target, meta)
     return target, meta
+
+
+def check_dataset_files(directory: Path, meta: dict[str, Any]) -> None:
+    """The token files hold exactly the tokens meta.json records, in its dtype (a stat, no read)."""
+    dtype = meta_dtype(meta)
+    for key, count in (("train_bin", "n_train_tokens"), ("val_bin", "n_val_tokens")):
+        check_file_size(directory / meta[key], dtype, f"{directory / meta[key]} ({key})", meta.get(count))
 
 
 def prepare_dataset(data_cfg: Any, progress: Progress = None) -> dict[str, Any]:
@@ -123,8 +133,6 @@ def prepare_dataset(data_cfg: Any, progress: Progress = None) -> dict[str, Any]:
 
 def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
     import numpy as np  # here, not at the top: `usp plan` and `usp estimate` import this module
-
-    from usp.data.sampler import TOKEN_DTYPE
 
     start = time.perf_counter()
     kind = getattr(data_cfg, "tokenizer", "bpe")
@@ -148,7 +156,8 @@ def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, An
     pieces = []
     for i, ids in enumerate(tokenizer.encode_batch(texts)):
         pieces += [separator, ids] if i else [ids]
-    tokens = np.concatenate([np.asarray(p, dtype=TOKEN_DTYPE) for p in pieces])  # ids < MAX_VOCAB
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
+    tokens = np.concatenate([np.asarray(p, dtype=dtype) for p in pieces])
 
     n_val = int(len(tokens) * val_fraction)
     n_train = len(tokens) - n_val  # validation is the tail of the stream
@@ -171,7 +180,7 @@ def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, An
         "n_chars": n_chars,
         "n_bytes": sum(len(t.encode("utf-8")) for t in texts),
         "n_documents": len(texts),
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "dtype": dtype,
         "train_bin": TRAIN_BIN,
         "val_bin": VAL_BIN,
         "format_version": FORMAT_VERSION,
@@ -201,35 +210,46 @@ def _publish(tmp: Path, target: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def token_files_meta(data_cfg: Any) -> tuple[Path, dict[str, Any]]:
-    """Pre-tokenized uint16 files: nothing to prepare, only checks. No tokenizer, so no decoding."""
-    import numpy as np
-
-    from usp.data.sampler import TOKEN_DTYPE
-
-    paths = {}
+    """Pre-tokenized uint16/uint32 files: nothing to prepare, only checks. No tokenizer, so no decoding."""
+    vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
+    if vocab_size < 1:
+        raise DataError(f"data.vocab_size={vocab_size} must be at least 1: set it to your tokenizer's vocabulary")
+    dtype = token_files_dtype(data_cfg, vocab_size)
+    paths, counts = {}, {}
     for key in ("train_bin", "val_bin"):
         value = getattr(data_cfg, key, None)
         if not value:
             raise DataError(f"data.{key} is not set: data.source=token_files needs data.{key}=/path/to/file.bin")
         path = Path(value).expanduser().resolve()
         if not path.is_file():
-            raise DataError(f"data.{key}={value!r}: no such file ({path}); point it at a uint16 token file")
-        size = path.stat().st_size
-        if size == 0 or size % 2:
-            raise DataError(f"data.{key}={value!r}: {size} bytes is not a non-empty uint16 token file")
+            raise DataError(f"data.{key}={value!r}: no such file ({path}); point it at a {dtype} token file")
+        counts[key] = check_file_size(path, dtype, f"data.{key}")
+        if dtype == "uint16" and looks_like_uint32(path):
+            raise DataError(f"data.{key}={value!r} reads as uint16 ids with a zero in every other slot: it holds"
+                            " uint32 ids; set data.token_dtype=uint32")
         paths[key] = path
-    vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
-    if not 0 < vocab_size <= MAX_VOCAB:
-        raise DataError(f"data.vocab_size={vocab_size} must be in 1..{MAX_VOCAB} for uint16 token files")
     meta = {
         "source": "token_files",
         "tokenizer": "none",
         "vocab_size": vocab_size,
-        "n_train_tokens": paths["train_bin"].stat().st_size // 2,
-        "n_val_tokens": paths["val_bin"].stat().st_size // 2,
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "n_train_tokens": counts["train_bin"],
+        "n_val_tokens": counts["val_bin"],
+        "dtype": dtype,
         "train_bin": str(paths["train_bin"]),
         "val_bin": str(paths["val_bin"]),
         "format_version": FORMAT_VERSION,
     }
     return paths["train_bin"].parent, meta
+
+
+def token_files_dtype(data_cfg: Any, vocab_size: int) -> str:
+    """data.token_dtype, or (auto) the smallest dtype that holds the vocabulary."""
+    dtype = str(getattr(data_cfg, "token_dtype", "auto"))
+    if dtype == "auto":
+        return dtype_for_vocab(vocab_size)
+    if dtype not in ITEMSIZE:
+        raise DataError(f"data.token_dtype={dtype!r} is unknown; choose auto, {', '.join(ITEMSIZE)}")
+    if dtype == "uint16" and vocab_size > UINT16_VOCAB:
+        raise DataError(f"data.token_dtype=uint16 can't hold the ids of data.vocab_size={vocab_size}:"
+                        " use data.token_dtype=uint32 (or auto)")
+    return dtype

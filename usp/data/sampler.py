@@ -13,17 +13,20 @@ from typing import Any
 
 import numpy as np
 
-TOKEN_DTYPE = np.uint16
+from usp.data.tokens import LEGACY_DTYPE, check_file_size
 
 
 class TokenFile:
-    """A uint16 token file, memory-mapped read-only (pages load lazily, shared between processes)."""
+    """A uint16 or uint32 token file, memory-mapped read-only (pages load lazily, shared between
+    processes). `dtype` and `n_tokens` come from the dataset's meta.json: a file whose size doesn't
+    match them is refused, never read as something else."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, dtype: str = LEGACY_DTYPE, n_tokens: int | None = None,
+                 key: str = "token file") -> None:
         self.path = Path(path)
-        if self.path.stat().st_size < 2:
-            raise ValueError(f"{self.path} holds no tokens")
-        self.tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        check_file_size(self.path, dtype, key, n_tokens)
+        self.dtype = dtype
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
 
     def __len__(self) -> int:
         return len(self.tokens)

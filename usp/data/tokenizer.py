@@ -10,7 +10,7 @@ from usp.data.errors import DataError
 TOKENIZER_FILE = "tokenizer.json"
 KINDS = ("bpe", "bytes")
 BYTE_VOCAB = 256
-MAX_VOCAB = 1 << 16  # token ids are stored as uint16
+MAX_VOCAB = 1 << 32  # token ids are stored as uint16 (vocab <= 65,536) or uint32
 
 
 class TextTokenizer:
@@ -63,7 +63,7 @@ def check_tokenizer_config(kind: str, vocab_size: int) -> None:
     if kind == "bpe" and not BYTE_VOCAB < vocab_size <= MAX_VOCAB:
         raise DataError(
             f"data.vocab_size={vocab_size}: byte-level BPE needs more than the {BYTE_VOCAB} byte tokens"
-            f" and at most {MAX_VOCAB} (uint16 token files); e.g. data.vocab_size=4096,"
+            f" and at most {MAX_VOCAB} (uint32 token ids); e.g. data.vocab_size=4096,"
             " or data.tokenizer=bytes"
         )
 

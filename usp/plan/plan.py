@@ -116,9 +116,10 @@ def _subject(cfg, training: bool = True) -> tuple[rules.Subject, dict, BatchPlan
     degrees = resolve_degrees(cfg.parallelism, nodes * per_node)
     batch = derive_batch(cfg.train, degrees)
     token_vocab = tokenizer_vocab(cfg.data)
-    if training and token_vocab > 65535:  # token ids come from the data's tokenizer
-        raise PlanError("token files are uint16: the tokenizer's vocabulary must be below 65536",
-                        key="data.vocab_size", value=token_vocab, fix="data.vocab_size=32000 (or less)")
+    model_vocab = int(cfg.model.vocab_size)
+    if training and 0 < model_vocab < token_vocab:  # every token id needs an embedding row
+        raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the model's embedding", key="model.vocab_size",
+                        value=model_vocab, fix=f"model.vocab_size=-1 (take it from the tokenizer) or >= {token_vocab}")
     return rule_subject(cfg, degrees, batch, data_vocab(cfg.model, cfg.data)), degrees, batch
 
 
