@@ -166,7 +166,8 @@ def tiny_cfg(tmp_path):
 def test_text_files_bytes_prepare_and_cache_key(tiny_cfg):
     directory, meta = ensure_dataset(tiny_cfg)
     assert directory.name.startswith("mine-")
-    assert meta["vocab_size"] == 256 and (meta["n_train_tokens"], meta["n_val_tokens"]) == (15000, 10000)
+    # 25 000 bytes + the "\n\n" that ends the document (bytes has no EOS id)
+    assert meta["vocab_size"] == 256 and (meta["n_train_tokens"], meta["n_val_tokens"]) == (15002, 10000)
     assert np.fromfile(directory / "train.bin", dtype=np.uint16)[:3].tolist() == list(b"All")
     assert ensure_dataset(OmegaConf.structured(tiny_cfg)) == (directory, meta)  # DictConfig works too
     Path(tiny_cfg.paths[0]).write_text("Changed.\n" * 3000)
@@ -260,7 +261,7 @@ def test_old_datasets_without_a_dtype_still_load(tiny_cfg):
     (directory / "meta.json").write_text(json.dumps(old))
     again_dir, again = ensure_dataset(tiny_cfg)
     assert again == old and meta_dtype(again) == "uint16"
-    assert len(TokenFile(again_dir / again["train_bin"], meta_dtype(again), again["n_train_tokens"])) == 15000
+    assert len(TokenFile(again_dir / again["train_bin"], meta_dtype(again), again["n_train_tokens"])) == 15002
 
 
 def test_a_changed_token_file_is_refused(tiny_cfg):

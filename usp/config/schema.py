@@ -125,8 +125,12 @@ class DataConfig:
     train_bin: str | None = None  # token_files: token file for training
     val_bin: str | None = None  # token_files: token file for validation
     token_dtype: str = "auto"  # token_files: auto (uint16 if vocab_size <= 65536, else uint32) | uint16 | uint32
-    tokenizer: str = "bpe"  # bpe (byte-level BPE trained at prepare time) | bytes
-    vocab_size: int = 4096
+    tokenizer: str = "bpe"  # bpe (byte-level BPE trained at prepare time) | bytes | hf | tiktoken
+    tokenizer_path: str | None = None  # hf: tokenizer.json or a directory holding one; tiktoken: the BPE file
+    add_bos: bool = False  # start every document with the tokenizer's BOS (hf, tiktoken); EOS always ends it
+    bos_token: str | None = None  # hf: override tokenizer_config.json's bos_token
+    eos_token: str | None = None  # hf: override tokenizer_config.json's eos_token
+    vocab_size: int = 4096  # bpe: the vocabulary to train; token_files: the ids' vocabulary
     val_fraction: float = 0.05
     cache_dir: str | None = None  # None = $USP_CACHE_DIR or ~/.cache/usp
 

@@ -29,13 +29,19 @@ from usp.data.corpus import (
     unknown_source_error,
 )
 from usp.data.errors import DataError
-from usp.data.tokenizer import check_tokenizer_config, train_tokenizer
+from usp.data.tokenizer import (
+    PRETRAINED,
+    TOKENIZER_CONFIG,
+    check_tokenizer_config,
+    load_pretrained,
+    tokenizer_path,
+    train_tokenizer,
+)
 from usp.data.tokens import ITEMSIZE, UINT16_VOCAB, check_file_size, dtype_for_vocab, looks_like_uint32, meta_dtype
 
-FORMAT_VERSION = 1  # bump when the corpus cleaning, encoding or file layout changes
+FORMAT_VERSION = 2  # bump when the corpus cleaning, encoding or file layout changes
 META_FILE = "meta.json"
 TRAIN_BIN, VAL_BIN = "train.bin", "val.bin"
-DOC_SEPARATOR = "\n\n"
 MIN_SPLIT_TOKENS = 2 * 4096  # a handful of windows even at long sequence lengths
 
 Progress = Callable[[str], None] | None
@@ -62,6 +68,13 @@ def _source_identity(data_cfg: Any) -> dict[str, Any]:
 
 def _tokenizer_identity(data_cfg: Any) -> dict[str, Any]:
     kind = getattr(data_cfg, "tokenizer", "bpe")
+    if kind in PRETRAINED:  # the file's bytes and how documents are framed
+        path = tokenizer_path(data_cfg)
+        config = path.parent / TOKENIZER_CONFIG
+        parts = [path.read_bytes(), config.read_bytes() if kind == "hf" and config.is_file() else b""]
+        return {"kind": kind, "sha256": hashlib.sha256(b"\0".join(parts)).hexdigest(),
+                "add_bos": bool(getattr(data_cfg, "add_bos", False)),
+                "bos": getattr(data_cfg, "bos_token", None), "eos": getattr(data_cfg, "eos_token", None)}
     if kind != "bpe":  # bytes ignores vocab_size; an unknown kind fails later with its own message
         return {"kind": kind}
     # A new `tokenizers` release may learn different merges: re-prepare rather than mix.
@@ -138,7 +151,8 @@ def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, An
     kind = getattr(data_cfg, "tokenizer", "bpe")
     vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
     val_fraction = float(getattr(data_cfg, "val_fraction", 0.05))
-    check_tokenizer_config(kind, vocab_size)
+    if kind not in PRETRAINED:
+        check_tokenizer_config(kind, vocab_size)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.05)")
 
@@ -148,16 +162,14 @@ def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, An
     n_chars = sum(map(len, texts))
     if kind == "bpe":
         say(f"training BPE tokenizer (vocab {vocab_size}) on {n_chars / 1e6:.2f} M chars")
-    tokenizer = train_tokenizer(texts, kind, vocab_size)
+    tokenizer = load_pretrained(data_cfg) if kind in PRETRAINED else train_tokenizer(texts, kind, vocab_size)
     tokenizer_seconds = time.perf_counter() - start
 
     say(f"encoding {len(texts)} documents")
-    separator = tokenizer.encode(DOC_SEPARATOR)
-    pieces = []
-    for i, ids in enumerate(tokenizer.encode_batch(texts)):
-        pieces += [separator, ids] if i else [ids]
+    bos = [tokenizer.bos_id] if getattr(data_cfg, "add_bos", False) and tokenizer.bos_id is not None else []
+    doc_end = tokenizer.doc_end()
     dtype = dtype_for_vocab(tokenizer.vocab_size)
-    tokens = np.concatenate([np.asarray(p, dtype=dtype) for p in pieces])
+    tokens = np.concatenate([np.asarray(bos + ids + doc_end, dtype=dtype) for ids in tokenizer.encode_batch(texts)])
 
     n_val = int(len(tokens) * val_fraction)
     n_train = len(tokens) - n_val  # validation is the tail of the stream
@@ -181,6 +193,8 @@ def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, An
         "n_bytes": sum(len(t.encode("utf-8")) for t in texts),
         "n_documents": len(texts),
         "dtype": dtype,
+        **tokenizer.special_tokens(),
+        "add_bos": bool(bos),
         "train_bin": TRAIN_BIN,
         "val_bin": VAL_BIN,
         "format_version": FORMAT_VERSION,
