@@ -126,7 +126,10 @@ def test_prepare_writes_a_consistent_dataset(prepared):
     train, val = TokenFile(directory / meta["train_bin"]), TokenFile(directory / meta["val_bin"])
     assert len(train) == meta["n_train_tokens"] == (directory / "train.bin").stat().st_size // 2
     assert len(val) == meta["n_val_tokens"] == (directory / "val.bin").stat().st_size // 2
-    assert abs(len(val) / (len(train) + len(val)) - cfg.val_fraction) < 1e-3
+    # validation is the tail plays, whole: at least val_fraction of the tokens, less than twice it
+    assert cfg.val_fraction <= len(val) / (len(train) + len(val)) < 2 * cfg.val_fraction
+    assert meta["blend"][0]["val_split"] == "documents" and val.tokens[-1] == meta["eos_id"] == 0
+    assert train.tokens[-1] == 0  # the last training play ends with EOS too
     assert max(int(train.tokens.max()), int(val.tokens.max())) < meta["vocab_size"]
     assert any("training BPE tokenizer (vocab 4096)" in m for m in messages)
     # The tail of val decodes to the end of the last play (sorted by name).

@@ -97,9 +97,13 @@ class BatchSampler:
             out[mask] = self._permutation(int(epoch))[k[mask] % self.n_windows]
         return out
 
+    def _starts(self, first: int, count: int) -> np.ndarray:
+        """Token offsets of the windows of global samples first .. first + count - 1."""
+        return self._windows(first, count) * self.seq_len
+
     def micro_batches(self, step: int) -> list[np.ndarray]:
         """This rank's micro batches for optimizer step `step`, as window start offsets."""
-        starts = self._windows(step * self.global_batch + self.offset, self.per_rank) * self.seq_len
+        starts = self._starts(step * self.global_batch + self.offset, self.per_rank)
         return [starts[j * self.micro_batch : (j + 1) * self.micro_batch] for j in range(self.grad_accum)]
 
     def next(self) -> list[np.ndarray]:

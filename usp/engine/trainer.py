@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
+from usp.data.blend import make_sampler
+from usp.data.sampler import EvalBatches, TokenFile, get_batch
 from usp.data.tokens import meta_dtype
 from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
@@ -58,7 +59,7 @@ class Trainer:
                                       self.meta.get("n_train_tokens"), "data.train_bin")
         self.val_tokens = TokenFile(dataset / self.meta["val_bin"], dtype, self.meta.get("n_val_tokens"),
                                     "data.val_bin")
-        self.sampler = BatchSampler(len(self.train_tokens), self.seq_len, int(batch["global_batch"]), self.micro,
+        self.sampler = make_sampler(self.meta, self.seq_len, int(batch["global_batch"]), self.micro,  # or a blend
                                     ctx.dp_rank, ctx.dp_size, int(train.seed))
         # Validation uses global-batch-sized batches so every layout evaluates the same sequences.
         self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch["global_batch"]),
