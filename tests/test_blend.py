@@ -185,3 +185,23 @@ def test_bad_sources_name_the_key_and_leave_nothing(tmp_path, case, words):
     assert not datasets.exists() or list(datasets.iterdir()) == []  # no temp dir, no half dataset
     shards = tmp_path / "cache" / "shards"
     assert not shards.exists() or not [p for p in shards.iterdir() if ".tmp-" in p.name]
+
+
+def test_the_continued_pretraining_recipe_plans_and_prepares(tmp_path):
+    """recipes/continue_pretraining_blend.yaml with its three paths pointed at files built here:
+    it plans (the model's 128,256 rows hold the tokenizer's ids) and its data prepares as a blend."""
+    from data_builders import hf_bpe_tokenizer
+
+    from usp.plan.plan import checked_plan
+
+    jsonl, parquet = write_sources(tmp_path / "src")
+    hf_bpe_tokenizer(tmp_path / "model", [_words(JSONL_ALPHABET + PARQUET_ALPHABET, 2000, 1)])
+    cfg, choices = compose_config("continue_pretraining_blend", [
+        f"data.tokenizer_path={tmp_path / 'model'}", f"data.blend.0.paths=[{jsonl}]",
+        f"data.blend.1.paths=[{parquet}]", "data.val_fraction=0.1", "data.workers=1",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.runs_dir={tmp_path / 'runs'}"])
+    plan = checked_plan(cfg, choices)
+    assert plan.model.vocab_size == 128256 and plan.device == "cuda"
+    directory, meta = ensure_dataset(cfg.data)
+    assert [p["name"] for p in meta["blend"]] == ["web", "code"] and meta["add_bos"] and meta["tokenizer"] == "hf"
+    assert str(directory) == plan.dataset_dir

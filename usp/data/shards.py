@@ -50,48 +50,12 @@ def tokenize_unit(unit: Unit, tokenizer_dir: str, shard_dir: str, key: str, dtyp
     from usp.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
-    bos = [tok.bos_id] if add_bos and tok.bos_id is not None else []
-    end = tok.doc_end()
     tokens_path, docs_path, meta_path = shard_paths(Path(shard_dir), key)
     suffix = f".tmp-{os.getpid()}"
     tmp_tokens, tmp_docs = Path(f"{tokens_path}{suffix}"), Path(f"{docs_path}{suffix}.npy")
-    lengths: list[int] = []
-    n_chars = n_bytes = 0
-    current = None  # the document the last piece belonged to
     try:
         with open(tmp_tokens, "wb") as out:
-            batch: list[tuple[int, str]] = []
-
-            def flush() -> None:
-                nonlocal current
-                chunk: list[int] = []
-                for (doc, _), ids in zip(batch, tok.encode_batch([p for _, p in batch])):
-                    if doc != current:
-                        if current is not None:
-                            chunk += end
-                            lengths[-1] += len(end)
-                        chunk += bos
-                        lengths.append(len(bos))
-                        current = doc
-                    chunk += ids
-                    lengths[-1] += len(ids)
-                np.asarray(chunk, dtype=dtype).tofile(out)
-                batch.clear()
-
-            chars = 0
-            for doc, piece in unit_pieces(unit):
-                batch.append((doc, piece))
-                chars += len(piece)
-                n_chars += len(piece)
-                n_bytes += len(piece.encode("utf-8"))
-                if len(batch) >= BATCH_PIECES or chars >= BATCH_CHARS:
-                    flush()
-                    chars = 0
-            if batch:
-                flush()
-            if current is not None:
-                np.asarray(end, dtype=dtype).tofile(out)
-                lengths[-1] += len(end)
+            lengths, n_chars, n_bytes = _write_documents(unit, tok, add_bos, out, dtype)
         np.save(tmp_docs, np.asarray(lengths, dtype=np.int64))
         meta = {"path": unit.path, "n_tokens": int(sum(lengths)), "n_documents": len(lengths),
                 "n_chars": n_chars, "n_bytes": n_bytes, "dtype": dtype}
@@ -104,6 +68,48 @@ def tokenize_unit(unit: Unit, tokenizer_dir: str, shard_dir: str, key: str, dtyp
     finally:
         for leftover in (tmp_tokens, tmp_docs):
             leftover.unlink(missing_ok=True)
+
+
+def _write_documents(unit: Unit, tok: Any, add_bos: bool, out: Any, dtype: str) -> tuple[list[int], int, int]:
+    """Encode the unit's pieces a batch at a time, framing each document as [BOS] ids [EOS], and
+    append the ids to `out`; returns the documents' lengths and the characters and bytes read."""
+    import numpy as np
+
+    bos = [tok.bos_id] if add_bos and tok.bos_id is not None else []
+    end = tok.doc_end()
+    lengths: list[int] = []
+    batch: list[tuple[int, str]] = []
+    state = {"doc": None, "chars": 0, "n_chars": 0, "n_bytes": 0}
+
+    def flush() -> None:
+        ids_out: list[int] = []
+        for (doc, _), ids in zip(batch, tok.encode_batch([p for _, p in batch])):
+            if doc != state["doc"]:  # a new document: close the previous one
+                if state["doc"] is not None:
+                    ids_out += end
+                    lengths[-1] += len(end)
+                ids_out += bos
+                lengths.append(len(bos))
+                state["doc"] = doc
+            ids_out += ids
+            lengths[-1] += len(ids)
+        np.asarray(ids_out, dtype=dtype).tofile(out)
+        batch.clear()
+        state["chars"] = 0
+
+    for doc, piece in unit_pieces(unit):
+        batch.append((doc, piece))
+        state["chars"] += len(piece)
+        state["n_chars"] += len(piece)
+        state["n_bytes"] += len(piece.encode("utf-8"))
+        if len(batch) >= BATCH_PIECES or state["chars"] >= BATCH_CHARS:
+            flush()
+    if batch:
+        flush()
+    if state["doc"] is not None:
+        np.asarray(end, dtype=dtype).tofile(out)
+        lengths[-1] += len(end)
+    return lengths, int(state["n_chars"] or 0), int(state["n_bytes"] or 0)
 
 
 def _init_worker() -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from usp.data.errors import DataError
-from usp.data.tokenizer import TextTokenizer
+from usp.data.tokenizer_base import TextTokenizer
 
 TIKTOKEN_META = "tiktoken.json"  # in a prepared dataset: pattern and special tokens
 TIKTOKEN_FILE = "tokenizer.model"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.data.errors import DataError
+from usp.data.tokenizer_base import TextTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # HF's: names bos_token / eos_token
@@ -29,38 +30,9 @@ PRETRAINED = ("hf", "tiktoken")
 BYTE_VOCAB = 256
 MAX_VOCAB = 1 << 32  # token ids are stored as uint16 (vocab <= 65,536) or uint32
 TRAINED_EOS = "<|endoftext|>"
-BYTES_DOC_END = "\n\n"
 # Looked for (in this order) when neither data.eos_token / data.bos_token nor tokenizer_config.json names one.
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>")
-
-
-class TextTokenizer:
-    """encode / encode_batch / decode / save, and the special ids a document is framed with."""
-
-    kind: str
-    vocab_size: int  # max id + 1: the embedding rows the model needs
-    bos_id: int | None = None
-    eos_id: int | None = None
-
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
-
-    def save(self, directory: str | Path) -> Path:
-        raise NotImplementedError
-
-    def doc_end(self) -> list[int]:
-        """The ids that end every document."""
-        return [self.eos_id] if self.eos_id is not None else self.encode(BYTES_DOC_END)
-
-    def special_tokens(self) -> dict[str, Any]:
-        return {"bos_id": self.bos_id, "eos_id": self.eos_id, "doc_end": self.doc_end()}
 
 
 class ByteTokenizer(TextTokenizer):
