@@ -80,9 +80,14 @@ def source_units(data_cfg: Any, paths: list[str] | None = None, text_field: str 
     if source == "stdlib":
         return [Unit(str(p), "text") for p in stdlib_files()]
     if source in ("text_files", "files", "blend"):
-        files = resolve_text_files(list(paths if paths is not None else getattr(data_cfg, "paths", None) or []), key)
-        return [Unit(str(p), RECORD_SUFFIXES.get(p.suffix.lower(), "text"), field_name) for p in files]
+        return file_units(list(paths if paths is not None else getattr(data_cfg, "paths", None) or []), field_name, key)
     raise unknown_source_error(source)
+
+
+def file_units(patterns: list[str], text_field: str = "text", key: str = "data.paths") -> list[Unit]:
+    """Text files (one document each) and record files (by suffix: one document per record)."""
+    files = resolve_text_files(patterns, key)
+    return [Unit(str(p), RECORD_SUFFIXES.get(p.suffix.lower(), "text"), text_field) for p in files]
 
 
 def unit_pieces(unit: Unit) -> Iterator[tuple[int, str]]:
@@ -177,15 +182,9 @@ def resolve_text_files(patterns: list[str], key: str = "data.paths") -> list[Pat
 
 def text_file_documents(patterns: list[str]) -> list[Document]:
     docs = []
-    for unit in source_units(DataSourceView("files", patterns)):
+    for unit in file_units(patterns):
         texts: dict[int, list[str]] = {}
         for i, piece in unit_pieces(unit):
             texts.setdefault(i, []).append(piece)
         docs += [(unit.path if len(texts) == 1 else f"{unit.path}#{i}", "".join(t)) for i, t in texts.items()]
     return docs
-
-
-@dataclass(frozen=True)
-class DataSourceView:
-    source: str
-    paths: list[str]

@@ -173,9 +173,11 @@ def prepare_dataset(data_cfg: Any, progress: Progress = None, show_progress: boo
 
 
 def _workers(data_cfg: Any) -> int:
+    """data.workers, or one per core this process may run on."""
     workers = int(getattr(data_cfg, "workers", 0) or 0)
-    return workers if workers > 0 else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
+    if workers > 0:
+        return workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _build(data_cfg: Any, out: Path, say: Callable[[str], None], show_progress: bool) -> dict[str, Any]:
