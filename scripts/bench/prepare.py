@@ -55,7 +55,7 @@ def bench_tokenizer(directory: Path) -> Path:
         hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"], show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        hf.train([str(write_corpus(directory / "train_text", 2, files=1))], trainer=trainer)
+        hf.train([str(write_corpus(directory / "train_text", 2, files=1) / "part000.txt")], trainer=trainer)
         hf.save(str(path))
     return path
 
@@ -64,7 +64,7 @@ PREPARE = """
 import json, resource, sys, time
 from usp.config.schema import DataConfig
 from usp.data.prepare import ensure_dataset
-cfg = DataConfig(name="bench", source="files", paths=[sys.argv[1]], tokenizer=sys.argv[3] or "bytes",
+cfg = DataConfig(name="bench", source="files", paths=[sys.argv[1]], tokenizer="hf" if sys.argv[3] else "bytes",
                  tokenizer_path=sys.argv[3] or None, cache_dir=sys.argv[2], workers=int(sys.argv[4]))
 start = time.perf_counter()
 _, meta = ensure_dataset(cfg)
@@ -78,7 +78,9 @@ def run_prepare(corpus: Path, cache: Path, workers: int, tokenizer: Path | None 
     """One cold `ensure_dataset` in a fresh process (so its peak RSS is its own)."""
     env = dict(os.environ, PYTHONPATH=str(_common.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", PREPARE, str(corpus), str(cache), str(tokenizer or ""),
-                          str(workers)], capture_output=True, text=True, env=env, check=True)
+                          str(workers)], capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -90,11 +92,10 @@ def encode_batch_limit(corpus: Path, tokenizer: Path) -> dict:
     """The `tokenizers` library's own batch encoding of the same text, all in memory (Rust threads)."""
     from tokenizers import Tokenizer
 
+    from usp.data.corpus import file_units, unit_pieces
+
     hf = Tokenizer.from_file(str(tokenizer))
-    texts = []
-    for path in sorted(corpus.glob("*.txt")):
-        text = path.read_text()
-        texts += [text[i: i + (1 << 20)] for i in range(0, len(text), 1 << 20)]  # 1 MiB pieces, as usp's
+    texts = [piece for unit in file_units([str(corpus)]) for _, piece in unit_pieces(unit)]  # usp's pieces
     start = time.perf_counter()
     n_tokens = sum(len(e.ids) for e in hf.encode_batch_fast(texts, add_special_tokens=False))
     return {"seconds": time.perf_counter() - start, "tokens": n_tokens,
@@ -120,7 +121,8 @@ def main() -> None:
         **_common.machine(), "cores_used": cores, "corpus_mb": usp["bytes"] / 1e6, "files": args.files,
         "usp_prepare_mb_per_s": usp["bytes"] / 1e6 / usp["seconds"],
         "encode_batch_mb_per_s": limit["bytes"] / 1e6 / limit["seconds"],
-        "usp_vs_limit": limit["seconds"] / usp["seconds"], "same_tokens": usp["tokens"] == limit["tokens"] + 0,
+        "usp_vs_limit": limit["seconds"] / usp["seconds"],
+        "same_tokens": usp["tokens"] == limit["tokens"] + args.files,  # usp adds one EOS per document (file)
         "peak_rss_mb": {f"{mb:g} MB corpus (1 file, 1 worker)": round(r["peak_rss_mb"], 1) for mb, r in rss.items()},
     }
     if args.json:
