@@ -10,6 +10,7 @@ Memory is bounded: a file is read a batch of pieces / records at a time and its 
 appended to the shard as they come."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -47,9 +48,7 @@ def tokenize_unit(unit: Unit, tokenizer_dir: str, shard_dir: str, key: str, dtyp
     """Tokenize one file into its shard (run in a worker process); returns the shard's meta."""
     import numpy as np
 
-    from usp.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tokenizer_dir)
+    tok = _tokenizer(tokenizer_dir)
     tokens_path, docs_path, meta_path = shard_paths(Path(shard_dir), key)
     suffix = f".tmp-{os.getpid()}"
     tmp_tokens, tmp_docs = Path(f"{tokens_path}{suffix}"), Path(f"{docs_path}{suffix}.npy")
@@ -68,6 +67,15 @@ def tokenize_unit(unit: Unit, tokenizer_dir: str, shard_dir: str, key: str, dtyp
     finally:
         for leftover in (tmp_tokens, tmp_docs):
             leftover.unlink(missing_ok=True)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(tokenizer_dir: str) -> Any:
+    """One tokenizer per process for all its files: BPE keeps a cache of encoded words (warm, it
+    encodes the Shakespeare corpus ~1.6x faster than cold)."""
+    from usp.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
 
 
 def _write_documents(unit: Unit, tok: Any, add_bos: bool, out: Any, dtype: str) -> tuple[list[int], int, int]:
