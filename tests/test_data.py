@@ -15,6 +15,7 @@ from usp.data.errors import DataError
 from usp.data.prepare import dataset_dir, ensure_dataset, load_meta, prepare_dataset
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
 from usp.data.tokenizer import load_tokenizer, train_tokenizer
+from usp.data.tokens import meta_dtype
 
 SAMPLE = "ROMEO:\nBut, soft! what light through yonder window breaks?\n  Naïve café — “quoted” 日本語 🎭\t end\n"
 
@@ -108,7 +109,7 @@ def test_bytes_tokenizer_round_trips(tmp_path):
     assert loaded.kind == "bytes" and loaded.decode(loaded.encode(SAMPLE)) == SAMPLE
 
 
-@pytest.mark.parametrize("vocab_size", [100, 256, 70000])
+@pytest.mark.parametrize("vocab_size", [100, 256])
 def test_bad_vocab_size_names_the_key(vocab_size):
     with pytest.raises(DataError, match=rf"data\.vocab_size={vocab_size}"):
         train_tokenizer(["abc"], "bpe", vocab_size)
@@ -125,7 +126,10 @@ def test_prepare_writes_a_consistent_dataset(prepared):
     train, val = TokenFile(directory / meta["train_bin"]), TokenFile(directory / meta["val_bin"])
     assert len(train) == meta["n_train_tokens"] == (directory / "train.bin").stat().st_size // 2
     assert len(val) == meta["n_val_tokens"] == (directory / "val.bin").stat().st_size // 2
-    assert abs(len(val) / (len(train) + len(val)) - cfg.val_fraction) < 1e-3
+    # validation is the tail plays, whole: at least val_fraction of the tokens, less than twice it
+    assert cfg.val_fraction <= len(val) / (len(train) + len(val)) < 2 * cfg.val_fraction
+    assert meta["blend"][0]["val_split"] == "documents" and val.tokens[-1] == meta["eos_id"] == 0
+    assert train.tokens[-1] == 0  # the last training play ends with EOS too
     assert max(int(train.tokens.max()), int(val.tokens.max())) < meta["vocab_size"]
     assert any("training BPE tokenizer (vocab 4096)" in m for m in messages)
     # The tail of val decodes to the end of the last play (sorted by name).
@@ -165,7 +169,8 @@ def tiny_cfg(tmp_path):
 def test_text_files_bytes_prepare_and_cache_key(tiny_cfg):
     directory, meta = ensure_dataset(tiny_cfg)
     assert directory.name.startswith("mine-")
-    assert meta["vocab_size"] == 256 and (meta["n_train_tokens"], meta["n_val_tokens"]) == (15000, 10000)
+    # 25 000 bytes + the "\n\n" that ends the document (bytes has no EOS id)
+    assert meta["vocab_size"] == 256 and (meta["n_train_tokens"], meta["n_val_tokens"]) == (15002, 10000)
     assert np.fromfile(directory / "train.bin", dtype=np.uint16)[:3].tolist() == list(b"All")
     assert ensure_dataset(OmegaConf.structured(tiny_cfg)) == (directory, meta)  # DictConfig works too
     Path(tiny_cfg.paths[0]).write_text("Changed.\n" * 3000)
@@ -217,6 +222,57 @@ def test_token_files_missing_names_the_key(tmp_path):
         ensure_dataset(cfg)
     with pytest.raises(DataError, match=r"data\.train_bin is not set"):
         ensure_dataset(DataConfig(source="token_files"))
+
+
+def test_token_files_uint32(tmp_path):
+    """A vocabulary over 65,536 means uint32 files (auto), memory-mapped the same way."""
+    ids = np.arange(60000, 70000, dtype=np.uint32)
+    ids.tofile(tmp_path / "t.bin")
+    ids[:3000].tofile(tmp_path / "v.bin")
+    cfg = DataConfig(source="token_files", train_bin=str(tmp_path / "t.bin"), val_bin=str(tmp_path / "v.bin"),
+                     vocab_size=70000)
+    directory, meta = ensure_dataset(cfg)
+    assert (meta["dtype"], meta["n_train_tokens"], meta["n_val_tokens"]) == ("uint32", 10000, 3000)
+    train = TokenFile(directory / meta["train_bin"], meta["dtype"], meta["n_train_tokens"])
+    x, y = get_batch(train, np.array([0, 100]), 10)
+    assert x[1, 0] == 60100 and y[0, -1] == 60010 and x.dtype == np.int64
+
+
+def test_a_uint32_file_is_never_read_as_uint16(tmp_path):
+    """Today's bug: 100 uint32 ids read as "200 uint16 tokens". Each way it can happen is refused."""
+    np.arange(1, 101, dtype=np.uint32).tofile(tmp_path / "ids32.bin")
+    np.arange(5000, dtype=np.uint16).tofile(tmp_path / "v.bin")
+    cfg = DataConfig(source="token_files", train_bin=str(tmp_path / "ids32.bin"), val_bin=str(tmp_path / "v.bin"),
+                     vocab_size=4096)  # auto -> uint16: the zero high halves give the file away
+    with pytest.raises(DataError, match=r"data\.train_bin=.*uint32.*data\.token_dtype=uint32"):
+        ensure_dataset(cfg)
+    with pytest.raises(DataError, match=r"data\.token_dtype=uint16 can't hold.*70000"):
+        ensure_dataset(DataConfig(**{**cfg.__dict__, "vocab_size": 70000, "token_dtype": "uint16"}))
+    (tmp_path / "odd.bin").write_bytes(b"\0" * 6)  # 3 uint16 ids are not a whole number of uint32 ones
+    with pytest.raises(DataError, match=r"6 bytes is not a whole.*uint32"):
+        TokenFile(tmp_path / "odd.bin", "uint32")
+    # A prepared dataset records dtype and counts: a file read with another dtype shows another count.
+    with pytest.raises(DataError, match=r"200 uint16 tokens, but meta\.json records 100"):
+        TokenFile(tmp_path / "ids32.bin", "uint16", n_tokens=100)
+    assert len(TokenFile(tmp_path / "ids32.bin", "uint32", n_tokens=100)) == 100
+
+
+def test_old_datasets_without_a_dtype_still_load(tiny_cfg):
+    directory, meta = ensure_dataset(tiny_cfg)
+    assert meta["dtype"] == "uint16"
+    old = {k: v for k, v in meta.items() if k != "dtype"}  # as written before the dtype was recorded
+    (directory / "meta.json").write_text(json.dumps(old))
+    again_dir, again = ensure_dataset(tiny_cfg)
+    assert again == old and meta_dtype(again) == "uint16"
+    assert len(TokenFile(again_dir / again["train_bin"], meta_dtype(again), again["n_train_tokens"])) == 15002
+
+
+def test_a_changed_token_file_is_refused(tiny_cfg):
+    directory, meta = ensure_dataset(tiny_cfg)
+    with open(directory / "val.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(DataError, match=r"val_bin.*10,001 uint16 tokens, but meta\.json records 10,000"):
+        ensure_dataset(tiny_cfg)
 
 
 # --- sampler --------------------------------------------------------------------------------

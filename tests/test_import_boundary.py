@@ -46,6 +46,9 @@ CASES = [  # (argv, modules that must not be imported)
     pytest.param(["plan", "model=llama3_1_8b", "cluster=slurm_h100", "--force"], NO_NUMPY, id="plan-force"),
     pytest.param(["plan", "--search", "model=llama3_2_1b", "cluster=slurm_h100"], NO_NUMPY, id="plan-search"),
     pytest.param(["plan", "--cfg", "job"], NO_NUMPY, id="plan-cfg"),
+    # own files: planned from their names and sizes, nothing read or tokenized
+    pytest.param(["plan", "data=files", f"data.paths=[{C}]", f"train.runs_dir={R}"],
+                 NO_NUMPY | {"tokenizers", "datasets", "tiktoken", "pyarrow"}, id="plan-files"),
     pytest.param(["estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720"],
                  NO_NUMPY, id="estimate"),
     # The runs directory holds no measured metrics.jsonl: usp calibrate refuses (exit 2) after its imports.

@@ -265,8 +265,8 @@ def test_params_and_flops_match_the_closed_form(tmp_path):
 
 def test_vocab_from_tokenizer_or_model():
     assert plan_for("data.tokenizer=bytes").model.vocab_size == 256
-    explicit = plan_for("model.vocab_size=1000")
-    assert explicit.model.vocab_size == 1000 and explicit.model.params < TINY_PARAMS
+    explicit = plan_for("model.vocab_size=5000")  # room to spare over the tokenizer's 4096
+    assert explicit.model.vocab_size == 5000 and explicit.model.params > TINY_PARAMS
     assert plan_for("data.vocab_size=2048").model.vocab_size == 2048
 
 
@@ -331,7 +331,7 @@ def test_threads_and_backend():
     (["cluster.procs_per_node=3", "parallelism.cp=3"], "train.seq_len", "2 x cp = 6"),
     (["model.dim=120", "model.n_heads=8"], "model.n_heads", "odd"),
     (["model.dim=130"], "model.n_heads", "not divisible"),
-    (["model.vocab_size=-1", "data.vocab_size=70000"], "data.vocab_size", "uint16"),
+    (["model.vocab_size=1000"], "model.vocab_size", "tokenizer's 4,096 ids"),
     (["cluster.nodes=0"], "cluster.nodes", "at least 1"),
     (["cluster.procs_per_node=0"], "cluster.procs_per_node", "at least 1"),
     (["parallelism.tp=2"], "parallelism", "does not divide"),

@@ -570,15 +570,17 @@ def test_oom_error_names_stage_consumers_and_a_layout_that_fits(tmp_path):
     assert r.returncode == 0 and "OUT OF MEMORY" in r.stdout
 
 
-def test_a_large_model_vocab_trains_but_a_data_vocab_over_uint16_is_refused():
-    """Token ids come from the data's tokenizer (uint16 files): a 128k-row embedding is fine."""
-    cfg, choices = cfg_for("model=llama3_2_1b", "cluster=slurm_h100")
-    assert build_plan(cfg, choices).model.vocab_size == 128256
+def test_a_tokenizer_vocab_over_the_model_vocab_is_refused():
+    """Token ids come from the data's tokenizer (uint16 or uint32 files): any vocabulary the model's
+    embedding holds trains; one larger than model.vocab_size is refused before launch."""
     cfg, choices = cfg_for("model=llama3_2_1b", "cluster=slurm_h100", "data.vocab_size=70000")
+    assert build_plan(cfg, choices).model.vocab_size == 128256
+    cfg, choices = cfg_for("model=llama3_2_1b", "cluster=slurm_h100", "data.vocab_size=200000")
     with pytest.raises(PlanError) as info:
         build_plan(cfg, choices)
-    assert info.value.key == "data.vocab_size" and "uint16" in str(info.value)
-    assert build_plan(cfg, choices, training=False).model.vocab_size == 128256
+    assert info.value.key == "model.vocab_size" and "200,000" in str(info.value)
+    with pytest.raises(PlanError):  # `usp plan` refuses it too
+        build_plan(cfg, choices, training=False)
 
 
 # --- usp plan output (the import boundary: test_import_boundary.py) ----------------------------------

