@@ -119,7 +119,13 @@ def _subject(cfg, training: bool = True) -> tuple[rules.Subject, dict, BatchPlan
     if training and token_vocab > 65535:  # token ids come from the data's tokenizer
         raise PlanError("token files are uint16: the tokenizer's vocabulary must be below 65536",
                         key="data.vocab_size", value=token_vocab, fix="data.vocab_size=32000 (or less)")
-    return rule_subject(cfg, degrees, batch, data_vocab(cfg.model, cfg.data)), degrees, batch
+    vocab = data_vocab(cfg.model, cfg.data)
+    init_from = getattr(cfg.model, "init_from", None)
+    if init_from:  # a Hugging Face checkpoint to start from: its config.json must be this model group
+        from usp.plan.hf_config import check_hf_config, read_hf_config
+
+        check_hf_config(read_hf_config(init_from), cfg.model, vocab, str(init_from))
+    return rule_subject(cfg, degrees, batch, vocab), degrees, batch
 
 
 def _backend(cluster) -> str:
