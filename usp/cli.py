@@ -216,7 +216,7 @@ def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<
            step: int | None = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
            out: str | None = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
            fmt: str = typer.Option("torch", "--format",
-                                   help="torch (torch.load) | safetensors | hf (a Hugging Face transformers directory)"),
+                                   help="torch (torch.load) | safetensors | hf (a transformers directory)"),
            shard_mb: float | None = typer.Option(None, "--shard-mb", help="--format hf: largest safetensors shard, MB "
                                                                            "(default 5000)")) -> None:
     """Write the model from a checkpoint: one consolidated state dict (full tensors, FQN keys) + config.json,

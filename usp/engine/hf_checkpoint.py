@@ -24,7 +24,6 @@ from torch import nn
 from usp.errors import UspError
 from usp.models.hf_convert import from_hf, to_hf
 from usp.plan.hf_config import hf_config
-from usp.rundir import write_text_atomic
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
