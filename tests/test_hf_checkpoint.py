@@ -91,7 +91,11 @@ def test_config_mismatch_is_refused_before_launch(tmp_path):
     field and the key to change; a matching one plans."""
     src = make_hf(tmp_path / "hf", "llama", 512, tied=True)
     base = ["data.tokenizer=bytes", "model.vocab_size=512", *USP_DIMS, f"model.init_from={src}"]
-    assert usp_cli("plan", *base, cwd=tmp_path).returncode == 0
+    proc = usp_cli("plan", "--save", *base[:-1], "model.init_from=hf", f"train.runs_dir={tmp_path / 'saved'}",
+                   "train.name=p", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # relative to where `usp plan` ran; the plan holds it absolute (ranks may start elsewhere)
+    assert read_plan(tmp_path / "saved" / "p" / "plan.yaml")["config"]["model"]["init_from"] == str(src.resolve())
     cases = [(["model.n_heads=8"], "num_attention_heads=4", "model.n_heads=4"),
              (["model.ffn_dim=128"], "intermediate_size=96", "model.ffn_dim=96"),
              (["model.vocab_size=1024"], "vocab_size=512", "model.vocab_size=512"),

@@ -85,6 +85,9 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     pipeline = plan_pipeline(cfg.parallelism, arch, degrees, batch.grad_accum)
     nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
     name = train.name or f"{model.name}-{layout_tag(degrees)}"
+    config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    if config["model"].get("init_from"):  # the ranks may start in another directory (Slurm): absolute
+        config["model"]["init_from"] = str(Path(config["model"]["init_from"]).expanduser().resolve())
     plan = RunPlan(
         name=name, run_dir=str(Path(train.runs_dir).expanduser().resolve() / name), world_size=nodes * per_node,
         nodes=nodes, procs_per_node=per_node, device=cluster.device, backend=_backend(cluster),
@@ -93,7 +96,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
         batch=batch, model=ModelPlan(model.name, arch.total_params, arch.vocab_size, per_token,
                                      per_token * batch.global_batch_tokens),
         dataset_dir=str(dataset_dir(cfg.data)), ranks=rank_table(degrees, per_node),
-        choices=dict(choices or {}), config=cast(dict, OmegaConf.to_container(cfg, resolve=True)), pipeline=pipeline,
+        choices=dict(choices or {}), config=config, pipeline=pipeline,
     )
     analyse(plan, cfg, subject, force=force, strict=strict, training=training)
     return plan
