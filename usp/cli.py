@@ -214,7 +214,8 @@ def status(run_dir: str | None = typer.Argument(None, help="run directory (defau
 @handles_errors
 def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<N> checkpoint directory)"),
            step: int | None = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
-           out: str | None = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
+           out: str | None = typer.Option(None, "--out",
+                                          help="output file, or directory for hf (default: <run dir>/export/...)"),
            fmt: str = typer.Option("torch", "--format",
                                    help="torch (torch.load) | safetensors | hf (a transformers directory)"),
            shard_mb: float | None = typer.Option(None, "--shard-mb", help="--format hf: largest safetensors shard, MB "
