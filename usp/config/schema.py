@@ -28,6 +28,9 @@ class ModelConfig:
     shared_expert: bool = False  # one always-on expert beside the routed ones
     aux_loss_coef: float = 0.01  # load-balancing loss weight
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
+    # A Hugging Face checkpoint directory (Llama / Mixtral, config.json + safetensors) whose weights
+    # replace the initialisation; checked against this group at plan time (usp/plan/hf_config.py).
+    init_from: str | None = None
 
 
 @dataclass

@@ -4,7 +4,8 @@ Reads the model part of a torch.distributed.checkpoint (DCP) save in a single pr
 DCP's own loader (`_load_state_dict_from_keys`: full, unsharded tensors whatever layout saved
 them), and writes {FQN: tensor} with torch.save (or safetensors) plus config.json with the
 architecture. Tied weights are stored once (torch: two keys share one storage; safetensors:
-the duplicate key is dropped) and listed under "tied_weights" in config.json."""
+the duplicate key is dropped) and listed under "tied_weights" in config.json. --format hf writes a
+Hugging Face directory instead (usp/engine/hf_checkpoint.py)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from usp.engine.hf_checkpoint import DEFAULT_SHARD_MB, HFExportResult, write_hf
 from usp.errors import UspError
 from usp.rundir import (
     CHECKPOINTS,
@@ -27,7 +29,7 @@ from usp.rundir import (
     write_text_atomic,
 )
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "hf")
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile
 
 
@@ -82,9 +84,12 @@ def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_model(source, step: int | None = None, out=None, fmt: str = "torch") -> ExportResult:
+def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
+                 max_shard_mb: float | None = None) -> ExportResult | HFExportResult:
     """Export the newest complete checkpoint of run directory `source` (or `step`, or `source`
-    itself when it is a step_<N> directory) to `out` (default <run dir>/export/model_step<N>.<ext>)."""
+    itself when it is a step_<N> directory) to `out` (default <run dir>/export/model_step<N>.<ext>,
+    or the directory <run dir>/export/hf_step<N> for fmt="hf", in safetensors shards of at most
+    max_shard_mb)."""
     _check_format(fmt)
     ckpt, run_dir = _pick_checkpoint(Path(source), step)
     plan = _plan_of(ckpt, run_dir)
@@ -92,6 +97,9 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch") 
     state = load_model_state(ckpt)
     model_cfg = _model_config(plan)
     padding = _strip_vocab_padding(state, int(model_cfg["vocab_size"]))
+    if fmt == "hf":
+        hf_out = Path(out) if out else run_dir / "export" / f"hf_step{ckpt_step:08d}"
+        return write_hf(state, model_cfg, plan, ckpt, ckpt_step, hf_out, max_shard_mb or DEFAULT_SHARD_MB)
     tied = _tie_embeddings(state, model_cfg, fmt)
     ext = ".pt" if fmt == "torch" else ".safetensors"
     path = Path(out) if out else run_dir / "export" / f"model_step{ckpt_step:08d}{ext}"
@@ -117,8 +125,8 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch") 
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}", key="--format", value=fmt,
-                          fix="--format torch or --format safetensors")
-    if fmt == "safetensors":
+                          fix="--format torch, --format safetensors or --format hf")
+    if fmt in ("safetensors", "hf"):
         try:
             import safetensors.torch  # noqa: F401
         except ImportError:

@@ -86,6 +86,9 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
     name = f"{model.name}-{layout_tag(degrees)}" if train.name is None else str(train.name)  # "" is refused
     check_run(cfg, name)
+    config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    if config["model"].get("init_from"):  # the ranks may start in another directory (Slurm): absolute
+        config["model"]["init_from"] = str(Path(config["model"]["init_from"]).expanduser().resolve())
     plan = RunPlan(
         name=name, run_dir=str(Path(train.runs_dir).expanduser().resolve() / name), world_size=nodes * per_node,
         nodes=nodes, procs_per_node=per_node, device=cluster.device, backend=_backend(cluster),
@@ -94,7 +97,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
         batch=batch, model=ModelPlan(model.name, arch.total_params, arch.vocab_size, per_token,
                                      per_token * batch.global_batch_tokens),
         dataset_dir=str(dataset_dir(cfg.data)), ranks=rank_table(degrees, per_node),
-        choices=dict(choices or {}), config=cast(dict, OmegaConf.to_container(cfg, resolve=True)), pipeline=pipeline,
+        choices=dict(choices or {}), config=config, pipeline=pipeline,
     )
     analyse(plan, cfg, subject, force=force, strict=strict, training=training)
     return plan
@@ -121,7 +124,13 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     if 0 < model_vocab < token_vocab:  # every token id needs an embedding row
         raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the model's embedding", key="model.vocab_size",
                         value=model_vocab, fix=f"model.vocab_size=-1 (take it from the tokenizer) or >= {token_vocab}")
-    return rule_subject(cfg, degrees, batch, data_vocab(cfg.model, cfg.data)), degrees, batch
+    vocab = data_vocab(cfg.model, cfg.data)
+    init_from = getattr(cfg.model, "init_from", None)
+    if init_from:  # a Hugging Face checkpoint to start from: its config.json must be this model group
+        from usp.plan.hf_config import check_hf_config, read_hf_config
+
+        check_hf_config(read_hf_config(init_from), cfg.model, vocab, str(init_from))
+    return rule_subject(cfg, degrees, batch, vocab), degrees, batch
 
 
 def _backend(cluster) -> str:

@@ -14,10 +14,11 @@ Three callers read the table: `usp.plan.plan.build_plan` / `checked_plan` (first
 
 Rules checked elsewhere, because the Subject can't be built without them: degrees vs world size
 (usp.plan.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), cluster
-sizes and launcher, the tokenizer's vocabulary (usp.plan.plan.build_plan), train.dtype
-(usp.plan.specs.Precision.resolve); logging / profile settings (usp.plan.validate.check_observability);
-the run's name (one directory name, usp.names) and train.steps >= 1 (usp.plan.validate.check_run);
-predicted OOM (usp.plan.validate.analyse: it needs the memory model).
+sizes and launcher, the tokenizer's vocabulary, a Hugging Face model.init_from's config.json
+(usp.plan.plan._subject, usp.plan.hf_config), train.dtype (usp.plan.specs.Precision.resolve);
+logging / profile settings (usp.plan.validate.check_observability); the run's name (one directory
+name, usp.names) and train.steps >= 1 (usp.plan.validate.check_run); predicted OOM
+(usp.plan.validate.analyse: it needs the memory model).
 
 To add a rule: append a Rule to RULES (kind, key, broken, why, fix; `batch=True` when it reads
 micro_batch / grad_accum, which the search varies last) and a test; the three callers pick it up."""

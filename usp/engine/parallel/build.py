@@ -53,6 +53,10 @@ def model_factory(plan: dict, ctx: DistContext):
         with torch.device("meta"):  # shapes only: the weights are allocated once, on the device
             model = Llama(args, max_seq_len=int(plan["batch"]["seq_len"]))
         model.materialize(ctx.device, seed=int(cfg["train"]["seed"]))  # same seed everywhere: no broadcast needed
+        if cfg["model"].get("init_from"):  # HF weights replace the init, before parallelism takes each rank's part
+            from usp.engine.hf_checkpoint import load_hf_weights
+
+            load_hf_weights(model, cfg["model"]["init_from"])
         set_attention(model, str(cfg["model"].get("attention", "sdpa")), ctx.device.type)
         return model
 

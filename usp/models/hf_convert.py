@@ -1,0 +1,116 @@
+"""usp's Llama state dict <-> Hugging Face's LlamaForCausalLM / MixtralForCausalLM, tensor by tensor.
+
+Names (usp -> HF; `layers.{i}` -> `model.layers.{i}`):
+
+  tok_embeddings.weight                   model.embed_tokens.weight
+  layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
+  layers.{i}.attention.wq/wk/wv/wo        model.layers.{i}.self_attn.q_proj/k_proj/v_proj/o_proj  (wq, wk permuted)
+  layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
+  layers.{i}.feed_forward.w1/w3/w2        model.layers.{i}.mlp.gate_proj/up_proj/down_proj          (dense)
+  layers.{i}.feed_forward.router.weight   model.layers.{i}.block_sparse_moe.gate.weight             (Mixtral)
+  layers.{i}.feed_forward.experts.w1[e]   model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight   (transposed)
+  layers.{i}.feed_forward.experts.w3[e]   ... experts.{e}.w3.weight                                 (transposed)
+  layers.{i}.feed_forward.experts.w2[e]   ... experts.{e}.w2.weight                                 (transposed)
+  norm.weight                             model.norm.weight
+  output.weight                           lm_head.weight    (absent when tied: tie_word_embeddings)
+
+RoPE layout: usp rotates interleaved pairs (x[2j], x[2j+1]) as Meta's Llama does; HF rotates
+halves (x[j], x[j + head_dim/2]) (`rotate_half`). The same model therefore has the rows of every
+head of wq and wk in another order: HF row j of a head is usp row 2j, HF row j + head_dim/2 is usp
+row 2j + 1 (the permutation of transformers' convert_llama_weights_to_hf.py). q . k is unchanged
+because both q and k are permuted alike; v and o are not rotated and keep their order.
+
+usp's stacked experts are (E, dim, hidden) for x @ w; HF's per-expert nn.Linear weights are
+(hidden, dim) for x @ w.T: each expert's matrix is transposed. Pure tensor shuffling: no engine
+code, no transformers import."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_DENSE = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+          "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+          "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+          "feed_forward.w2.weight": "mlp.down_proj.weight",
+          "feed_forward.router.weight": "block_sparse_moe.gate.weight"}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_EXPERTS = ("w1", "w2", "w3")
+
+
+def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of wq/wk (n_heads * head_dim, dim) from usp's interleaved RoPE pairs to HF's halves."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of interleaved_to_halves."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf(state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+    """usp FQN -> tensor (full tensors, vocabulary padding removed) to HF name -> tensor."""
+    out = {}
+    for name, t in state.items():
+        if name in _TOP:
+            out[_TOP[name]] = t
+            continue
+        layer, rest = _split(name, _LAYER)
+        prefix = f"model.layers.{layer}."
+        if rest.startswith("feed_forward.experts."):
+            which = rest.rsplit(".", 1)[1]
+            for e in range(t.shape[0]):
+                out[f"{prefix}block_sparse_moe.experts.{e}.{which}.weight"] = t[e].t().contiguous()
+        elif rest in _DENSE:
+            if rest == "attention.wq.weight":
+                t = interleaved_to_halves(t, n_heads)
+            elif rest == "attention.wk.weight":
+                t = interleaved_to_halves(t, n_kv_heads)
+            out[prefix + _DENSE[rest]] = t.contiguous()
+        else:
+            raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
+    return out
+
+
+def from_hf(hf: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+    """HF name -> tensor to usp FQN -> tensor (the inverse of to_hf; experts stacked again)."""
+    top = {v: k for k, v in _TOP.items()}
+    dense = {v: k for k, v in _DENSE.items()}
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, t in hf.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        layer, rest = _split(name, _HF_LAYER)
+        m = re.match(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", rest)
+        if m:
+            experts.setdefault((layer, m.group(2)), {})[int(m.group(1))] = t.t()
+        elif rest in dense:
+            usp_name = dense[rest]
+            if usp_name == "attention.wq.weight":
+                t = halves_to_interleaved(t, n_heads)
+            elif usp_name == "attention.wk.weight":
+                t = halves_to_interleaved(t, n_kv_heads)
+            out[f"layers.{layer}.{usp_name}"] = t
+        elif rest.endswith("rotary_emb.inv_freq"):
+            continue  # derived from rope_theta (old checkpoints saved it)
+        else:
+            raise KeyError(f"{name}: not a Llama / Mixtral weight usp knows")
+    for (layer, which), per_expert in experts.items():
+        out[f"layers.{layer}.feed_forward.experts.{which}"] = torch.stack(
+            [per_expert[e] for e in range(len(per_expert))]).contiguous()
+    return out
+
+
+def _split(name: str, pattern: re.Pattern) -> tuple[str, str]:
+    m = pattern.match(name)
+    if not m:
+        raise KeyError(f"{name}: not a Llama / Mixtral weight usp knows")
+    return m.group(1), m.group(2)
