@@ -221,6 +221,8 @@ def token_files_meta(data_cfg: Any) -> tuple[Path, dict[str, Any]]:
     vocab_size = int(getattr(data_cfg, "vocab_size", 4096))
     if not 0 < vocab_size <= MAX_VOCAB:
         raise DataError(f"data.vocab_size={vocab_size} must be in 1..{MAX_VOCAB} for uint16 token files")
+    for key, path in paths.items():
+        check_token_ids(path, key, vocab_size)
     meta = {
         "source": "token_files",
         "tokenizer": "none",
@@ -233,3 +235,20 @@ def token_files_meta(data_cfg: Any) -> tuple[Path, dict[str, Any]]:
         "format_version": FORMAT_VERSION,
     }
     return paths["train_bin"].parent, meta
+
+
+CHECK_CHUNK = 1 << 24  # tokens per read: 32 MiB of uint16
+
+
+def check_token_ids(path: Path, key: str, vocab_size: int) -> None:
+    """Every id must index the embedding: the largest, read through a memmap a chunk at a time."""
+    import numpy as np
+
+    from usp.data.sampler import TOKEN_DTYPE
+
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    top = max(int(tokens[i:i + CHECK_CHUNK].max()) for i in range(0, len(tokens), CHECK_CHUNK))
+    if top >= vocab_size:
+        raise DataError(f"data.{key}={str(path)!r} holds token id {top}, but data.vocab_size={vocab_size} "
+                        f"(ids must be < vocab_size): set data.vocab_size={top + 1} or more (your tokenizer's "
+                        "vocabulary), or point it at the right file")
