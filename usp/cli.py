@@ -99,8 +99,13 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     render_plan(run_plan)
     render_refusals(failures)
     if save:
-        from usp.plan.io import write_plan
+        from pathlib import Path
 
+        from usp.plan.io import write_plan
+        from usp.writable import check_writable_dir
+
+        check_writable_dir(Path(run_plan.run_dir), "train.runs_dir", composed.train.runs_dir,
+                           "train.runs_dir=<a writable directory>")
         typer.echo(f"plan written to {write_plan(run_plan)}")
 
 
@@ -136,8 +141,10 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
+    from usp.launch.local import launch_local, require_torch
+
+    require_torch("train")
     run_plan, plan_path = prepare_run(composed, choices)
-    from usp.launch.local import launch_local
 
     try:
         code = launch_local(run_plan, plan_path)
@@ -217,6 +224,9 @@ def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<
            out: str | None = typer.Option(None, "--out", help="output file (default: <run dir>/export/...)"),
            fmt: str = typer.Option("torch", "--format", help="torch (torch.load) | safetensors")) -> None:
     """Write one consolidated model state dict (full tensors, FQN keys) + config.json from a checkpoint."""
+    from usp.launch.local import require_torch
+
+    require_torch("export")
     from usp.engine.export import export_model  # imports torch: only for this command
 
     result = export_model(run_dir, step=step, out=out, fmt=fmt)

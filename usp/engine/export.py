@@ -26,6 +26,7 @@ from usp.rundir import (
     read_plan,
     write_text_atomic,
 )
+from usp.writable import check_writable_dir
 
 FORMATS = ("torch", "safetensors")
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile
@@ -86,6 +87,8 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch") 
     """Export the newest complete checkpoint of run directory `source` (or `step`, or `source`
     itself when it is a step_<N> directory) to `out` (default <run dir>/export/model_step<N>.<ext>)."""
     _check_format(fmt)
+    if out:  # before the (possibly long) load
+        check_writable_dir(Path(out).parent, "--out", out, "--out <a file in a writable directory>")
     ckpt, run_dir = _pick_checkpoint(Path(source), step)
     plan = _plan_of(ckpt, run_dir)
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))
