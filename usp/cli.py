@@ -8,7 +8,10 @@ from typing import NoReturn
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+from usp.cli_examples import add_examples
+
+# add_completion: `usp --install-completion` / `--show-completion` (bash, zsh, fish, PowerShell)
+app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
                   help="usp: YAML in, a checked parallel run plan out, then torchrun or Slurm.")
 config_app = typer.Typer(no_args_is_help=True, help="Browse and copy the config catalogue.")
@@ -16,7 +19,15 @@ app.add_typer(config_app, name="config")
 
 OVERRIDES_HELP = ("conf=<name or recipe.yaml> and Hydra overrides: key=value, +key=value (add), "
                   "~key (delete), group=option (e.g. model=tiny parallelism=ddp)")
-Overrides = typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
+
+
+def _complete_override(incomplete: str) -> list[str]:
+    from usp.config.catalogue import complete_override
+
+    return complete_override(incomplete)
+
+
+Overrides = typer.Argument(None, help=OVERRIDES_HELP, show_default=False, autocompletion=_complete_override)
 CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') and exit without running")
 
 
@@ -337,6 +348,9 @@ def report(paths: list[str] = typer.Argument(..., help="run directories and/or s
 
     result = write_report(paths, out)
     typer.echo(f"report: {result.markdown} ({len(result.plots)} plots)")
+
+
+add_examples(app)
 
 
 def main() -> None:  # pragma: no cover - console entry

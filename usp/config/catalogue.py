@@ -10,6 +10,13 @@ from usp.errors import ConfigError
 from usp.writable import check_writable_dir
 
 
+def complete_override(incomplete: str) -> list[str]:
+    """Shell completion of an override: group=option and conf=<recipe>."""
+    options = [f"{g}={o}" for g in schema.GROUPS for o in group_options(g)]
+    options += [f"conf={name}" for name in recipe_names()]
+    return [o for o in options if o.startswith(incomplete)]
+
+
 def describe(path: Path) -> str:
     """The leading comment block of a YAML file is its description."""
     lines = []
