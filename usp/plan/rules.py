@@ -1,5 +1,6 @@
 """The planner's rules, in one table: what a model shape (Arch), a parallel layout (Layout) and the
-hardware (Hardware), plus a few config values (Settings), must satisfy.
+hardware (Hardware), plus config values (Settings: the optimizer and schedule, the tokenizer, the
+device, ...), must satisfy.
 
 Each `Rule` is one record: the condition it refuses (`broken`), the config key it names, why, the
 fix, and its kind:
