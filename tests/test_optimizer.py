@@ -73,11 +73,11 @@ BAD = [
 
 @pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0] for b in BAD])
 def test_plan_and_train_refuse_the_same_values(tmp_path, override, message):
-    """Refused at plan time with the key, value and a fix; `usp train` refuses before anything is
-    prepared or written (no run directory, no data cache)."""
+    """Refused at plan time with the key, value and a fix (also by the layout search, not "nothing
+    fits"); `usp train` refuses before anything is prepared or written (no run directory, no data cache)."""
     args = [*override.split(), f"train.runs_dir={tmp_path / 'runs'}", "train.name=bad"]
-    for command in ("plan", "train"):
-        proc = usp_cli(command, *args, cwd=tmp_path)
+    for command in (["plan"], ["plan", "--search"], ["train"]):
+        proc = usp_cli(*command, *args, cwd=tmp_path)
         out = " ".join(proc.stderr.split())
         assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
         assert message in out and "fix:" in out, (command, out)

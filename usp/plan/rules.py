@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from usp.data.tokenizer import KINDS as TOKENIZERS
 from usp.errors import PlanError
@@ -416,5 +416,10 @@ def warnings(s: Subject, *, strict: bool = False) -> list[str]:
     return out
 
 
-LAYOUT_ONLY = [r for r in RULES if not r.batch]
+LAYOUT_ONLY = [r for r in RULES if not r.batch and r not in CONFIG_RULES]  # the search checks config values once
+
+
+def config_failure(hw: Hardware, settings: Settings) -> PlanError | None:
+    """The first config-value rule that fails: they read only the hardware and the settings."""
+    return first_failure(Subject(cast(Arch, None), cast(Layout, None), hw, settings), ("plan",), CONFIG_RULES)
 BATCH_ONLY = [r for r in RULES if r.batch]
