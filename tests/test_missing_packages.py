@@ -26,7 +26,8 @@ assert importlib.util.find_spec(hidden) is None, f"{hidden} is still importable"
 recipe = ["conf=llama3_1_8b", f"train.runs_dir={runs}"]
 commands = {"plan": ["plan", *recipe], "estimate": ["estimate", *recipe, "train.tokens=1e12"],
             "submit": ["submit", "--dry-run", *recipe],
-            "prepare": ["prepare-data"], "train": ["train", f"train.runs_dir={runs}", "train.name=t"]}
+            "prepare": ["prepare-data"], "train": ["train", f"train.runs_dir={runs}", "train.name=t"],
+            "verify": ["verify", "parallelism=fsdp", "cluster.procs_per_node=2"]}
 out = {}
 for name in sys.argv[3:]:
     args = commands[name]
@@ -67,9 +68,11 @@ def test_plan_estimate_and_dry_run_need_no_corpus_package(tmp_path):
 
 
 def test_train_without_torch_says_how_to_install_it_before_any_work(tmp_path):
-    out = run_without("torch", tmp_path, "train")
-    code, stdout, stderr, exc = out["train"]
-    text = " ".join(stderr.split())
-    assert code == 2 and "`usp train` runs PyTorch on this machine, and it is not installed" in text, (stderr, exc)
-    assert "pip install torch" in text and "Traceback" not in stderr
+    out = run_without("torch", tmp_path, "train", "verify")
+    for name in ("train", "verify"):
+        code, stdout, stderr, exc = out[name]
+        text = " ".join(stderr.split())
+        assert code == 2 and f"`usp {name}` runs PyTorch on this machine, and it is not installed" in text, \
+            (stderr, exc)
+        assert "pip install torch" in text and "Traceback" not in stderr
     assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()  # no data prepared, no run dir

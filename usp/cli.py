@@ -251,8 +251,10 @@ def verify(overrides: list[str] | None = Overrides,
            rtol: float = typer.Option(1e-5, help="relative loss tolerance per step"),
            param_atol: float = typer.Option(1e-4, help="absolute tolerance on the final parameters")) -> None:
     """Run a layout at small scale next to a single-process reference and compare them step by step."""
+    from usp.launch.local import require_torch
     from usp.launch.verify import verify as run
 
+    require_torch("verify")
     conf, rest = _split_conf(overrides)
     code = run(conf, rest, steps, rtol, param_atol)
     raise typer.Exit(code)
