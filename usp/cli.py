@@ -8,7 +8,10 @@ from typing import NoReturn
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+from usp.cli_examples import add_examples
+
+# add_completion: `usp --install-completion` / `--show-completion` (bash, zsh, fish, PowerShell)
+app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
                   help="usp: YAML in, a checked parallel run plan out, then torchrun or Slurm.")
 config_app = typer.Typer(no_args_is_help=True, help="Browse and copy the config catalogue.")
@@ -16,7 +19,15 @@ app.add_typer(config_app, name="config")
 
 OVERRIDES_HELP = ("conf=<name or recipe.yaml> and Hydra overrides: key=value, +key=value (add), "
                   "~key (delete), group=option (e.g. model=tiny parallelism=ddp)")
-Overrides = typer.Argument(None, help=OVERRIDES_HELP, show_default=False)
+
+
+def _complete_override(incomplete: str) -> list[str]:
+    from usp.config.catalogue import complete_override
+
+    return complete_override(incomplete)
+
+
+Overrides = typer.Argument(None, help=OVERRIDES_HELP, show_default=False, autocompletion=_complete_override)
 CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') and exit without running")
 
 
@@ -109,10 +120,15 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     render_plan(run_plan)
     render_refusals(failures)
     if save:
+        from pathlib import Path
+
         from usp.plan.io import write_plan
         from usp.runlock import refuse_if_locked
+        from usp.writable import check_writable_dir
 
         refuse_if_locked(run_plan.run_dir, "plan --save")  # a live run's checkpoints copy its plan.yaml
+        check_writable_dir(Path(run_plan.run_dir), "train.runs_dir", composed.train.runs_dir,
+                           "train.runs_dir=<a writable directory>")
         typer.echo(f"plan written to {write_plan(run_plan)}")
 
 
@@ -180,9 +196,11 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
-    from usp.launch.local import launch_local
+    from usp.launch.local import launch_local, require_torch
     from usp.runlock import release
+
+    require_torch("train")
+    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
 
     try:
         code = launch_local(run_plan, plan_path)
@@ -270,6 +288,9 @@ def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<
                                                                            "(default 5000)")) -> None:
     """Write the model from a checkpoint: one consolidated state dict (full tensors, FQN keys) + config.json,
     or (--format hf) a directory transformers' AutoModelForCausalLM.from_pretrained loads."""
+    from usp.launch.local import require_torch
+
+    require_torch("export")
     from usp.engine.export import export_model  # imports torch: only for this command
 
     result = export_model(run_dir, step=step, out=out, fmt=fmt, max_shard_mb=shard_mb)
@@ -283,8 +304,10 @@ def verify(overrides: list[str] | None = Overrides,
            rtol: float = typer.Option(1e-5, help="relative loss tolerance per step"),
            param_atol: float = typer.Option(1e-4, help="absolute tolerance on the final parameters")) -> None:
     """Run a layout at small scale next to a single-process reference and compare them step by step."""
+    from usp.launch.local import require_torch
     from usp.launch.verify import verify as run
 
+    require_torch("verify")
     conf, rest = _split_conf(overrides)
     code = run(conf, rest, steps, rtol, param_atol)
     raise typer.Exit(code)
@@ -389,6 +412,9 @@ def report(paths: list[str] = typer.Argument(..., help="run directories and/or s
 
     result = write_report(paths, out)
     typer.echo(f"report: {result.markdown} ({len(result.plots)} plots)")
+
+
+add_examples(app)
 
 
 def main() -> None:  # pragma: no cover - console entry

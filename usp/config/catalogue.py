@@ -7,6 +7,14 @@ from pathlib import Path
 from usp.config import schema
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.errors import ConfigError
+from usp.writable import check_writable_dir
+
+
+def complete_override(incomplete: str) -> list[str]:
+    """Shell completion of an override: group=option and conf=<recipe>."""
+    options = [f"{g}={o}" for g in schema.GROUPS for o in group_options(g)]
+    options += [f"conf={name}" for name in recipe_names()]
+    return [o for o in options if o.startswith(incomplete)]
 
 
 def describe(path: Path) -> str:
@@ -70,5 +78,6 @@ def copy_recipe(recipe: str, dest: str = ".") -> Path:
     if target.exists():
         raise ConfigError("refusing to overwrite an existing file", key="dest", value=str(target),
                           fix="remove it or give another destination")
+    check_writable_dir(target.parent, "dest", dest, "a writable directory, e.g. `usp config cp <recipe> .`")
     shutil.copyfile(source, target)
     return target

@@ -14,29 +14,37 @@ from pathlib import Path
 
 from usp.config import schema
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
+from usp.config.recipe import check_recipe_file, hydra_primary
 from usp.errors import ConfigError
 
 
 def resolve_primary(conf: str | None) -> tuple[Path, str]:
-    """`conf=` value -> (directory, config name). A path (contains '/' or ends in .yaml)
+    """`conf=` value -> (directory, config name). A path (contains '/' or ends in .yaml or .yml)
     is a recipe file; a bare name is looked up in conf/ and then in recipes/."""
+    directory, name, _ = resolve_recipe(conf)
+    return directory, name
+
+
+def resolve_recipe(conf: str | None) -> tuple[Path, str, str]:
+    """resolve_primary's (directory, name) and the file's suffix (.yaml or .yml)."""
     if conf is None:
-        return conf_dir(), "config"
+        return conf_dir(), "config", ".yaml"
     looks_like_path = conf.endswith((".yaml", ".yml")) or "/" in conf or os.sep in conf
     if looks_like_path:
         path = Path(conf).expanduser()
         if not path.suffix:
-            path = path.with_suffix(".yaml")
+            path = next((p for p in (path.with_suffix(".yaml"), path.with_suffix(".yml")) if p.is_file()),
+                        path.with_suffix(".yaml"))
         if not path.is_file():
             raise ConfigError("no such recipe file", key="conf", value=conf,
                               fix=_suggest(path.stem, recipe_names(), "recipe") + "list them with `usp config list`")
         if path.stem == "config" and path.resolve().parent != conf_dir():
             raise ConfigError("a recipe may not be named config.yaml (it would shadow conf/config.yaml, "
                               "which recipes extend)", key="conf", value=conf, fix="rename the file")
-        return path.resolve().parent, path.stem
+        return path.resolve().parent, path.stem, path.suffix
     for directory in (conf_dir(), recipes_dir()):
         if (directory / f"{conf}.yaml").is_file():
-            return directory, conf
+            return directory, conf, ".yaml"
     names = ["config"] + recipe_names()
     raise ConfigError("no primary config or recipe of that name", key="conf", value=conf,
                       fix=_suggest(conf, names, "name") + f"one of: {', '.join(names)}")
@@ -62,12 +70,14 @@ def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ..
 
     schema.register()
     check_catalogue()
-    directory, name = resolve_primary(conf)
-    search = [f"hydra.searchpath=[file://{conf_dir()}]"]
+    directory, name, suffix = resolve_recipe(conf)
+    check_recipe_file(directory / f"{name}{suffix}")
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(directory), version_base="1.3"):
-            cfg = compose(config_name=name, overrides=list(overrides) + search, return_hydra_config=True)
+        with hydra_primary(directory, name, suffix) as (hydra_dir, extra), \
+                initialize_config_dir(config_dir=str(hydra_dir), version_base="1.3"):
+            search = f"hydra.searchpath=[{','.join(f'file://{d}' for d in [conf_dir(), *extra])}]"
+            cfg = compose(config_name=name, overrides=[*overrides, search], return_hydra_config=True)
     except Exception as exc:  # Hydra raises several unrelated types; all become one clear message
         raise _translate(exc) from None
     finally:

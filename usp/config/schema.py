@@ -59,15 +59,18 @@ class ParallelismConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
+    name: str = "adamw"  # adamw | adam | sgd (usp/plan/optimizer.py)
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.1
-    beta1: float = 0.9
+    min_lr_ratio: float = 0.1  # cosine / linear / wsd decay to lr * min_lr_ratio
+    weight_decay: float = 0.1  # on matrices only, never on norms or biases
+    beta1: float = 0.9  # adam, adamw
     beta2: float = 0.95
     eps: float = 1e-8
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | constant
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warmup, stable, decay)
+    decay_fraction: float = 0.2  # wsd: the last fraction of train.steps over which lr decays
     grad_clip: float = 1.0  # 0 = no clipping
 
 

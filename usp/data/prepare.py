@@ -338,6 +338,8 @@ def token_files_meta(data_cfg: Any) -> tuple[Path, dict[str, Any]]:
             raise DataError(f"data.{key}={value!r} reads as uint16 ids with a zero in every other slot: it holds"
                             " uint32 ids; set data.token_dtype=uint32")
         paths[key] = path
+    for key, path in paths.items():
+        check_token_ids(path, key, vocab_size, dtype)
     meta = {
         "source": "token_files",
         "tokenizer": "none",
@@ -363,3 +365,18 @@ def token_files_dtype(data_cfg: Any, vocab_size: int) -> str:
         raise DataError(f"data.token_dtype=uint16 can't hold the ids of data.vocab_size={vocab_size}:"
                         " use data.token_dtype=uint32 (or auto)")
     return dtype
+
+
+CHECK_CHUNK = 1 << 24  # tokens per read: 32-64 MiB
+
+
+def check_token_ids(path: Path, key: str, vocab_size: int, dtype: str) -> None:
+    """Every id must index the embedding: the largest, read through a memmap a chunk at a time."""
+    import numpy as np
+
+    tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    top = max(int(tokens[i:i + CHECK_CHUNK].max()) for i in range(0, len(tokens), CHECK_CHUNK))
+    if top >= vocab_size:
+        raise DataError(f"data.{key}={str(path)!r} holds token id {top}, but data.vocab_size={vocab_size} "
+                        f"(ids must be < vocab_size): set data.vocab_size={top + 1} or more (your tokenizer's "
+                        "vocabulary), or point it at the right file")

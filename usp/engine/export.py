@@ -28,6 +28,7 @@ from usp.rundir import (
     read_plan,
     write_text_atomic,
 )
+from usp.writable import check_writable_dir
 
 FORMATS = ("torch", "safetensors", "hf")
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile
@@ -91,6 +92,8 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
     or the directory <run dir>/export/hf_step<N> for fmt="hf", in safetensors shards of at most
     max_shard_mb)."""
     _check_format(fmt)
+    if out:  # before the (possibly long) load
+        check_writable_dir(Path(out).parent, "--out", out, "--out <a file in a writable directory>")
     ckpt, run_dir = _pick_checkpoint(Path(source), step)
     plan = _plan_of(ckpt, run_dir)
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))

@@ -1,41 +1,48 @@
-"""AdamW with linear warmup and cosine decay (PyTorch's own optimizer and LambdaLR); ZeRO-1
-shards its states over the data-parallel ranks with ZeroRedundancyOptimizer."""
+"""The optimizer (AdamW, Adam or SGD: PyTorch's own) and its learning-rate schedule (LambdaLR over
+the curve in usp.plan.optimizer, which the plan's rules checked); ZeRO-1 shards the optimizer's
+states over the data-parallel ranks with ZeroRedundancyOptimizer."""
 from __future__ import annotations
-
-import math
 
 import torch
 
 from usp.engine.accel import fused_adamw
+from usp.plan.optimizer import OptimSettings, lr_factor
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear and embedding weights) only; none on norms and biases, the
+    1-D tensors (as Megatron-LM and nanoGPT do). A DTensor's dim() is the full tensor's, so FSDP2 and
+    TP shards fall in the same group as the whole parameter."""
+    params = [p for p in params if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_class_and_args(o: OptimSettings, device: torch.device) -> tuple[type[torch.optim.Optimizer], dict]:
+    if o.name == "sgd":
+        return torch.optim.SGD, dict(lr=o.lr, momentum=o.momentum, nesterov=o.nesterov)
+    betas = (o.beta1, o.beta2)
+    if o.name == "adam":  # L2 weight decay (added to the gradient), as torch.optim.Adam does
+        return torch.optim.Adam, dict(lr=o.lr, betas=betas, eps=o.eps)
+    if o.name == "adamw":
+        return torch.optim.AdamW, dict(lr=o.lr, betas=betas, eps=o.eps, fused=fused_adamw(device.type))
+    raise ValueError(f"optimizer.name={o.name!r}: the plan's rules should have refused it")
 
 
 def build_optimizer(params: list[torch.nn.Parameter], opt, device: torch.device,
                     zero1_group=None) -> torch.optim.Optimizer:
-    if opt.name != "adamw":
-        raise ValueError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
-    # No weight decay on norms (1-D weights), as in Llama/nanoGPT.
-    params = [p for p in params if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    kw = dict(lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+    o = OptimSettings.from_config(opt, steps=1)  # the step count shapes only the schedule
+    cls, kw = optimizer_class_and_args(o, device)
+    groups = param_groups(params, o.weight_decay)
     if zero1_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kw)
-    return torch.optim.AdamW(groups, fused=fused_adamw(device.type), **kw)
-
-
-def lr_factor(step: int, opt, total_steps: int) -> float:
-    """Multiplier of optimizer.lr at a (0-based) step."""
-    if step < opt.warmup_steps:
-        return (step + 1) / opt.warmup_steps
-    if opt.schedule == "constant":
-        return 1.0
-    progress = (step - opt.warmup_steps) / max(1, total_steps - opt.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * cosine
+        kw.pop("fused", None)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero1_group, **kw)
+    return cls(groups, **kw)
 
 
 def build_scheduler(optimizer, opt, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, opt, total_steps))
+    o = OptimSettings.from_config(opt, total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, o))

@@ -17,6 +17,20 @@ from usp.runlock import TOKEN_ENV, held_token
 from usp.runstate import preempted_since
 
 WORKER_MODULE = "usp.engine.worker"
+TORCH_INSTALL = ("pip install torch (CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu; "
+                 "a GPU build: https://pytorch.org/get-started/locally/)")
+
+
+def require_torch(command: str) -> None:
+    """Training and export run PyTorch here; planning doesn't. Checked before any work (data
+    preparation), without importing torch."""
+    from importlib.util import find_spec
+
+    from usp.errors import LaunchError
+
+    if find_spec("torch") is None:
+        raise LaunchError(f"`usp {command}` runs PyTorch on this machine, and it is not installed in {sys.prefix}",
+                          fix=f"{TORCH_INSTALL}; `usp plan`, `usp estimate` and `usp submit` work without it")
 
 
 def worker_env(plan) -> dict[str, str]:

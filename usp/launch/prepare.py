@@ -35,6 +35,10 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
     if gpus:
         console.print(f"[yellow]note:[/] {gpus} NVIDIA GPU(s) visible here, but cluster.device=cpu: "
                       f"cluster=local_gpu cluster.procs_per_node={gpus} trains on them (bf16, NCCL)", highlight=False)
+    if prepare_data:  # a missing corpus is refused before the run directory is made
+        from usp.data.prepare import dataset_dir
+
+        dataset_dir(cfg.data)
     run_dir = check_run_dir(Path(plan.run_dir))
     if not hold_lock:  # a Slurm job takes the lock when it starts; a live run here is refused now
         refuse_if_locked(run_dir, "submit")

@@ -72,7 +72,6 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     `usp estimate`): limits of the data pipeline are warnings."""
     from omegaconf import OmegaConf
 
-    from usp.data.prepare import dataset_dir
     from usp.plan.validate import analyse, check_run
 
     cluster, train, model = cfg.cluster, cfg.train, cfg.model
@@ -89,6 +88,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
     if config["model"].get("init_from"):  # the ranks may start in another directory (Slurm): absolute
         config["model"]["init_from"] = str(Path(config["model"]["init_from"]).expanduser().resolve())
+    data_warnings: list[str] = []
     plan = RunPlan(
         name=name, run_dir=str(Path(train.runs_dir).expanduser().resolve() / name), world_size=nodes * per_node,
         nodes=nodes, procs_per_node=per_node, device=cluster.device, backend=_backend(cluster),
@@ -96,8 +96,8 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
         degrees=degrees, mesh_dims=list(MESH_DIMS), mesh_shape=[degrees[d] for d in MESH_DIMS],
         batch=batch, model=ModelPlan(model.name, arch.total_params, arch.vocab_size, per_token,
                                      per_token * batch.global_batch_tokens),
-        dataset_dir=str(dataset_dir(cfg.data)), ranks=rank_table(degrees, per_node),
-        choices=dict(choices or {}), config=config, pipeline=pipeline,
+        dataset_dir=_planned_dataset_dir(cfg.data, data_warnings), ranks=rank_table(degrees, per_node),
+        choices=dict(choices or {}), config=config, pipeline=pipeline, warnings=data_warnings,
     )
     analyse(plan, cfg, subject, force=force, strict=strict, training=training)
     return plan
@@ -131,6 +131,21 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
 
         check_hf_config(read_hf_config(init_from), cfg.model, vocab, str(init_from))
     return rule_subject(cfg, degrees, batch, vocab), degrees, batch
+
+
+def _planned_dataset_dir(data, warnings: list[str]) -> str:
+    """Where the tokenized data will be; "" when its source is not on this machine (the corpus
+    package, the text files), with a warning: a plan made on a laptop for a cluster needs no data.
+    `usp prepare-data` and `usp train` check the data where the run trains."""
+    from usp.data.errors import DataError
+    from usp.data.prepare import dataset_dir
+
+    try:
+        return str(dataset_dir(data))
+    except DataError as exc:
+        warnings.append(f"data not checked here: {exc} (`usp prepare-data` / `usp train` need it where the run "
+                        "trains)")
+        return ""
 
 
 def _backend(cluster) -> str:

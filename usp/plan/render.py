@@ -33,7 +33,7 @@ def render_plan(plan, console: Console | None = None) -> None:
                   f"= micro {b.micro_batch} x grad-accum {b.grad_accum} x dp {b.dp}"),
         ("compute", f"{human(m.flops_per_token, 'FLOP')}/token (6N + 12·L·h·s), "
                     f"{human(m.flops_per_step, 'FLOP')}/step"),
-        ("data", plan.dataset_dir),
+        ("data", plan.dataset_dir or "not prepared (its source is not on this machine)"),
     ]
     for key, value in rows:
         summary.add_row(key, value)

@@ -1,5 +1,6 @@
 """The planner's rules, in one table: what a model shape (Arch), a parallel layout (Layout) and the
-hardware (Hardware), plus a few config values (Settings), must satisfy.
+hardware (Hardware), plus config values (Settings: the optimizer and schedule, the tokenizer, the
+device, ...), must satisfy.
 
 Each `Rule` is one record: the condition it refuses (`broken`), the config key it names, why, the
 fix, and its kind:
@@ -24,11 +25,14 @@ To add a rule: append a Rule to RULES (kind, key, broken, why, fix; `batch=True`
 micro_batch / grad_accum, which the search varies last) and a test; the three callers pick it up."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from usp.data.tokenizer import KINDS as TOKENIZERS
 from usp.errors import PlanError
+from usp.plan.optimizer import OPTIMIZERS, REFUSED_OPTIMIZERS, SCHEDULES, OptimSettings
 from usp.plan.pipeline_split import check_explicit, validate_schedule
 from usp.plan.specs import ATTENTION_CHOICES, RECOMPUTE_MODES, Arch, Hardware, Layout, group_crosses_nodes
 
@@ -45,6 +49,8 @@ class Settings:
     launcher: str | None = None  # None: not known (a bare search), the launcher rule doesn't apply
     checkpoint: bool = False
     ddp_comm_hook: str = "none"
+    optim: OptimSettings = OptimSettings()
+    tokenizer: str = "bpe"
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -52,7 +58,9 @@ class Settings:
         g = lambda section, key, d=None: _get(_get(cfg, section, {}), key, d)  # noqa: E731
         return cls(seq_len=int(g("train", "seq_len")), dtype=str(g("train", "dtype", "auto")),
                    launcher=str(g("cluster", "launcher", "local")), checkpoint=bool(g("checkpoint", "enabled", False)),
-                   ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")))
+                   ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")),
+                   optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
+                   tokenizer=str(g("data", "tokenizer", "bpe")))
 
 
 def _get(obj, key: str, default=None):
@@ -111,6 +119,74 @@ class Rule:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --- config values (no layout needed) --------------------------------------------------------------------
+
+DEVICES = ("cpu", "cuda", "xpu")
+
+
+def _opt(key: str, broken: Callable[[float], bool], why: str, fix: str, when: Callable[[OptimSettings], bool]
+         = lambda o: True) -> Rule:
+    """A rule on one optimizer.* value."""
+    return Rule(f"optimizer_{key}", "plan", f"optimizer.{key}",
+                lambda s: when(s.settings.optim) and broken(getattr(s.settings.optim, key)), why, fix,
+                lambda s: getattr(s.settings.optim, key))
+
+
+def _finite(lo: float, hi: float, *, hi_open: bool = False, lo_open: bool = False) -> Callable[[float], bool]:
+    """broken(x): x is not a finite number in [lo, hi] (open ends excluded)."""
+    return lambda x: not (math.isfinite(x) and (lo < x if lo_open else lo <= x) and (x < hi if hi_open else x <= hi))
+
+
+def _wsd_overlap(o: OptimSettings) -> bool:
+    return o.schedule == "wsd" and o.steps >= 1 and o.warmup_steps + o.decay_steps > o.steps
+
+
+INF = math.inf
+CONFIG_RULES = [
+    Rule("device_known", "plan", "cluster.device", lambda s: s.hw.device not in DEVICES,
+         f"unknown device; choose one of {', '.join(DEVICES)} (usp has no backend for others, e.g. TPUs)",
+         "cluster.device=cpu, or a cluster group: cluster=local_gpu", lambda s: s.hw.device),
+    Rule("optimizer_refused", "plan", "optimizer.name", lambda s: s.settings.optim.name in REFUSED_OPTIMIZERS,
+         lambda s: REFUSED_OPTIMIZERS[s.settings.optim.name], "optimizer=adamw", lambda s: s.settings.optim.name),
+    Rule("optimizer_known", "plan", "optimizer.name",
+         lambda s: s.settings.optim.name not in (*OPTIMIZERS, *REFUSED_OPTIMIZERS),
+         f"unknown optimizer; choose one of {', '.join(OPTIMIZERS)}", "optimizer=adamw (or optimizer=sgd, adam)",
+         lambda s: s.settings.optim.name),
+    Rule("schedule_known", "plan", "optimizer.schedule", lambda s: s.settings.optim.schedule not in SCHEDULES,
+         f"unknown learning-rate schedule; choose one of {', '.join(SCHEDULES)}", "optimizer.schedule=cosine",
+         lambda s: s.settings.optim.schedule),
+    _opt("lr", _finite(0, INF, lo_open=True, hi_open=True), "the learning rate must be a finite number > 0",
+         "optimizer.lr=3e-4"),
+    _opt("min_lr_ratio", _finite(0, 1), "the decayed lr is lr x min_lr_ratio: a number in [0, 1]",
+         "optimizer.min_lr_ratio=0.1"),
+    _opt("weight_decay", _finite(0, INF, hi_open=True), "must be a finite number >= 0", "optimizer.weight_decay=0.1"),
+    _opt("beta1", _finite(0, 1, hi_open=True), "Adam's betas are in [0, 1)", "optimizer.beta1=0.9",
+         lambda o: o.name != "sgd"),
+    _opt("beta2", _finite(0, 1, hi_open=True), "Adam's betas are in [0, 1)", "optimizer.beta2=0.95",
+         lambda o: o.name != "sgd"),
+    _opt("eps", _finite(0, INF, lo_open=True, hi_open=True), "must be a finite number > 0", "optimizer.eps=1e-8",
+         lambda o: o.name != "sgd"),
+    _opt("momentum", _finite(0, 1, hi_open=True), "SGD's momentum is in [0, 1)", "optimizer.momentum=0.9",
+         lambda o: o.name == "sgd"),
+    Rule("nesterov_needs_momentum", "plan", "optimizer.nesterov",
+         lambda s: s.settings.optim.name == "sgd" and s.settings.optim.nesterov and s.settings.optim.momentum <= 0,
+         "Nesterov momentum needs a momentum > 0", "optimizer.momentum=0.9, or optimizer.nesterov=false", True),
+    _opt("grad_clip", _finite(0, INF, hi_open=True), "the gradient-norm limit must be a finite number >= 0 "
+         "(0 = no clipping)", "optimizer.grad_clip=1.0"),
+    _opt("warmup_steps", lambda x: x < 0, "must be >= 0 (0 = no warmup)", "optimizer.warmup_steps=0"),
+    _opt("decay_fraction", _finite(0, 1, lo_open=True), "warmup-stable-decay decays over this fraction of "
+         "train.steps: a number in (0, 1]", "optimizer.decay_fraction=0.2", lambda o: o.schedule == "wsd"),
+    Rule("wsd_phases_fit", "plan", "optimizer.warmup_steps", lambda s: _wsd_overlap(s.settings.optim),
+         lambda s: f"warmup ({s.settings.optim.warmup_steps} steps) and decay (decay_fraction x train.steps = "
+                   f"{s.settings.optim.decay_steps} steps) don't fit in train.steps={s.settings.optim.steps}",
+         lambda s: f"optimizer.warmup_steps<={max(0, s.settings.optim.steps - s.settings.optim.decay_steps)}, "
+                   "a smaller optimizer.decay_fraction, or more train.steps", lambda s: s.settings.optim.warmup_steps),
+    Rule("tokenizer_known", "plan", "data.tokenizer", lambda s: s.settings.tokenizer not in TOKENIZERS,
+         f"unknown tokenizer; choose one of {', '.join(TOKENIZERS)}", "data.tokenizer=bpe",
+         lambda s: s.settings.tokenizer),
+]
 
 
 def _model_positive(key: str) -> Rule:
@@ -282,6 +358,12 @@ def _tp_across_nodes(s: Subject) -> str:
 
 
 WARN_RULES = [
+    Rule("warmup_ends", "warn", "optimizer.warmup_steps",
+         lambda s: 1 <= s.settings.optim.steps <= s.settings.optim.warmup_steps,
+         lambda s: f"the warmup outlasts the run (train.steps={s.settings.optim.steps}): the learning rate peaks at "
+                   f"{s.settings.optim.steps / max(1, s.settings.optim.warmup_steps):.0%} of optimizer.lr",
+         lambda s: f"optimizer.warmup_steps<{s.settings.optim.steps}, or drop --strict",
+         lambda s: s.settings.optim.warmup_steps),
     Rule("tp_within_node", "warn", "parallelism.tp",
          lambda s: s.layout.tp > 1 and group_crosses_nodes(s.layout.degrees, s.hw.procs_per_node, ("tp",)),
          _tp_across_nodes, lambda s: f"parallelism.tp in {divisors(s.hw.procs_per_node)} (a divisor of "
@@ -293,7 +375,7 @@ WARN_RULES = [
          "parallelism.tp=1 with parallelism.ep to shard the experts, or drop --strict", lambda s: s.layout.tp),
 ]
 
-RULES: list[Rule] = [*MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *ENGINE_RULES, *WARN_RULES]
+RULES: list[Rule] = [*CONFIG_RULES, *MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *ENGINE_RULES, *WARN_RULES]
 assert all(r.kind in KINDS for r in RULES) and len({r.name for r in RULES}) == len(RULES)
 
 
@@ -336,5 +418,10 @@ def warnings(s: Subject, *, strict: bool = False) -> list[str]:
     return out
 
 
-LAYOUT_ONLY = [r for r in RULES if not r.batch]
+LAYOUT_ONLY = [r for r in RULES if not r.batch and r not in CONFIG_RULES]  # the search checks config values once
+
+
+def config_failure(hw: Hardware, settings: Settings) -> PlanError | None:
+    """The first config-value rule that fails: they read only the hardware and the settings."""
+    return first_failure(Subject(cast(Arch, None), cast(Layout, None), hw, settings), ("plan",), CONFIG_RULES)
 BATCH_ONLY = [r for r in RULES if r.batch]

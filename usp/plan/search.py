@@ -253,6 +253,9 @@ def search_config(cfg, top_k: int = 5) -> SearchResult:
     ctx = planner_context(cfg)
     if ctx.hw.world < 1:
         raise PlanError("must be at least 1", key="cluster.nodes", value=ctx.hw.nodes, fix="cluster.nodes=1")
+    error = rules.config_failure(ctx.hw, ctx.settings)  # else every layout would fail it: "nothing fits"
+    if error is not None:
+        raise error
     return search(ctx.arch, ctx.hw, ctx.prec, ctx.seq_len, ctx.global_batch, top_k=top_k, settings=ctx.settings,
                   profile=ctx.profile)
 

@@ -1,0 +1,149 @@
+"""Optimizers (AdamW, Adam, SGD) and learning-rate schedules (cosine, linear, constant, wsd): the
+curves, the plan-time checks of optimizer.* (`usp plan` refuses exactly what `usp train` refuses),
+weight decay only on matrices, and one short real training per optimizer."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from conftest import usp_cli
+
+from usp.config.compose import compose_config
+from usp.plan.optimizer import OptimSettings, lr_factor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def curve(steps: int, **kw) -> list[float]:
+    o = OptimSettings(steps=steps, **kw)
+    return [lr_factor(s, o) for s in range(steps)]
+
+
+def test_cosine_warms_up_then_decays_to_the_floor():
+    f = curve(10, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    assert f[:2] == [0.5, 1.0]
+    assert f[2] == 1.0 and all(a > b for a, b in zip(f[2:], f[3:]))
+    progress = 7 / 8  # the last step, 8 steps after the warmup
+    assert f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def test_linear_decays_in_equal_steps():
+    f = curve(10, schedule="linear", warmup_steps=0, min_lr_ratio=0.0)
+    assert f == pytest.approx([1 - s / 10 for s in range(10)])
+
+
+def test_constant_is_flat_after_warmup():
+    assert curve(6, schedule="constant", warmup_steps=3) == pytest.approx([1 / 3, 2 / 3, 1, 1, 1, 1])
+
+
+def test_wsd_warmup_stable_then_decay_over_the_last_fraction():
+    f = curve(20, schedule="wsd", warmup_steps=4, decay_fraction=0.25, min_lr_ratio=0.0)
+    assert f[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert f[4:15] == [1.0] * 11  # stable until the last 25% (5 steps)
+    assert f[15:] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+    floor = curve(20, schedule="wsd", warmup_steps=0, decay_fraction=0.5, min_lr_ratio=0.5)
+    assert floor[10:] == pytest.approx([0.5 + 0.5 * (1 - k / 10) for k in range(10)])
+
+
+# --- plan time: usp plan and usp train refuse the same values --------------------------------------------
+
+BAD = [
+    ("cluster.device=tpu", "cluster.device='tpu': unknown device"),
+    ("optimizer.name=lion", "optimizer.name='lion': unknown optimizer"),
+    ("optimizer.name=adafactor", "torch.optim.Adafactor fails on the DTensor parameters of FSDP2"),
+    ("optimizer.schedule=linearx", "optimizer.schedule='linearx': unknown learning-rate schedule"),
+    ("optimizer.lr=nan", "optimizer.lr=nan: the learning rate must be a finite number > 0"),
+    ("optimizer.lr=0", "optimizer.lr=0.0: the learning rate must be"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1: must be a finite number >= 0"),
+    ("optimizer.beta2=1.0", "optimizer.beta2=1.0: Adam's betas are in [0, 1)"),
+    ("optimizer.beta1=inf", "optimizer.beta1=inf: Adam's betas"),
+    ("optimizer.eps=0", "optimizer.eps=0.0: must be a finite number > 0"),
+    ("optimizer.min_lr_ratio=2", "optimizer.min_lr_ratio=2.0:"),
+    ("optimizer.grad_clip=nan", "optimizer.grad_clip=nan:"),
+    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps=-1: must be >= 0"),
+    ("optimizer=sgd optimizer.momentum=1.5", "optimizer.momentum=1.5: SGD's momentum is in [0, 1)"),
+    ("optimizer=sgd optimizer.momentum=0 optimizer.nesterov=true", "Nesterov momentum needs a momentum > 0"),
+    ("optimizer.schedule=wsd optimizer.decay_fraction=0", "optimizer.decay_fraction=0.0: warmup-stable-decay"),
+    ("optimizer.schedule=wsd train.steps=10 optimizer.warmup_steps=9",
+     "warmup (9 steps) and decay (decay_fraction x train.steps = 2 steps) don't fit in train.steps=10"),
+    ("data.tokenizer=sentencepiece", "data.tokenizer='sentencepiece': unknown tokenizer"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD, ids=[b[0] for b in BAD])
+def test_plan_and_train_refuse_the_same_values(tmp_path, override, message):
+    """Refused at plan time with the key, value and a fix (also by the layout search, not "nothing
+    fits"); `usp train` refuses before anything is prepared or written (no run directory, no data cache)."""
+    args = [*override.split(), f"train.runs_dir={tmp_path / 'runs'}", "train.name=bad"]
+    for command in (["plan"], ["plan", "--search"], ["train"]):
+        proc = usp_cli(*command, *args, cwd=tmp_path)
+        out = " ".join(proc.stderr.split())
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        assert message in out and "fix:" in out, (command, out)
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+
+
+def test_warmup_longer_than_the_run_is_a_warning_and_strict_refuses_it(tmp_path):
+    ok = usp_cli("plan", "train.steps=5", "optimizer.warmup_steps=20", cwd=tmp_path)
+    assert ok.returncode == 0 and "the warmup outlasts the run" in " ".join(ok.stdout.split())
+    strict = usp_cli("plan", "--strict", "train.steps=5", "optimizer.warmup_steps=20", cwd=tmp_path)
+    assert strict.returncode == 2 and "optimizer.warmup_steps=20" in strict.stderr
+
+
+@pytest.mark.parametrize("group", ["adamw", "adam", "sgd", "adamw_wsd"])
+def test_optimizer_groups_compose_and_plan(tmp_path, group):
+    proc = usp_cli("plan", f"optimizer={group}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg, _ = compose_config(None, [f"optimizer={group}"])
+    assert cfg.optimizer.name in ("adamw", "adam", "sgd")
+
+
+# --- the engine ----------------------------------------------------------------------------------------
+
+def test_weight_decay_skips_norms_and_biases():
+    import torch
+
+    from usp.engine.optim import build_optimizer
+    from usp.models.llama import Llama, LlamaArgs
+
+    cfg, _ = compose_config(None, [])
+    model = Llama(LlamaArgs(vocab_size=64), max_seq_len=8)
+    model.extra = torch.nn.Linear(4, 4, bias=True)  # a bias, as other model families have
+    opt = build_optimizer(list(model.parameters()), cfg.optimizer, torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    plain = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert plain and all("norm" in n or n.endswith("bias") for n in plain), plain
+    assert "extra.bias" in plain and "extra.weight" in decayed
+    assert any("attn" in n or "attention" in n for n in decayed) and not any("norm" in n for n in decayed)
+    assert len(decayed) + len(plain) == len(list(model.parameters()))
+
+
+@pytest.mark.slow
+def test_each_optimizer_and_schedule_trains(tmp_path, shakespeare):
+    """Three real steps per optimizer: the same first loss (same init and batch), different updates,
+    the loss falls, and metrics.jsonl's lr follows the schedule's curve."""
+    from test_training import train_inprocess
+
+    runs = {}
+    for name, extra in (("adamw", ["optimizer.schedule=linear"]), ("adam", ["optimizer.schedule=constant"]),
+                        ("sgd", ["optimizer.nesterov=true", "optimizer.schedule=cosine"]),
+                        ("adamw_wsd", ["optimizer.decay_fraction=0.5"])):
+        runs[name] = train_inprocess(tmp_path, f"optimizer={name}", f"train.name={name}", "train.steps=4",
+                                     "optimizer.warmup_steps=1", "checkpoint.enabled=false", *extra)
+    first = {n: m[0]["loss"] for n, m in runs.items()}
+    assert max(first.values()) - min(first.values()) < 1e-6, first
+    last = {n: m[-1]["loss"] for n, m in runs.items()}
+    assert len({round(v, 6) for v in last.values()}) == len(last), last  # each optimizer updates differently
+    assert all(last[n] < first[n] for n in runs), (first, last)
+    for name, metrics in runs.items():
+        cfg, _ = compose_config(None, [f"optimizer={name}", "train.steps=4", "optimizer.warmup_steps=1"]
+                                + (["optimizer.decay_fraction=0.5"] if name == "adamw_wsd" else []))
+        o = OptimSettings.from_config(cfg.optimizer, 4)
+        o = OptimSettings(**{**o.__dict__, "schedule": {"adamw": "linear", "adam": "constant", "sgd": "cosine"}
+                             .get(name, o.schedule)})
+        # the lr logged with step n (1-based) is the one the scheduler set for the next step (0-based n)
+        expected = [o.lr * lr_factor(m["step"], o) for m in metrics]
+        assert [m["lr"] for m in metrics] == pytest.approx(expected), name

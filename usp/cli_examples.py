@@ -1,0 +1,49 @@
+"""The Examples section of every `usp <command> --help` page, kept beside each other so they read as
+one short tour; usp.cli appends them to the commands' help when the app is built."""
+from __future__ import annotations
+
+EXAMPLES: dict[str, list[str]] = {
+    "plan": ["usp plan                                          # the default tiny run",
+             "usp plan conf=llama3_1_8b                         # a recipe",
+             "usp plan model=llama3_1_70b cluster=slurm_h100 cluster.nodes=8 parallelism.tp=8",
+             "usp plan --search model=llama3_1_8b cluster=slurm_h100 cluster.nodes=2",
+             "usp plan --save conf=my_recipe.yaml               # also write runs/<name>/plan.yaml"],
+    "estimate": ["usp estimate model=llama3_1_70b cluster=slurm_h100 train.tokens=15e12 --hours 720",
+                 "usp estimate conf=llama3_1_8b train.tokens=1e12 --devices 64"],
+    "train": ["usp train conf=tiny_demo                         # the CPU demo",
+              "usp train parallelism=fsdp cluster.procs_per_node=2 train.steps=50",
+              "usp train optimizer=sgd optimizer.lr=0.1 optimizer.schedule=wsd",
+              "usp train conf=llama3_1_8b cluster=slurm_h100 --dry-run   # write job.sbatch only"],
+    "submit": ["usp submit conf=llama3_1_8b cluster.slurm.partition=gpu",
+               "usp submit --dry-run conf=llama3_1_8b          # print the batch script"],
+    "cancel": ["usp cancel runs/llama3_1_8b", "usp cancel                                        # the newest run"],
+    "logs": ["usp logs runs/tiny_demo --tail 20", "usp logs runs/tiny_demo --rank 1 -f"],
+    "status": ["usp status", "usp status runs/tiny_demo"],
+    "export": ["usp export runs/tiny_demo", "usp export runs/tiny_demo --step 100 --format safetensors --out model.st"],
+    "verify": ["usp verify parallelism=fsdp cluster.procs_per_node=2",
+               "usp verify parallelism.tp=2 cluster.procs_per_node=2 --steps 3"],
+    "prepare-data": ["usp prepare-data", "usp prepare-data data=text_files data.paths='[\"~/corpus/*.txt\"]'"],
+    "sweep": ["usp sweep train.micro_batch=4,8 parallelism.tp=1,2 cluster.procs_per_node=2",
+              "usp sweep --dry-run --name lr optimizer.lr=1e-3,3e-3"],
+    "report": ["usp report runs/tiny_demo", "usp report runs/sweep-20250101-120000 --out /tmp/report"],
+    "config": ["usp config list", "usp config show model=llama3_1_8b", "usp config cp tiny_demo my_run.yaml"],
+    "list": ["usp config list"],
+    "show": ["usp config show model=llama3_1_8b", "usp config show tiny_demo"],
+    "cp": ["usp config cp tiny_demo my_run.yaml && usp train conf=my_run.yaml"],
+}
+
+
+def with_examples(name: str, text: str | None) -> str:
+    """`text` and an Examples section; "\\b" keeps click from re-wrapping the example lines."""
+    lines = "\n".join(f"  {line}" for line in EXAMPLES[name])
+    return f"{(text or '').rstrip()}\n\n\b\nExamples:\n{lines}"
+
+
+def add_examples(app) -> None:
+    """Every command of `app` and its sub-apps (typer's registered commands and groups)."""
+    for info in app.registered_commands:
+        name = info.name or info.callback.__name__.replace("_", "-")
+        info.help = with_examples(name, info.help or info.callback.__doc__)
+    for group in app.registered_groups:
+        group.help = with_examples(group.name, group.help or group.typer_instance.info.help)
+        add_examples(group.typer_instance)

@@ -1,0 +1,81 @@
+"""The optimizer and learning-rate schedule a config may name, and the schedule's curve. Pure Python:
+the plan's rules (usp.plan.rules) check the values, the engine (usp.engine.optim) builds torch's
+optimizer and LambdaLR from them, so both read the same names and the same curve."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+# Known, but refused, with the reason measured (2 ranks, FSDP2 on gloo, torch 2.13).
+REFUSED_OPTIMIZERS = {
+    "adafactor": "torch.optim.Adafactor fails on the DTensor parameters of FSDP2 (and TP): its factored row / "
+                 "column statistics are partial norms that it updates in place (\"aten.pow_.Scalar: in-place "
+                 "operations that require placement changes are not supported\"; the same with foreach)",
+}
+SCHEDULES = ("cosine", "linear", "constant", "wsd")  # wsd: warmup, stable (flat), decay
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """optimizer.* and train.steps, as the rules and the lr curve read them."""
+
+    name: str = "adamw"
+    schedule: str = "cosine"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9
+    nesterov: bool = False
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2
+    grad_clip: float = 1.0
+    steps: int = 150
+
+    @classmethod
+    def from_config(cls, opt, steps: int) -> OptimSettings:
+        """From optimizer.* (a DictConfig, a dict or a namespace); missing keys keep the defaults."""
+        get = opt.get if isinstance(opt, dict) else lambda k, d: getattr(opt, k, d)
+        d = cls()
+        return cls(name=str(get("name", d.name)), schedule=str(get("schedule", d.schedule)),
+                   lr=float(get("lr", d.lr)), min_lr_ratio=float(get("min_lr_ratio", d.min_lr_ratio)),
+                   weight_decay=float(get("weight_decay", d.weight_decay)), beta1=float(get("beta1", d.beta1)),
+                   beta2=float(get("beta2", d.beta2)), eps=float(get("eps", d.eps)),
+                   momentum=float(get("momentum", d.momentum)), nesterov=bool(get("nesterov", d.nesterov)),
+                   warmup_steps=int(get("warmup_steps", d.warmup_steps)),
+                   decay_fraction=float(get("decay_fraction", d.decay_fraction)),
+                   grad_clip=float(get("grad_clip", d.grad_clip)), steps=int(steps))
+
+    @property
+    def decay_steps(self) -> int:
+        """wsd: the last steps over which lr decays to lr * min_lr_ratio."""
+        return max(1, round(self.decay_fraction * self.steps))
+
+
+def lr_factor(step: int, o: OptimSettings) -> float:
+    """Multiplier of optimizer.lr at a (0-based) step: linear warmup over warmup_steps, then
+    cosine: half a cosine from 1 to min_lr_ratio at the last step;
+    linear: a straight line from 1 to min_lr_ratio at the last step;
+    constant: 1;
+    wsd: 1 until the last decay_fraction of the steps, then linearly to min_lr_ratio."""
+    if step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return 1.0
+    if o.schedule == "wsd":
+        start = o.steps - o.decay_steps
+        if step < start:
+            return 1.0
+        return _toward_floor(1 - (step - start) / o.decay_steps, o.min_lr_ratio)
+    progress = min(1.0, (step - o.warmup_steps) / max(1, o.steps - o.warmup_steps))
+    if o.schedule == "linear":
+        return _toward_floor(1 - progress, o.min_lr_ratio)
+    return _toward_floor(0.5 * (1 + math.cos(math.pi * progress)), o.min_lr_ratio)
+
+
+def _toward_floor(remaining: float, floor: float) -> float:
+    """remaining goes 1 -> 0; the factor 1 -> floor."""
+    return floor + (1 - floor) * max(0.0, remaining)
