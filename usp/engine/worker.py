@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from usp.data.errors import DataError
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures
@@ -25,7 +26,7 @@ from usp.rundir import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
 @record_failures  # ... and logs/failure_rank<R>.json says where and why (read by `usp status`)
 def run_worker(plan_path: str) -> int:
     """Train one rank; returns 0, or EXIT_PREEMPTED after a stop signal and a checkpoint."""
-    plan = read_plan(Path(plan_path))
+    plan = with_data_meta(read_plan(Path(plan_path)))
     cfg = plan["config"]["train"]
     torch.manual_seed(int(cfg["seed"]))
     apply_determinism(plan)
@@ -55,6 +56,18 @@ def run_worker(plan_path: str) -> int:
     finally:
         udist.teardown(clean)
     return code
+
+
+def with_data_meta(plan: dict) -> dict:
+    """`usp train` writes the dataset's meta into plan.yaml; a plan saved by `usp plan --save` and
+    started by hand under torchrun has none: read it from the prepared dataset (`usp prepare-data`)."""
+    if not plan.get("data_meta"):
+        from omegaconf import OmegaConf
+
+        from usp.data.prepare import prepared_meta
+
+        plan["data_meta"] = prepared_meta(OmegaConf.create(plan["config"]["data"]), plan["dataset_dir"])
+    return plan
 
 
 def _log_placement(ctx, plan: dict) -> None:
@@ -147,7 +160,13 @@ def _whole_model_on_rank0(trainer: Trainer) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="usp.engine.worker")
     parser.add_argument("--plan", required=True, help="path to plan.yaml")
-    sys.exit(run_worker(parser.parse_args(argv).plan))
+    path = parser.parse_args(argv).plan
+    try:
+        with_data_meta(read_plan(Path(path)))  # a saved plan without its data: say so before starting
+    except DataError as exc:
+        print(f"usp: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(run_worker(path))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from usp.launch.rendezvous import is_multinode_local, rendezvous, torchrun_rendezvous_args
 from usp.plan.specs import uses_deterministic
 from usp.rundir import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from usp.runstate import preempted_since
@@ -48,9 +49,10 @@ def plan_accelerator_env(plan) -> dict[str, str]:
 
 
 def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
+    # one machine: a local c10d rendezvous on a free port; several: meet at node 0's endpoint
+    nodes = torchrun_rendezvous_args(plan) if is_multinode_local(plan) else ["--standalone"]
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone",  # local c10d rendezvous on a free port
+        sys.executable, "-m", "torch.distributed.run", *nodes,
         f"--nproc-per-node={plan.procs_per_node}",
         f"--max-restarts={max_restarts}",
         "--module", WORKER_MODULE, "--plan", str(plan_path),
@@ -67,6 +69,10 @@ def launch_local(plan, plan_path: Path) -> int:
 
         return run_worker(str(plan_path))
     started = time.time()
+    if is_multinode_local(plan):
+        rdzv = rendezvous(plan)
+        print(f"usp: node {rdzv.node_rank} of {rdzv.nodes}, rendezvous {rdzv.endpoint} (run id {rdzv.run_id}); "
+              f"waiting for the other nodes", file=sys.stderr, flush=True)
     cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
     proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
     try:

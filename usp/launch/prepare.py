@@ -10,10 +10,10 @@ from rich.console import Console
 
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir
+from usp.launch.rendezvous import node_plan_path
 from usp.plan.io import write_plan
 from usp.plan.plan import checked_plan
 from usp.plan.render import render_plan
-from usp.rundir import plan_path
 
 
 def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data: bool = True,
@@ -41,7 +41,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         console.print(f"[yellow]warning (checked again on submit):[/] {exc}", highlight=False)
 
     if not prepare_data:
-        return plan, write_plan(plan, plan_path(run_dir))
+        return plan, write_plan(plan, node_plan_path(run_dir, plan))
     from usp.data.prepare import ensure_dataset
 
     with console.status("preparing data") as status:
@@ -52,7 +52,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
                           fix="model.vocab_size=-1 (take it from the data)")
     console.print(f"data: {meta.get('n_train_tokens', 0):,} train tokens in {path}")
     plan.dataset_dir, plan.data_meta = str(path), dict(meta)
-    return plan, write_plan(plan, plan_path(run_dir))
+    return plan, write_plan(plan, node_plan_path(run_dir, plan))
 
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver sees (no torch, no nvidia-smi)
