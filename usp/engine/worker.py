@@ -19,9 +19,11 @@ from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Preempted, Trainer
+from usp.errors import UspError
 from usp.rundir import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
 
 
+@signals.exits_on_interrupt  # Ctrl-C: one line and exit code 130, no traceback
 @record  # on failure torchrun reports this rank's traceback in its summary
 @record_failures  # ... and logs/failure_rank<R>.json says where and why (read by `usp status`)
 def run_worker(plan_path: str) -> int:
@@ -166,7 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     except DataError as exc:
         print(f"usp: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    sys.exit(run_worker(path))
+    try:
+        sys.exit(run_worker(path))
+    except UspError as exc:  # e.g. a full disk: recorded in logs/failure_rank<R>.json; one message, no traceback
+        print(f"usp: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from usp.rundir import LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
+from usp.rundir import DISK_FULL, LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
 
 # Lower-case message fragments, checked in this order (a lost connection often mentions a timeout).
 _OOM_TEXT = ("out of memory",)
@@ -30,7 +30,11 @@ _DIST_TYPES = {"RuntimeError", "DistError", "DistBackendError", "DistNetworkErro
 
 
 def classify(exc: BaseException) -> str:
-    """"OOM", "collective timeout", "lost peer" or "Python error" (the exception and its causes)."""
+    """"OOM", "disk full", "collective timeout", "lost peer" or "Python error" (the exception and its causes)."""
+    from usp.engine.diskfull import is_disk_full
+
+    if is_disk_full(exc):
+        return DISK_FULL
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -95,11 +99,15 @@ def record_failures(worker):
         try:
             return worker(plan_path, *args, **kwargs)
         except Exception as exc:
+            from usp.engine.signals import interrupted
+
+            if interrupted():  # a peer left because of Ctrl-C: not a failure (usp.engine.signals)
+                raise
             try:
                 from usp.rundir import read_plan
 
                 plan = read_plan(Path(plan_path))
-                trainer = _local_of(exc, worker.__code__, "trainer")
+                trainer = local_of(exc, worker.__code__, "trainer")
                 record_failure(plan["run_dir"], plan, int(os.environ.get("RANK", "0")), exc,
                                getattr(trainer, "last_completed_step", None))
             except Exception as err:  # never hide the real error behind a reporting problem
@@ -108,7 +116,7 @@ def record_failures(worker):
     return wrapper
 
 
-def _local_of(exc: BaseException, code, name: str):
+def local_of(exc: BaseException, code, name: str):
     """Value of local `name` in the frame of `code` on the exception's traceback (or None)."""
     tb = exc.__traceback__
     while tb is not None:
