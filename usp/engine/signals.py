@@ -12,7 +12,6 @@ the signal: after Ctrl-C that error, too, is the interruption, not a failure."""
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import signal
 import sys
@@ -57,7 +56,7 @@ def exits_on_interrupt(worker):
         except BaseException as exc:
             if not (isinstance(exc, KeyboardInterrupt) or _interrupted.is_set()):
                 raise
-            _say_interrupted(exc, inspect.unwrap(worker).__code__)
+            _say_interrupted(exc)
             return EXIT_INTERRUPTED
         finally:
             if in_main:
@@ -65,11 +64,12 @@ def exits_on_interrupt(worker):
     return wrapper
 
 
-def _say_interrupted(exc: BaseException, code) -> None:
-    from usp.engine.observe.failure import local_of
-
-    trainer = local_of(exc, code, "trainer")
-    step = getattr(trainer, "last_completed_step", None)
+def _say_interrupted(exc: BaseException) -> None:
+    step = None
+    tb = exc.__traceback__
+    while tb is not None:  # the worker entry's `trainer` local, when it got that far
+        step = getattr(tb.tb_frame.f_locals.get("trainer"), "last_completed_step", step)
+        tb = tb.tb_next
     print(f"usp: rank {os.environ.get('RANK', '0')} interrupted (Ctrl-C) after step "
           f"{'-' if step is None else step}; the same command resumes from the last checkpoint, if any",
           file=sys.stderr, flush=True)

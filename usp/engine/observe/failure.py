@@ -107,7 +107,7 @@ def record_failures(worker):
                 from usp.rundir import read_plan
 
                 plan = read_plan(Path(plan_path))
-                trainer = local_of(exc, worker.__code__, "trainer")
+                trainer = _local_of(exc, worker.__code__, "trainer")
                 record_failure(plan["run_dir"], plan, int(os.environ.get("RANK", "0")), exc,
                                getattr(trainer, "last_completed_step", None))
             except Exception as err:  # never hide the real error behind a reporting problem
@@ -116,7 +116,7 @@ def record_failures(worker):
     return wrapper
 
 
-def local_of(exc: BaseException, code, name: str):
+def _local_of(exc: BaseException, code, name: str):
     """Value of local `name` in the frame of `code` on the exception's traceback (or None)."""
     tb = exc.__traceback__
     while tb is not None:
