@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from usp.data.prepare import plan_data_meta
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
 from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
@@ -51,7 +52,7 @@ class Trainer:
         self.cp, self.cp_rank = deg["cp"], ctx.coords["cp"]
         self.loss_parallel = deg["tp"] > 1
 
-        dataset, self.meta = Path(plan["dataset_dir"]), plan["data_meta"]
+        dataset, self.meta = Path(plan["dataset_dir"]), plan_data_meta(plan)  # a saved plan: the prepared data's
         self.train_tokens = TokenFile(dataset / self.meta["train_bin"])  # absolute for token_files
         self.val_tokens = TokenFile(dataset / self.meta["val_bin"])
         self.sampler = BatchSampler(len(self.train_tokens), self.seq_len, int(batch["global_batch"]), self.micro,

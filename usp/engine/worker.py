@@ -14,6 +14,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from usp.data.errors import DataError
+from usp.data.prepare import plan_data_meta
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures
@@ -28,7 +29,7 @@ from usp.rundir import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
 @record_failures  # ... and logs/failure_rank<R>.json says where and why (read by `usp status`)
 def run_worker(plan_path: str) -> int:
     """Train one rank; returns 0, or EXIT_PREEMPTED after a stop signal and a checkpoint."""
-    plan = with_data_meta(read_plan(Path(plan_path)))
+    plan = read_plan(Path(plan_path))
     cfg = plan["config"]["train"]
     torch.manual_seed(int(cfg["seed"]))
     apply_determinism(plan)
@@ -58,18 +59,6 @@ def run_worker(plan_path: str) -> int:
     finally:
         udist.teardown(clean)
     return code
-
-
-def with_data_meta(plan: dict) -> dict:
-    """`usp train` writes the dataset's meta into plan.yaml; a plan saved by `usp plan --save` and
-    started by hand under torchrun has none: read it from the prepared dataset (`usp prepare-data`)."""
-    if not plan.get("data_meta"):
-        from omegaconf import OmegaConf
-
-        from usp.data.prepare import prepared_meta
-
-        plan["data_meta"] = prepared_meta(OmegaConf.create(plan["config"]["data"]), plan["dataset_dir"])
-    return plan
 
 
 def _log_placement(ctx, plan: dict) -> None:
@@ -164,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plan", required=True, help="path to plan.yaml")
     path = parser.parse_args(argv).plan
     try:
-        with_data_meta(read_plan(Path(path)))  # a saved plan without its data: say so before starting
+        plan_data_meta(read_plan(Path(path)))  # a saved plan without its data: say so before starting
     except DataError as exc:
         print(f"usp: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
