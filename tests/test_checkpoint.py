@@ -60,7 +60,8 @@ def worker_pids(plan_path: Path) -> dict[int, int]:
     out = {}
     for pid in subprocess.run(["pgrep", "-f", f"usp.engine.worker --plan {plan_path}"],
                               capture_output=True, text=True).stdout.split():
-        if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"torch.distributed.run" in cmdline or b"usp.engine.agent" in cmdline:
             continue  # torchrun itself
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         rank = [e for e in env if e.startswith(b"RANK=")]

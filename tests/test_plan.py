@@ -407,7 +407,8 @@ PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node
     (PP4 + ["parallelism.dp_shard=2", "parallelism.dp_replicate=1", "train.micro_batch=2",
             "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2",
             "parallelism.reshard_after_forward=false"], []),
-    (["cluster.nodes=2", "train.micro_batch=8"], ["cluster.nodes"]),
+    (["cluster.nodes=2", "train.micro_batch=8"], ["cluster.node_rank and cluster.rdzv_endpoint"]),
+    (["cluster.nodes=2", "train.micro_batch=8", "cluster.node_rank=1", "cluster.rdzv_endpoint=n0:29500"], []),
     (["cluster=local_slurm", "cluster.nodes=2", "cluster.procs_per_node=1", "train.micro_batch=8"], []),
 ])
 def test_engine_support_errors(overrides, keys):

@@ -204,10 +204,13 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
 
     try:
         code = launch_local(run_plan, plan_path)
-    except Exception:  # one rank runs in-process: show its traceback, then the same summary as torchrun's
+    except Exception as exc:  # one rank runs in-process: show its traceback, then the same summary as torchrun's
         import traceback
 
-        traceback.print_exc()
+        if isinstance(exc, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
+            typer.echo(f"error: {exc}", err=True)
+        else:
+            traceback.print_exc()
         code = 1
     finally:
         release(run_plan.run_dir)

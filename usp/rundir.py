@@ -52,6 +52,7 @@ STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; runni
 
 # -- failure classes written by the engine's failure summary, read by `usp status` -------------
 OOM, TIMEOUT, LOST_PEER, PYTHON = "OOM", "collective timeout", "lost peer", "Python error"
+DISK_FULL = "disk full"  # ENOSPC / EDQUOT while writing (usp.engine.diskfull)
 
 # -- profiler span names: the trainer records them, `usp report` reads them ---------------------
 SPAN_PREFIX = "usp_"  # every span the engine records starts with it

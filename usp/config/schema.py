@@ -138,6 +138,11 @@ class ClusterConfig:
     backend: str = "auto"  # auto = gloo on cpu, nccl on cuda, xccl on xpu
     nodes: int = 1
     procs_per_node: int = 1
+    # Several machines without Slurm (launcher local, nodes > 1; docs/multinode.md): `usp train` runs
+    # on each machine with the same config and its own node_rank (0 .. nodes-1); node 0 hosts the
+    # rendezvous at rdzv_endpoint, "host:port" (or "host": the port is then derived from the run).
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
     threads_per_proc: int = 0  # 0 = cpu cores / procs_per_node
     # Hardware, for the planner's memory and time model (figures and sources: docs/hardware.md).
     device_name: str = "cpu"

@@ -134,6 +134,27 @@ def load_meta(directory: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def prepared_meta(data_cfg: Any, directory: str | Path) -> dict[str, Any]:
+    """The meta of an already prepared dataset (the engine, reading a plan saved by `usp plan
+    --save`: nothing is prepared there), or a DataError saying how to prepare it."""
+    if getattr(data_cfg, "source", None) == "token_files":
+        return token_files_meta(data_cfg)[1]
+    meta = load_meta(directory)
+    if meta is None:
+        raise DataError(f"the plan's dataset is not prepared: no {META_FILE} in {directory}; run "
+                        "`usp prepare-data` with the same config (and USP_CACHE_DIR / data.cache_dir) first, "
+                        "or start the run with `usp train`, which prepares it")
+    return meta
+
+
+def plan_data_meta(plan: dict) -> dict[str, Any]:
+    """The dataset meta a plan's ranks train on: the one `usp train` wrote into plan.yaml, or, for a
+    plan saved by `usp plan --save` and started by hand, the prepared dataset's (`usp prepare-data`)."""
+    from types import SimpleNamespace
+
+    return plan.get("data_meta") or prepared_meta(SimpleNamespace(**plan["config"]["data"]), plan["dataset_dir"])
+
+
 def ensure_dataset(data_cfg: Any, progress: Progress = None,
                    show_progress: bool = False) -> tuple[Path, dict[str, Any]]:
     """The ready dataset directory and its meta, preparing it on a cache miss.

@@ -13,6 +13,7 @@ architecture mismatch stops with CheckpointLoadError naming the fixes (`usp trai
 case before launch: usp.launch.checkpoints.check_resume)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.rundir import (
     MANIFEST,
@@ -76,17 +78,18 @@ class Checkpointer:
             return
         self.wait()
         tmp = self.dir / f".tmp-{step_dir_name(step)}"
-        if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
-        started = time.perf_counter()
-        if self.async_mode == "async" and not blocking:
-            self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
-        else:
-            dcp.save(self._state(), checkpoint_id=str(tmp))
-            self._publish(tmp, step, started)
+        with self._disk_full_says_so(tmp, step):
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self._barrier()
+            torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+            started = time.perf_counter()
+            if self.async_mode == "async" and not blocking:
+                self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
+            else:
+                dcp.save(self._state(), checkpoint_id=str(tmp))
+                self._publish(tmp, step, started)
         self.last_saved = step
 
     def wait(self) -> None:
@@ -94,8 +97,26 @@ class Checkpointer:
         if self._pending is not None:
             future, tmp, step, started = self._pending
             self._pending = None
-            future.result()
-            self._publish(tmp, step, started)
+            with self._disk_full_says_so(tmp, step):
+                future.result()
+                self._publish(tmp, step, started)
+
+    @contextlib.contextmanager
+    def _disk_full_says_so(self, tmp: Path, step: int):
+        """A full disk during a save: remove the partial checkpoint (its space lets the failure record
+        be written; the previous checkpoint stays) and raise one clear DiskFullError naming the path.
+        DCP reports a rank's ENOSPC inside a CheckpointException, which is not an Exception."""
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) or not is_disk_full(exc, tmp):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise disk_full_error(f"writing checkpoint step {step} to", self.dir, key="checkpoint.dir",
+                                  value=self.plan["config"]["checkpoint"].get("dir"),
+                                  fix="free up space there, or checkpoint.dir=<a disk with room> / "
+                                      "checkpoint.keep_last=1; then run the same command: it resumes from "
+                                      "the last complete checkpoint") from None
 
     def _publish(self, tmp: Path, step: int, started: float) -> None:
         self._barrier()  # every rank's files are written

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from usp.data.blend import make_sampler
+from usp.data.prepare import plan_data_meta
 from usp.data.sampler import EvalBatches, TokenFile, get_batch
 from usp.data.tokens import meta_dtype
 from usp.engine.accel import autocast_context
@@ -53,7 +54,7 @@ class Trainer:
         self.cp, self.cp_rank = deg["cp"], ctx.coords["cp"]
         self.loss_parallel = deg["tp"] > 1
 
-        dataset, self.meta = Path(plan["dataset_dir"]), plan["data_meta"]
+        dataset, self.meta = Path(plan["dataset_dir"]), plan_data_meta(plan)  # a saved plan: the prepared data's
         dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
         self.train_tokens = TokenFile(dataset / self.meta["train_bin"], dtype,  # absolute for token_files
                                       self.meta.get("n_train_tokens"), "data.train_bin")

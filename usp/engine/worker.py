@@ -14,14 +14,18 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from usp import runlock
+from usp.data.errors import DataError
+from usp.data.prepare import plan_data_meta
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Preempted, Trainer
+from usp.errors import UspError
 from usp.rundir import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
 
 
+@signals.exits_on_interrupt  # Ctrl-C: one line and exit code 130, no traceback
 @record  # on failure torchrun reports this rank's traceback in its summary
 @record_failures  # ... and logs/failure_rank<R>.json says where and why (read by `usp status`)
 def run_worker(plan_path: str) -> int:
@@ -153,7 +157,17 @@ def _whole_model_on_rank0(trainer: Trainer) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="usp.engine.worker")
     parser.add_argument("--plan", required=True, help="path to plan.yaml")
-    sys.exit(run_worker(parser.parse_args(argv).plan))
+    path = parser.parse_args(argv).plan
+    try:
+        plan_data_meta(read_plan(Path(path)))  # a saved plan without its data: say so before starting
+    except DataError as exc:
+        print(f"usp: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        sys.exit(run_worker(path))
+    except UspError as exc:  # e.g. a full disk: recorded in logs/failure_rank<R>.json; one message, no traceback
+        print(f"usp: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

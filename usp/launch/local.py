@@ -1,7 +1,7 @@
 """Run a plan on this machine: in-process for one rank, torchrun for several.
 
-No torch import here: torchrun is started as `python -m torch.distributed.run`, and the
-in-process path imports the engine only when it is called."""
+No torch import here: torchrun is started as `python -m usp.engine.agent` (torchrun's own entry,
+quiet on Ctrl-C), and the in-process path imports the engine only when it is called."""
 from __future__ import annotations
 
 import os
@@ -11,12 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+from usp.launch.rendezvous import is_multinode_local, node_rank, rendezvous, torchrun_rendezvous_args
 from usp.plan.specs import uses_deterministic
 from usp.rundir import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from usp.runlock import TOKEN_ENV, held_token
 from usp.runstate import preempted_since
 
 WORKER_MODULE = "usp.engine.worker"
+AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, with one line instead of a traceback on Ctrl-C
 TORCH_INSTALL = ("pip install torch (CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu; "
                  "a GPU build: https://pytorch.org/get-started/locally/)")
 
@@ -38,6 +40,7 @@ def worker_env(plan) -> dict[str, str]:
     env.update({str(k): str(v) for k, v in plan.config["cluster"]["env"].items()})
     env.setdefault("OMP_NUM_THREADS", str(plan.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
+    env["USP_NODE_RANK"] = str(node_rank(plan))  # named in the agent's one line on Ctrl-C
     # torchrun's restarts (train.max_restarts) reuse the agent's TCPStore without a per-attempt
     # prefix, so a restarted rank can read its dead peer's gloo address and hang or fail
     # (measured: 3 of 5 kill -9 restarts under load). A fresh store per attempt avoids it.
@@ -66,9 +69,10 @@ def plan_accelerator_env(plan) -> dict[str, str]:
 
 
 def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
+    # one machine: a local c10d rendezvous on a free port; several: meet at node 0's endpoint
+    nodes = torchrun_rendezvous_args(plan) if is_multinode_local(plan) else ["--standalone"]
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone",  # local c10d rendezvous on a free port
+        sys.executable, "-m", AGENT_MODULE, *nodes,
         f"--nproc-per-node={plan.procs_per_node}",
         f"--max-restarts={max_restarts}",
         "--module", WORKER_MODULE, "--plan", str(plan_path),
@@ -91,6 +95,10 @@ def launch_local(plan, plan_path: Path) -> int:
         finally:
             os.environ.pop(TOKEN_ENV, None)
     started = time.time()
+    if is_multinode_local(plan):
+        rdzv = rendezvous(plan)
+        print(f"usp: node {rdzv.node_rank} of {rdzv.nodes}, rendezvous {rdzv.endpoint} (run id {rdzv.run_id}); "
+              f"waiting for the other nodes", file=sys.stderr, flush=True)
     cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
     proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
     try:

@@ -11,10 +11,10 @@ from rich.console import Console
 from usp import runlock
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir, check_resume
+from usp.launch.rendezvous import node_plan_path, node_rank
 from usp.plan.io import write_plan
 from usp.plan.plan import checked_plan
 from usp.plan.render import render_plan
-from usp.rundir import plan_path
 from usp.runlock import refuse_if_locked
 
 
@@ -43,6 +43,8 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
     if not hold_lock:  # a Slurm job takes the lock when it starts; a live run here is refused now
         refuse_if_locked(run_dir, "submit")
         return _prepare(plan, cfg, run_dir, console, prepare_data)
+    if node_rank(plan) > 0:  # several machines sharing the run directory: node 0 holds the run's lock
+        return _prepare(plan, cfg, run_dir, console, prepare_data)
     runlock.acquire(run_dir, say=lambda msg: console.print(msg, markup=False, highlight=False))
     try:  # from here on the run directory is ours: give it back if preparing fails
         return _prepare(plan, cfg, run_dir, console, prepare_data)
@@ -62,7 +64,7 @@ def _prepare(plan, cfg, run_dir: Path, console: Console, prepare_data: bool):
         console.print(f"[yellow]warning (checked again on submit):[/] {exc}", highlight=False)
 
     if not prepare_data:
-        return plan, write_plan(plan, plan_path(run_dir))
+        return plan, write_plan(plan, node_plan_path(run_dir, plan))
     from usp.data.prepare import ensure_dataset
 
     with console.status("preparing data") as status:
@@ -73,7 +75,7 @@ def _prepare(plan, cfg, run_dir: Path, console: Console, prepare_data: bool):
                           fix="model.vocab_size=-1 (take it from the data)")
     console.print(f"data: {meta.get('n_train_tokens', 0):,} train tokens in {path}")
     plan.dataset_dir, plan.data_meta = str(path), dict(meta)
-    return plan, write_plan(plan, plan_path(run_dir))
+    return plan, write_plan(plan, node_plan_path(run_dir, plan))
 
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver sees (no torch, no nvidia-smi)

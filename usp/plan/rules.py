@@ -26,6 +26,7 @@ micro_batch / grad_accum, which the search varies last) and a test; the three ca
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -51,6 +52,8 @@ class Settings:
     ddp_comm_hook: str = "none"
     optim: OptimSettings = OptimSettings()
     tokenizer: str = "bpe"
+    node_rank: int | None = None  # cluster.node_rank / rdzv_endpoint: several machines without Slurm
+    rdzv_endpoint: str | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -60,7 +63,8 @@ class Settings:
                    launcher=str(g("cluster", "launcher", "local")), checkpoint=bool(g("checkpoint", "enabled", False)),
                    ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")),
                    optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
-                   tokenizer=str(g("data", "tokenizer", "bpe")))
+                   tokenizer=str(g("data", "tokenizer", "bpe")),
+                   node_rank=g("cluster", "node_rank"), rdzv_endpoint=g("cluster", "rdzv_endpoint"))
 
 
 def _get(obj, key: str, default=None):
@@ -342,10 +346,49 @@ ENGINE_RULES = [
     Rule("ep_checkpoints", "engine", "checkpoint.enabled", lambda s: s.layout.ep > 1 and s.settings.checkpoint,
          "checkpoints of expert-parallel runs are not supported yet (expert weights differ per rank)",
          "checkpoint.enabled=false", True),
-    Rule("local_launcher_one_node", "engine", "cluster.nodes",
-         lambda s: s.hw.nodes > 1 and s.settings.launcher == "local", "the local launcher runs on one machine",
-         "cluster.nodes=1, or a Slurm cluster group", lambda s: s.hw.nodes),
+    Rule("local_multinode_rendezvous", "engine", check=lambda s: _check_node_keys(s)),
 ]
+
+
+# --- several machines without Slurm (usp/launch/rendezvous.py) -------------------------------------------
+
+# host name, IPv4 address or [IPv6 address], then an optional :port
+RDZV_ENDPOINT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9_.-]*)(?::(?P<port>\d{1,5}))?$")
+RDZV_FIX = "cluster.rdzv_endpoint=<node 0's address>:29500 (or the address alone: a port per run)"
+
+
+def endpoint_problem(endpoint) -> str | None:
+    """Why a cluster.rdzv_endpoint value is not "host:port" or "host", or None."""
+    match = RDZV_ENDPOINT.match(str(endpoint or ""))
+    if match is None:
+        return "not host:port (a host name or IP address, then an optional :port)"
+    if match["port"] is not None and not 1 <= int(match["port"]) <= 65535:
+        return "the port is not in 1..65535"
+    return None
+
+
+def _check_node_keys(s: Subject) -> None:
+    """The local launcher with cluster.nodes > 1 is `usp train` on each machine: it needs this node's
+    rank and node 0's rendezvous endpoint. Slurm assigns both itself."""
+    nodes, rank, endpoint, launcher = s.hw.nodes, s.settings.node_rank, s.settings.rdzv_endpoint, s.settings.launcher
+    if launcher == "slurm" and (rank is not None or endpoint is not None):
+        key = "cluster.node_rank" if rank is not None else "cluster.rdzv_endpoint"
+        raise PlanError("Slurm places the nodes and runs the rendezvous itself", key=key,
+                        value=rank if rank is not None else endpoint, fix=f"drop {key} (set it to null)")
+    if launcher != "local":
+        return
+    if nodes > 1 and (rank is None or endpoint is None):
+        missing = [k for k, v in (("cluster.node_rank", rank), ("cluster.rdzv_endpoint", endpoint)) if v is None]
+        raise PlanError(f"the local launcher runs {nodes} nodes as `usp train` on each machine, which needs "
+                        f"{' and '.join(missing)}", key=" and ".join(missing), value=None,
+                        fix=f"on each machine: cluster.node_rank=<0..{nodes - 1}> "
+                            "cluster.rdzv_endpoint=<node 0's address>:29500; or a Slurm cluster group, "
+                            "or cluster.nodes=1")
+    if rank is not None and not 0 <= int(rank) < nodes:
+        raise PlanError(f"a node rank is in 0..{nodes - 1} (cluster.nodes={nodes})", key="cluster.node_rank",
+                        value=rank, fix=f"cluster.node_rank=<0..{nodes - 1}>, different on each machine")
+    if nodes > 1 and endpoint_problem(endpoint):
+        raise PlanError(str(endpoint_problem(endpoint)), key="cluster.rdzv_endpoint", value=endpoint, fix=RDZV_FIX)
 
 
 # --- warnings ------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from usp.rundir import LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
+from usp.rundir import DISK_FULL, LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
 
 # Lower-case message fragments, checked in this order (a lost connection often mentions a timeout).
 _OOM_TEXT = ("out of memory",)
@@ -30,7 +30,11 @@ _DIST_TYPES = {"RuntimeError", "DistError", "DistBackendError", "DistNetworkErro
 
 
 def classify(exc: BaseException) -> str:
-    """"OOM", "collective timeout", "lost peer" or "Python error" (the exception and its causes)."""
+    """"OOM", "disk full", "collective timeout", "lost peer" or "Python error" (the exception and its causes)."""
+    from usp.engine.diskfull import is_disk_full
+
+    if is_disk_full(exc):
+        return DISK_FULL
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -97,6 +101,10 @@ def record_failures(worker):
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # torch's CheckpointException is a BaseException
+            from usp.engine.signals import interrupted
+
+            if interrupted():  # a peer left because of Ctrl-C: not a failure (usp.engine.signals)
+                raise
             try:
                 from usp.rundir import read_plan
 
