@@ -46,7 +46,8 @@ def test_defaults_compose():
     assert cfg.cluster.procs_per_node == 1
     assert "hydra" not in cfg  # the hydra node is removed from what usp sees
     assert set(cfg) == {"model", "parallelism", "optimizer", "cluster", "data", "train", "checkpoint", "logging",
-                        "profile"}
+                        "profile", "planner"}
+    assert cfg.planner.profile == "usp"
 
 
 def test_group_switch_changes_values_and_choices():

@@ -29,7 +29,7 @@ from usp.plan.plan import build_plan
 from usp.rundir import list_checkpoints, read_plan
 
 PP2_TP2 = ["cluster.procs_per_node=4", "parallelism.pp=2", "parallelism.tp=2", "model.tie_embeddings=false"]
-TINY = ["model.dim=32", "model.n_heads=4", "model.ffn_dim=64", "model.vocab_size=96", "train.seq_len=16"]
+TINY = ["model.dim=32", "model.n_heads=4", "model.ffn_dim=64", "model.vocab_size=4096", "train.seq_len=16"]
 
 
 def make_run(tmp_path: Path, *overrides: str, name: str = "run") -> tuple[Path, dict]:
@@ -388,7 +388,7 @@ def test_export_newest_checkpoint_loads_into_a_fresh_model(tmp_path, trained_run
     result = export_model(run_dir)
     assert result.step == 5 and result.path == run_dir / "export" / "model_step00000005.pt"
     config = json.loads(result.config_path.read_text())
-    assert config["model"]["vocab_size"] == 96 and config["model"]["dim"] == 32 and config["step"] == 5
+    assert config["model"]["vocab_size"] == 4096 and config["model"]["dim"] == 32 and config["step"] == 5
     assert config["tied_weights"] == {"output.weight": "tok_embeddings.weight"}
     state = torch.load(result.path, weights_only=True)
     assert "output.weight" in state and not any("optim" in k for k in state)

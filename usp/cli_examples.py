@@ -22,6 +22,8 @@ EXAMPLES: dict[str, list[str]] = {
     "export": ["usp export runs/tiny_demo", "usp export runs/tiny_demo --step 100 --format safetensors --out model.st"],
     "verify": ["usp verify parallelism=fsdp cluster.procs_per_node=2",
                "usp verify parallelism.tp=2 cluster.procs_per_node=2 --steps 3"],
+    "calibrate": ["usp calibrate runs/ --cluster local_cpu --out conf/cluster/my_cpu.yaml   # from my usp runs",
+                  "usp calibrate measured.csv --cluster slurm_h100 --profile nanotron --holdout 4"],
     "prepare-data": ["usp prepare-data", "usp prepare-data data=text_files data.paths='[\"~/corpus/*.txt\"]'"],
     "sweep": ["usp sweep train.micro_batch=4,8 parallelism.tp=1,2 cluster.procs_per_node=2",
               "usp sweep --dry-run --name lr optimizer.lr=1e-3,3e-3"],
