@@ -16,14 +16,13 @@ import yaml
 
 from tests.conftest import usp_cli
 from usp.plan.calibrate import Problem, calibrate, report, score, split
-from usp.plan.measured_runs import read_sweep_csv
+from usp.plan.measured_runs import BF16, SWEEP_CSV, read_sweep_csv
 from usp.plan.profile import PROFILES
-from usp.plan.specs import Hardware, Precision
+from usp.plan.specs import Hardware
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP = ROOT / "calibration" / "playbook_h100" / "playbook_sweep_calibration.csv"
+SWEEP = SWEEP_CSV
 FITTED = ROOT / "conf" / "cluster" / "h100_playbook.yaml"
-BF16 = Precision.resolve("bf16", "cuda")
 
 
 def _hw(path: Path) -> Hardware:

@@ -1,8 +1,9 @@
 """The planner's memory model on real H100 runs (calibration/playbook_h100: the Ultra-Scale
 Playbook's nanotron sweep, 1,027 ok runs of a 1.34B and an 8.86B Llama on 1-64 nodes): the
 `nanotron` profile's predicted peak memory of pp rank 0 against the measured one (mem_gb: peak
-allocated memory on rank 0). The rows become layouts once (usp.plan.sweep_rows, also behind
-scripts/bench/calibration_sweep.py). Pure Python, no torch; docs/planner.md has the numbers."""
+allocated memory on rank 0). The rows become layouts once (usp.plan.measured_runs, also behind
+`usp calibrate`); usp.plan.memory_check scores them (also behind scripts/bench/calibration_sweep.py).
+Pure Python, no torch; docs/planner.md has the numbers."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,18 +11,19 @@ from dataclasses import replace
 import pytest
 from conftest import usp_cli
 
+from usp.plan.measured_runs import BF16, SEQ_LEN, h100_nodes, read_sweep_csv
 from usp.plan.memory import activation_values, memory_plan, stage_memory, zero_sharding
+from usp.plan.memory_check import accuracy, check_memory, fit_constants
 from usp.plan.pipeline_split import matmul_threshold_split
 from usp.plan.profile import PROFILES
 from usp.plan.specs import Layout
-from usp.plan.sweep_rows import BF16, SEQ_LEN, accuracy, check_memory, fit_constants, h100_nodes, read_sweep
 
 NANOTRON = PROFILES["nanotron"]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return read_sweep()
+    return read_sweep_csv()
 
 
 def _line(name: str, acc: dict) -> str:
@@ -67,7 +69,7 @@ def test_constants_fitted_on_one_model_hold_on_the_other(runs):
 def test_gradient_accumulation_term_only_where_measured():
     """The measured extra of a rank holding the whole model that accumulates gradients: 100 bytes per
     token per hidden unit, not divided by tp, absent at gas = 1, at pp > 1 and in usp's profile."""
-    run = next(r for r in read_sweep() if r.model == "8.86B")
+    run = next(r for r in read_sweep_csv() if r.model == "8.86B")
     h = run.arch.dim
 
     def activations(profile, **kw):
@@ -90,7 +92,7 @@ def test_gradient_accumulation_term_only_where_measured():
 def test_nanotron_split_and_zero1_are_the_recipe_s():
     """nanotron's layer split counts the LM head as V·h of matmul (the 1.34B's first of 4 ranks gets 6
     layers, the last only the head); its ZeRO-1 with TP/PP shards the optimizer states only."""
-    run = next(r for r in read_sweep() if r.model == "1.34B")
+    run = next(r for r in read_sweep_csv() if r.model == "1.34B")
     assert matmul_threshold_split(run.arch, 2) == (11, 5)
     assert matmul_threshold_split(run.arch, 4) == (6, 5, 5, 0)
     lay = Layout(pp=2, dp_replicate=4, tp=2, zero1=True, micro_batch=1, grad_accum=8)
@@ -105,7 +107,7 @@ def test_nanotron_layer_keeps_sharded_norm_outputs_and_a_packed_kv():
     """A dense layer as nanotron keeps it, per token: norm inputs and outputs h/t each (fused norm,
     sequence-sharded), q/k/v (h + 2kv)/t + the packed K/V 2kv/t + the attention output h/t, the MLP
     4f/t: (10h + 4f)/t with MHA; usp's engine keeps x·rstd too and the norm outputs all-gathered."""
-    arch = next(r for r in read_sweep() if r.model == "8.86B").arch
+    arch = next(r for r in read_sweep_csv() if r.model == "8.86B").arch
     h, f = arch.dim, arch.ffn_dim
     for t in (1, 4):
         lay = Layout(tp=t)

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """The planner's memory model on real runs: each row of a measured sweep (the Ultra-Scale
-Playbook's nanotron runs on 8xH100 nodes) becomes a usp layout (usp.plan.sweep_rows: the mapping,
-once) and the memory model, as a profile's recipe (`--profile`, default nanotron), predicts the
-peak memory of pp rank 0 (what the sweep measured) and whether the run fits. Prints, on the runs
-measured ok: the median |error|, the share within 10 %, the runs predicted out of memory, per
-(model, zero, tp/pp) group; on the failed runs: how many are predicted to fit. Pure Python.
+Playbook's nanotron runs on 8xH100 nodes) becomes a usp layout (usp.plan.measured_runs: the
+mapping, once, shared with `usp calibrate`) and the memory model (usp.plan.memory_check), as a
+profile's recipe (`--profile`, default nanotron), predicts the peak memory of pp rank 0 (what the
+sweep measured) and whether the run fits. Prints, on the runs measured ok: the median |error|, the
+share within 10 %, the runs predicted out of memory, per (model, zero, tp/pp) group; on the failed
+runs: how many are predicted to fit. Pure Python.
 
     python scripts/bench/calibration_sweep.py [SWEEP.csv] [--archs ARCHS.csv] [--profile usp|nanotron]
         [--json] [--list]
@@ -21,13 +22,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+from usp.plan.measured_runs import SWEEP_CSV, MeasuredRun, read_sweep_csv  # noqa: E402
+from usp.plan.memory_check import accuracy, check_memory  # noqa: E402
 from usp.plan.profile import get_profile  # noqa: E402
-from usp.plan.sweep_rows import SWEEP_CSV, accuracy, check_memory, read_sweep  # noqa: E402
 
 
-def group(row: dict) -> str:
-    par = "+".join(d for d in ("tp", "pp") if int(row[d]) > 1) or "dp only"
-    return f"{row['model']} zero={row['zero']}, {par}"
+def group(run: MeasuredRun) -> str:
+    par = "+".join(d for d in ("tp", "pp") if getattr(run.layout, d) > 1) or "dp only"
+    return f"{run.model} zero={int(run.layout.zero1)}, {par}"
 
 
 def main() -> None:
@@ -37,14 +39,14 @@ def main() -> None:
     p.add_argument("--profile", default="nanotron")
     p.add_argument("--list", action="store_true", help="print every run measured ok but predicted OOM")
     args = p.parse_args()
-    checks = check_memory(read_sweep(args.sweep, args.archs), get_profile(args.profile))
+    checks = check_memory(read_sweep_csv(args.sweep, args.archs), get_profile(args.profile))
     groups = defaultdict(list)
     for c in checks:
-        groups[group(c.run.row)].append(c)
+        groups[group(c.run)].append(c)
     result = {"profile": args.profile, **accuracy(checks),
               "by_group": {g: accuracy(v) for g, v in sorted(groups.items())}}
     listed = [f"{c.run.model} nodes={c.run.nodes} {c.run.layout.label()} mbs={c.run.layout.micro_batch} "
-              f"gas={c.run.layout.grad_accum} zero={c.run.row['zero']}: measured {c.run.mem_gib} GiB, predicted "
+              f"gas={c.run.layout.grad_accum} zero={int(c.run.layout.zero1)}: measured {c.run.mem_gib} GiB, predicted "
               f"{c.predicted_gib:.1f} GiB on pp rank 0" for c in checks if c.run.ok and not c.fits and c.predicted_gib]
     lines = [f"profile {args.profile}: {result['ok_runs']} runs measured ok: median |error| "
              f"{result['median_abs_error']:.1%}, {result['within_10pct']:.0%} within 10 %, "

@@ -1,22 +1,34 @@
-"""Measured training runs as planner inputs: each run's model shape, layout, node count and measured
-MFU / tokens/s, read from a CSV shaped like calibration/playbook_h100/playbook_sweep_calibration.csv
-(with its archs CSV beside it) or from a directory of usp run directories (plan.yaml +
-metrics.jsonl). `usp calibrate` fits the cluster's time constants to them; the memory and time tests
-compare the planner with them. Pure Python, no torch.
+"""Measured training runs as planner inputs: each run's model shape, layout, node count and what was
+measured (MFU, tokens/s, peak memory), read from a CSV shaped like
+calibration/playbook_h100/playbook_sweep_calibration.csv (with its archs CSV beside it) or from a
+directory of usp run directories (plan.yaml + metrics.jsonl). The one place a measured row becomes
+the planner's Arch / Layout / Hardware: `usp calibrate` fits the cluster's time constants to them,
+usp.plan.memory_check and scripts/bench/calibration_sweep.py score the memory model on them, the
+memory and time tests compare the planner with them. Pure Python, no torch.
 
-CSV row -> layout: dp -> dp_replicate, zero=1 -> parallelism.zero1, tp, pp, mbs -> micro batch,
-gas -> gradient accumulation, 1F1B, no recomputation; the global batch is dp x mbs x gas sequences."""
+Row -> planner inputs (the Ultra-Scale Playbook's nanotron runs): the model shape from the archs CSV
+(hidden, layers, heads, kv_heads, ffn, vocab, tie_word_embeddings, seq_len, default 4096);
+dp -> dp_replicate, zero=1 -> parallelism.zero1, tp, pp with 1F1B, mbs -> micro batch, gas ->
+gradient accumulation, no recomputation; the global batch is dp x mbs x gas sequences; bf16 on
+cluster slurm_h100 (8 x H100 80GB per node) with the run's node count."""
 from __future__ import annotations
 
 import csv
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from usp.errors import UspError
-from usp.plan.specs import Arch, Layout
+from usp.plan.specs import Arch, Hardware, Layout, Precision
 
+SEQ_LEN = 4096  # the playbook's sequence length: an archs CSV without a seq_len column
+# default paths only: nothing here reads them unless asked (an installed package has no calibration/)
+PLAYBOOK_DIR = Path(__file__).resolve().parents[2] / "calibration" / "playbook_h100"
+SWEEP_CSV = PLAYBOOK_DIR / "playbook_sweep_calibration.csv"
 ARCHS_FILE = "playbook_model_archs.csv"
+PLAYBOOK_CLUSTER = "slurm_h100"  # the cluster group of the playbook's nodes
+BF16 = Precision.resolve("bf16", "cuda")  # the playbook's runs: bf16 mixed precision
 
 
 @dataclass(frozen=True)
@@ -30,7 +42,7 @@ class MeasuredRun:
     ok: bool
     mfu: float | None  # fraction (0.4 = 40 %), None when not measured
     tokens_per_s_per_device: float | None
-    mem_gb: float | None = None
+    mem_gib: float | None = None  # peak allocated memory on rank 0 (pp rank 0), GiB (the CSV's mem_gb); None if failed
     source: str = ""
 
     @property
@@ -50,6 +62,18 @@ def layout_from_row(row: dict) -> Layout:
                   micro_batch=int(row["mbs"]), grad_accum=int(row["gas"]), pp_schedule="1f1b")
 
 
+@cache
+def h100_nodes(nodes: int) -> Hardware:
+    """The playbook's hardware: conf/cluster/slurm_h100.yaml with the run's node count (the group's
+    YAML read directly: composing a config per node count costs seconds)."""
+    import yaml
+
+    from usp.config.paths import conf_dir
+
+    group = yaml.safe_load((conf_dir() / "cluster" / f"{PLAYBOOK_CLUSTER}.yaml").read_text())
+    return Hardware.from_cluster(group).with_nodes(nodes)
+
+
 def _float(value: str | None) -> float | None:
     try:
         return float(value) if value not in (None, "") else None
@@ -57,26 +81,31 @@ def _float(value: str | None) -> float | None:
         return None
 
 
-def read_sweep_csv(path: Path, archs: Path | None = None) -> list[MeasuredRun]:
+def read_sweep_csv(path: Path = SWEEP_CSV, archs: Path | None = None) -> list[MeasuredRun]:
     """Every row of a sweep CSV (columns: model, nodes, dp, tp, pp, gas, mbs, zero, status, mfu_pct,
     tok_s_gpu[, mem_gb]); model shapes from `archs` (default: playbook_model_archs.csv beside it)."""
     archs = archs or path.with_name(ARCHS_FILE)
     for p, what in ((path, "runs CSV"), (archs, "archs CSV")):
         if not p.is_file():
             raise UspError(f"{what} not found: {p}", fix="pass an existing file (see calibration/playbook_h100/)")
-    shapes = {r["model"]: arch_from_row(r) for r in csv.DictReader(archs.open())}
-    seq = {r["model"]: int(r.get("seq_len") or 4096) for r in csv.DictReader(archs.open())}
+    with archs.open() as f:
+        arch_rows = list(csv.DictReader(f))
+    shapes = {r["model"]: arch_from_row(r) for r in arch_rows}
+    seq = {r["model"]: int(r.get("seq_len") or SEQ_LEN) for r in arch_rows}
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
     out = []
-    for i, row in enumerate(csv.DictReader(path.open()), start=2):
+    for i, row in enumerate(rows, start=2):
         if row["model"] not in shapes:
             raise UspError(f"{path}:{i}: model {row['model']!r} is not in {archs}",
                            fix="add its shape to the archs CSV")
         lay = layout_from_row(row)
+        ok = row.get("status", "ok") == "ok"
         mfu = _float(row.get("mfu_pct"))
         out.append(MeasuredRun(row["model"], shapes[row["model"]], lay, int(row["nodes"]), seq[row["model"]],
-                               lay.dp * lay.micro_batch * lay.grad_accum, row.get("status", "ok") == "ok",
+                               lay.dp * lay.micro_batch * lay.grad_accum, ok,
                                None if mfu is None else mfu / 100, _float(row.get("tok_s_gpu")),
-                               _float(row.get("mem_gb")), f"{path.name}:{i}"))
+                               _float(row.get("mem_gb")) if ok else None, f"{path.name}:{i}"))
     return out
 
 
