@@ -123,8 +123,9 @@ def test_backend_follows_the_device():
 
 
 def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None):
-    return SimpleNamespace(device=device, threads_per_proc=1,
-                           config={"cluster": {"env": env or {}}, "train": {"deterministic": deterministic}})
+    return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1,
+                           config={"cluster": {"env": env or {}, "launcher": "local", "nodes": 1},
+                                   "train": {"deterministic": deterministic}})
 
 
 def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):

@@ -72,9 +72,9 @@ def test_sweep_report_table_rows_and_statuses(sweep_dir, tmp_path):
     assert rows[REJECTED]["status"] == "rejected" and rows[REJECTED]["tokens_per_s"] is None
     md = result.markdown.read_text()
     for pid in DONE:
-        line = next(ln for ln in md.splitlines() if ln.startswith(f"| {pid} |"))
-        assert "| done |" in line and f"{rows[pid]['tokens_per_s']:,.0f}" in line
-        assert f"mb={pid.split('mb')[1]}" in line  # the layout column
+        lines = [ln for ln in md.splitlines() if ln.startswith(f"| {pid} |")]  # its sweep row and its run's row
+        assert any("| done |" in ln and f"{rows[pid]['tokens_per_s']:,.0f}" in ln
+                   and f"mb={pid.split('mb')[1]}" in ln for ln in lines), lines  # status, tokens/s, layout column
     rejected_line = next(ln for ln in md.splitlines() if ln.startswith(f"| {REJECTED} |"))
     assert "rejected: train.global_batch=16" in rejected_line
     assert "does not vary the world size" in md  # no scaling table for a one-rank sweep
