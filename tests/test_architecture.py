@@ -14,26 +14,30 @@ USP = Path(__file__).resolve().parents[1] / "usp"
 
 # package -> the usp packages it may import (besides itself). usp.errors and usp.rundir are the
 # floor every layer stands on (with usp.names, the directory-name rule, and usp.runlock, the run
-# lock, both on usp.errors alone); launch reaches the engine only to run one rank in-process.
-BASE = {"usp.errors", "usp.rundir", "usp.names", "usp.runlock"}
+# lock, and usp.writable, the check of an output target, all on usp.errors alone); launch reaches the
+# engine only to run one rank in-process. usp.cli_examples is the --help examples' text.
+BASE = {"usp.errors", "usp.rundir", "usp.names", "usp.runlock", "usp.writable"}
 ALLOWED = {
     "usp.errors": set(),
     "usp.rundir": set(),
     "usp.names": {"usp.errors"},
     "usp.runlock": {"usp.errors"},
+    "usp.writable": {"usp.errors"},
+    "usp.cli_examples": set(),
     "usp.runstate": BASE,
     "usp.sweeprecord": BASE | {"usp.runstate"},
-    "usp.config": {"usp.errors"},
+    "usp.config": {"usp.errors", "usp.writable"},
     "usp.data": {"usp.errors", "usp.rundir"},
     "usp.models": set(),
     "usp.plan": BASE | {"usp.config", "usp.data"},
     "usp.report": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan"},
     "usp.launch": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data", "usp.engine"},
     "usp.engine": BASE | {"usp.plan", "usp.data", "usp.models"},
-    "usp.cli": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data", "usp.launch",
-                       "usp.report", "usp.engine"},
+    "usp.cli": BASE | {"usp.cli_examples", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data",
+                       "usp.launch", "usp.report", "usp.engine"},
 }
-TORCH_FREE = ("usp.errors", "usp.rundir", "usp.names", "usp.runlock", "usp.runstate", "usp.sweeprecord",
+TORCH_FREE = ("usp.errors", "usp.rundir", "usp.names", "usp.runlock", "usp.writable", "usp.cli_examples",
+              "usp.runstate", "usp.sweeprecord",
               "usp.config", "usp.plan", "usp.launch", "usp.report", "usp.cli")
 
 

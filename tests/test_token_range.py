@@ -40,7 +40,7 @@ def test_train_refuses_them_before_launch(tmp_path):
 def test_the_max_is_taken_over_every_chunk(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "CHECK_CHUNK", 64)  # 1000 tokens: 16 chunks, the last one partial
     for top, where in ((3000, 999), (3000, 0), (3000, 64)):
-        ids = np.zeros(1000, dtype=np.uint16)
+        ids = np.full(1000, 7, dtype=np.uint16)  # not all zeros: that reads as uint32 ids
         ids[where] = top
         ids.tofile(tmp_path / "t.bin")
         ids[:10].tofile(tmp_path / "v.bin")
