@@ -51,7 +51,8 @@ def _complete(words: str) -> list[str]:
 
 def test_shell_completion_is_on():
     # typer detects the shell from the parent process (in CI that is make's sh): ask from bash, as a user does
-    script = subprocess.run(["bash", "-c", f"{USP} --show-completion"], capture_output=True, text=True, cwd=REPO)
+    script = subprocess.run(["bash", "-c", f"{USP} --show-completion; exit $?"],  # not exec: bash stays the parent
+                            capture_output=True, text=True, cwd=REPO)
     assert script.returncode == 0 and "complete -o default -F _usp_completion usp" in script.stdout, script.stderr
     assert _complete("usp pre") == ["prepare-data"]
     assert _complete("usp config ") == ["list", "show", "cp"]
