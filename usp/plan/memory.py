@@ -318,23 +318,28 @@ def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: Sta
 
 
 def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory,
-                 profile: Profile) -> float:
+                 profile: Profile) -> tuple[float, float]:
     """Kept activations into st (+ the profile's full-sequence buffers under TP + SP: the all-gather
     buffer, a layer backward's unsharded input gradient; + its measured extra per token when a rank
-    holding the whole model accumulates gradients); returns the bytes of the layer being
-    recomputed (its full set minus what was kept)."""
+    holding the whole model accumulates gradients); returns (the bytes of the layer being
+    recomputed: its full set minus what was kept, the bytes one micro batch keeps on this rank).
+    Where the profile's peak follows the micro batches (grads_freed_per_micro_batch), the backward
+    transients (activation_scale) belong to the one micro batch being differentiated, not to every
+    micro batch in flight."""
     kept, full_set = activation_per_layer(arch, layout, seq_len, prec, profile)
     st.activation_per_layer = kept
     tokens = (seq_len / layout.cp) * layout.micro_batch
     final_norm = tokens * (2 * arch.dim / layout.tp + arch.dim) * prec.act if h.holds_head else 0
-    st.activations = (kept * h.layers + final_norm) * st.in_flight
-    if layout.pp > 1 and not h.holds_head:  # torch.distributed.pipelining keeps each micro batch's stage output
-        st.activations += tokens * arch.dim / layout.tp * prec.act * st.in_flight
+    stage_output = tokens * arch.dim / layout.tp * prec.act if layout.pp > 1 and not h.holds_head else 0
+    one = kept * h.layers + final_norm + stage_output  # torch.distributed.pipelining keeps each stage output
+    st.activations = one * st.in_flight
+    if grads_freed_per_micro_batch(layout, profile):  # the backward transients: one micro batch's only
+        st.activations -= kept * h.layers * (1 - 1 / profile.activation_scale) * (st.in_flight - 1)
     if layout.tp > 1:
         st.activations += profile.sp_full_buffers * tokens * arch.dim * prec.act
     if layout.pp == 1 and layout.grad_accum > 1:  # measured on nanotron (docs/planner.md): 0 for usp's engine
         st.activations += profile.accum_bytes_per_token_h * tokens * arch.dim
-    return full_set - kept if layout.recompute != "none" and h.layers else 0
+    return (full_set - kept if layout.recompute != "none" and h.layers else 0), one
 
 
 def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory, profile: Profile) -> float:
@@ -379,13 +384,26 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
                      holds_head=h.holds_head, params=int(h.params), in_flight=in_flight(layout, r),
                      activation_per_layer=0.0)
     grads = _model_states(arch, layout, prec, h, st, profile)
-    recompute = _activations(arch, layout, seq_len, prec, h, st, profile)
+    recompute, one_micro_batch = _activations(arch, layout, seq_len, prec, h, st, profile)
     loss_extra = _logits(layout, seq_len, prec, h, st, profile)
     gathered = _gathered(layout, prec, h)
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some) or
     # a layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer), whichever is larger.
     loss_phase = loss_extra + (grads if layout.grad_accum > 1 else 0)
-    if profile.grads_at_peak:  # the recipe's peak sits in a backward: everything at once
+    if grads_freed_per_micro_batch(layout, profile):
+        # the low-precision gradients live only within one micro batch's backward: its start holds
+        # every micro batch in flight and no such gradient, its end one micro batch less and all of them
+        half = prec.grad * h.params
+        st.gradients, st.gathered = grads - half, gathered
+        if half > one_micro_batch + st.logits + loss_extra:
+            st.peak_phase = "end of a micro batch's backward"
+            st.gradients += half
+            st.activations -= one_micro_batch
+            st.logits = 0.0
+        else:
+            st.peak_phase = "start of a micro batch's backward"
+            st.logits += loss_extra
+    elif profile.grads_at_peak:  # the recipe's peak sits in a backward: everything at once
         st.peak_phase = "backward"
         st.logits += loss_extra
         st.gradients, st.gathered = grads, gathered
@@ -404,6 +422,13 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     st.overhead = fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal
     st.total = subtotal + st.overhead
     return st
+
+
+def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
+    """Does the profile's recipe free the low-precision gradients after each micro batch's backward
+    at this layout (nanotron: once added into its fp32 accumulation buffer), so that they never meet
+    all the micro batches in flight? Measured to hold up to the profile's grads_freed_max_tp."""
+    return layout.tp <= profile.grads_freed_max_tp
 
 
 def fixed_overhead_gib(hw: Hardware, profile: Profile) -> float:
@@ -460,7 +485,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         f"logits: {profile.loss_forward_bytes:g} bytes per logit at the loss forward" if profile.loss_forward_bytes
         else f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
         f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
-        "peak in a backward: gradients, kept activations and the loss's buffers at once" if profile.grads_at_peak
+        f"peak at the {stages[peak].peak_phase}: the low-precision gradients are freed after each micro batch's "
+        "backward, so they meet one micro batch less than are in flight" if grads_freed_per_micro_batch(layout, profile)
+        else "peak in a backward: gradients, kept activations and the loss's buffers at once" if profile.grads_at_peak
         else f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer "
         "backward's gradients + gathered units + recomputed layer",
         f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "

@@ -18,6 +18,10 @@ class Profile:
     # memory (usp.plan.memory reads these; the defaults are usp's engine)
     fp32_grad_accum: bool = False  # an fp32 gradient-accumulation buffer of every parameter (4 bytes), never sharded
     grads_at_peak: bool = False  # the low-precision gradients count at the peak (else the peak-phase model decides)
+    # the recipe frees the low-precision gradients after each micro batch's backward (nanotron: FP32GradientAccumulator
+    # adds them into its fp32 buffer, then sets param.grad = None), so the peak is the start or the end of one micro
+    # batch's backward; applied up to this tp, where the sweep's rank-0 peaks follow it (0: never; docs/planner.md)
+    grads_freed_max_tp: int = 0
     # data parallel as built: usp (usp.plan.specs.Layout.dp_kind) | nanotron (without ZeRO-1: DDP with its buckets,
     # also under TP/PP; ZeRO-1: no DDP, only the optimizer states sharded over dp, also under TP/PP)
     data_parallel: str = "usp"
@@ -47,8 +51,8 @@ PROFILES = {
         "nanotron", "nanotron as the Ultra-Scale Playbook's benchmark sweep ran it: bf16 with fp32 "
         "gradient-accumulation buffers, sequence parallel (reduce-scatter), 1F1B, flash attention, fused AdamW",
         # memory
-        fp32_grad_accum=True, grads_at_peak=True, data_parallel="nanotron", fused_norm=True,
-        sp_norm_outputs_sharded=True, kv_packed_copy=True, activation_scale=1.1, sp_full_buffers=2,
+        fp32_grad_accum=True, grads_at_peak=True, grads_freed_max_tp=1, data_parallel="nanotron", fused_norm=True,
+        sp_norm_outputs_sharded=True, kv_packed_copy=True, activation_scale=1.1, sp_full_buffers=3,
         accum_bytes_per_token_h=100.0,
         loss_forward_bytes=10.0, pp_split="matmul", fixed_overhead_gib=0.0, fragmentation=0.0,
         # time
