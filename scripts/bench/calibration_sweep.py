@@ -49,8 +49,9 @@ def main() -> None:
               f"gas={c.run.layout.grad_accum} zero={int(c.run.layout.zero1)}: measured {c.run.mem_gib} GiB, predicted "
               f"{c.predicted_gib:.1f} GiB on pp rank 0" for c in checks if c.run.ok and not c.fits and c.predicted_gib]
     lines = [f"profile {args.profile}: {result['ok_runs']} runs measured ok: median |error| "
-             f"{result['median_abs_error']:.1%}, {result['within_10pct']:.0%} within 10 %, "
-             f"{result['ok_predicted_oom']} predicted out of memory; {result['failed_predicted_fit']} of "
+             f"{result['median_abs_error']:.1%}, {result['within_10pct']:.1%} within 10 %, "
+             f"{result['ok_predicted_oom']} predicted out of memory ({result['ok_zero1_tp_pp_predicted_oom']} of them "
+             f"ZeRO-1 with TP/PP); {result['failed_predicted_fit']} of "
              f"{result['failed_runs']} failed runs predicted to fit",
              "| runs | ok | median abs error | within 10 % | ok predicted OOM | failed | failed predicted fit |",
              "|---|---:|---:|---:|---:|---:|---:|"]

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from usp.plan.measured_runs import BF16, MeasuredRun, h100_nodes
 from usp.plan.specs import GIB
 
-
 MEDIAN_BAR = 0.08  # issue 17: median |error| <= 8 %, and >= 70 % of the ok runs within 10 %
 
 
@@ -49,8 +48,9 @@ def check_memory(runs: list[MeasuredRun], profile) -> list[MemoryCheck]:
 
 
 def accuracy(checks: list[MemoryCheck]) -> dict:
-    """On the ok runs: median |error|, the share within 10 %, ok runs predicted out of memory; on the
-    failed runs (an OOM or another failure: the source does not tell): how many are predicted to fit."""
+    """On the ok runs: median |error|, the share within 10 %, ok runs predicted out of memory (and
+    how many of them are ZeRO-1 with TP or PP); on the failed runs (an OOM or another failure: the
+    source does not tell): how many are predicted to fit."""
     ok = [c for c in checks if c.run.ok and c.predicted_gib is not None]
     errors = sorted(abs(c.error) for c in ok)
     failed = [c for c in checks if not c.run.ok]
@@ -58,6 +58,9 @@ def accuracy(checks: list[MemoryCheck]) -> dict:
             "median_abs_error": statistics.median(errors) if errors else float("nan"),
             "within_10pct": sum(e <= 0.10 for e in errors) / len(errors) if errors else float("nan"),
             "ok_predicted_oom": sum(not c.fits for c in ok),
+            # issue 16: ZeRO-1 with TP or PP must no longer be predicted out of memory where it ran
+            "ok_zero1_tp_pp_predicted_oom": sum(not c.fits and c.run.layout.zero1
+                                                and c.run.layout.tp * c.run.layout.pp > 1 for c in ok),
             "failed_runs": len(failed), "failed_predicted_fit": sum(c.fits for c in failed)}
 
 
