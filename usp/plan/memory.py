@@ -64,8 +64,10 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
 
 All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.plan.profile:
 nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
-norm, sequence-sharded norm outputs, its loss, its layer split, no overhead, and a measured extra per
-token when a whole-model rank accumulates gradients (docs/planner.md, Profiles).
+norm, sequence-sharded norm outputs, its loss, its layer split, no overhead, a measured extra per
+token when a whole-model rank accumulates gradients, and its peak moment: at tp = 1 the bf16
+gradients live one micro batch's backward only, so the peak is the start of one (every micro batch
+in flight, no bf16 gradient) or its end (one less, all of them) (docs/planner.md, Profiles).
 """
 from __future__ import annotations
 
