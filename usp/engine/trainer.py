@@ -33,7 +33,6 @@ from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
-from usp.engine.parallel.pipeline import pipeline_eval, pipeline_step
 from usp.engine.parallel.tied import sum_tied_grads
 from usp.plan.layout import data_parallel_kind
 from usp.rundir import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
@@ -157,6 +156,8 @@ class Trainer:
         return total / len(micro_batches)
 
     def _pipeline_step(self, step: int) -> float:
+        from usp.engine.parallel.pipeline import pipeline_step  # only pipelined runs pay its import (build.py)
+
         starts = [s for mb in self.sampler.micro_batches(step) for s in mb]  # the rank's whole batch
         x, y, _ = self._batch(self.train_tokens, starts)
         with self._loss_context(), self.autocast, self._region(SPAN_PIPELINE):
@@ -169,6 +170,8 @@ class Trainer:
         losses = []
         for rank_starts in self.eval_batches:
             if self.parts.schedule is not None:
+                from usp.engine.parallel.pipeline import pipeline_eval
+
                 x, y, _ = self._batch(self.val_tokens, rank_starts)
                 with self._loss_context(), self.autocast:
                     losses.append(pipeline_eval(self.parts, self.ctx, x, y))

@@ -12,7 +12,6 @@ from torch import nn
 from usp.engine.accel import set_attention
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.parallelize import parallelize
-from usp.engine.parallel.pipeline import build_pipeline, lm_loss
 from usp.engine.parallel.tied import tied_embedding
 from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import moe_layers
@@ -74,6 +73,10 @@ def build_model(plan: dict, ctx: DistContext) -> ModelParts:
 
 def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
     """This rank's stages of plan["pipeline"] and the schedule that runs them."""
+    # imported here: torch.distributed.pipelining costs ~1 s of start-up per process (measured),
+    # which only pipelined runs need to pay
+    from usp.engine.parallel.pipeline import build_pipeline, lm_loss
+
     pipe = plan["pipeline"]
     mine = pipe["rank_stages"][ctx.coords["pp"]]
     n_stages = len(pipe["stage_layers"])
