@@ -25,7 +25,9 @@ PARAMS = (("intra_node_gbps", 1.0, 1e4), ("inter_node_gbps", 0.1, 1e4),
           ("kernel_efficiency", 0.1, 1.0), ("kernel_half_tokens", 1.0, 1e5), ("kernel_half_dim", 1.0, 1e5),
           ("intra_hop_us", 0.5, 2000.0), ("inter_hop_us", 0.5, 5000.0),
           ("call_overhead_us", 1.0, 1e4), ("p2p_us", 1.0, 1e6), ("layer_overhead_us", 1.0, 1e5),
-          ("step_overhead_ms", 0.1, 1e4), ("optimizer_gbps", 50.0, 1e5))
+          ("step_overhead_ms", 0.1, 1e4), ("optimizer_gbps", 50.0, 1e5),
+          ("p2p_stall_ms", 0.01, 1e4), ("p2p_stall_nodes", 1.0, 1e4), ("p2p_stall_headroom", 0.001, 1.0),
+          ("p2p_stall_exp", 1.0, 16.0))
 HW_PARAMS = ("intra_node_gbps", "inter_node_gbps")
 LOG_RATIO_WEIGHT = 10.0  # points of MFU error worth a factor e of ratio error
 LOG_RATIO_CAP = 2.0  # one pathological run (measured 0.1 % MFU) counts at most this much
@@ -115,7 +117,8 @@ def with_params(hw: Hardware, values: dict) -> Hardware:
 # round values of a GPU cluster; the search moves each by factors of 4, 2, sqrt 2, ...
 START = {"kernel_efficiency": 0.6, "kernel_half_tokens": 128.0, "kernel_half_dim": 128.0, "intra_hop_us": 5.0,
          "inter_hop_us": 20.0, "call_overhead_us": 50.0, "p2p_us": 1000.0, "layer_overhead_us": 50.0,
-         "step_overhead_ms": 10.0, "optimizer_gbps": 1000.0}
+         "step_overhead_ms": 10.0, "optimizer_gbps": 1000.0, "p2p_stall_ms": 100.0, "p2p_stall_nodes": 16.0,
+         "p2p_stall_headroom": 0.1, "p2p_stall_exp": 4.0}
 
 
 def _params(hw: Hardware) -> dict:
@@ -151,13 +154,27 @@ class Problem:
         return total / max(1, len(self.runs))
 
 
-def fit(problem: Problem, rounds: int = 40) -> Fit:
+def fit(problem: Problem, rounds: int = 60, restarts: int = 2) -> Fit:
     """Coordinate search in log space: each constant in turn is multiplied / divided by a step
-    factor while the loss improves; the factor shrinks when no constant moves."""
+    factor while the loss improves; the factor shrinks when no constant moves. Restarted from the
+    best point with the large step while a pass still gains (the search stalls in shallow valleys)."""
     values, bounds = _params(problem.hw), {n: (lo, hi) for n, lo, hi in PARAMS}
     for name in HW_PARAMS:  # effective <= nominal
         bounds[name] = (bounds[name][0], getattr(problem.hw, name))
-    best, evals, step = problem.loss(with_params(problem.hw, values)), 1, 4.0
+    best, evals = problem.loss(with_params(problem.hw, values)), 1
+    for _ in range(restarts + 1):
+        before = best
+        values, best, n = _descend(problem, values, bounds, best, rounds)
+        evals += n
+        if best > before * (1 - 1e-3):
+            break
+    hw = with_params(problem.hw, values)
+    return Fit(hw, score(problem.runs, problem.predict(hw)), evals)
+
+
+def _descend(problem: Problem, values: dict, bounds: dict, best: float, rounds: int) -> tuple[dict, float, int]:
+    """One coordinate search from `values` (its loss `best`): (values, loss, evaluations)."""
+    evals, step = 0, 4.0
     for _ in range(rounds):
         moved = False
         for name in values:
@@ -175,8 +192,7 @@ def fit(problem: Problem, rounds: int = 40) -> Fit:
             step = math.sqrt(step)
             if step < 1.02:
                 break
-    hw = with_params(problem.hw, values)
-    return Fit(hw, score(problem.runs, problem.predict(hw)), evals)
+    return values, best, evals
 
 
 def calibrated(problem: Problem, hw: Hardware, scored: Scored, source: str) -> Hardware:
