@@ -52,7 +52,7 @@ def test_committed_fit_on_the_playbook(runs):
     for nodes, ratio in s.ratio_by_nodes.items():
         assert 0.8 <= ratio <= 1.25, (nodes, ratio)
     assert s.spearman_p50 >= 0.7
-    assert s.top3_share >= 0.4  # Done when 75 %: reached 43 % (6 of 14 cells), the bar still missed
+    assert s.top3_share >= 0.5  # Done when 75 %: reached 50 % (7 of 14 cells), the bar still missed
 
 
 @pytest.mark.slow
