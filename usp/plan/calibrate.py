@@ -115,10 +115,11 @@ def with_params(hw: Hardware, values: dict) -> Hardware:
 
 
 # Where an uncalibrated cluster's search starts (its link bandwidths start at the nominal figures):
-# round values of a GPU cluster; the search moves each by factors of 4, 2, sqrt 2, ...
+# round values of a GPU cluster; the search moves each by factors of 4, 2, sqrt 2, ... The pipeline
+# stall starts at its floor (none): runs that never stalled (no pp, few nodes) leave it there.
 START = {"kernel_efficiency": 0.6, "kernel_half_tokens": 128.0, "kernel_half_dim": 128.0, "intra_hop_us": 5.0,
          "inter_hop_us": 20.0, "call_overhead_us": 50.0, "p2p_us": 1000.0, "layer_overhead_us": 50.0,
-         "step_overhead_ms": 10.0, "optimizer_gbps": 1000.0, "p2p_stall_ms": 100.0, "p2p_stall_nodes": 16.0,
+         "step_overhead_ms": 10.0, "optimizer_gbps": 1000.0, "p2p_stall_ms": 0.01, "p2p_stall_nodes": 16.0,
          "p2p_stall_headroom": 0.1, "p2p_stall_exp": 4.0}
 
 
