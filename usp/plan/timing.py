@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from usp.errors import PlanError
 from usp.plan.layout import MESH_DIMS
 from usp.plan.memory import ZERO_BUBBLE, peak_bytes, stage_layer_counts
 from usp.plan.profile import PROFILES, Profile
@@ -451,8 +452,6 @@ def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, pre
     if layout.pp == 1:
         return 0.0  # only the pipeline stall reads it
     if peak is None:
-        from usp.errors import PlanError
-
         try:
             peak = peak_bytes(arch, layout, seq_len, hw, prec, profile)[0]
         except PlanError:
