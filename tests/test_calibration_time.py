@@ -1,6 +1,8 @@
 """The time model against real H100 runs (calibration/playbook_h100: the Ultra-Scale Playbook's
 nanotron sweep, 1,027 successful runs on 1-64 nodes of 8xH100) and `usp calibrate`. Pure Python.
 
+- the pipeline stall term on its own;
+
 - the committed fit (conf/cluster/h100_playbook.yaml, written by `usp calibrate` on the whole file)
   scored on every run: MFU error, predicted/measured per node count, ranking within (model, nodes);
 - `usp calibrate` on half of the runs, scored on the held-back half, against the full fit on the
@@ -19,6 +21,7 @@ from usp.plan.calibrate import Problem, calibrate, report, score, split
 from usp.plan.measured_runs import BF16, SWEEP_CSV, read_sweep_csv
 from usp.plan.profile import PROFILES
 from usp.plan.specs import Hardware
+from usp.plan.timing import evaluate, mfu, pipeline_stall_s, time_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = SWEEP_CSV
@@ -42,16 +45,14 @@ def test_committed_fit_on_the_playbook(runs):
           f"{ {n: round(v, 2) for n, v in s.ratio_by_nodes.items()} }; Spearman {s.spearman_p50:.2f}; "
           f"top-3 {s.top3_share:.0%} of {s.cells} cells")
     assert len(problem.runs) == 1018  # the 1,027 ok runs but 9 measured at 0.0 % MFU (no ratio to fit)
-    # Done when: median |error| <= 3 points. Reached 3.3 (docs/planner.md "Time on real runs"): the
-    # bound below guards it from getting worse.
-    assert s.abs_err_p50 <= 3.5
-    # Done when: 0.8-1.25 at every node count. Reached on 1-16 nodes; at 32 and 64 nodes most runs
-    # are pipelined layouts that nanotron ran far below any bandwidth/latency model (see
-    # docs/planner.md "What the fit misses"): the bound asserted there is what is reached.
+    # the Done-when bars (docs/planner.md "Time on real runs"): reached 2.16 points, 0.87-1.13 by
+    # node count, Spearman 0.83
+    assert s.abs_err_p50 <= 3.0
+    assert set(s.ratio_by_nodes) == {1, 2, 4, 8, 16, 32, 64}
     for nodes, ratio in s.ratio_by_nodes.items():
-        assert 0.8 <= ratio <= (1.25 if nodes <= 16 else 3.5), (nodes, ratio)
-    assert s.spearman_p50 >= 0.6  # Done when 0.7: reached 0.6x (docs/planner.md)
-    assert s.top3_share >= 0.3  # Done when 75 %
+        assert 0.8 <= ratio <= 1.25, (nodes, ratio)
+    assert s.spearman_p50 >= 0.7
+    assert s.top3_share >= 0.5  # Done when 75 %: reached 50 % (7 of 14 cells), the bar still missed
 
 
 @pytest.mark.slow
@@ -66,7 +67,36 @@ def test_calibrate_on_a_subset_recovers_the_rest():
     assert sub.held_out is not None and len(sub.held_out.measured) == len(problem.runs)
     print(f"full fit on the same held-out runs: median |error| {full_on_held.abs_err_p50:.2f} points")
     assert abs(sub.held_out.abs_err_p50 - full_on_held.abs_err_p50) <= 2.0
-    assert sub.held_out.abs_err_p50 <= 4.0
+    # the held-out half meets the bars the full fit meets (reached 2.07 points, 0.86-1.13, Spearman 0.83)
+    s = sub.held_out
+    assert s.abs_err_p50 <= 3.0 and s.spearman_p50 >= 0.7
+    assert all(0.8 <= r <= 1.25 for r in s.ratio_by_nodes.values()), s.ratio_by_nodes
+    # top 3: 79 % (11 of 14 cells) on the held-out half here, 71 % with main's newer memory model (the
+    # stall's memory term reads its peaks); the full fit ranks 50-57 %. Done when 75 %.
+    assert s.top3_share >= 0.7
+
+
+def test_pipeline_stall_grows_with_nodes_and_memory_and_is_not_stretched_by_the_bubble(runs):
+    """The fitted stall per blocking pipeline send/recv: none on few nodes with memory to spare, near
+    p2p_stall_ms on 64 nodes or with the fullest stage nearly full; none when uncalibrated; added once per
+    micro batch, not multiplied by the bubble."""
+    hw = _hw(FITTED)
+    c = hw.timing
+    assert pipeline_stall_s(hw, 4, 0.5) < 0.01 * 1e-3 * c.p2p_stall_ms
+    assert pipeline_stall_s(hw, 64, 0.5) > 0.9 * 1e-3 * c.p2p_stall_ms
+    assert pipeline_stall_s(hw, 4, 0.97) > 0.9 * 1e-3 * c.p2p_stall_ms
+    assert pipeline_stall_s(hw, 16, 0.5) < pipeline_stall_s(hw, 32, 0.5) < pipeline_stall_s(hw, 64, 0.5)
+    assert pipeline_stall_s(_hw(ROOT / "conf" / "cluster" / "slurm_h100.yaml"), 64, 0.99) == 0.0
+    # 8.86B, 64 nodes, dp8 tp4 pp16, micro batch 2 x 16: every stage blocks on 4 sends/recvs per micro batch
+    run = next(r for r in runs if r.nodes == 64 and r.model == "8.86B" and (r.layout.tp, r.layout.pp) == (4, 16))
+    h = hw.with_nodes(64)
+    shape = time_shape(run.arch, run.layout, run.seq_len, run.global_batch, h, BF16, PROFILES["nanotron"])
+    t = evaluate(shape, h)
+    stall = 4 * run.layout.grad_accum * pipeline_stall_s(h, 64, shape.memory_fraction)
+    assert t.stall_s == pytest.approx(stall)
+    assert t.step_s == pytest.approx((run.layout.grad_accum * t.mb_s + t.path_s) * (1 + shape.bubble) + stall
+                                     + t.dp_s + t.fixed_s)
+    assert 100 * mfu(shape, t.step_s) == pytest.approx(100 * run.mfu, abs=1.0)  # measured 0.5 %, stall-bound
 
 
 def test_calibrate_command_writes_a_cluster_group(tmp_path, runs):

@@ -99,6 +99,10 @@ class ClusterTimingConfig:
     p2p_us: float = 0.0  # extra fixed cost of a pipeline send/recv pair
     layer_overhead_us: float = 0.0  # fixed cost per layer and micro batch
     step_overhead_ms: float = 0.0  # fixed cost per optimizer step
+    p2p_stall_ms: float = 0.0  # a blocking pipeline send/recv's stall at many nodes; 0 = none
+    p2p_stall_nodes: float = 32.0  # node count at which the stall reaches half of p2p_stall_ms
+    p2p_stall_headroom: float = 0.1  # free share of device memory at which it reaches half of it
+    p2p_stall_exp: float = 4.0  # how steeply the stall grows (node count, memory headroom)
     optimizer_gbps: float = 0.0  # memory bandwidth of the optimizer step; 0 = not modelled
     calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
 

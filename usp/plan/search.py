@@ -161,7 +161,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
             lay = replace(base, micro_batch=micro[i], grad_accum=local // micro[i])
             peak, stage = peaks.get(i) or peak_bytes(arch, lay, seq_len, hw, prec, profile)
             cand = Candidate(lay, peak / GIB, stage, micro[best_i],
-                             timing_plan(arch, lay, seq_len, global_batch, hw, prec, profile))
+                             timing_plan(arch, lay, seq_len, global_batch, hw, prec, profile, peak))
             if best_here is None or cand.tokens_per_s_per_device > best_here.tokens_per_s_per_device:
                 best_here = cand
         if best_here is not None:

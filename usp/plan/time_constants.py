@@ -35,6 +35,12 @@ class TimeConstants:
     p2p_us: float = 0.0  # extra fixed cost of a pipeline send/recv pair (handshake, host sync)
     layer_overhead_us: float = 0.0  # fixed cost per layer and micro batch, forward + backward (launches, host)
     step_overhead_ms: float = 0.0  # fixed cost per optimizer step (gradient clipping, host sync, logging)
+    # a blocking pipeline send/recv's stall (usp.plan.timing.pipeline_stall_s): up to p2p_stall_ms per op,
+    # growing steeply with the job's node count and as the fullest stage's memory nears the device's
+    p2p_stall_ms: float = 0.0  # 0 = none
+    p2p_stall_nodes: float = 32.0  # node count at which the stall reaches half of p2p_stall_ms
+    p2p_stall_headroom: float = 0.1  # free share of device memory at which it reaches half of it
+    p2p_stall_exp: float = 4.0  # how steeply it grows (both causes)
     optimizer_gbps: float = 0.0  # memory bandwidth the optimizer step streams its states at; 0 = not modelled
     calibrated: Calibrated = field(default_factory=Calibrated)
 

@@ -27,8 +27,12 @@ Model, per optimizer step:
               ZeRO-1 / replicated: the last micro batch's backward; FSDP all-gathers: each micro
               batch's forward / backward; reduce-scatter: the backward); CP's K/V ring behind the
               attention of its layer; TP, EP all-to-alls and PP sends are exposed.
-  step        compute_path x (1 + bubble) + exposed data-parallel comm + optimizer (its states
-              streamed at the cluster's optimizer bandwidth) + a fixed cost per step, where
+  stall       a blocking pipeline send/recv (4 per micro batch on a middle stage, 2 on an end
+              stage) stalls up to p2p_stall_ms, as the job's node count grows and as the fullest
+              stage's predicted memory nears the device's (pipeline_stall_s); every stage waits in
+              it together, so the bubble does not stretch it. 0 unless calibrated.
+  step        compute_path x (1 + bubble) + stall + exposed data-parallel comm + optimizer (its
+              states streamed at the cluster's optimizer bandwidth) + a fixed cost per step, where
               compute_path = compute + exposed TP / CP / EP / PP comm. Tied embeddings under pp
               add the embedding group's gradient all-reduce (exposed).
 """
@@ -38,10 +42,11 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from usp.errors import PlanError
 from usp.plan.layout import MESH_DIMS
-from usp.plan.memory import ZERO_BUBBLE, stage_layer_counts
+from usp.plan.memory import ZERO_BUBBLE, peak_bytes, stage_layer_counts
 from usp.plan.profile import PROFILES, Profile
-from usp.plan.specs import Arch, Hardware, Layout, Precision, group_crosses_nodes
+from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 
 
 @dataclass
@@ -147,6 +152,7 @@ class Comm:
     window: str = ""
     overlap: float = 0.0
     path: bool = False  # on the pipeline's critical path (TP / CP / EP / PP)
+    stall_ops: int = 0  # blocking pipeline sends/recvs per step on the busiest stage (each pays the p2p stall)
 
     @property
     def bytes_per_step(self) -> float:
@@ -155,11 +161,11 @@ class Comm:
 
 
 def _term(name: str, dims: tuple, kind: str, n: int, layout: Layout, hw: Hardware, calls: int, call_bytes: float,
-          window: str = "", overlap: float = 0.0, path: bool = False) -> Comm:
+          window: str = "", overlap: float = 0.0, path: bool = False, stall_ops: int = 0) -> Comm:
     crosses, per_node = _locality(layout, hw, dims) if dims != ("tied",) else (
         group_crosses_nodes(layout.degrees, hw.procs_per_node, ("pp",)), 1)
     return Comm(name, " x ".join(dims), kind, n, crosses, per_node, calls if n > 1 else 0, call_bytes, window,
-                overlap, path)
+                overlap, path, stall_ops if n > 1 else 0)
 
 
 def rank_params(arch: Arch, layout: Layout) -> list[float]:
@@ -202,6 +208,8 @@ class TimeShape:
     model_fpt: float
     hw_fpt: float
     world: int
+    nodes: int = 1
+    memory_fraction: float = 0.0  # predicted peak of the fullest stage / device memory (the p2p stall)
 
     @property
     def layers_r(self) -> int:
@@ -314,10 +322,14 @@ def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
 
 
 def _pp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> Comm:
-    """Pipeline: activations forward, gradients backward, per micro batch and virtual stage."""
+    """Pipeline: activations forward, gradients backward, per micro batch and virtual stage. A middle
+    stage blocks on 4 sends/recvs per micro batch (activation in and out, gradient in and out), an
+    end stage (all of them when pp = 2) on 2: each pays the p2p stall (pipeline_stall_s)."""
     calls = 2 * layout.grad_accum * layout.virtual
     size = (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act
-    return _term("PP send/recv (activations, grads)", ("pp",), "p2p", layout.pp, layout, hw, calls, size, path=True)
+    stall_ops = 2 * min(layout.pp - 1, 2) * layout.grad_accum * layout.virtual
+    return _term("PP send/recv (activations, grads)", ("pp",), "p2p", layout.pp, layout, hw, calls, size, path=True,
+                 stall_ops=stall_ops)
 
 
 def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, layers_r: int,
@@ -415,8 +427,9 @@ def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, layers_r: int) -> f
 
 
 def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: Hardware, prec: Precision,
-               profile: Profile) -> TimeShape:
-    """The layout's step geometry: FLOPs per matmul, collectives, optimizer state (no fitted constant)."""
+               profile: Profile, peak: float | None = None) -> TimeShape:
+    """The layout's step geometry: FLOPs per matmul, collectives, optimizer state (no fitted constant).
+    peak: the predicted peak bytes of the fullest stage (usp.plan.memory.peak_bytes; computed if None)."""
     _, _, model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
     busiest, layers, mats = _stage_matmuls(arch, layout, seq_len)
     tokens_mb = layout.micro_batch * seq_len / layout.cp
@@ -428,7 +441,22 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
                      stage_layers=layers, matmuls=mats, attn_fpt=12 * arch.dim * seq_len / layout.tp,
                      comms=tuple(comms), optimizer_params=psi / layout.shard_degree,
                      optimizer_bytes=profile.optimizer_bytes_per_param, tokens_per_step=global_batch * seq_len,
-                     model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world)
+                     model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world, nodes=hw.nodes,
+                     memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak))
+
+
+def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile,
+                     peak: float | None) -> float:
+    """Predicted peak of the fullest stage / device memory (0 when the memory model cannot place the
+    layout: the stall's memory term then stays off)."""
+    if layout.pp == 1:
+        return 0.0  # only the pipeline stall reads it
+    if peak is None:
+        try:
+            peak = peak_bytes(arch, layout, seq_len, hw, prec, profile)[0]
+        except PlanError:
+            return 0.0
+    return peak / (hw.memory_gib * GIB)
 
 
 @dataclass
@@ -438,7 +466,8 @@ class _Times:
     sat_tok: float
     sat_dims: dict
     comm: list  # (seconds, window seconds, exposed seconds, GB/s) per shape.comms
-    path_s: float
+    path_s: float  # exposed TP / CP / EP / PP comm, stretched by the bubble
+    stall_s: float  # the pipeline's p2p stalls: every stage waits in them together, not stretched
     dp_s: float
     fixed_s: float
     step_s: float
@@ -449,21 +478,40 @@ def evaluate(shape: TimeShape, hw: Hardware) -> _Times:
     c, m, extra = hw.timing, shape.grad_accum, shape.recompute_extra
     mb_s, matmul_s, sat_tok, sat_dims = _compute(shape, hw)
     fwd = mb_s / (3 + 3 * extra)
-    comm, path_s, dp_s = [], 0.0, 0.0
+    comm, path_s, dp_s, stall_s = [], 0.0, 0.0, 0.0
+    stall_one = pipeline_stall_s(hw, shape.nodes, shape.memory_fraction)
     for ct in shape.comms:
         one, gbps = collective_s(ct.kind, ct.group, ct.per_node, ct.crosses, ct.call_bytes, hw)
         seconds = ct.calls * one
         window = _window(ct.window, shape, hw, mb_s, fwd, sat_tok, sat_dims)
         exposed = max(0.0, seconds - ct.overlap * window)
-        comm.append((seconds, window, exposed, gbps))
+        stall = ct.stall_ops * stall_one
+        comm.append((seconds + stall, window, exposed + stall, gbps))
+        stall_s += stall
         if ct.path:
             path_s += exposed
         else:
             dp_s += exposed
     opt = shape.optimizer_params * shape.optimizer_bytes / (c.optimizer_gbps * 1e9) if c.optimizer_gbps > 0 else 0.0
     fixed = opt + 1e-3 * c.step_overhead_ms
-    step = (m * mb_s + path_s) * (1 + shape.bubble) + dp_s + fixed
-    return _Times(mb_s, matmul_s, sat_tok, sat_dims, comm, path_s, dp_s, fixed, step)
+    step = (m * mb_s + path_s) * (1 + shape.bubble) + stall_s + dp_s + fixed
+    return _Times(mb_s, matmul_s, sat_tok, sat_dims, comm, path_s, stall_s, dp_s, fixed, step)
+
+
+def pipeline_stall_s(hw: Hardware, nodes: int, memory_fraction: float) -> float:
+    """Seconds one blocking pipeline send/recv stalls: p2p_stall_ms x the chance that either cause
+    strikes, 1 - (1 - by_nodes)(1 - by_memory), each a steep step sat = 1 / (1 + (x_half / x) ** exp):
+    by_nodes in the job's node count (half at p2p_stall_nodes), by_memory in the fullest stage's
+    predicted use (half at p2p_stall_headroom of the device left free: allocator retries synchronise
+    the device while a peer waits). Fitted to nanotron's blocking 1F1B sends (docs/planner.md "Time on
+    real runs"); 0 unless calibrated."""
+    c = hw.timing
+    if c.p2p_stall_ms <= 0:
+        return 0.0
+    by_nodes = 1 / (1 + (c.p2p_stall_nodes / max(1, nodes)) ** c.p2p_stall_exp)
+    free = max(1e-3, 1 - memory_fraction)
+    by_memory = 1 / (1 + (free / c.p2p_stall_headroom) ** c.p2p_stall_exp)
+    return 1e-3 * c.p2p_stall_ms * (1 - (1 - by_nodes) * (1 - by_memory))
 
 
 def _window(kind: str, shape: TimeShape, hw: Hardware, mb_s: float, fwd: float, sat_tok: float,
@@ -500,6 +548,10 @@ def _assumptions(layout: Layout, hw: Hardware, prec: Precision, shape: TimeShape
         f"ring latency {c.intra_hop_us:.3g} µs per hop inside a node, {c.inter_hop_us:.3g} µs across; fixed "
         f"{c.layer_overhead_us:.3g} µs per layer and micro batch, {c.step_overhead_ms:.3g} ms per step",
     ]
+    if layout.pp > 1 and c.p2p_stall_ms > 0:
+        stall = pipeline_stall_s(hw, shape.nodes, shape.memory_fraction)
+        out.append(f"pipeline p2p stall {1e3 * stall:.3g} ms per blocking send/recv (up to {c.p2p_stall_ms:.3g} ms: "
+                   f"{shape.nodes} node(s), fullest stage at {shape.memory_fraction:.0%} of device memory)")
     if layout.pp > 1:
         out.append(f"bubble {layout.pp_schedule}: " + (
             "≈ 0 (zero-bubble schedule, idealised)" if layout.pp_schedule in ZERO_BUBBLE else
@@ -543,10 +595,10 @@ def _calibration(layout: Layout, hw: Hardware, mfu_value: float, profile: Profil
 
 
 def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: Hardware,
-                prec: Precision, profile: Profile = PROFILES["usp"]) -> TimingPlan:
+                prec: Precision, profile: Profile = PROFILES["usp"], peak: float | None = None) -> TimingPlan:
     """step = (compute + exposed TP/CP/EP/PP comm) x (1 + bubble) + exposed data-parallel comm
     + optimizer + fixed cost."""
-    shape = time_shape(arch, layout, seq_len, global_batch, hw, prec, profile)
+    shape = time_shape(arch, layout, seq_len, global_batch, hw, prec, profile, peak)
     tm = evaluate(shape, hw)
     comm = [CommTerm(ct.name, ct.dims, ct.group, ct.crosses, gbps, ct.calls,
                      ct.bytes_per_step if ct.group > 1 else 0.0, seconds, window, exposed)
@@ -555,7 +607,7 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
     flops_mb = shape.tokens_mb * sum(f * (1 + extra if again else 1) for _, f, _, again in shape.matmuls)
     eff = flops_mb / (shape.peak * tm.matmul_s) if tm.matmul_s > 0 else 0.0
     compute_s = shape.grad_accum * tm.mb_s
-    bubble_s = shape.bubble * (compute_s + tm.path_s)
+    bubble_s = shape.bubble * (compute_s + tm.path_s)  # the stall is not stretched by the bubble
     tokens_step, world, step = shape.tokens_per_step, shape.world, tm.step_s
     model_step, hw_step, peak = shape.model_fpt * tokens_step, shape.hw_fpt * tokens_step, shape.peak
     eff_terms = {"kernel_efficiency": hw.timing.kernel_efficiency, "sat_tokens": tm.sat_tok, **tm.sat_dims,
@@ -566,7 +618,8 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
         dtype=prec.name, peak_tflops=peak / 1e12, tokens_per_step=tokens_step, model_flops_per_token=shape.model_fpt,
         hw_flops_per_token=shape.hw_fpt, model_flops_per_step=model_step, hw_flops_per_step=hw_step, efficiency=eff,
         efficiency_terms=eff_terms, micro_batch_s=tm.mb_s, compute_s=compute_s, bubble_fraction=shape.bubble,
-        bubble_s=bubble_s, comm=comm, exposed_path_comm_s=tm.path_s, exposed_dp_comm_s=tm.dp_s, fixed_s=tm.fixed_s,
+        bubble_s=bubble_s, comm=comm, exposed_path_comm_s=tm.path_s + tm.stall_s, exposed_dp_comm_s=tm.dp_s,
+        fixed_s=tm.fixed_s,
         step_s=step, tokens_per_s=tokens_step / step, tokens_per_s_per_device=tokens_step / step / world,
         mfu=mfu_value, hfu=hw_step / (step * world * peak), world=world, profile=profile.name,
         mfu_band=band, calibration=notes, assumptions=_assumptions(layout, hw, prec, shape, tm, eff, profile))
