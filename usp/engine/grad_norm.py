@@ -44,6 +44,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group=N
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
     if max_norm > 0:
-        for ps in _by_mesh(params, set()).values():  # per mesh: foreach ops don't mix DTensors of different meshes
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+        # as torch.nn.utils.clip_grads_with_norm_, on each rank's local shards: a scalar scales every
+        # placement alike, and DTensor's sharding propagation for a foreach op over a 3-D mesh's
+        # gradients cost 16.6 s per rank on the first step (measured, dp x cp x tp x pp on CPU)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None], coef)
     return float(total)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if hasattr(grad, "to_local") else grad  # under no_grad: the shard itself
