@@ -15,6 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 USP = str(Path(sys.executable).parent / "usp")
 _CACHE = Path(tempfile.mkdtemp(prefix="usp-test-cache-"))
 os.environ["USP_CACHE_DIR"] = str(_CACHE)
+# `make test` runs two xdist workers on two cores: a second OpenMP thread per process only spins
+# (a 20-step one-process run, the other core busy: 26.6 CPU-s with 2 threads, 14.9 with 1, measured).
+# usp honours OMP_NUM_THREADS when cluster.threads_per_proc is 0 (usp/plan/plan.py).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 # The files that take longest, longest first. `make test` runs the suite on two pytest-xdist

@@ -313,12 +313,15 @@ def test_dataset_dir_under_cache(tmp_path):
     assert plan_for("data.vocab_size=2048").dataset_dir != from_env.dataset_dir
 
 
-def test_threads_and_backend():
+def test_threads_and_backend(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg, choices = compose_config(None, ["cluster=local_cpu2", "parallelism=ddp", "train.micro_batch=8"])
     assert build_plan(cfg, choices, cpu_count=8).threads_per_proc == 4
     assert build_plan(cfg, choices, cpu_count=1).threads_per_proc == 1
-    cfg, choices = compose_config(None, ["cluster.threads_per_proc=3"])
-    assert build_plan(cfg, choices, cpu_count=64).threads_per_proc == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the environment's setting wins over the core count
+    assert build_plan(cfg, choices, cpu_count=8).threads_per_proc == 3
+    cfg, choices = compose_config(None, ["cluster.threads_per_proc=5"])  # and the config's over both
+    assert build_plan(cfg, choices, cpu_count=64).threads_per_proc == 5
     assert plan_for("cluster=local_gpu").backend == "nccl"
     assert plan_for("cluster.backend=mpi").backend == "mpi"
 

@@ -147,7 +147,7 @@ class ClusterConfig:
     # rendezvous at rdzv_endpoint, "host:port" (or "host": the port is then derived from the run).
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
-    threads_per_proc: int = 0  # 0 = cpu cores / procs_per_node
+    threads_per_proc: int = 0  # 0 = OMP_NUM_THREADS if set (local launcher), else cpu cores / procs_per_node
     # Hardware, for the planner's memory and time model (figures and sources: docs/hardware.md).
     device_name: str = "cpu"
     device_memory_gb: float = 24.0  # per device (per process on CPU), GiB

@@ -183,10 +183,15 @@ def plan_with_failures(cfg, choices: dict | None = None, *, force: bool = False,
 
 def _threads_per_proc(cluster, per_node: int, cpu_count: int | None) -> int:
     """cluster.threads_per_proc, else the node's CPUs split over its processes: on Slurm the nodes'
-    (cluster.slurm.cpus_per_task; this login machine's count says nothing about them), else this one's."""
+    (cluster.slurm.cpus_per_task; this login machine's count says nothing about them), else this one's,
+    unless OMP_NUM_THREADS is set here (as every OpenMP program, and torchrun, honour it: e.g. several
+    jobs sharing a machine, where a second thread per process only spins)."""
     if int(cluster.threads_per_proc):
         return int(cluster.threads_per_proc)
     if cluster.launcher != "slurm":
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        if omp.isdigit() and int(omp) > 0:
+            return int(omp)
         return max(1, (cpu_count or os.cpu_count() or 1) // per_node)
     if not int(cluster.slurm.cpus_per_task):
         raise PlanError("a Slurm job needs the nodes' CPU count: cluster.slurm.cpus_per_task and "
