@@ -121,14 +121,16 @@ LAYOUTS = {
         # ZeRO-3 x context x tensor(+sequence)
         "fsdp_x_cp_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.cp=2",
                            "parallelism.tp=2"],
+        # MoE: experts over ep 2 (the FSDP ranks) x tp 2 x pp 2; experts also sharded over the other
+        # dp_shard ranks is ep_fsdp_mod_ep (4 ranks): on 8 ranks instead of 16, a launch's ranks
+        # share 2 cores and every rank pays each step's Python (DTensor dispatch) again
+        "ep_x_fsdp_x_tp_x_pp": MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
+                                           "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=2"],
     },
     16: {
         # the four mesh dims at once: data x context x tensor(+sequence) x pipeline
         "dp_x_cp_x_tp_x_pp": PP + ["parallelism.dp_replicate=2", "parallelism.cp=2", "parallelism.tp=2",
                                    "parallelism.pp=2", "train.micro_batch=4"],
-        # MoE: experts over ep 2 (sharded over the other 2 dp_shard ranks) x tp 2 x pp 2
-        "ep_x_fsdp_x_tp_x_pp": MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=4", "parallelism.ep=2",
-                                           "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=2"],
     },
 }
 
