@@ -104,6 +104,7 @@ class ClusterTimingConfig:
     p2p_stall_headroom: float = 0.1  # free share of device memory at which it reaches half of it
     p2p_stall_exp: float = 4.0  # how steeply the stall grows (node count, memory headroom)
     optimizer_gbps: float = 0.0  # memory bandwidth of the optimizer step; 0 = not modelled
+    loss_ps_per_logit: float = 0.0  # the loss's cost per logit (token x vocabulary/tp) on the last stage; 0 = none
     calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
 
 

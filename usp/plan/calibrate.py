@@ -2,8 +2,8 @@
 bandwidths) to measured runs, score the fit, and write the fitted cluster group. Pure Python: each
 run's step geometry (usp.plan.timing.time_shape) is built once, then a coordinate search in log
 space over the few constants minimises the runs' MFU error (mean |error| in points plus the mean
-|log(predicted / measured)|, so that both large and small MFUs count). Fast: ~1,000 runs fit in
-seconds."""
+|log(predicted / measured)|, so that both large and small MFUs count) plus a ranking term (each
+(model, nodes) cell's measured-best layout kept in the predicted top 3). ~1,000 runs fit in minutes."""
 from __future__ import annotations
 
 import math
@@ -27,10 +27,11 @@ PARAMS = (("intra_node_gbps", 1.0, 1e4), ("inter_node_gbps", 0.1, 1e4),
           ("call_overhead_us", 1.0, 1e4), ("p2p_us", 1.0, 1e6), ("layer_overhead_us", 1.0, 1e5),
           ("step_overhead_ms", 0.1, 1e4), ("optimizer_gbps", 50.0, 1e5),
           ("p2p_stall_ms", 0.01, 1e4), ("p2p_stall_nodes", 1.0, 1e4), ("p2p_stall_headroom", 0.001, 1.0),
-          ("p2p_stall_exp", 1.0, 16.0))
+          ("p2p_stall_exp", 1.0, 16.0), ("loss_ps_per_logit", 0.01, 1e4))
 HW_PARAMS = ("intra_node_gbps", "inter_node_gbps")
 LOG_RATIO_WEIGHT = 10.0  # points of MFU error worth a factor e of ratio error
 LOG_RATIO_CAP = 2.0  # one pathological run (measured 0.1 % MFU) counts at most this much
+RANK_WEIGHT = 20.0  # points per unit of log shortfall of a cell's measured best from the predicted top 3
 
 
 @dataclass
@@ -120,7 +121,7 @@ def with_params(hw: Hardware, values: dict) -> Hardware:
 START = {"kernel_efficiency": 0.6, "kernel_half_tokens": 128.0, "kernel_half_dim": 128.0, "intra_hop_us": 5.0,
          "inter_hop_us": 20.0, "call_overhead_us": 50.0, "p2p_us": 1000.0, "layer_overhead_us": 50.0,
          "step_overhead_ms": 10.0, "optimizer_gbps": 1000.0, "p2p_stall_ms": 0.01, "p2p_stall_nodes": 16.0,
-         "p2p_stall_headroom": 0.1, "p2p_stall_exp": 4.0}
+         "p2p_stall_headroom": 0.1, "p2p_stall_exp": 4.0, "loss_ps_per_logit": 10.0}
 
 
 def _params(hw: Hardware) -> dict:
@@ -144,16 +145,31 @@ class Problem:
         self.shapes: list[TimeShape] = [
             time_shape(r.arch, r.layout, r.seq_len, r.global_batch, hw.with_nodes(r.nodes), prec, profile)
             for r in self.runs]
+        cells = defaultdict(list)
+        for i, r in enumerate(self.runs):
+            cells[r.cell].append(i)
+        # per cell of >= 3 runs: (its runs, those measured best: all tied at the best measured MFU)
+        measured = [r.mfu or 0.0 for r in self.runs]
+        self.cells = [(idx, [i for i in idx if measured[i] == max(measured[j] for j in idx)])
+                      for idx in cells.values() if len(idx) >= 3]
 
     def predict(self, hw: Hardware) -> list[float]:
         return [mfu(s, evaluate(s, hw).step_s) for s in self.shapes]
 
     def loss(self, hw: Hardware) -> float:
-        total = 0.0
+        """Mean per run of |MFU error| in points + LOG_RATIO_WEIGHT x |ln(predicted / measured)| (capped),
+        + RANK_WEIGHT x the mean per cell of ln(the predicted 3rd best / the measured best's prediction)
+        when positive: the layout a user should pick kept among the planner's top 3."""
+        total, predicted = 0.0, []
         for s, r in zip(self.shapes, self.runs):
             p, m = mfu(s, evaluate(s, hw).step_s), r.mfu or 1e-4
+            predicted.append(p)
             total += 100 * abs(p - m) + LOG_RATIO_WEIGHT * min(LOG_RATIO_CAP, abs(math.log(p / m)))
-        return total / max(1, len(self.runs))
+        shortfall = 0.0
+        for idx, best in self.cells:
+            third = sorted((predicted[i] for i in idx), reverse=True)[2]
+            shortfall += max(0.0, math.log(third / max(predicted[i] for i in best)))
+        return total / max(1, len(self.runs)) + RANK_WEIGHT * shortfall / max(1, len(self.cells))
 
 
 def fit(problem: Problem, rounds: int = 60, restarts: int = 2) -> Fit:

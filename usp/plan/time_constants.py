@@ -42,6 +42,9 @@ class TimeConstants:
     p2p_stall_headroom: float = 0.1  # free share of device memory at which it reaches half of it
     p2p_stall_exp: float = 4.0  # how steeply it grows (both causes)
     optimizer_gbps: float = 0.0  # memory bandwidth the optimizer step streams its states at; 0 = not modelled
+    # the LM head's loss (softmax cross-entropy, forward + backward) streams the micro batch's logits
+    # (tokens x vocabulary/tp) through memory several times, in fp32 where the recipe upcasts them
+    loss_ps_per_logit: float = 0.0  # picoseconds per logit on the last stage; 0 = not modelled
     calibrated: Calibrated = field(default_factory=Calibrated)
 
     @classmethod

@@ -168,11 +168,12 @@ def _term(name: str, dims: tuple, kind: str, n: int, layout: Layout, hw: Hardwar
                 overlap, path, stall_ops if n > 1 else 0)
 
 
-def rank_params(arch: Arch, layout: Layout) -> list[float]:
-    """Parameters on one rank of each pp rank (after TP / EP slicing)."""
+def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float]:
+    """Parameters on one rank of each pp rank (after TP / EP slicing), layers split as the profile
+    splits them (Profile.pp_split)."""
     t = layout.tp
     ep = max(1, layout.ep) if arch.moe else 1
-    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
+    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
     layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
         + arch.norm_params + arch.expert_params / ep  # a MoE layer is not TP-sliced
     vocab_pad = -(-arch.vocab_size // t) * t
@@ -210,6 +211,7 @@ class TimeShape:
     world: int
     nodes: int = 1
     memory_fraction: float = 0.0  # predicted peak of the fullest stage / device memory (the p2p stall)
+    logits_mb: float = 0.0  # logits the busiest pp rank's loss handles per micro batch (tokens x vocabulary/tp)
 
     @property
     def layers_r(self) -> int:
@@ -244,12 +246,13 @@ def _layer_matmuls(arch: Arch, layout: Layout, seq_len: int) -> list[tuple[str, 
     return out
 
 
-def _stage_matmuls(arch: Arch, layout: Layout, seq_len: int) -> tuple[int, tuple, tuple]:
-    """(busiest pp rank by FLOPs, layers per pp rank, its matmuls: (name, FLOPs per token, width, recomputed))."""
+def _stage_matmuls(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[int, tuple, tuple]:
+    """(busiest pp rank by FLOPs, layers per pp rank, its matmuls: (name, FLOPs per token, width, recomputed)),
+    the layers split as the profile's recipe splits them (nanotron: by matmul cost, the LM head's included)."""
     mats = _layer_matmuls(arch, layout, seq_len)
     layer_fpt = sum(f for _, f, _ in mats)
     head_fpt = 6 * arch.vocab_size * arch.dim / layout.tp
-    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers)
+    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
     layers = tuple(sum(counts[i] for i in held) for held in ranks)
     last = [len(counts) - 1 in held for held in ranks]
     busiest = max(range(layout.pp), key=lambda r: layers[r] * layer_fpt + (head_fpt if last[r] else 0))
@@ -261,14 +264,16 @@ def _stage_matmuls(arch: Arch, layout: Layout, seq_len: int) -> tuple[int, tuple
 
 def _compute(shape: TimeShape, hw: Hardware) -> tuple[float, float, float, dict]:
     """(micro batch seconds on the busiest pp rank incl. its fixed cost, matmul seconds, sat(tokens),
-    sat(width) per matmul): FLOPs / (peak x kernel efficiency) + a fixed cost per layer."""
+    sat(width) per matmul): FLOPs / (peak x kernel efficiency) + a fixed cost per layer + the loss's
+    cost per logit (memory-bound: it scales with tokens x vocabulary/tp, not with FLOPs)."""
     c, extra = hw.timing, shape.recompute_extra
     sat_tok = _sat(shape.tokens_mb, c.kernel_half_tokens)
     rate = shape.peak * c.kernel_efficiency * sat_tok
     sat_dims = {name: _sat(width, c.kernel_half_dim) for name, _, width, _ in shape.matmuls}
     matmul_s = shape.tokens_mb * sum(f * (1 + extra if again else 1) / sat_dims[name]
                                      for name, f, _, again in shape.matmuls) / rate
-    return matmul_s + 1e-6 * c.layer_overhead_us * shape.layers_r, matmul_s, sat_tok, sat_dims
+    loss_s = 1e-12 * c.loss_ps_per_logit * shape.logits_mb
+    return matmul_s + 1e-6 * c.layer_overhead_us * shape.layers_r + loss_s, matmul_s, sat_tok, sat_dims
 
 
 def _bubble(layout: Layout) -> float:
@@ -431,9 +436,9 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
     """The layout's step geometry: FLOPs per matmul, collectives, optimizer state (no fitted constant).
     peak: the predicted peak bytes of the fullest stage (usp.plan.memory.peak_bytes; computed if None)."""
     _, _, model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
-    busiest, layers, mats = _stage_matmuls(arch, layout, seq_len)
+    busiest, layers, mats = _stage_matmuls(arch, layout, seq_len, profile.pp_split)
     tokens_mb = layout.micro_batch * seq_len / layout.cp
-    psi = max(rank_params(arch, layout))
+    psi = max(rank_params(arch, layout, profile.pp_split))
     comms = _path_comm(arch, layout, seq_len, hw, prec, layers[busiest], tokens_mb, profile) \
         + _dp_comm(arch, layout, hw, prec, layers[busiest], psi, profile)
     return TimeShape(peak=hw.peak_flops(prec), tokens_mb=tokens_mb, grad_accum=layout.grad_accum,
@@ -442,7 +447,8 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
                      comms=tuple(comms), optimizer_params=psi / layout.shard_degree,
                      optimizer_bytes=profile.optimizer_bytes_per_param, tokens_per_step=global_batch * seq_len,
                      model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world, nodes=hw.nodes,
-                     memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak))
+                     memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak),
+                     logits_mb=tokens_mb * mats[-1][2] if mats[-1][0] == "head" else 0.0)
 
 
 def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile,
