@@ -26,9 +26,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # starting these first keeps both cores busy to the end instead of leaving one file running alone.
 # Much of their time is single-process (CLI start-up, rank 0's reference, Slurm scheduling), so two
 # at once overlap well on two cores.
-LONGEST_FIRST = ("test_parallel.py", "test_checkpoint.py", "test_slurm.py", "test_training.py", "test_moe.py",
-                 "test_memory_calibration.py", "test_pipeline.py", "test_bench_smoke.py", "test_failures.py",
-                 "test_context_parallel.py")
+LONGEST_FIRST = ("test_parallel.py", "test_checkpoint.py", "test_slurm.py", "test_training.py",
+                 "test_memory_calibration.py", "test_multinode.py", "test_bench_smoke.py", "test_hf_checkpoint.py",
+                 "test_failures.py", "test_moe.py", "test_pipeline.py", "test_context_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):
