@@ -150,8 +150,8 @@ class Problem:
             cells[r.cell].append(i)
         # per cell of >= 3 runs: (its runs, those measured best: all tied at the best measured MFU)
         measured = [r.mfu or 0.0 for r in self.runs]
-        self.cells = [(idx, [i for i in idx if measured[i] == max(measured[j] for j in idx)])
-                      for idx in cells.values() if len(idx) >= 3]
+        self.cells = [(idx, [i for i in idx if measured[i] == top])
+                      for idx in cells.values() if len(idx) >= 3 for top in [max(measured[j] for j in idx)]]
 
     def predict(self, hw: Hardware) -> list[float]:
         return [mfu(s, evaluate(s, hw).step_s) for s in self.shapes]

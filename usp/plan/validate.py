@@ -53,7 +53,8 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
     warnings = rules.warnings(subject, strict=strict)
     warnings += check_observability(cfg, training)
     plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec, ctx.profile)
-    plan.timing = timing_plan(ctx.arch, layout, plan.batch.seq_len, plan.batch.global_batch, hw, ctx.prec, ctx.profile)
+    plan.timing = timing_plan(ctx.arch, layout, plan.batch.seq_len, plan.batch.global_batch, hw, ctx.prec, ctx.profile,
+                              plan.memory.peak.total)  # the memory model's peak, not computed again
     plan.warnings.extend(w for w in warnings if w not in plan.warnings)
     if not plan.memory.fits:
         if not force:
