@@ -35,8 +35,8 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
     if gpus:
         console.print(f"[yellow]note:[/] {gpus} NVIDIA GPU(s) visible here, but cluster.device=cpu: "
                       f"cluster=local_gpu cluster.procs_per_node={gpus} trains on them (bf16, NCCL)", highlight=False)
-    if prepare_data:  # a missing corpus is refused before the run directory is made
-        from usp.data.prepare import dataset_dir
+    if prepare_data and not plan.dataset_dir:  # a missing corpus is refused before the run directory is made
+        from usp.data.prepare import dataset_dir  # (the plan found its directory unless the data was missing)
 
         dataset_dir(cfg.data)
     run_dir = check_run_dir(Path(plan.run_dir))

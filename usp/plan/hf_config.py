@@ -17,11 +17,11 @@ shared expert) is refused by name."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from usp.errors import PlanError
+from usp.plan.nodes import getter
 
 CONFIG = "config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -50,7 +50,7 @@ def hf_rope_theta(config: dict) -> float:
 
 def usp_fields(model: Any, vocab: int) -> dict:
     """The architecture of a model group (a ModelConfig, or the plan's dict) in HF's terms."""
-    get = _getter(model)
+    get = getter(model)
     n_heads, n_experts = int(get("n_heads")), int(get("n_experts") or 0)
     out = {
         "model_type": "mixtral" if n_experts > 0 else "llama",
@@ -64,13 +64,6 @@ def usp_fields(model: Any, vocab: int) -> dict:
     if n_experts:
         out.update(num_local_experts=n_experts, num_experts_per_tok=int(get("top_k")))
     return out
-
-
-def _getter(model: Any) -> Callable[[str], Any]:
-    """Field access on a ModelConfig or on the plan's dict of it."""
-    if isinstance(model, dict):
-        return model.get
-    return lambda key: getattr(model, key, None)
 
 
 # HF field -> the usp key that sets it (what the error tells the user to change)
@@ -128,7 +121,7 @@ def _check_supported(config: dict, model: Any, path: str) -> None:
                      "usp's RoPE has no frequency scaling (e.g. Llama 3.1's 'llama3')")
     if config.get("sliding_window") is not None:
         raise refuse("sliding_window", config["sliding_window"], "usp's attention is full causal attention")
-    if model_type == "mixtral" and _getter(model)("shared_expert"):
+    if model_type == "mixtral" and getter(model)("shared_expert"):
         raise PlanError("Mixtral has no shared expert", key="model.shared_expert", value=True,
                         fix="model.shared_expert=false")
 

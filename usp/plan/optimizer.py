@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from usp.plan.nodes import getter
+
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # Known, but refused, with the reason measured (2 ranks, FSDP2 on gloo, torch 2.13).
 REFUSED_OPTIMIZERS = {
@@ -38,7 +40,7 @@ class OptimSettings:
     @classmethod
     def from_config(cls, opt, steps: int) -> OptimSettings:
         """From optimizer.* (a DictConfig, a dict or a namespace); missing keys keep the defaults."""
-        get = opt.get if isinstance(opt, dict) else lambda k, d: getattr(opt, k, d)
+        get = getter(opt)
         d = cls()
         return cls(name=str(get("name", d.name)), schedule=str(get("schedule", d.schedule)),
                    lr=float(get("lr", d.lr)), min_lr_ratio=float(get("min_lr_ratio", d.min_lr_ratio)),

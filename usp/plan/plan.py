@@ -106,7 +106,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
 def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     """The checks the rule subject needs first (cluster sizes, launcher, degrees, batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
-    from usp.plan.context import data_vocab, rule_subject, tokenizer_vocab
+    from usp.plan.context import rule_subject, tokenizer_vocab
     from usp.plan.validate import derive_batch
 
     cluster = cfg.cluster
@@ -124,7 +124,7 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     if 0 < model_vocab < token_vocab:  # every token id needs an embedding row
         raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the model's embedding", key="model.vocab_size",
                         value=model_vocab, fix=f"model.vocab_size=-1 (take it from the tokenizer) or >= {token_vocab}")
-    vocab = data_vocab(cfg.model, cfg.data)
+    vocab = model_vocab if model_vocab > 0 else token_vocab  # as data_vocab, without reading the tokenizer again
     init_from = getattr(cfg.model, "init_from", None)
     if init_from:  # a Hugging Face checkpoint to start from: its config.json must be this model group
         from usp.plan.hf_config import check_hf_config, read_hf_config
