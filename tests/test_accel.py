@@ -66,6 +66,15 @@ def test_bf16_on_cpu_takes_the_gpu_recipe():
     assert isinstance(ctx, torch.autocast) and ctx.device == "cpu" and ctx.fast_dtype == torch.bfloat16
 
 
+def test_autocast_caches_weight_copies_only_without_recompute():
+    """A recomputed layer casts its weights again; a cache would hold every layer's bf16 copy
+    through the loss (measured: tests/test_memory_calibration.py's wide bf16 layouts)."""
+    for recompute, cache in (("none", True), ("full", False), ("selective", False)):
+        ctx = accel.autocast_context(plan_of(*DDP2, "train.dtype=bf16", f"train.recompute={recompute}"),
+                                     torch.device("cpu"))
+        assert ctx._cache_enabled is cache, recompute
+
+
 def test_cpu_and_fp32_stay_fp32():
     for plan, device in ((plan_of(*FSDP2), "cpu"), (plan_of("cluster=local_gpu", *FSDP2, "train.dtype=fp32"), "cuda")):
         assert precision.fsdp_mp_policy(plan) is None
@@ -80,6 +89,9 @@ def test_sdpa_prefers_flash_on_cuda_only():
     from torch.nn.attention import SDPBackend
 
     assert accel.sdpa_backends("cuda")[0] == SDPBackend.FLASH_ATTENTION
+    # cuDNN's kernel ran in a checkpointed forward despite flash's priority and flash's at its recomputation
+    # (torch 2.11, H200): backward refused the mismatched saved tensors, so cuDNN is not offered
+    assert SDPBackend.CUDNN_ATTENTION not in accel.sdpa_backends("cuda")
     assert accel.sdpa_backends("cpu") is None and accel.attention_core("sdpa", "cpu") is None
 
 

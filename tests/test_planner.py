@@ -489,9 +489,9 @@ def test_tied_embeddings_under_pp_plan_with_the_head_copy(tmp_path):
     layer = a.layer_params
     assert first.params == 8 * layer + a.embed_params
     assert last.params == 8 * layer + a.embed_params + a.dim  # + final norm
-    assert last.optimizer == first.optimizer + 12 * a.dim  # bf16 mixed precision: 12 B/param of AdamW
+    assert last.optimizer == first.optimizer + 8 * a.dim  # usp's bf16: fp32 parameters, 8 B/param of AdamW
     tied = [c for c in plan.timing.comm if c.name.startswith("tied embedding")]
-    assert len(tied) == 1 and tied[0].bytes_per_step == 2 * a.embed_params and tied[0].exposed_s > 0
+    assert len(tied) == 1 and tied[0].bytes_per_step == 4 * a.embed_params and tied[0].exposed_s > 0  # fp32 grads
     zbv = plan_for("model=llama3_2_1b", "cluster=h200", "parallelism.pp=2", "parallelism.pp_schedule=zbv",
                    "parallelism.pp_virtual_stages=2")
     assert not [c for c in zbv.timing.comm if c.name.startswith("tied embedding")]  # one rank: summed locally
@@ -605,3 +605,46 @@ def test_uniform_split_equals_pipeline_split(embed, head):
     for n, stages in cases:
         expected = tuple(_balanced_counts([218] * n, stages, embed, head))
         assert uniform_split(n, stages, embed, head, 218) == expected, (n, stages)
+
+
+H200_ONE = ("cluster=h200", "cluster.procs_per_node=1", "train.seq_len=2048", "train.global_batch=8")
+
+
+def test_bf16_storage_follows_the_recipe():
+    """usp keeps fp32 parameters and gradients and gives the matmuls bf16 copies (4 + 4 + 8 B and the
+    copies); a Megatron/nanotron recipe stores bf16 parameters with fp32 masters (2 + 2 + 12)."""
+    usp_prec = Precision.resolve("bf16", "cuda", PROFILES["usp"].fp32_params)
+    nano = Precision.resolve("bf16", "cuda", PROFILES["nanotron"].fp32_params)
+    assert (usp_prec.param, usp_prec.grad, usp_prec.optim, usp_prec.copy_bytes) == (4, 4, 8, 2)
+    assert (nano.param, nano.grad, nano.optim, nano.copy_bytes) == (2, 2, 12, 0)
+    assert Precision.resolve("auto", "cpu", True).copy_bytes == 0  # fp32: the matmuls read the parameters
+
+
+def test_autocast_weight_copies_where_the_engine_holds_them():
+    """Measured on an H200 (docs/benchmarks.md): Llama-3.1 8B, full recompute, micro batch 2, eager,
+    ran out of memory at the loss forward, where autocast's cache held a bf16 copy of every weight;
+    compiled it peaked at 128.7 GiB. The engine now caches only without recompute, so a recomputed
+    model holds the LM head's copy alone; without recompute every layer keeps its copy for backward."""
+    a = arch("llama3_1_8b")
+    head = 2 * a.vocab_size * a.dim
+    full = plan_for("model=llama3_1_8b", *H200_ONE, "train.micro_batch=2", "train.recompute=full").memory.stages[0]
+    assert full.copies == pytest.approx(head) and full.peak_phase == "loss backward"
+    assert (full.total - full.overhead) / GIB == pytest.approx(128.7, rel=0.03)  # the compiled run's peak
+    every = 2 * (a.n_layers * a.layer_params + a.vocab_size * a.dim)  # not the embedding: a lookup, never cast
+    none = plan_for("model=llama3_1_8b", *H200_ONE, "train.micro_batch=1", "train.recompute=none",
+                    force=True).memory.stages[0]
+    assert none.copies == pytest.approx(every, rel=1e-3)
+    fsdp = plan_for("model=llama3_1_8b", "cluster=h200", "parallelism.dp_replicate=1", "parallelism.dp_shard=8",
+                    "train.recompute=none").memory.stages[0]
+    assert fsdp.copies == 0  # FSDP2's policy gathers bf16 parameters instead (the gathered term)
+    nanotron = plan_for("model=llama3_1_8b", *H200_ONE, "train.micro_batch=1", "planner.profile=nanotron",
+                        force=True).memory.stages[0]
+    assert nanotron.copies == 0 and nanotron.optimizer == 12 * nanotron.params
+
+
+def test_compiled_blocks_leave_only_the_head_copy():
+    a = arch("llama3_2_1b")  # tied: the head casts the embedding
+    eager = plan_for("model=llama3_2_1b", *H200_ONE, "train.micro_batch=8").memory.stages[0]
+    compiled = plan_for("model=llama3_2_1b", *H200_ONE, "train.micro_batch=8", "train.compile=true").memory.stages[0]
+    assert compiled.copies == pytest.approx(2 * a.vocab_size * a.dim) and compiled.copies < eager.copies
+    assert compiled.total < eager.total

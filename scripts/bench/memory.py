@@ -9,6 +9,7 @@ batch 16. Prints a Markdown table (MiB).
     python scripts/bench/memory.py --extra    # + byte vocabulary, accumulation, MoE, pipeline layouts
     python scripts/bench/memory.py --zero     # ZeRO-1 / ZeRO-2 with TP or PP (4 processes)
     python scripts/bench/memory.py --cp-pp    # CP x PP, ZeRO-3 x zero-bubble PP (4 processes)
+    python scripts/bench/memory.py --bf16     # train.dtype=bf16: autocast / FSDP2's bf16 policy, as on a GPU
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 os.environ.setdefault("USP_CACHE_DIR", tempfile.mkdtemp(prefix="usp-bench-"))
 
-from dist.cases_memory import CP_PP_LAYOUTS, EXTRA_LAYOUTS, MEMORY_LAYOUTS, ZERO_LAYOUTS  # noqa: E402
+from dist.cases_memory import BF16_LAYOUTS, CP_PP_LAYOUTS, EXTRA_LAYOUTS, MEMORY_LAYOUTS, ZERO_LAYOUTS  # noqa: E402
 from dist.harness import launch  # noqa: E402
 
 MIB = 1024  # GiB -> MiB
@@ -31,17 +32,19 @@ MIB = 1024  # GiB -> MiB
 
 def main() -> None:
     extra, zero, cp_pp = "--extra" in sys.argv[1:], "--zero" in sys.argv[1:], "--cp-pp" in sys.argv[1:]
+    bf16 = "--bf16" in sys.argv[1:]
+    extra = extra or bf16  # the wide bf16 layouts read the byte vocabulary
     from usp.config.compose import compose_config
     from usp.data.prepare import ensure_dataset
 
     for overrides in ([], ["data.tokenizer=bytes"] if extra else []):
         ensure_dataset(compose_config(None, overrides)[0].data)  # once, before the ranks start
     start = time.perf_counter()
-    flags = ["--zero"] if zero else ["--cp-pp"] if cp_pp else ["--extra"] if extra else []
+    flags = ["--zero"] if zero else ["--cp-pp"] if cp_pp else ["--bf16"] if bf16 else ["--extra"] if extra else []
     results = launch(REPO / "tests" / "dist" / "cases_memory.py", 4 if zero or cp_pp else 2, *flags, timeout=900)
     wall = time.perf_counter() - start
-    layouts = ZERO_LAYOUTS if zero else CP_PP_LAYOUTS if cp_pp else {**MEMORY_LAYOUTS,
-                                                                      **(EXTRA_LAYOUTS if extra else {})}
+    layouts = ZERO_LAYOUTS if zero else CP_PP_LAYOUTS if cp_pp else BF16_LAYOUTS if bf16 else {
+        **MEMORY_LAYOUTS, **(EXTRA_LAYOUTS if extra else {})}
     print("| layout | ranks | predicted (MiB) | measured (MiB) | error | peak during "
           "| predicted incl. allowance (MiB) |")
     print("|---|---:|---:|---:|---:|---|---:|")
@@ -52,7 +55,7 @@ def main() -> None:
             print(f"| {name} | | | | failed: {r and r.get('error')} | | |")
             continue
         err = (r["predicted_gib"] - r["measured_gib"]) / r["measured_gib"]
-        worst = max(worst, abs(err)) if name in MEMORY_LAYOUTS or zero else worst
+        worst = max(worst, abs(err)) if name in MEMORY_LAYOUTS or zero or bf16 else worst
         print(f"| {name} | {r['world']} | {r['predicted_gib'] * MIB:.1f} | {r['measured_gib'] * MIB:.1f} | "
               f"{err:+.1%} | {r['peak_phase']} | {r['predicted_total_gib'] * MIB:.1f} |")
     print(f"\nworst |error| over the asserted layouts: {worst:.1%}; one torchrun launch, {wall:.0f} s; "

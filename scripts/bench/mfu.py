@@ -208,7 +208,8 @@ def main() -> None:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.case_timeout)
             last = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
-            r = json.loads(last[0]) if last else {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+            r = json.loads(last[0]) if last else {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}",
+                                                  "stderr_tail": proc.stderr.strip()[-4000:]}
         except subprocess.TimeoutExpired:
             r = {"error": f"no result in {args.case_timeout:.0f} s"}
         results[name] = r
@@ -217,6 +218,7 @@ def main() -> None:
                 f.write(json.dumps({"case": name, **r, **_common.machine()}) + "\n")
         if not args.json:
             print(row(name, r), flush=True)
+        r.pop("stderr_tail", None)  # kept in --out's line only: the table stays one row a case
     if args.json:
         _common.emit({"cases": results, **_common.machine()}, args, [])
 

@@ -82,6 +82,23 @@ ZERO_LAYOUTS = {
 }
 
 
+# bf16 on CPU (train.dtype=bf16): autocast around forward + loss, or FSDP2's bf16 parameters, as on a
+# GPU (fp32 parameters, gradients and AdamW states; bf16 weight copies). tests/test_memory_calibration.py
+# and scripts/bench/memory.py --bf16 launch them on their own (2 ranks).
+BF16 = ["train.dtype=bf16"]
+WIDE = ["model.dim=512", "model.ffn_dim=2048", "model.n_layers=4", "model.n_heads=8", "train.seq_len=32",
+        "train.global_batch=4"] + BYTES
+BF16_LAYOUTS = {
+    "single_bf16": (1, SINGLE + BF16),
+    "recompute_full_bf16": (1, SINGLE + BF16 + ["train.recompute=full"]),
+    "ddp_bf16": (2, ["parallelism.dp_replicate=2"] + BF16),
+    "fsdp_zero3_bf16": (2, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"] + BF16),
+    "tp_bf16": (2, ["parallelism.dp_replicate=1", "parallelism.tp=2"] + BF16),
+    # weights outweigh activations (as in an 8B model at a short micro batch): autocast's copies decide the peak
+    "wide_recompute_full_grad_accum_bf16": (1, SINGLE + BF16 + WIDE + ["train.recompute=full", "train.micro_batch=2"]),
+}
+
+
 def measure_layout(world: int, overrides: list[str]) -> dict:
     from dist.parity import plan_dict
     from usp.engine.observe.memory_probe import optimizer_state_tensors, storage_bytes
@@ -116,5 +133,6 @@ if __name__ == "__main__":
     layouts = {**MEMORY_LAYOUTS, **EXTRA_LAYOUTS} if "--extra" in sys.argv else MEMORY_LAYOUTS
     layouts = ZERO_LAYOUTS if "--zero" in sys.argv else layouts
     layouts = CP_PP_LAYOUTS if "--cp-pp" in sys.argv else layouts
+    layouts = BF16_LAYOUTS if "--bf16" in sys.argv else layouts
     cases = {name: (lambda w=w, ov=ov: measure_layout(w, ov)) for name, (w, ov) in layouts.items() if w <= world}
     run_cases(cases)

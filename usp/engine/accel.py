@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.engine.parallel.precision import fsdp_mixed_precision
-from usp.plan.specs import ATTENTION_CHOICES, uses_bf16, uses_deterministic
+from usp.plan.specs import ATTENTION_CHOICES, autocast_weight_cache, uses_bf16, uses_deterministic
 
 FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keeps the default (parity with past runs)
 
@@ -34,7 +34,8 @@ def autocast_context(plan: dict, device: torch.device):
     """Around forward + loss: bf16 autocast unless fp32, or unless FSDP2 already computes in bf16."""
     if not uses_bf16(str(plan["config"]["train"]["dtype"]), device.type) or fsdp_mixed_precision(plan):
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    cache = autocast_weight_cache(str(plan["config"]["train"]["recompute"]))
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
 
 def deterministic(plan: dict) -> bool:
@@ -53,14 +54,16 @@ def fused_adamw(device_type: str) -> bool:
 # -- attention ---------------------------------------------------------------------------------
 
 def sdpa_backends(device_type: str):
-    """SDPA kernel priority on CUDA: flash first (PyTorch may otherwise prefer cuDNN on some
-    versions), then memory-efficient, cuDNN, math as fallbacks (e.g. fp32 or odd head sizes).
-    None elsewhere: PyTorch's own choice."""
+    """SDPA kernels on CUDA: flash first, then memory-efficient and math as fallbacks (e.g. fp32
+    or odd head sizes). None elsewhere: PyTorch's own choice. cuDNN attention is left out:
+    measured on an H200 with torch 2.11, the checkpointed forward of recompute=full ran cuDNN's
+    kernel despite flash's priority and the recomputation ran flash's, so backward refused the
+    mismatched saved tensors."""
     if device_type != "cuda":
         return None
     from torch.nn.attention import SDPBackend
 
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attention_core(name: str, device_type: str):

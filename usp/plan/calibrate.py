@@ -292,8 +292,8 @@ def calibrate(measured: Path, cluster: str, profile: str, archs: Path | None = N
     import yaml
 
     hw0 = Hardware.from_cluster(yaml.safe_load(text) or {})
-    prec = Precision.resolve("bf16" if uses_bf16("auto", hw0.device) else "fp32", hw0.device)
     prof = get_profile(profile)
+    prec = Precision.resolve("bf16" if uses_bf16("auto", hw0.device) else "fp32", hw0.device, prof.fp32_params)
     runs = read_runs(measured, archs)
     fit_runs, held = split(runs, holdout)
     problem = Problem(fit_runs, hw0, prec, prof)

@@ -47,8 +47,8 @@ def planner_context(cfg, vocab: int | None = None) -> PlannerContext:
     hw = Hardware.from_cluster(cfg.cluster)
     planner = getattr(cfg, "planner", None)
     profile = get_profile(str(getattr(planner, "profile", "usp")))
-    return PlannerContext(arch, hw, Precision.resolve(str(train.dtype), hw.device), seq, gb, Settings.from_config(cfg),
-                          profile)
+    prec = Precision.resolve(str(train.dtype), hw.device, profile.fp32_params, bool(getattr(train, "compile", False)))
+    return PlannerContext(arch, hw, prec, seq, gb, Settings.from_config(cfg), profile)
 
 
 def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:

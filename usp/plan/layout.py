@@ -79,6 +79,13 @@ def layout_tag(degrees: dict[str, int]) -> str:
 FSDP_KINDS = ("fsdp", "hsdp", "replicate", "zero1_fsdp")
 
 
+def bf16_by_fsdp_policy(dp_kind: str, pp: int, ep: int) -> bool:
+    """Under bf16, does FSDP2's MixedPrecisionPolicy compute in bf16 (parameters gathered in bf16)
+    rather than the trainer's autocast? FSDP/HSDP layouts without pipeline or expert parallelism,
+    as torchtitan: stage boundaries and expert all-to-alls expect the fp32 parameters' dtype."""
+    return dp_kind in FSDP_KINDS and pp == 1 and ep == 1
+
+
 def data_parallel_kind(degrees: dict[str, int], zero1: bool = False) -> str:
     """How gradients are reduced across data-parallel (and context-parallel) ranks:
     none | ddp | zero1 | fsdp | hsdp | replicate (FSDP2 replication, for DTensor models) |

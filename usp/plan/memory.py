@@ -4,9 +4,10 @@ Every rank of one pipeline stage holds the same amount (TP, CP and data-parallel
 work evenly), so the breakdown is per pp rank ("stage" below; with interleaved / V schedules a
 pp rank holds several virtual stages). Terms, in bytes (Ψ = parameters this rank holds after
 TP / EP slicing, N = ranks that shard them, P/G/K = bytes per param / grad / optimizer state:
-bf16 mixed precision 2/2/12, fp32 training 4/4/8):
+4/4/8 in fp32 and in usp's bf16 (fp32 parameters, bf16 copies C = 2), 2/2/12 for a recipe that
+stores bf16 parameters (usp.plan.specs.Precision)):
 
-  parameters   PΨ, or PΨ/N under ZeRO-3 (FSDP2 reshard_after_forward=true), PΨ + PΨ/N under ZeRO-2
+  parameters   PΨ, or PΨ/N under ZeRO-3 (FSDP2 reshard_after_forward=true), PΨ/N + CΨ under ZeRO-2
   gradients    GΨ, or GΨ/N under ZeRO-2/3 (but unsharded when grad_accum > 1: the engine turns
                gradient sync off on inner micro batches and FSDP2 then keeps full gradients)
   optimizer    KΨ, or KΨ/N under ZeRO-1/2/3
@@ -47,6 +48,11 @@ bf16 mixed precision 2/2/12, fp32 training 4/4/8):
                split backward) + one block's unsharded gradient before the reduce-scatter (G
                bytes). ZeRO-2 keeps the sharded parameters (P·Ψ/N, updated by the optimizer) and
                the all-gathered ones (P·Ψ) from the forward until backward.
+  copies       bf16 under autocast (usp's engine without FSDP2's bf16 policy: P/G/K = 4/4/8, fp32
+               parameters): the bf16 copy of each weight a matmul reads, 2 bytes, where alive
+               (_autocast_copies: every layer's without recompute, else the LM head's; compiled
+               blocks none). Adds the "loss forward" peak: the copies + bf16 logits and their fp32
+               copy (6 bytes per logit) beside the kept log-probs.
   comm buffers DDP / ZeRO-1: a flat copy of the gradients in buckets (PyTorch's default
                gradient_as_bucket_view=False).
   peak         the terms above are not all alive at once. Parameters, optimizer states, buckets and
@@ -74,8 +80,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from usp.plan.layout import bf16_by_fsdp_policy
 from usp.plan.profile import Profile
-from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
+from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
 DEFAULT_FIXED_OVERHEAD_GIB = 1.0
@@ -86,10 +93,14 @@ SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
-TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "comm_buffers", "overhead")
+LOSS_FORWARD_EXTRA_BYTES = 6  # per logit at the loss forward, besides the kept fp32 log-probs: bf16 logits + fp32 copy
+
+TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "copies", "comm_buffers",
+         "overhead")
 TERM_LABELS = {
     "parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer states",
     "activations": "activations", "logits": "logits + loss", "gathered": "FSDP all-gathered params",
+    "copies": "bf16 weight copies (autocast)",
     "comm_buffers": "comm buffers (DDP buckets)", "overhead": "framework overhead",
 }
 
@@ -113,6 +124,7 @@ class StageMemory:
     activations: float = 0.0
     logits: float = 0.0
     gathered: float = 0.0
+    copies: float = 0.0
     comm_buffers: float = 0.0
     overhead: float = 0.0
     total: float = 0.0
@@ -313,7 +325,9 @@ def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: Sta
     zero, n = zero_sharding(layout, profile)
     n_exp = max(1, n // ep) if n % ep == 0 else 1
     sharded = h.dense / n + h.experts / n_exp  # params after data-parallel sharding
-    st.parameters = prec.param * (sharded if zero == 3 else h.params + (sharded if zero == 2 and n > 1 else 0))
+    st.parameters = prec.param * (sharded if zero == 3 else h.params)
+    if zero == 2 and n > 1:  # the all-gathered parameters too, in the dtype the matmuls read
+        st.parameters = prec.param * sharded + prec.gathered * h.params
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
     st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
     return prec.grad * (sharded if grads_sharded else h.params) + (4 * h.params if profile.fp32_grad_accum else 0)
@@ -369,11 +383,33 @@ def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
     passes (usp/engine/parallel/pipeline.py), so all the rank's blocks' parameters instead of two."""
     if layout.zero_stage != 3:
         return 0.0
-    unit, root = h.dense_layer + h.expert_layer, h.emb + h.head
+    unit, root, b = h.dense_layer + h.expert_layer, h.emb + h.head, prec.gathered
     if not h.layers:
-        return (prec.param + prec.grad) * root
+        return 2 * b * root
     blocks = h.layers if layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE else 2
-    return (prec.param + prec.grad) * root + (blocks * prec.param + prec.grad) * unit
+    return 2 * b * root + (blocks * b + b) * unit
+
+
+def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> tuple[float, float, float]:
+    """The bf16 copies autocast makes of the fp32 weights it feeds to matmuls, in bytes, alive at
+    (the loss forward, the loss backward, a layer's backward). Each linear saves its copy for
+    backward; without recompute autocast also caches it (usp.plan.specs.autocast_weight_cache), so
+    a pipeline's in-flight micro batches share one copy, held for the whole step. A recomputed
+    layer's copy lives within its own forward or backward: one layer's during a layer's backward.
+    Compiled blocks (train.compile) cast inside their graph: only the eager LM head's copy counts.
+    0 where nothing is copied: fp32, bf16-stored parameters, or FSDP2's bf16 policy (gathered)."""
+    b = prec.copy_bytes
+    if not b or bf16_by_fsdp_policy(layout.dp_kind, layout.pp, layout.ep if arch.moe else 1):
+        return 0.0, 0.0, 0.0
+    tied_head = arch.tie_embeddings and layout.pp == 1 and h.holds_head  # the head casts the embedding
+    head = b * (h.emb if tied_head else max(0.0, h.head - arch.dim))  # its weight, not the final norm's
+    if prec.compiled:
+        return head, head, 0.0
+    layer = b * (h.dense_layer + h.expert_layer)
+    if not autocast_weight_cache(layout.recompute):
+        return head, head, layer
+    every = head + h.layers * layer
+    return every, every, (every if layout.pp > 1 else 0.0)
 
 
 def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int,
@@ -389,9 +425,14 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     recompute, one_micro_batch = _activations(arch, layout, seq_len, prec, h, st, profile)
     loss_extra = _logits(layout, seq_len, prec, h, st, profile)
     gathered = _gathered(layout, prec, h)
+    copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h)
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some) or
     # a layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer), whichever is larger.
-    loss_phase = loss_extra + (grads if layout.grad_accum > 1 else 0)
+    earlier_grads = grads if layout.grad_accum > 1 else 0
+    loss_phase = loss_extra + copies_loss + earlier_grads
+    # autocast: at the loss forward every cached copy and the bf16 logits + their fp32 copy are alive
+    fwd_extra = LOSS_FORWARD_EXTRA_BYTES * (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    fwd_phase = copies_fwd + fwd_extra + earlier_grads if copies_fwd and h.holds_head else 0.0
     if grads_freed_per_micro_batch(layout, profile):
         # the low-precision gradients live only within one micro batch's backward: its start holds
         # every micro batch in flight and no such gradient, its end one micro batch less and all of them
@@ -410,13 +451,17 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.logits += loss_extra
         st.gradients, st.gathered = grads, gathered
         st.activations += recompute
-    elif h.holds_head and loss_phase > grads + gathered + recompute:
+    elif fwd_phase > max(loss_phase, grads + gathered + recompute + copies_layer):
+        st.peak_phase = "loss forward"
+        st.logits += fwd_extra
+        st.gradients, st.copies = earlier_grads, copies_fwd
+    elif h.holds_head and loss_phase > grads + gathered + recompute + copies_layer:
         st.peak_phase = "loss backward"
         st.logits += loss_extra
-        st.gradients = grads if layout.grad_accum > 1 else 0.0
+        st.gradients, st.copies = earlier_grads, copies_loss
     else:
         st.peak_phase = "layer backward"
-        st.gradients, st.gathered = grads, gathered
+        st.gradients, st.gathered, st.copies = grads, gathered, copies_layer
         st.activations += recompute
     if ddp_buckets(layout, profile):
         st.comm_buffers = prec.grad * h.params

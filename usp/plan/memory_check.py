@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from usp.plan.measured_runs import BF16, MeasuredRun, h100_nodes
-from usp.plan.specs import GIB
+from usp.plan.measured_runs import MeasuredRun, h100_nodes
+from usp.plan.specs import GIB, Precision
 
 MEDIAN_BAR = 0.08  # issue 17: median |error| <= 8 %, and >= 70 % of the ok runs within 10 %
 
@@ -34,12 +34,13 @@ def check_memory(runs: list[MeasuredRun], profile) -> list[MemoryCheck]:
     from usp.errors import PlanError
     from usp.plan.memory import peak_bytes, stage_memory
 
+    prec = Precision.resolve("bf16", "cuda", profile.fp32_params)  # the sweep's runs: bf16, as the recipe stores it
     out = []
     for run in runs:
         hw = h100_nodes(run.nodes)
         try:  # what memory_plan gives for stage 0 and the peak, without the stages that cannot hold it
-            first = stage_memory(run.arch, run.layout, run.seq_len, hw, BF16, 0, profile)
-            peak, _ = peak_bytes(run.arch, run.layout, run.seq_len, hw, BF16, profile)
+            first = stage_memory(run.arch, run.layout, run.seq_len, hw, prec, 0, profile)
+            peak, _ = peak_bytes(run.arch, run.layout, run.seq_len, hw, prec, profile)
         except PlanError:
             out.append(MemoryCheck(run, None, False))
             continue

@@ -16,6 +16,10 @@ class Profile:
     name: str
     description: str
     # memory (usp.plan.memory reads these; the defaults are usp's engine)
+    # bf16 training keeps fp32 parameters and gradients and gives the matmuls bf16 copies (autocast, FSDP2's
+    # MixedPrecisionPolicy): 4 + 4 + 8 bytes + the copies; False: bf16 parameters and gradients, fp32 master
+    # weights in the optimizer (2 + 2 + 12; Megatron, nanotron)
+    fp32_params: bool = True
     fp32_grad_accum: bool = False  # an fp32 gradient-accumulation buffer of every parameter (4 bytes), never sharded
     grads_at_peak: bool = False  # the low-precision gradients count at the peak (else the peak-phase model decides)
     # the recipe frees the low-precision gradients after each micro batch's backward (nanotron: FP32GradientAccumulator
@@ -51,8 +55,8 @@ PROFILES = {
         "nanotron", "nanotron as the Ultra-Scale Playbook's benchmark sweep ran it: bf16 with fp32 "
         "gradient-accumulation buffers, sequence parallel (reduce-scatter), 1F1B, flash attention, fused AdamW",
         # memory
-        fp32_grad_accum=True, grads_at_peak=True, grads_freed_max_tp=1, data_parallel="nanotron", fused_norm=True,
-        sp_norm_outputs_sharded=True, kv_packed_copy=True, activation_scale=1.1, sp_full_buffers=3,
+        fp32_params=False, fp32_grad_accum=True, grads_at_peak=True, grads_freed_max_tp=1, data_parallel="nanotron",
+        fused_norm=True, sp_norm_outputs_sharded=True, kv_packed_copy=True, activation_scale=1.1, sp_full_buffers=3,
         accum_bytes_per_token_h=100.0,
         loss_forward_bytes=10.0, pp_split="matmul", fixed_overhead_gib=0.0, fragmentation=0.0,
         # time

@@ -211,23 +211,39 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per value. bf16 = mixed precision (the playbook's 2 + 2 + 12: bf16 params and grads,
-    fp32 master weights + Adam m, v); fp32 = plain fp32 training (4 + 4 + 8)."""
+    """Bytes per value. fp32 = plain fp32 training (4 + 4 + 8). bf16 as a recipe stores it: bf16
+    parameters and gradients with fp32 master weights + Adam m, v in the optimizer (the playbook's
+    2 + 2 + 12: Megatron, nanotron), or fp32 parameters and gradients (4 + 4 + 8) that the matmuls
+    read as bf16 copies (usp's engine: autocast, or FSDP2's bf16 all-gathers)."""
 
     name: str  # bf16 | fp32
-    param: int
+    param: int  # a stored parameter
     grad: int
     optim: int
     act: int
+    compute: int = 0  # the copy of a parameter the matmuls read (0: the stored one, `param` bytes)
+    compiled: bool = False  # train.compile: the blocks cast their weights inside the compiled graph
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of a parameter's low-precision working copy; 0 when the matmuls read the stored one."""
+        return self.compute if self.compute and self.compute < self.param else 0
+
+    @property
+    def gathered(self) -> int:
+        """Bytes of an all-gathered (unsharded) parameter or its gradient under FSDP."""
+        return self.compute or self.param
 
     @classmethod
-    def resolve(cls, dtype: str, device: str) -> Precision:
+    def resolve(cls, dtype: str, device: str, fp32_params: bool = False, compiled: bool = False) -> Precision:
         if dtype not in DTYPES:
             from usp.errors import PlanError
 
             raise PlanError(f"unknown dtype; choose one of {', '.join(DTYPES)}", key="train.dtype", value=dtype,
                             fix="train.dtype=auto")
-        return cls("bf16", 2, 2, 12, 2) if uses_bf16(dtype, device) else cls("fp32", 4, 4, 8, 4)
+        if not uses_bf16(dtype, device):
+            return cls("fp32", 4, 4, 8, 4)
+        return cls("bf16", 4, 4, 8, 2, compute=2, compiled=compiled) if fp32_params else cls("bf16", 2, 2, 12, 2)
 
 
 ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.py installs them)
@@ -236,6 +252,15 @@ ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.
 def uses_bf16(dtype: str, device: str) -> bool:
     """train.dtype=auto means bf16 on an accelerator, fp32 on CPU (the planner and the engine)."""
     return dtype == "bf16" or (dtype == "auto" and device != "cpu")
+
+
+def autocast_weight_cache(recompute: str) -> bool:
+    """Does the trainer's autocast keep its cache of bf16 weight copies (each weight cast once per
+    forward, the copy held until the context exits)? Only without recompute: a recomputed layer
+    casts again anyway, and a cache would hold every layer's copy through the loss (a pipeline's
+    context: the whole step). Without recompute each linear saves its copy for backward anyway,
+    and a pipeline's in-flight micro batches share the cached one."""
+    return recompute == "none"
 
 
 def uses_deterministic(configured: bool | None, device: str) -> bool:

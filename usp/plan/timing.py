@@ -378,7 +378,7 @@ def _sharded_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, 
     backward under ZeRO-3), the gradient reduce-scatter (once per step: gradient sync is off on
     inner micro batches), HSDP's all-reduce."""
     m, ov = layout.grad_accum, profile.dp_overlap
-    gbytes, pbytes = _grad_bytes(prec, profile) * psi, prec.param * psi
+    gbytes, pbytes = _grad_bytes(prec, profile) * psi, prec.gathered * psi  # gathered in the dtype the matmuls read
     dims = ("dp_replicate",) if layout.dp_kind == "zero1_fsdp" else ("dp_shard", "cp")
     n, units = layout.shard_degree, layers_r + 1
     out = [_term("FSDP all-gather (forward)", dims, "all_gather", n, layout, hw, units * m, pbytes / units, "fwd_m",

@@ -47,9 +47,9 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
     from usp.plan.timing import timing_plan
 
     hw, layout = subject.hw, subject.layout
-    ctx = PlannerContext(subject.arch, hw, Precision.resolve(str(cfg.train.dtype), hw.device), plan.batch.seq_len,
-                         plan.batch.global_batch, subject.settings,
-                         get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp"))))
+    profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
+    prec = Precision.resolve(str(cfg.train.dtype), hw.device, profile.fp32_params, bool(cfg.train.compile))
+    ctx = PlannerContext(subject.arch, hw, prec, plan.batch.seq_len, plan.batch.global_batch, subject.settings, profile)
     warnings = rules.warnings(subject, strict=strict)
     warnings += check_observability(cfg, training)
     plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec, ctx.profile)

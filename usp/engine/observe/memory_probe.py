@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook  # not an attribute of torch.optim on torch 2.11
 
 GIB = 1024 ** 3
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
@@ -197,7 +198,7 @@ class CudaAllocatorProbe:
         def before_step(opt, args, kwargs):  # gradients are complete just before the (first) step
             grads.setdefault("bytes", storage_bytes(p.grad for m in self.modules for p in m.parameters()))
 
-        handle = torch.optim.optimizer.register_optimizer_step_pre_hook(before_step)
+        handle = register_optimizer_step_pre_hook(before_step)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         try:
@@ -275,7 +276,8 @@ class MemoryProbe:
         if self.stage is None:
             return {}
         s = self.stage
-        acts = float(s["activations"]) + float(s["logits"])  # the probe's "activations" holds the logits too
+        # the probe's "activations" holds the logits and autocast's weight copies too
+        acts = float(s["activations"]) + float(s["logits"]) + float(s.get("copies", 0.0))
         return {"memory_predicted_gib": predicted_tensor_bytes(s) / GIB,
                 "memory_predicted_total_gib": float(s["total"]) / GIB,
                 "memory_predicted_breakdown_gib": {

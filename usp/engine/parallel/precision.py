@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from usp.plan.layout import FSDP_KINDS, data_parallel_kind
+from usp.plan.layout import bf16_by_fsdp_policy, data_parallel_kind
 from usp.plan.specs import uses_bf16
 
 
@@ -17,8 +17,7 @@ def fsdp_mixed_precision(plan: dict) -> bool:
     cfg, deg = plan["config"], plan["degrees"]
     par = cfg["parallelism"]
     return (uses_bf16(str(cfg["train"]["dtype"]), plan["device"])
-            and data_parallel_kind(deg, bool(par["zero1"])) in FSDP_KINDS
-            and deg["pp"] == 1 and int(par["ep"]) == 1)
+            and bf16_by_fsdp_policy(data_parallel_kind(deg, bool(par["zero1"])), deg["pp"], int(par["ep"])))
 
 
 def fsdp_mp_policy(plan: dict):
