@@ -259,7 +259,7 @@ def activation_formula(layout: Layout) -> str:
 
 # --- the breakdown ---------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class _Held:
     """What one rank of pp rank r holds: layers and parameters (after TP / EP slicing)."""
 
@@ -281,9 +281,15 @@ class _Held:
 
 
 def _held(arch: Arch, layout: Layout, r: int, profile: Profile) -> _Held:
-    t, ep = layout.tp, max(1, layout.ep) if arch.moe else 1
-    counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers,
-                                       profile.pp_split)
+    return _held_by_shape(arch, layout.tp, layout.ep, layout.pp, layout.virtual, layout.schedule, layout.pp_layers,
+                          profile.pp_split, r)
+
+
+@lru_cache(maxsize=8192)  # a search asks the same stage of many data-parallel flavours and micro batches
+def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, schedule: str, pp_layers: tuple | None,
+                   split: str, r: int) -> _Held:
+    t, ep = tp, max(1, ep_degree) if arch.moe else 1
+    counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers, split)
     held = ranks[r]
     layers = sum(counts[i] for i in held)
     holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
@@ -295,7 +301,7 @@ def _held(arch: Arch, layout: Layout, r: int, profile: Profile) -> _Held:
     emb = vocab_pad * arch.dim / t if holds_emb else 0
     head: float = 0
     if holds_head:  # tied: the head is the embedding itself only without pp; a pipeline's last stage holds a copy
-        tied_here = arch.tie_embeddings and layout.pp == 1
+        tied_here = arch.tie_embeddings and pp == 1
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
     return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
                  layers * dense_layer + emb + head, layers * expert_layer)
