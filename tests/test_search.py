@@ -160,3 +160,23 @@ def test_mixtral_search_proposes_ep_on_the_fsdp_ranks_with_pp():
     ep = [c.layout for c in top if c.layout.ep > 1]
     assert ep and all((lay.dp_shard * lay.cp) % lay.ep == 0 for lay in ep)
     assert any(lay.pp > 1 and lay.dp_shard > 1 for lay in ep)  # EP x FSDP x PP
+
+
+def test_micro_batch_memo_matches_asking_every_layout():
+    """The search asks the micro-batch rules once per (rules.BATCH_RULE_FIELDS, per-rank batch): for
+    every layout of a pipelined search space the memo gives what asking the layout itself gives (a
+    batch rule reading another field would break this)."""
+    from usp.plan.rules import Settings
+    from usp.plan.search import _micro_batches, enumerate_layouts
+
+    cfg, _ = compose_config(None, ["model=llama3_1_70b", "cluster=slurm_h100", "cluster.nodes=8",
+                                   "train.seq_len=4096", "train.global_batch=256"])
+    ctx = planner_context(cfg)
+    settings = Settings(seq_len=4096)
+    memo: dict = {}
+    layouts = list(enumerate_layouts(ctx.arch, ctx.hw, 4096, 256, settings=settings))
+    assert len({(b.pp, b.pp_schedule, b.pp_virtual_stages) for b, _ in layouts}) > 5
+    for base, local in layouts:
+        memoized = _micro_batches(ctx.arch, ctx.hw, settings, base, local, memo)
+        assert memoized == _micro_batches(ctx.arch, ctx.hw, settings, base, local), base
+    assert len(memo) < len(layouts) / 4  # the memo is what saves the time

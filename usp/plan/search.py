@@ -22,7 +22,7 @@ from usp.plan import rules
 from usp.plan.context import planner_context
 from usp.plan.memory import peak_bytes
 from usp.plan.profile import PROFILES, Profile
-from usp.plan.rules import BATCH_ONLY, LAYOUT_ONLY, Settings, Subject, divisors
+from usp.plan.rules import BATCH_ONLY, BATCH_RULE_FIELDS, LAYOUT_ONLY, Settings, Subject, divisors
 from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
 from usp.plan.timing import TimingPlan, timing_plan
 
@@ -112,13 +112,20 @@ def enumerate_layouts(arch: Arch, hw: Hardware, seq_len: int, global_batch: int,
             yield layout, local
 
 
-def _micro_batches(arch: Arch, hw: Hardware, settings: Settings, base: Layout, local: int) -> list[int]:
-    """The micro batches (dividing the per-rank batch) the rules on micro batches allow."""
+def _micro_batches(arch: Arch, hw: Hardware, settings: Settings, base: Layout, local: int,
+                   memo: dict | None = None) -> list[int]:
+    """The micro batches (dividing the per-rank batch) the rules on micro batches allow; memo: a dict
+    shared by one search, keyed by what those rules read (rules.BATCH_RULE_FIELDS)."""
+    key = (local, *(getattr(base, f) for f in BATCH_RULE_FIELDS))
+    if memo is not None and key in memo:
+        return memo[key]
     out = []
     for b in divisors(local):
         lay = replace(base, micro_batch=b, grad_accum=local // b)
         if rules.first_failure(Subject(arch, lay, hw, settings), KINDS, BATCH_ONLY) is None:
             out.append(b)
+    if memo is not None:
+        memo[key] = out
     return out
 
 
@@ -134,8 +141,9 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
     evaluated = 0
     pure_dp_min = None
     settings = settings or Settings(seq_len=seq_len)
+    micro_memo: dict = {}
     for base, local in enumerate_layouts(arch, hw, seq_len, global_batch, recomputes, settings):
-        micro = _micro_batches(arch, hw, settings, base, local)
+        micro = _micro_batches(arch, hw, settings, base, local, micro_memo)
         if not micro:
             continue
         # memory grows with the micro batch: bisect for the largest that fits
