@@ -432,8 +432,9 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     loss_extra = _logits(layout, seq_len, prec, h, st, profile)
     gathered = _gathered(layout, prec, h)
     copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h)
-    # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some) or
-    # a layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer), whichever is larger.
+    # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some), a
+    # layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer) or, under autocast,
+    # the loss forward (every cached weight copy), whichever is largest.
     earlier_grads = grads if layout.grad_accum > 1 else 0
     loss_phase = loss_extra + copies_loss + earlier_grads
     # autocast: at the loss forward every cached copy and the bf16 logits + their fp32 copy are alive
