@@ -134,19 +134,10 @@ def test_backend_follows_the_device():
     assert plan_of()["backend"] == "gloo"
 
 
-def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None, max_restarts: int = 0):
+def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None):
     return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1,
                            config={"cluster": {"env": env or {}, "launcher": "local", "nodes": 1},
-                                   "train": {"deterministic": deterministic, "max_restarts": max_restarts}})
-
-
-def test_ranks_share_the_agents_store_unless_torchrun_restarts(monkeypatch):
-    """Without restarts rank 0 binds no port of its own (no EADDRINUSE race with other launches);
-    with train.max_restarts each attempt gets a fresh store (a restarted rank must not read its
-    dead peer's address)."""
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(_env_plan("cpu"))
-    assert worker_env(_env_plan("cpu", max_restarts=2))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+                                   "train": {"deterministic": deterministic}})
 
 
 def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):

@@ -43,11 +43,8 @@ def worker_env(plan) -> dict[str, str]:
     env["USP_NODE_RANK"] = str(node_rank(plan))  # named in the agent's one line on Ctrl-C
     # torchrun's restarts (train.max_restarts) reuse the agent's TCPStore without a per-attempt
     # prefix, so a restarted rank can read its dead peer's gloo address and hang or fail
-    # (measured: 3 of 5 kill -9 restarts under load). A fresh store per attempt avoids it. Without
-    # restarts the ranks share the agent's store: rank 0 then binds no port of its own, which
-    # another process could take between torchrun picking it and the bind (seen: EADDRINUSE).
-    if int(plan.config["train"]["max_restarts"]) > 0:
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # (measured: 3 of 5 kill -9 restarts under load). A fresh store per attempt avoids it.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.update({k: v for k, v in plan_accelerator_env(plan).items() if k not in env})  # the user's setting wins
     token = held_token(plan.run_dir)
     if token:  # rank 0 keeps this launch's run lock alive (usp.runlock)
