@@ -47,6 +47,16 @@ def test_planner_memory_within_15_percent_of_measured(calibration):
     assert all(abs(e) <= TOLERANCE for e in errors.values()), table
 
 
+def assert_all_within(results: dict, layouts: dict, bar: float) -> None:
+    """Every layout ran, and the planner is within `bar` of each measured peak."""
+    assert set(results) == set(layouts), set(layouts) - set(results)
+    errors = {}
+    for name, r in results.items():
+        assert r["ok"], (name, r.get("trace") or r)
+        errors[name] = (r["predicted_gib"] - r["measured_gib"]) / r["measured_gib"]
+    assert all(abs(e) <= bar for e in errors.values()), {k: f"{v:+.1%}" for k, v in errors.items()}
+
+
 @pytest.fixture(scope="module")
 def zero_calibration(shakespeare):
     return launch(SCRIPT, 4, "--zero", timeout=600)
@@ -56,12 +66,7 @@ def zero_calibration(shakespeare):
 def test_zero_with_tp_pp_memory_within_10_percent_and_states_sharded(zero_calibration):
     """ZeRO-1 with TP / PP (FSDP2 over dp_replicate) and ZeRO-2 with TP: the planner within 10 % of
     the measured peak; each rank holds about half (dp = 2) of the replicated layout's AdamW states."""
-    assert set(zero_calibration) == set(ZERO_LAYOUTS), set(ZERO_LAYOUTS) - set(zero_calibration)
-    errors = {}
-    for name, r in zero_calibration.items():
-        assert r["ok"], (name, r.get("trace") or r)
-        errors[name] = (r["predicted_gib"] - r["measured_gib"]) / r["measured_gib"]
-    assert all(abs(e) <= 0.10 for e in errors.values()), {k: f"{v:+.1%}" for k, v in errors.items()}
+    assert_all_within(zero_calibration, ZERO_LAYOUTS, 0.10)
     whole = zero_calibration["replicate_x_tp"]["optimizer_state_bytes"]
     for name in ("zero1_x_tp", "zero1_x_tp_grad_accum", "zero2_x_tp"):
         assert zero_calibration[name]["optimizer_state_bytes"] == pytest.approx(whole / 2, rel=0.05), name
@@ -83,12 +88,7 @@ def test_bf16_memory_within_10_percent(bf16_calibration):
     parameters, gradients and AdamW states (4 + 4 + 8 B, not the playbook's 2 + 2 + 12) and bf16
     weight copies; the wide model (weights outweigh activations) with full recompute and accumulation
     is where a cache of every layer's copy would have set the peak (measured 291 MiB with it, 273 without)."""
-    assert set(bf16_calibration) == set(BF16_LAYOUTS), set(BF16_LAYOUTS) - set(bf16_calibration)
-    errors = {}
-    for name, r in bf16_calibration.items():
-        assert r["ok"], (name, r.get("trace") or r)
-        errors[name] = (r["predicted_gib"] - r["measured_gib"]) / r["measured_gib"]
-    assert all(abs(e) <= 0.10 for e in errors.values()), {k: f"{v:+.1%}" for k, v in errors.items()}
+    assert_all_within(bf16_calibration, BF16_LAYOUTS, 0.10)
     single = bf16_calibration["single_bf16"]
     assert single["measured_breakdown_gib"]["params"] == pytest.approx(single["predicted_breakdown_gib"]["params"])
     assert single["measured_breakdown_gib"]["optimizer"] > 0  # AdamW m, v (fp32)

@@ -45,10 +45,16 @@ def planner_context(cfg, vocab: int | None = None) -> PlannerContext:
     gb = int(train.global_batch_tokens) // seq if train.global_batch_tokens is not None else int(train.global_batch)
     arch = Arch.from_model(cfg.model, vocab or data_vocab(cfg.model, cfg.data))
     hw = Hardware.from_cluster(cfg.cluster)
-    planner = getattr(cfg, "planner", None)
-    profile = get_profile(str(getattr(planner, "profile", "usp")))
-    prec = Precision.resolve(str(train.dtype), hw.device, profile.fp32_params, bool(getattr(train, "compile", False)))
+    profile, prec = recipe_precision(cfg, hw.device)
     return PlannerContext(arch, hw, prec, seq, gb, Settings.from_config(cfg), profile)
+
+
+def recipe_precision(cfg, device: str) -> tuple[Profile, Precision]:
+    """planner.profile's recipe and the bytes per value it stores at train.dtype on this device."""
+    profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
+    train = cfg.train
+    return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params,
+                                      bool(getattr(train, "compile", False)))
 
 
 def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:

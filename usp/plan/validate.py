@@ -14,10 +14,9 @@ from usp.errors import PlanError
 from usp.names import check_dir_name
 from usp.plan import rules
 from usp.plan.batch import BatchPlan, plan_batch
-from usp.plan.context import PlannerContext
-from usp.plan.profile import get_profile
+from usp.plan.context import PlannerContext, recipe_precision
 from usp.plan.rules import Subject
-from usp.plan.specs import GIB, Layout, Precision
+from usp.plan.specs import GIB, Layout
 
 
 def derive_batch(train, degrees: dict, par=None) -> BatchPlan:
@@ -47,8 +46,7 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
     from usp.plan.timing import timing_plan
 
     hw, layout = subject.hw, subject.layout
-    profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
-    prec = Precision.resolve(str(cfg.train.dtype), hw.device, profile.fp32_params, bool(cfg.train.compile))
+    profile, prec = recipe_precision(cfg, hw.device)
     ctx = PlannerContext(subject.arch, hw, prec, plan.batch.seq_len, plan.batch.global_batch, subject.settings, profile)
     warnings = rules.warnings(subject, strict=strict)
     warnings += check_observability(cfg, training)
