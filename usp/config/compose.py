@@ -13,6 +13,7 @@ from dataclasses import is_dataclass
 from pathlib import Path
 
 from usp.config import schema
+from usp.config.direct import compose_direct
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.config.recipe import check_recipe_file, hydra_primary
 from usp.errors import ConfigError
@@ -64,14 +65,24 @@ def check_catalogue() -> None:
 
 def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ...] = ()):
     """Return (cfg, choices): the composed, validated config and the option picked per group."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import OmegaConf
 
-    schema.register()
     check_catalogue()
     directory, name, suffix = resolve_recipe(conf)
     check_recipe_file(directory / f"{name}{suffix}")
+    composed = compose_direct(directory, name, suffix, overrides)
+    cfg, choices = composed if composed is not None else _compose_with_hydra(directory, name, suffix, overrides)
+    check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
+    return cfg, choices
+
+
+def _compose_with_hydra(directory: Path, name: str, suffix: str, overrides: list[str] | tuple[str, ...]):
+    """Hydra's compose API: every input usp.config.direct leaves to it, and its error messages."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    schema.register()
     GlobalHydra.instance().clear()
     try:
         with hydra_primary(directory, name, suffix) as (hydra_dir, extra), \
@@ -85,7 +96,6 @@ def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ..
     choices = {g: cfg.hydra.runtime.choices.get(g) for g in schema.GROUPS}
     with open_dict(cfg):
         del cfg["hydra"]
-    check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
     return cfg, choices
 
 
