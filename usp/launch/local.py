@@ -15,10 +15,11 @@ from usp.launch.rendezvous import is_multinode_local, node_rank, rendezvous, tor
 from usp.plan.specs import uses_deterministic
 from usp.rundir import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from usp.runlock import TOKEN_ENV, held_token
-from usp.runstate import preempted_since
+from usp.runstate import port_taken_since, preempted_since
 
 WORKER_MODULE = "usp.engine.worker"
 AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, with one line instead of a traceback on Ctrl-C
+PORT_RELAUNCHES = 2  # launches again when rank 0's port was taken before it listened (usp.runstate.port_taken_since)
 TORCH_INSTALL = ("pip install torch (CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu; "
                  "a GPU build: https://pytorch.org/get-started/locally/)")
 
@@ -94,19 +95,25 @@ def launch_local(plan, plan_path: Path) -> int:
             return run_worker(str(plan_path))
         finally:
             os.environ.pop(TOKEN_ENV, None)
-    started = time.time()
     if is_multinode_local(plan):
         rdzv = rendezvous(plan)
         print(f"usp: node {rdzv.node_rank} of {rdzv.nodes}, rendezvous {rdzv.endpoint} (run id {rdzv.run_id}); "
               f"waiting for the other nodes", file=sys.stderr, flush=True)
     cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
-    proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
-        # them, then make sure nothing is left behind.
-        return _stop(proc)
+    for attempt in range(PORT_RELAUNCHES + 1):
+        started = time.time()
+        proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
+            # them, then make sure nothing is left behind.
+            return _stop(proc)
+        if not (code and attempt < PORT_RELAUNCHES and not is_multinode_local(plan)
+                and port_taken_since(Path(plan.run_dir), started)):
+            break
+        print("usp: another process took the port rank 0 was to listen on (EADDRINUSE) before the first step; "
+              "launching again on a new port", file=sys.stderr, flush=True)
     # torchrun reports any worker failure as 1: recover the workers' "preempted" exit.
     return EXIT_PREEMPTED if code and preempted_since(Path(plan.run_dir), started) else code
 
