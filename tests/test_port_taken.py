@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import USP
 
 from usp.engine.observe.failure import record_failure
@@ -24,6 +25,7 @@ from usp.runstate import COMPLETED, analyse_failures, port_taken_since, run_stat
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.eval_interval=0", "train.measure_memory=false"]
 
 
+@pytest.mark.distributed
 def test_taken_rank0_port_is_launched_again(tmp_path):
     env = dict(os.environ, LOGLEVEL="INFO", COLUMNS="200")  # LOGLEVEL: torchrun logs the port it picked
     proc = subprocess.Popen([USP, "train", f"train.runs_dir={tmp_path}", "train.name=port", "cluster=local_cpu2",
