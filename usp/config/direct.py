@@ -65,9 +65,7 @@ def compose_direct(directory: Path, name: str, suffix: str, overrides: list[str]
     """(cfg, choices) as Hydra would compose them, or None when Hydra has to."""
     try:
         return _compose(directory, name, suffix, list(overrides))
-    except _NeedsHydra:
-        return None
-    except Exception:  # omegaconf refused a merge or an override: Hydra words the error
+    except Exception:  # _NeedsHydra, or omegaconf refused a file or an override: Hydra words the error
         return None
 
 
