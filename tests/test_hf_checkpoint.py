@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_usp, usp_cli
+from data_builders import WORDS, trained_tiktoken_file, word_corpus
 
 from usp.engine.observe.metrics import read_metrics
 from usp.rundir import read_plan
@@ -216,3 +217,36 @@ def test_mixtral_import_trains_and_exports(tmp_path, shakespeare):
     first = _first_batch_loss(run, src)
     assert abs(_losses(run)[0] - first) <= TOL * first, (_losses(run), first)
     _check_export(tmp_path, run, tied=False, kind="mixtral")
+
+
+MIXED_TEXT = ["naïve café — 東京 🚀 don't I'll 12345 67", "  two  spaces\n\nand\ttabs  ", "<|end_of_text  |> a<b>"]
+
+
+def test_a_tiktoken_run_exports_the_tokenizer_transformers_loads(tmp_path):
+    """A run tokenized with a tiktoken file (Llama 3's format) exports a tokenizer.json: transformers'
+    AutoTokenizer gives the run's token ids for prose, unicode, digits and whitespace, and the
+    special tokens keep their ids."""
+    from transformers import AutoTokenizer
+
+    from usp.data.tokenizer import load_tokenizer
+
+    texts = [word_corpus(30_000, WORDS, seed=i) + "\n" + "\n".join(MIXED_TEXT) for i in range(2)]
+    for i, text in enumerate(texts):
+        (tmp_path / f"corpus{i}.txt").write_text(text)
+    model_file = trained_tiktoken_file(tmp_path / "tokenizer.model", texts)
+    run = _train(tmp_path, "tiktoken", "data=text_files", f"data.paths=[{tmp_path}/corpus*.txt]",
+                 "data.tokenizer=tiktoken", f"data.tokenizer_path={model_file}", "data.val_fraction=0.3", *USP_DIMS)
+    _check_export(tmp_path, run, tied=True, kind="llama")
+    out = run / "export" / "hf_step00000003"
+    ours = load_tokenizer(read_plan(run / "plan.yaml")["dataset_dir"])
+    theirs = AutoTokenizer.from_pretrained(out)
+    for text in [*MIXED_TEXT, texts[0][:2000]]:
+        ids = ours.encode(text)
+        assert theirs.encode(text, add_special_tokens=False) == ids, text
+        assert theirs.decode(ids) == text
+    assert theirs.convert_tokens_to_ids([ours.bos, ours.eos]) == [ours.bos_id, ours.eos_id]
+    # As Llama 3's own tokenizer.json: special-token text in a prompt is that token (usp's data pipeline
+    # encodes it as plain text, so no document can fake an end of document).
+    assert theirs.encode(f"{ours.eos} x", add_special_tokens=False) == [ours.eos_id, *ours.encode(" x")]
+    assert len(theirs) == ours.vocab_size
+    assert (out / "tokenizer.model").read_bytes() == model_file.read_bytes()

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from usp.data.tiktoken_file import TIKTOKEN_FILE, TIKTOKEN_META, hf_tokenizer_json, read_ranks
 from usp.errors import UspError
 from usp.models.hf_convert import from_hf, to_hf
 from usp.plan.hf_config import hf_config
@@ -108,7 +109,10 @@ def _write_shards(hf_state: dict[str, torch.Tensor], directory: Path, max_shard_
 
 
 def _copy_tokenizer(dataset_dir: Path, directory: Path) -> list[str]:
-    """The dataset's HF tokenizer files (usp's byte tokenizer is no HF tokenizer: skipped)."""
+    """The dataset's HF tokenizer files (usp's byte tokenizer is no HF tokenizer: skipped); a
+    tiktoken file is written as the tokenizer.json transformers reads, the file copied beside it."""
+    if (dataset_dir / TIKTOKEN_META).is_file():
+        return _write_tiktoken(dataset_dir, directory)
     main = dataset_dir / "tokenizer.json"
     if not main.is_file() or json.loads(main.read_text()).get("kind") == "bytes":
         return []
@@ -122,6 +126,17 @@ def _copy_tokenizer(dataset_dir: Path, directory: Path) -> list[str]:
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
         copied.append("tokenizer_config.json")
     return copied
+
+
+def _write_tiktoken(dataset_dir: Path, directory: Path) -> list[str]:
+    meta = json.loads((dataset_dir / TIKTOKEN_META).read_text())
+    source = dataset_dir / meta.get("file", TIKTOKEN_FILE)
+    (directory / "tokenizer.json").write_text(hf_tokenizer_json(read_ranks(source)))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": meta["bos_token"],
+              "eos_token": meta["eos_token"]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copyfile(source, directory / TIKTOKEN_FILE)
+    return ["tokenizer.json", "tokenizer_config.json", TIKTOKEN_FILE]
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
