@@ -20,6 +20,7 @@ from conftest import USP
 
 from usp.engine.observe.failure import record_failure
 from usp.rundir import read_plan
+from usp.runlock import read_lock
 from usp.runstate import COMPLETED, analyse_failures, port_taken_since, run_state
 
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.eval_interval=0", "train.measure_memory=false"]
@@ -56,7 +57,8 @@ def test_taken_rank0_port_is_launched_again(tmp_path):
     run_dir = tmp_path / "port"
     failure = json.loads((run_dir / "logs" / "failure_rank0.json").read_text())
     assert "address already in use" in failure["message"].lower() and failure["last_completed_step"] is None
-    assert run_state(run_dir, analyse_failures(run_dir, read_plan(run_dir / "plan.yaml"))) == COMPLETED
+    report = analyse_failures(run_dir, read_plan(run_dir / "plan.yaml"))
+    assert run_state(run_dir, report, read_lock(run_dir)) == COMPLETED
 
 
 def _record(run_dir: Path, message: str, step: int | None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from usp.errors import LaunchError
 from usp.rundir import FAILURE_GLOB, LOST_PEER, events_path, logs_dir, plan_path, read_jsonl, summary_path
-from usp.runlock import read_lock
+from usp.runlock import LockInfo
 
 RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"
 
@@ -105,10 +105,10 @@ def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
     return report
 
 
-def run_state(run_dir: Path, report: FailureReport) -> str:
+def run_state(run_dir: Path, report: FailureReport, lock: LockInfo | None) -> str:
     """RUNNING (a live run lock), COMPLETED (summary.json of this launch, no failure after it),
-    FAILED or STOPPED."""
-    lock = read_lock(run_dir)
+    FAILED or STOPPED. `lock`: read_lock(run_dir) as the caller read it, so a caller that also
+    shows the lock shows the one that decided the state."""
     if lock is not None and lock.live:
         return RUNNING
     latest_failure = max((float(f["unix_time"]) for f in [report.root, *report.secondary] if f), default=0.0)

@@ -25,7 +25,7 @@ from usp.rundir import (
     read_jsonl,
     read_plan_if_any,
 )
-from usp.runlock import read_lock
+from usp.runlock import LockInfo, read_lock
 from usp.runstate import COMPLETED, FAILED, RUNNING, FailureReport, analyse_failures, resolve_run_dir, run_state
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
@@ -146,8 +146,9 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     plan = read_plan_if_any(run_dir)
     report = analyse_failures(run_dir, plan)
     events = read_jsonl(events_path(run_dir))
-    state = run_state(run_dir, report)
-    console.print(_run_table(run_dir, plan, _state_text(run_dir, state, events), report, events))
+    lock = read_lock(run_dir)  # read once: a lock released between two reads would read "stopped"
+    state = run_state(run_dir, report, lock)
+    console.print(_run_table(run_dir, plan, _state_text(run_dir, state, events, lock), report, events))
     job_table = slurm_table(run_dir)
     if job_table is not None:
         console.print(job_table)
@@ -157,12 +158,11 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     return 1 if state == FAILED else 0
 
 
-def _state_text(run_dir: Path, state: str, events: list[dict]) -> str:
+def _state_text(run_dir: Path, state: str, events: list[dict], lock: LockInfo | None) -> str:
     if state == COMPLETED:
         return "[bold green]completed[/]"
     if state == FAILED:
         return "[bold red]failed[/]"
-    lock = read_lock(run_dir)
     if state == RUNNING and lock is not None:
         return escape(f"running ({lock.owner()}; {lock.reason})")
     text = "[yellow]stopped[/] (not finished, and no live process holds the run lock"
