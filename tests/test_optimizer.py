@@ -20,6 +20,20 @@ def curve(steps: int, **kw) -> list[float]:
     return [lr_factor(s, o) for s in range(steps)]
 
 
+def test_settings_are_the_schema_fields_and_defaults_plus_steps():
+    from dataclasses import fields
+
+    from usp.config.schema import OptimizerConfig, TrainConfig
+
+    schema = {f.name: getattr(OptimizerConfig(), f.name) for f in fields(OptimizerConfig)}
+    settings = {f.name: getattr(OptimSettings(), f.name) for f in fields(OptimSettings)}
+    assert settings == {**schema, "steps": TrainConfig().steps}
+    cfg, _ = compose_config(None, ["optimizer=sgd", "optimizer.lr=0.5", "train.steps=7"])
+    read = OptimSettings.from_config(cfg.optimizer, cfg.train.steps)
+    assert (read.name, read.lr, read.momentum, read.steps) == ("sgd", 0.5, cfg.optimizer.momentum, 7)
+    assert read == OptimSettings.from_config(dict(cfg.optimizer), 7)  # a plan.yaml's plain dict reads alike
+
+
 def test_cosine_warms_up_then_decays_to_the_floor():
     f = curve(10, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
     assert f[:2] == [0.5, 1.0]

@@ -4,8 +4,9 @@ optimizer and LambdaLR from them, so both read the same names and the same curve
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from usp.config.schema import OptimizerConfig, TrainConfig
 from usp.plan.nodes import getter
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -18,38 +19,37 @@ REFUSED_OPTIMIZERS = {
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # wsd: warmup, stable (flat), decay
 
 
+_SCHEMA = OptimizerConfig()  # the defaults live once, in the config schema
+_TRAIN = TrainConfig()
+
+
 @dataclass(frozen=True)
 class OptimSettings:
-    """optimizer.* and train.steps, as the rules and the lr curve read them."""
+    """optimizer.* and train.steps, as the rules and the lr curve read them (the schema's fields and
+    defaults: tests/test_optimizer.py checks the two list the same fields)."""
 
-    name: str = "adamw"
-    schedule: str = "cosine"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    momentum: float = 0.9
-    nesterov: bool = False
-    warmup_steps: int = 20
-    decay_fraction: float = 0.2
-    grad_clip: float = 1.0
-    steps: int = 150
+    name: str = _SCHEMA.name
+    schedule: str = _SCHEMA.schedule
+    lr: float = _SCHEMA.lr
+    min_lr_ratio: float = _SCHEMA.min_lr_ratio
+    weight_decay: float = _SCHEMA.weight_decay
+    beta1: float = _SCHEMA.beta1
+    beta2: float = _SCHEMA.beta2
+    eps: float = _SCHEMA.eps
+    momentum: float = _SCHEMA.momentum
+    nesterov: bool = _SCHEMA.nesterov
+    warmup_steps: int = _SCHEMA.warmup_steps
+    decay_fraction: float = _SCHEMA.decay_fraction
+    grad_clip: float = _SCHEMA.grad_clip
+    steps: int = _TRAIN.steps
 
     @classmethod
     def from_config(cls, opt, steps: int) -> OptimSettings:
         """From optimizer.* (a DictConfig, a dict or a namespace); missing keys keep the defaults."""
         get = getter(opt)
-        d = cls()
-        return cls(name=str(get("name", d.name)), schedule=str(get("schedule", d.schedule)),
-                   lr=float(get("lr", d.lr)), min_lr_ratio=float(get("min_lr_ratio", d.min_lr_ratio)),
-                   weight_decay=float(get("weight_decay", d.weight_decay)), beta1=float(get("beta1", d.beta1)),
-                   beta2=float(get("beta2", d.beta2)), eps=float(get("eps", d.eps)),
-                   momentum=float(get("momentum", d.momentum)), nesterov=bool(get("nesterov", d.nesterov)),
-                   warmup_steps=int(get("warmup_steps", d.warmup_steps)),
-                   decay_fraction=float(get("decay_fraction", d.decay_fraction)),
-                   grad_clip=float(get("grad_clip", d.grad_clip)), steps=int(steps))
+        values = {f.name: type(getattr(_SCHEMA, f.name))(get(f.name, getattr(_SCHEMA, f.name)))
+                  for f in fields(OptimizerConfig)}
+        return cls(**values, steps=int(steps))
 
     @property
     def decay_steps(self) -> int:
