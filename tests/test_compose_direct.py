@@ -12,7 +12,7 @@ import pytest
 from omegaconf import DictConfig, ListConfig
 
 from usp.config.compose import _compose_with_hydra, compose_config, resolve_recipe
-from usp.config.direct import _NeedsHydra, compose_direct, scalar
+from usp.config.direct import _NeedsHydra, compose_direct, scalar, value
 from usp.config.paths import recipe_names, recipes_dir
 
 PRIMARIES = [None, *recipe_names()]
@@ -23,6 +23,8 @@ OVERRIDE_SETS = [
      "train.name=my-run.v2", "model.n_kv_heads=null", "train.compile=True", "optimizer=adamw_wsd"],
     ["data=stdlib", "parallelism.tp=2", "model.rope_theta=500000", "train.runs_dir=/tmp/usp-runs",
      "checkpoint.interval=-1"],
+    ["data=files", "data.paths=[/data/web/*.jsonl,notes?.txt, more.md]", "parallelism.pp=2",
+     "parallelism.pp_layers=[1,1]", "profile.steps=[]"],
 ]
 
 
@@ -82,9 +84,26 @@ def test_scalars_outside_the_plain_subset_go_to_hydra(text):
         scalar(text)
 
 
+@pytest.mark.parametrize("text", ["[]", "[ ]", "[1,2]", "[a, b]", "[/data/*.txt]", "[1.5,true,null,x-y]", "[ 3 ,4 ]",
+                                  "*.txt", "file?.md"])
+def test_lists_are_typed_as_hydra_types_them(text):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    expected = OverridesParser.create().parse_override(f"k={text}").value()
+    got = value(text)
+    assert got == expected and [type(v) for v in (got if isinstance(got, list) else [got])] == \
+        [type(v) for v in (expected if isinstance(expected, list) else [expected])]
+
+
+@pytest.mark.parametrize("text", ["[[1]]", "[a,'b']", "[a,,b]", "[a]b", "[a],[b]", "[${x}]", "[a:b]"])
+def test_lists_outside_the_plain_subset_go_to_hydra(text):
+    with pytest.raises(_NeedsHydra):
+        value(text)
+
+
 @pytest.mark.parametrize("overrides", [
     ["+cluster.env.FOO=1"], ["~cluster.env"], ["++train.steps=3"], ["train.micro_batch=4,8"],
-    ["data.paths=[a.txt]"], ["train.name='x y'"], ["model=no_such_model"], ["train.nope=1"], ["train.steps=abc"],
+    ["data.paths=[[a.txt]]"], ["train.name='x y'"], ["model=no_such_model"], ["train.nope=1"], ["train.steps=abc"],
     ["hydra.job.name=x"], ["train.steps=3", "train.steps=4"], ["model=tiny", "model=llama3_1_8b"], ["model.dim"],
     ["cluster.env.FOO=1"], ["train=3"], ["model=true"],
 ])

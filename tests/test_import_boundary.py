@@ -58,7 +58,7 @@ CASES = [  # (argv, modules that must not be imported)
     pytest.param(["plan", "--cfg", "job"], NO_NUMPY, id="plan-cfg"),
     # own files: planned from their names and sizes, nothing read or tokenized
     pytest.param(["plan", "data=files", f"data.paths=[{C}]", f"train.runs_dir={R}"],
-                 NO_NUMPY | {"tokenizers", "datasets", "tiktoken", "pyarrow"}, id="plan-files"),
+                 NO_NUMPY | {"tokenizers", "datasets", "tiktoken", "pyarrow", "hydra"}, id="plan-files"),
     pytest.param(["estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720"],
                  NO_NUMPY | {"hydra"}, id="estimate"),
     # The runs directory holds no measured metrics.jsonl: usp calibrate refuses (exit 2) after its imports.

@@ -5,14 +5,14 @@ Why: importing Hydra and its compose cost ~0.3 s, half of `usp plan`'s 0.6 s bud
 lines are made of: `conf/config.yaml` or a `.yaml` recipe whose defaults list holds `config`,
 `usp_schema`, `group: option`, `override group: option` and `_self_`; overrides `group=option`
 and `dotted.key=value` with an unquoted scalar (int, float, bool, null or a plain string, typed by
-Hydra's own lexer rules below). The steps are Hydra 1.3's: configs merged in defaults-list order
-into an empty root, group files placed under their group, the root set to struct mode, then the
-value overrides applied with `OmegaConf.update(..., merge=True)`.
+Hydra's own lexer rules below) or a one-level list of them. The steps are Hydra 1.3's: configs
+merged in defaults-list order into an empty root, group files placed under their group, the root
+set to struct mode, then the value overrides applied with `OmegaConf.update(..., merge=True)`.
 
-Anything else (`+key`, `~key`, lists, quotes, interpolations, sweeps, a `.yml` recipe, a recipe
-folder with its own groups, a file with a `# @package` header or a nested defaults list, or an
-override omegaconf refuses) returns None: Hydra composes it and words its errors.
-tests/test_compose_direct.py checks that both give the same config on every recipe."""
+Anything else (`+key`, `~key`, nested lists, dicts, quotes, interpolations, sweeps, a `.yml`
+recipe, a recipe folder with its own groups, a file with a `# @package` header or a nested
+defaults list, or an override omegaconf refuses) returns None: Hydra composes it and words its
+errors. tests/test_compose_direct.py checks that both give the same config on every recipe."""
 from __future__ import annotations
 
 import io
@@ -30,7 +30,8 @@ _DIGITS = r"\d(?:_?\d)*"
 _POINT = rf"(?:{_UINT}?\.{_DIGITS}|{_UINT}\.)"
 _FLOAT = re.compile(rf"[+-]?(?:(?:{_POINT}|{_UINT})[eE][+-]?{_DIGITS}|{_POINT}|[Ii][Nn][Ff]|[Nn][Aa][Nn])")
 _INT = re.compile(rf"[+-]?{_UINT}")
-_PLAIN = re.compile(r"[A-Za-z0-9_./+-]+")  # no quote, bracket, comma, `$`, `\`, `:`, `=` or space
+_PLAIN = re.compile(r"[A-Za-z0-9_./+*?-]+")  # no quote, bracket, comma, `$`, `\`, `:`, `=` or space
+_LIST = re.compile(r"\[\s*(.*?)\s*\]")  # [a,b]: one level, plain scalars; `*` and `?` stay text (globs)
 _KEY = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 _OPTION = re.compile(r"[\w-]+")  # and not a number, bool or null (see _option)
 _PACKAGE_HEADER = re.compile(r"^\s*#\s*@package", re.MULTILINE)
@@ -52,6 +53,14 @@ def scalar(text: str) -> Any:
     if lowered in ("true", "false"):
         return lowered == "true"
     return None if lowered == "null" else text
+
+
+def value(text: str) -> Any:
+    """A scalar, or a one-level list of scalars (`data.paths=[a.txt,/data/*.jsonl]`), as Hydra types them."""
+    found = _LIST.fullmatch(text)
+    if found is None:
+        return scalar(text)
+    return [scalar(item) for item in re.split(r"\s*,\s*", found.group(1))] if found.group(1) else []
 
 
 def _option(text: str) -> str:
@@ -113,7 +122,7 @@ def _split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[tuple[s
         if key in schema.GROUPS:
             groups[key] = _option(text)
         else:
-            values.append((key, scalar(text)))
+            values.append((key, value(text)))
     return groups, values
 
 
