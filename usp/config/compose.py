@@ -65,22 +65,18 @@ def check_catalogue() -> None:
 
 def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ...] = ()):
     """Return (cfg, choices): the composed, validated config and the option picked per group."""
-    from omegaconf import OmegaConf
-
     check_catalogue()
     directory, name, suffix = resolve_recipe(conf)
     check_recipe_file(directory / f"{name}{suffix}")
     composed = compose_direct(directory, name, suffix, overrides)
-    cfg, choices = composed if composed is not None else _compose_with_hydra(directory, name, suffix, overrides)
-    check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
-    return cfg, choices
+    return composed if composed is not None else _compose_with_hydra(directory, name, suffix, overrides)
 
 
 def _compose_with_hydra(directory: Path, name: str, suffix: str, overrides: list[str] | tuple[str, ...]):
     """Hydra's compose API: every input usp.config.direct leaves to it, and its error messages."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     schema.register()
     GlobalHydra.instance().clear()
@@ -96,6 +92,8 @@ def _compose_with_hydra(directory: Path, name: str, suffix: str, overrides: list
     choices = {g: cfg.hydra.runtime.choices.get(g) for g in schema.GROUPS}
     with open_dict(cfg):
         del cfg["hydra"]
+    # Only `+key` adds keys the typed schema lacks, and only Hydra composes `+key` (direct merges refuse them).
+    check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
     return cfg, choices
 
 

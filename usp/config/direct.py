@@ -105,20 +105,20 @@ def _compose(directory: Path, name: str, suffix: str, overrides: list[str]):
             else:
                 cfg.merge_with(content)
     OmegaConf.set_struct(cfg, True)
-    for key, value in values:
-        OmegaConf.update(cfg, key, value, merge=True)
+    for key, typed in values:
+        OmegaConf.update(cfg, key, typed, merge=True)
     return cfg, {group: choices.get(group) for group in schema.GROUPS}
 
 
 def _split_overrides(overrides: list[str]) -> tuple[dict[str, str], list[tuple[str, Any]]]:
     groups: dict[str, str] = {}
     values: list[tuple[str, Any]] = []
+    seen: set[str] = set()
     for line in overrides:
         key, sep, text = line.partition("=")
-        if not sep or not _KEY.fullmatch(key) or key.split(".")[0] == "hydra":
-            raise _NeedsHydra(line)
-        if key in groups or any(key == seen for seen, _ in values):
-            raise _NeedsHydra(line)  # a key given twice
+        if not sep or not _KEY.fullmatch(key) or key.split(".")[0] == "hydra" or key in seen:
+            raise _NeedsHydra(line)  # not key=value, Hydra's own node, or a key given twice
+        seen.add(key)
         if key in schema.GROUPS:
             groups[key] = _option(text)
         else:
@@ -138,9 +138,11 @@ def _defaults(path: Path, conf: Path, depth: int = 0) -> tuple[list[tuple[str, A
     steps: list[tuple[str, Any]] = []
     choices: dict[str, str] = {}
     overridden: dict[str, str] = {}
+    has_self = False
     for entry in defaults:
-        if entry == "_self_" and not any(step[1] is content for step in steps):
+        if entry == "_self_" and not has_self:
             steps.append(("self", content))
+            has_self = True
         elif entry == schema.SCHEMA_NAME:
             steps.append(("schema", None))
         elif entry == "config" and depth == 0 and path != conf / "config.yaml":
@@ -162,7 +164,7 @@ def _defaults(path: Path, conf: Path, depth: int = 0) -> tuple[list[tuple[str, A
                 raise _NeedsHydra(entry)
         else:
             raise _NeedsHydra(entry)
-    if not any(step[1] is content for step in steps) or set(overridden) - set(choices):
+    if not has_self or set(overridden) - set(choices):
         raise _NeedsHydra(path)
     choices.update(overridden)
     return steps, choices
