@@ -137,6 +137,20 @@ def test_readme_example_runs(block, line, argv, workdir, request):
         assert subprocess.run(["bash", "-n", script.group(1)]).returncode == 0
 
 
+@pytest.mark.parametrize("line,checked", [
+    ("usp plan conf=llama3_1_70b", ["plan", "conf=llama3_1_70b"]),
+    ("usp submit conf=llama3_1_8b", ["submit", "conf=llama3_1_8b", "--dry-run"]),
+    ("usp train conf=llama3_1_8b train.steps=5", ["train", "conf=llama3_1_8b", "train.steps=5", "--dry-run"]),
+    ("usp sweep conf=llama3_1_8b train.micro_batch=1,2 --name s",
+     ["sweep", "conf=llama3_1_8b", "train.micro_batch=1,2", "--name", "s", "--dry-run"]),
+    ("usp train cluster=local_gpu parallelism.tp=2", ["plan", "cluster=local_gpu", "parallelism.tp=2"]),
+    ("usp train conf=tiny_ddp train.micro_batch=4,8", ["train", "conf=tiny_ddp", "train.micro_batch=4,8"]),
+])
+def test_how_a_line_is_checked(line, checked, tmp_path):
+    """The rules above, on lines the README may gain: Slurm lines get --dry-run, local GPU lines a plan."""
+    assert how_to_check(shlex.split(line), tmp_path) == checked
+
+
 def test_readme_has_the_examples_it_promises():
     """Six to eight `usp` commands with an example each, and the two `make` commands, are found:
     an extraction that finds nothing would make the test above pass vacuously."""
