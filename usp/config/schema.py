@@ -217,7 +217,7 @@ class TrainConfig:
     sample_prompt: str = "ROMEO:"
     # auto = on for CUDA (measured faster there), off elsewhere (usp.plan.specs.uses_compile) | true | false
     compile: Any = "auto"
-    # FP8 training of the blocks' linears through torchao.float8 (CUDA GPUs with FP8 units, docs/fp8.md):
+    # FP8 training of the blocks' linears through torchao.float8 (GPUs with FP8 units; docs/parallelism.md, FP8):
     # off | tensorwise (one scale per tensor: fastest; FP8 all-gathers under FSDP) | rowwise (a scale per row)
     fp8: str = "off"
     max_restarts: int = 0  # torchrun restarts the whole job this often after a rank dies (resuming)

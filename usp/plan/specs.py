@@ -238,12 +238,6 @@ class Precision:
         """Bytes of an all-gathered (unsharded) parameter or its gradient under FSDP."""
         return self.compute or self.param
 
-    @property
-    def fp8_gather(self) -> bool:
-        """Does FSDP all-gather the FP8-converted weights in FP8 (1 byte)? torchao does for tensorwise
-        scaling only (usp/engine/parallel/fp8.py)."""
-        return self.fp8 == "tensorwise"
-
     @classmethod
     def resolve(cls, dtype: str, device: str, fp32_params: bool = False, compiled: bool = False,
                 fp8: str = "off") -> Precision:
