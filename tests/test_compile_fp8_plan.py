@@ -63,6 +63,13 @@ def test_eager_overhead_is_the_measured_compile_gain():
     assert h100[0] == h100[1]  # not measured on an H100 yet: a placeholder 0, no gain predicted
 
 
+def test_a_recipe_with_its_own_kernels_ignores_train_compile():
+    """planner.profile=nanotron predicts nanotron's fused kernels: no eager overhead, no compiled activations."""
+    one = ("cluster=h200", "cluster.procs_per_node=1", "planner.profile=nanotron", *H100_ONE[2:])
+    eager, compiled = (plan_for(*one, f"train.compile={c}", force=True) for c in ("false", "true"))
+    assert eager.timing.step_s == compiled.timing.step_s and eager.memory.peak_gib == compiled.memory.peak_gib
+
+
 # --- FP8: the rules ------------------------------------------------------------------------------------
 
 def test_fp8_on_cpu_is_refused_before_launch():

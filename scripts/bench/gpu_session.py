@@ -424,11 +424,27 @@ def main() -> None:
         return plan_only(args, [c for c in chosen if c[1].group != "skipped"], gpu)
     env = dict(os.environ)
     if not args.smoke:
-        mfu.need_cuda()
         from usp.launch.local import accelerator_env
 
-        gpu, env = mfu.this_gpu(), {**accelerator_env("cuda"), **env}
+        gpu, env = probe_gpu(), {**accelerator_env("cuda"), **env}
     session(args, chosen, gpu, env)
+
+
+def probe_gpu() -> tuple[str, float]:
+    """This GPU's name and memory, asked in a child process: a CUDA context in this one would hold
+    ~0.5 GiB of the GPU through every case (exits 2, saying so, without a GPU)."""
+    code = ("import json, sys, torch\n"
+            "if not torch.cuda.is_available(): sys.exit(2)\n"
+            "p = torch.cuda.get_device_properties(0)\n"
+            "print(json.dumps([torch.cuda.get_device_name(), p.total_memory / 2**30]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print("gpu_session.py measures on a GPU and needs a CUDA device; none is visible here (--plan-only and "
+              f"--smoke need none){': ' + proc.stderr.strip()[-300:] if proc.returncode != 2 else ''}",
+              file=sys.stderr)
+        sys.exit(2)
+    name, gib = json.loads(proc.stdout.strip().splitlines()[-1])
+    return name, float(gib)
 
 
 DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "

@@ -53,8 +53,8 @@ def recipe_precision(cfg, device: str) -> tuple[Profile, Precision]:
     """planner.profile's recipe and the bytes per value it stores at train.dtype on this device."""
     profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
     train = cfg.train
-    return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params,
-                                      uses_compile(getattr(train, "compile", "auto"), device),
+    compiled = profile.follows_compile and uses_compile(getattr(train, "compile", "auto"), device)
+    return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params, compiled,
                                       str(getattr(train, "fp8", "off")))
 
 

@@ -461,7 +461,8 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
                      model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world, nodes=hw.nodes,
                      memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak),
                      logits_mb=tokens_mb * mats[-1][2] if mats[-1][0] == "head" else 0.0,
-                     compiled=prec.compiled, fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0)
+                     compiled=prec.compiled or not profile.follows_compile,
+                     fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0)
 
 
 def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile,
