@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -196,13 +197,19 @@ def run_child(plan: dict, timeout_s: float, env: dict, work: Path) -> dict:
     path = work / f"{plan['name']}.plan.json"
     path.write_text(json.dumps(plan, default=float))
     cmd = [sys.executable, __file__, "--run-plan", str(path)]
+    # its own process group: at the budget the case goes with everything it started (inductor's compile
+    # workers would otherwise hold its output pipes open, and this process would wait on them)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=max(1.0, timeout_s))
+        stdout, stderr = proc.communicate(timeout=max(1.0, timeout_s))
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"error": f"stopped at the budget after {timeout_s:.0f} s"}
-    last = proc.stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
+    last = stdout.strip().splitlines()[-1:] if proc.returncode == 0 else []
     if not last:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}", "stderr_tail": proc.stderr[-4000:]}
+        return {"error": f"exit {proc.returncode}: {stderr.strip()[-300:]}", "stderr_tail": stderr[-4000:]}
     return json.loads(last[0])
 
 
