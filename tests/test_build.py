@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dist.cases_build import HF_LAYOUTS, LAYOUTS
+from dist.cases_build import FP8_LAYOUTS, HF_LAYOUTS, LAYOUTS
 from dist.harness import launch
 
 SCRIPT = Path(__file__).parent / "dist" / "cases_build.py"
@@ -36,7 +36,7 @@ def test_a_rank_allocates_its_shards_not_the_whole_model(results):
     assert r["max_rank_growth_bytes"] < share + 2 * r["largest_param_bytes"] + 16 * 2 ** 20 < whole / 2, r
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, *HF_LAYOUTS])
+@pytest.mark.parametrize("layout", [*LAYOUTS, *FP8_LAYOUTS, *HF_LAYOUTS])
 def test_sharded_build_equals_one_process_bit_for_bit(results, layout):
     """Every parameter a rank holds, made whole, equals one process's build (init, or the HF
     checkpoint's load) with torch.equal; the ranks together hold every parameter; nothing is left

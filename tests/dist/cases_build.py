@@ -56,6 +56,9 @@ LAYOUTS = {
     "tied_pp_x_tp": TIED_PP + ONE + ["parallelism.pp=2", "parallelism.tp=2"],
     "ep_x_pp": MOE + PP + ONE + ["parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.ep=2"],
 }
+# FP8 (first in parallelize's order: the blocks' linears become torchao Float8Linear on the meta
+# model); train.fp8 set in the plan after planning, as tests/test_fp8_engine.py does (CPU _scaled_mm)
+FP8_LAYOUTS = {"fp8_fsdp": ONE + ["parallelism.dp_shard=4"]}
 # model.init_from: a tiny transformers Llama / Mixtral saved on the fly (byte vocabulary of 511 rows:
 # padded to 512 under tp 2, the padding rows keep usp's init)
 HF_DIMS = ["data.tokenizer=bytes", "model.vocab_size=511", "model.dim=64", "model.ffn_dim=96", "model.n_layers=4",
@@ -69,9 +72,9 @@ HF_LAYOUTS = {
 }
 
 
-def planned(overrides: list[str], tmp: str) -> dict:
+def planned(overrides: list[str], tmp: str, train: dict | None = None) -> dict:
     """Rank 0 plans (and prepares the dataset, once), the others receive its plan."""
-    box = [plan_dict(overrides, dist.get_world_size(), tmp) if dist.get_rank() == 0 else None]
+    box = [plan_dict(overrides, dist.get_world_size(), tmp, train) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -119,8 +122,8 @@ def reference(plan: dict, ctx, init_from: str | None = None) -> Llama:
     return model
 
 
-def compare(overrides: list[str], tmp: str, init_from: str | None = None) -> dict:
-    plan = planned(overrides + ([f"model.init_from={init_from}"] if init_from else []), tmp)
+def compare(overrides: list[str], tmp: str, init_from: str | None = None, train: dict | None = None) -> dict:
+    plan = planned(overrides + ([f"model.init_from={init_from}"] if init_from else []), tmp, train)
     ctx = make_context(plan)
     parts = build_model(plan, ctx)
     ref = dict(reference(plan, ctx, init_from).named_parameters())
@@ -168,6 +171,8 @@ def main() -> None:
     tmp = box[0]
     cases = {"memory": lambda: build_memory(tmp)}  # first: the high-water mark is still the start-up's
     cases.update({name: (lambda ov=ov: compare(ov, tmp)) for name, ov in LAYOUTS.items()})
+    fp8 = {"fp8": "tensorwise"}
+    cases.update({name: (lambda ov=ov: compare(ov, tmp, train=fp8)) for name, ov in FP8_LAYOUTS.items()})
     for name, ov in HF_LAYOUTS.items():
         kind = "mixtral" if "mixtral" in name else "llama"
         cases[name] = lambda ov=HF_DIMS + ov, kind=kind: compare(ov, tmp, make_hf(tmp, kind))
