@@ -26,7 +26,8 @@ class ModelConfig:
     top_k: int = 2
     moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
     shared_expert: bool = False  # one always-on expert beside the routed ones
-    aux_loss_coef: float = 0.01  # load-balancing loss weight
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (over the global batch, docs/moe.md)
+    router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing (DeepSeek-V3), the bias step
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
     # A Hugging Face checkpoint directory (Llama / Mixtral, config.json + safetensors) whose weights
     # replace the initialisation; checked against this group at plan time (usp/plan/hf_config.py).

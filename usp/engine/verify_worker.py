@@ -36,14 +36,15 @@ def run_layout(plan: dict) -> tuple[list[dict], dict[str, torch.Tensor]]:
 
 
 def gather_full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter of the model as a full CPU tensor, on rank 0 (pipeline stages and
-    expert-parallel ranks each contribute the pieces they hold)."""
+    """Every parameter of the model (and the aux-loss-free balancing biases) as a full CPU tensor,
+    on rank 0 (pipeline stages and expert-parallel ranks each contribute the pieces they hold)."""
     local = {}
     for module in trainer.parts.stage_modules:
         # expert-parallel slices: rows [expert_start, expert_start + n_local) of the full tensor
         starts = {id(p): m.expert_start for m in module.modules()
                   if isinstance(m, GroupedExperts) and m.n_local != m.n_experts for p in m.parameters()}
-        for name, p in module.named_parameters():
+        balance = [(n, b) for n, b in module.named_buffers() if n.endswith("expert_bias")]  # same on every rank
+        for name, p in [*module.named_parameters(), *balance]:
             for s in _STRIP:
                 name = name.replace(s, "")
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
