@@ -80,8 +80,7 @@ def test_plan_lists_every_failure_plan_and_engine_kinds():
     plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=2", "parallelism.cp=2", "train.seq_len=102",
                          "parallelism.pp_virtual_stages=0", "model.n_experts=4", "parallelism.ep=4")
     assert plan is None
-    assert [e.key for e in errors] == ["train.seq_len", "parallelism.pp_virtual_stages", "parallelism.ep",
-                                       "checkpoint.enabled"]
+    assert [e.key for e in errors] == ["train.seq_len", "parallelism.pp_virtual_stages", "parallelism.ep"]
     plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=3")  # a degree error: before the rules
     assert plan is None and [e.key for e in errors] == ["parallelism"]
 
@@ -98,7 +97,7 @@ def test_zero1_composes_with_tp_and_pp_not_with_fsdp():
 def test_plan_builds_and_lists_engine_failures():
     plan, errors = _plan("model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2")
     assert plan is not None  # ep=2 needs dp_shard x cp >= 2; dp_replicate=2 doesn't count
-    assert [e.key for e in errors] == ["parallelism.ep", "checkpoint.enabled"]
+    assert [e.key for e in errors] == ["parallelism.ep"]
     assert "parallelism.dp_shard=2 parallelism.dp_replicate=1" in errors[0].fix
     assert [str(e) for e in errors] == [str(e) for e in engine_support_errors(plan)]
     cfg, choices = compose_config(None, ["model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2",

@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from usp.engine.diskfull import disk_full_error, is_disk_full
+from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.rundir import (
     MANIFEST,
@@ -52,6 +53,7 @@ class Checkpointer:
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
         self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
+        self.ep = int(plan["config"]["parallelism"].get("ep", 1) or 1)
 
     # -- what goes in ------------------------------------------------------------------
     def _state(self) -> dict:
@@ -63,6 +65,11 @@ class Checkpointer:
             model.update(m)
             optim.update(o)
         return {"model": model, "optim": optim}
+
+    def _saved_state(self, state: dict) -> dict:
+        """`state` as DCP stores it: expert-parallel weights as the whole tensors they are slices
+        of (parallel/expert.py: global_expert_state), sharing the model's storage."""
+        return global_expert_state(state, self.ctx, self.ep)
 
     # -- save ----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -86,9 +93,10 @@ class Checkpointer:
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
-                self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
+                self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp)), tmp,
+                                 step, started)
             else:
-                dcp.save(self._state(), checkpoint_id=str(tmp))
+                dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
                 self._publish(tmp, step, started)
         self.last_saved = step
 
@@ -179,7 +187,9 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        loaded = _present(self._saved_state(state), path)
+        dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
+        state = _with_loaded_values(state, loaded)
         for module, optimizer in zip(self.parts.modules, self.optimizers):
             model_sd, optim_sd = state["model"], state["optim"]
             if is_head_copy(module, self.tie):  # a last stage's copy of the tied embedding
@@ -236,6 +246,21 @@ def classify_load_error(exc: BaseException) -> tuple[str, str]:
     if any(isinstance(c, FileNotFoundError) for c in causes):
         return MISSING, detail
     return CORRUPT, detail
+
+
+def _present(state: dict, path: Path) -> dict:
+    """`state` less the aux-loss-free balancing biases the checkpoint doesn't have (saved before
+    model.router_bias_update_rate was turned on): they keep their initial zeros."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = {k: v for k, v in state["model"].items() if not k.endswith("expert_bias") or f"model.{k}" in saved}
+    return {**state, "model": model}
+
+
+def _with_loaded_values(state: dict, loaded: dict) -> dict:
+    """`state` with the values DCP replaced rather than filled in place (the optimizer's lr,
+    betas, ...: not tensors) taken from `loaded`, a copy of it (_saved_state, _present)."""
+    return {part: {k: v if isinstance(v, torch.Tensor) else loaded[part].get(k, v) for k, v in sd.items()}
+            for part, sd in state.items()}
 
 
 def _layout(degrees: dict) -> str:

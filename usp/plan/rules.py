@@ -382,9 +382,6 @@ ENGINE_RULES = [
          "flash-attn computes in bf16/fp16 only", "train.dtype=auto (bf16 on GPU), or model.attention=sdpa", "fp32"),
     Rule("flash_attn_without_cp", "engine", "model.attention", lambda s: _flash(s) and s.layout.cp > 1,
          "context parallelism brings its own (ring) attention", "model.attention=sdpa", "flash_attn"),
-    Rule("ep_checkpoints", "engine", "checkpoint.enabled", lambda s: s.layout.ep > 1 and s.settings.checkpoint,
-         "checkpoints of expert-parallel runs are not supported yet (expert weights differ per rank)",
-         "checkpoint.enabled=false", True),
     Rule("local_multinode_rendezvous", "engine", check=lambda s: _check_node_keys(s)),
     Rule("fp8_over_tp", "engine", "parallelism.tp", lambda s: _fp8(s) and s.layout.tp > 1,
          "this engine doesn't install torchao's float8 tensor-parallel styles yet: FP8 trains with FSDP, DDP, "
