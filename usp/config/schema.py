@@ -28,6 +28,9 @@ class ModelConfig:
     shared_expert: bool = False  # one always-on expert beside the routed ones
     aux_loss_coef: float = 0.01  # load-balancing loss weight (over the global batch, docs/moe.md)
     router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing (DeepSeek-V3), the bias step
+    # For the planner only: a measured max / mean tokens per expert (metrics.jsonl expert_load ...
+    # imbalance); the EP all-to-all and expert compute of the busiest rank scale by it. 1 = balanced.
+    expert_load_imbalance: float = 1.0
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
     # A Hugging Face checkpoint directory (Llama / Mixtral, config.json + safetensors) whose weights
     # replace the initialisation; checked against this group at plan time (usp/plan/hf_config.py).

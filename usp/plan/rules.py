@@ -58,7 +58,6 @@ class Settings:
     seq_len: int
     dtype: str = "auto"
     launcher: str | None = None  # None: not known (a bare search), the launcher rule doesn't apply
-    checkpoint: bool = False
     ddp_comm_hook: str = "none"
     optim: OptimSettings = OptimSettings()
     tokenizer: str = "bpe"
@@ -72,7 +71,7 @@ class Settings:
         """From a composed config, or the plain dict of RunPlan.config."""
         g = lambda section, key, d=None: _get(_get(cfg, section, {}), key, d)  # noqa: E731
         return cls(seq_len=int(g("train", "seq_len")), dtype=str(g("train", "dtype", "auto")),
-                   launcher=str(g("cluster", "launcher", "local")), checkpoint=bool(g("checkpoint", "enabled", False)),
+                   launcher=str(g("cluster", "launcher", "local")),
                    ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")),
                    optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
                    tokenizer=str(g("data", "tokenizer", "bpe")),
@@ -246,6 +245,10 @@ MODEL_RULES = [
     Rule("head_dim_even", "plan", "model.n_heads", lambda s: s.arch.head_dim % 2 != 0,
          lambda s: f"head dim {s.arch.head_dim} is odd; RoPE rotates pairs of channels",
          "make model.dim / model.n_heads even", lambda s: s.arch.n_heads, gate=True),
+    Rule("expert_load_imbalance_at_least_one", "plan", "model.expert_load_imbalance",
+         lambda s: not s.arch.expert_load_imbalance >= 1.0,
+         "is the busiest expert's tokens over the mean (metrics.jsonl expert_load: imbalance), at least 1",
+         "model.expert_load_imbalance=1.0 (balanced) or the measured value", lambda s: s.arch.expert_load_imbalance),
 ]
 
 

@@ -133,7 +133,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
            recomputes=("none", "full"), settings: Settings | None = None,
            profile: Profile = PROFILES["usp"]) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
-    (default: Settings(seq_len): any launcher, auto dtype, no checkpoints, no DDP hook); profile:
+    (default: Settings(seq_len): any launcher, auto dtype, no DDP hook); profile:
     whose recipe's memory decides what fits (usp.plan.profile)."""
     start = time.perf_counter()
     cap = hw.memory_gib * GIB
