@@ -245,7 +245,7 @@ MODEL_RULES = [
     Rule("head_dim_even", "plan", "model.n_heads", lambda s: s.arch.head_dim % 2 != 0,
          lambda s: f"head dim {s.arch.head_dim} is odd; RoPE rotates pairs of channels",
          "make model.dim / model.n_heads even", lambda s: s.arch.n_heads, gate=True),
-    Rule("expert_load_imbalance_at_least_one", "plan", "model.expert_load_imbalance",
+    Rule("load_imbalance_at_least_one", "plan", "model.expert_load_imbalance",
          lambda s: not s.arch.expert_load_imbalance >= 1.0,
          "is the busiest expert's tokens over the mean (metrics.jsonl expert_load: imbalance), at least 1",
          "model.expert_load_imbalance=1.0 (balanced) or the measured value", lambda s: s.arch.expert_load_imbalance),
