@@ -89,6 +89,11 @@ def report(result: dict, rtol: float, param_atol: float, console: Console) -> in
     console.print(f"final parameters: max |Δ| {result['max_param_diff']:.2e} in {result.get('worst_param')} "
                   f"(tolerance {param_atol:g})"
                   + (f"; missing: {result['missing_params'][:5]}" if result["missing_params"] else ""))
+    flip = result.get("routing_diverged_at")
+    if flip:
+        console.print(f"MoE routing differs from step {flip['step']} (layer {flip['layer']}: tokens per expert "
+                      f"{flip['layout']} vs the reference's {flip['reference']}): a token whose top-k candidates "
+                      "were within rounding of each other chose another expert; later steps follow other routes")
     good = (result["steps"] == result["steps_expected"] and params_ok and not math.isnan(result["max_rel_loss_diff"])
             and result["max_rel_loss_diff"] <= rtol)
     console.print("[bold green]PASS[/]: the layout is exact" if good else "[bold red]FAIL[/]: the layout differs")

@@ -66,8 +66,8 @@ def _layer_index(name: str) -> int:
 
 
 def expert_load(load: dict[int, torch.Tensor], ctx: DistContext, n_layers: int) -> dict[str, dict]:
-    """Per MoE layer of the whole model, the step's tokens per expert as min / max / mean and
-    imbalance = max / mean (1 = balanced; what the slowest expert costs over a balanced one).
+    """Per MoE layer of the whole model, the step's tokens per expert (all of them, and min / max /
+    mean) and imbalance = max / mean (1 = balanced; what the slowest expert costs over a balanced one).
     Called by every rank at the same steps: the pipeline ranks' layers are summed over pp."""
     if not load and ctx.degrees["pp"] == 1:
         return {}
@@ -86,5 +86,5 @@ def expert_load(load: dict[int, torch.Tensor], ctx: DistContext, n_layers: int) 
         t = load[i].double()
         mean = float(t.mean())
         out[str(i)] = {"tokens_min": int(t.min()), "tokens_max": int(t.max()), "tokens_mean": mean,
-                       "imbalance": float(t.max()) / mean if mean > 0 else 1.0}
+                       "imbalance": float(t.max()) / mean if mean > 0 else 1.0, "tokens": load[i].tolist()}
     return out
