@@ -29,7 +29,8 @@ def plot_expert_load(runs: list[RunData], out: Path) -> Plot | None:
         return None
     plt = _plt()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.4, 3.8))
-    data, ticks = {}, []
+    data: dict[str, dict] = {}
+    ticks: list[str] = []
     for label, layers in series.items():
         prefix = f"{label} " if len(series) > 1 else ""
         for layer in sorted(layers, key=int):

@@ -20,6 +20,9 @@ Both all_to_alls are differentiable (`_AllToAll`: backward = the reverse all_to_
 values and gradients on gloo too, but 2 of 9 test launches died with "terminate called
 without an active exception" at process exit, so a plain autograd.Function is used.)
 
+Checkpoints: `global_expert_state` (below) presents every expert weight and its optimizer
+states to DCP as the whole (n_experts, ...) tensor, so checkpoints reshard to any ep (docs/moe.md).
+
 Gradient reduction. In training the engine lets FSDP2 do it (usp/engine/parallel/data.py:
 experts are their own FSDP unit over (dp_replicate, dp_shard_mod_ep), gradients summed and divided
 by the data-parallel size). tests/dist/cases_expert.py does the same arithmetic by hand
@@ -124,7 +127,6 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
 
 # An expert weight's key in a (flattened) model or optimizer state dict: the weight, or its states
 _EXPERT_KEY = re.compile(r"(^|\.)experts\.w[123](\.|$)")
-CHECKPOINT_DIMS = ("pp", "dp_replicate", "ep", "dp_shard_mod_ep", "tp")
 
 
 def global_expert_state(state: dict[str, dict], ctx, ep: int) -> dict[str, dict]:
@@ -139,28 +141,20 @@ def global_expert_state(state: dict[str, dict], ctx, ep: int) -> dict[str, dict]
     by FQN and global offset."""
     if ep <= 1:
         return state
-    mesh = _checkpoint_mesh(ctx, ep)["dp_replicate", "ep", "dp_shard_mod_ep"]
-    return {part: {k: _global(v, mesh, ep) if _EXPERT_KEY.search(k) else v for k, v in sd.items()}
+    mesh = ctx.expert_checkpoint_mesh(ep)["dp_replicate", "ep", "dp_shard_mod_ep"]
+    return {part: {k: _global(k, v, mesh, ep) if _EXPERT_KEY.search(k) else v for k, v in sd.items()}
             for part, sd in state.items()}
 
 
-def _global(value, mesh: DeviceMesh, ep: int):
-    if not isinstance(value, DTensor) or value.dim() == 0:  # e.g. AdamW's step count
+def _global(key: str, value, mesh: DeviceMesh, ep: int):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:  # e.g. AdamW's step count
         return value
+    if not isinstance(value, DTensor):  # EP layouts are FSDP layouts: a plain slice would save as the whole
+        raise RuntimeError(f"{key}: an expert-parallel slice that is not an FSDP2 DTensor can't be checkpointed")
     shape = torch.Size((value.shape[0] * ep, *value.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(value.to_local(), mesh, [Replicate(), Shard(0), Shard(0)], run_check=False,
                               shape=shape, stride=stride)
-
-
-def _checkpoint_mesh(ctx, ep: int) -> DeviceMesh:
-    """The expert mesh's ranks with ep outside dp_shard_mod_ep (CHECKPOINT_DIMS): DTensor shards
-    a dim over mesh dims in order, and EP rank r's rows come before its FSDP shards'. Built once,
-    by every rank (its first checkpoint save or load)."""
-    if "ep_checkpoint" not in ctx._flat:
-        ranks = ctx.expert_mesh(ep).mesh.permute(0, 1, 3, 2, 4)  # EXPERT_DIMS -> CHECKPOINT_DIMS
-        ctx._flat["ep_checkpoint"] = DeviceMesh(ctx.device.type, ranks, mesh_dim_names=CHECKPOINT_DIMS)
-    return ctx._flat["ep_checkpoint"]
 
 
 def expert_clip_args(modules: list[nn.Module], ctx, ep: int) -> tuple:
