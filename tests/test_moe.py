@@ -318,3 +318,28 @@ def test_pp_aux_loss_gradients_match_single_process(pp_aux_results, case):
     print(case, r)
     assert r["aux_grad_effect"] > 1e-4  # the aux loss changes the gradients, so the check has teeth
     assert r["grad_max_abs_err"] < 1e-12
+
+
+def test_reference_keeps_the_micro_batch_steps_only_for_the_balancing_loss():
+    """One process equals a layout's MoE load-balancing loss only with the same micro-batch steps;
+    every other reference takes the global batch in one forward (which also checks accumulation)."""
+    from usp.config.reference import reference_grad_accum, reference_overrides
+
+    assert reference_grad_accum({"n_experts": 4, "aux_loss_coef": 0.01}, 4) == 4
+    assert reference_grad_accum({"n_experts": 4, "aux_loss_coef": 0.0, "router_bias_update_rate": 1e-3}, 4) == -1
+    assert reference_grad_accum({"n_experts": 0, "aux_loss_coef": 0.01}, 4) == -1
+    ov = reference_overrides(["model=moe_tiny", "parallelism.ep=2", "train.grad_accum=4", "train.micro_batch=2"], 4)
+    assert ov[0] == "model=moe_tiny" and ov[-2:] == ["train.micro_batch=-1", "train.grad_accum=4"]
+
+
+def test_verify_names_the_step_and_layer_where_routing_parts():
+    from usp.engine.verify_worker import routing_divergence
+
+    def rec(step, tokens):
+        return {"step": step, "expert_load": {"1": {"tokens": tokens}}}
+
+    ref = [rec(1, [3, 5]), rec(2, [4, 4]), rec(3, [2, 6])]
+    assert routing_divergence(ref, ref) is None
+    got = routing_divergence(ref, [rec(1, [3, 5]), rec(2, [5, 3]), rec(3, [2, 6])])
+    assert got == {"step": 2, "layer": "1", "reference": [4, 4], "layout": [5, 3]}
+    assert routing_divergence([{"step": 1, "loss": 1.0}], [{"step": 1, "loss": 1.0}]) is None  # a dense model
