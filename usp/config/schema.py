@@ -3,6 +3,7 @@ wrong type is an error at compose time rather than a silent default."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 
@@ -279,6 +280,7 @@ SCHEMA_NAME = "usp_schema"
 GROUPS = ("model", "parallelism", "optimizer", "cluster", "data")
 
 
+@cache  # once per process: storing the schema converts it to a config (~30 ms), and Hydra copies it on every load
 def register() -> None:
     from hydra.core.config_store import ConfigStore
 

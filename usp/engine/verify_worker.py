@@ -3,8 +3,8 @@ under torchrun (or in-process for one rank). Trains the reference on rank 0, the
 every rank, and writes the step-by-step comparison to F (rank 0, atomically).
 
 The reference is the same model, seed, data and global batch on one process with every degree
-1; it runs on rank 0 while the other ranks wait. The parity-matrix tests drive `verify_plans`
-directly (tests/dist/parity.py)."""
+1; it runs on rank 0 while the other ranks wait. The parity-matrix tests call `verify_plans`
+themselves (tests/dist/parity.py)."""
 from __future__ import annotations
 
 import argparse

@@ -65,7 +65,7 @@ def layout_from_row(row: dict) -> Layout:
 @cache
 def h100_nodes(nodes: int) -> Hardware:
     """The playbook's hardware: conf/cluster/slurm_h100.yaml with the run's node count (the group's
-    YAML read directly: composing a config per node count costs seconds)."""
+    YAML file itself: composing a config per node count costs seconds)."""
     import yaml
 
     from usp.config.paths import conf_dir
