@@ -2,8 +2,8 @@
 in its own Python process, and what that process imported (sys.modules at exit, so lazy imports
 count too) must not hold torch, nor numpy where start-up keeps it out (only `usp report`'s plots
 and `usp prepare-data`'s token files need it; `usp --help` also stays clear of Hydra and omegaconf). One more
-case imports every module of the torch-free packages (usp.cli, usp.config, usp.plan, usp.launch,
-usp.report, usp.data and the top-level usp.rundir, usp.runstate, usp.sweeprecord, usp.errors)."""
+case imports every module of the torch-free packages (usp.cli, usp.run, usp.config, usp.perf, usp.plan,
+usp.launch, usp.report, usp.data) and usp.errors."""
 from __future__ import annotations
 
 import json
@@ -18,8 +18,9 @@ import pytest
 from usp.plan.hf_config import hf_config
 
 REPO = Path(__file__).resolve().parents[1]
-TORCH_FREE_PACKAGES = ("usp.config", "usp.plan", "usp.launch", "usp.report", "usp.data")
-TORCH_FREE_MODULES = ("usp.cli", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.errors")
+TORCH_FREE_PACKAGES = ("usp.cli", "usp.run", "usp.config", "usp.perf", "usp.plan", "usp.launch", "usp.report",
+                       "usp.data")
+TORCH_FREE_MODULES = ("usp.errors",)
 
 # Runs one usp command (or imports every torch-free module) and writes sys.modules at exit.
 RUNNER = f"""
@@ -31,7 +32,8 @@ if sys.argv[1:] == ["--import-all"]:
         importlib.import_module(name)
     for pkg in {TORCH_FREE_PACKAGES!r}:
         for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + "."):
-            importlib.import_module(info.name)
+            if not info.name.endswith(".__main__"):  # `python -m` entries run the command
+                importlib.import_module(info.name)
 else:
     from usp.cli import main
     sys.argv = ["usp", *sys.argv[1:]]

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from usp.errors import UspError
 from usp.launch.sweep import expand_grid, plan_grid, point_id, run_sweep_local
-from usp.sweeprecord import read_sweep
+from usp.run.sweep_record import read_sweep
 
 QUIET = ["train.steps=2", "logging.console=quiet", "train.sample_tokens=0", "train.eval_interval=0"]
 

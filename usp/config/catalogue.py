@@ -7,7 +7,7 @@ from pathlib import Path
 from usp.config import schema
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.errors import ConfigError
-from usp.writable import check_writable_dir
+from usp.run.writable import check_writable_dir
 
 
 def complete_override(incomplete: str) -> list[str]:

@@ -77,7 +77,7 @@ class OptimizerConfig:
 
 @dataclass
 class CalibratedConfig:
-    # What cluster.timing was fitted on (written by `usp calibrate`; usp/plan/time_constants.py).
+    # What cluster.timing was fitted on (written by `usp calibrate`; usp/perf/time_constants.py).
     source: str = ""  # "" = never calibrated
     runs: int = 0
     nodes: list[int] = field(default_factory=list)
@@ -257,7 +257,7 @@ class ProfileConfig:
 
 @dataclass
 class PlannerConfig:
-    # Whose training recipe the planner predicts (usp/plan/profile.py): usp (this engine) | nanotron
+    # Whose training recipe the planner predicts (usp/perf/profile.py): usp (this engine) | nanotron
     # (the settings of the Ultra-Scale Playbook's benchmark runs).
     profile: str = "usp"
 

@@ -18,7 +18,7 @@ import torch
 
 from usp.engine.hf_checkpoint import DEFAULT_SHARD_MB, HFExportResult, write_hf
 from usp.errors import UspError
-from usp.rundir import (
+from usp.run.files import (
     CHECKPOINTS,
     MANIFEST,
     check_manifest,
@@ -28,7 +28,7 @@ from usp.rundir import (
     read_plan,
     write_text_atomic,
 )
-from usp.writable import check_writable_dir
+from usp.run.writable import check_writable_dir
 
 FORMATS = ("torch", "safetensors", "hf")
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile

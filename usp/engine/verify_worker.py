@@ -19,7 +19,7 @@ from usp.engine.accel import apply_determinism
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Trainer
 from usp.models.moe import GroupedExperts
-from usp.rundir import read_plan, write_text_atomic
+from usp.run.files import read_plan, write_text_atomic
 
 _STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 

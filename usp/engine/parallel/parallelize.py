@@ -12,7 +12,7 @@ from usp.engine.parallel.data import apply_ddp, apply_fsdp
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.precision import fsdp_mp_policy
 from usp.engine.parallel.recompute import apply_recompute
-from usp.plan.layout import FSDP_KINDS, data_parallel_kind
+from usp.perf.layout import FSDP_KINDS, data_parallel_kind
 
 
 def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
