@@ -31,7 +31,7 @@ ALLOWED = {
     "usp.run.writable": {"usp.errors"},
     "usp.run.state": BASE,
     "usp.run.sweep_record": BASE | {"usp.run.state"},
-    "usp.config": {"usp.errors", "usp.run", "usp.run.writable"},
+    "usp.config": {"usp.errors", "usp.run", "usp.run.files", "usp.run.writable"},
     "usp.data": {"usp.errors", "usp.run", "usp.run.files"},
     "usp.models": set(),
     "usp.perf": {"usp.errors"},
@@ -46,6 +46,7 @@ ALLOWED = {
 }
 TORCH_FREE = tuple(p for p in ALLOWED if p not in ("usp.engine", "usp.models"))
 DOC = USP.parent / "docs" / "architecture.md"
+
 
 def _modules() -> dict[str, Path]:
     out = {}
