@@ -65,10 +65,9 @@ def _print_cfg(cfg, which: str) -> None:
 
 
 def _user_errors():
-    from usp.data.errors import DataError
-    from usp.errors import UspError
+    from usp.errors import UspError  # the data layer's DataError is one too
 
-    return (UspError, DataError)
+    return UspError
 
 
 def _nothing_to_do():
@@ -78,9 +77,9 @@ def _nothing_to_do():
 
 
 def handles_errors(command):
-    """The one error wrapper of every command: a problem the user can fix (UspError, DataError)
-    is printed as one red line (with its fix) and exits 2, never as a stack trace. A run that is
-    already at train.steps says so and exits 0."""
+    """The one error wrapper of every command: a problem the user can fix (a UspError) is printed
+    as one red line (with its fix) and exits 2, never as a stack trace. A run that is already at
+    train.steps says so and exits 0."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
