@@ -22,6 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from usp.data.errors import DataError
 from usp.errors import LaunchError, UspError, one_line
 from usp.launch.checkpoints import RunAlreadyDone
 from usp.run import lock as runlock
@@ -111,6 +112,8 @@ def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir
             launchers.add(str(point.cfg.cluster.launcher))
             point.plan = checked_plan(point.cfg, point.choices)  # what prepare_run refuses, refused here
             point.info = _plan_info(point.plan)
+        except DataError:  # e.g. a missing tokenizer: one error before anything is written, as `usp plan` says it
+            raise
         except UspError as exc:
             point.status, point.reason = "rejected", one_line(exc)
         points.append(point)
