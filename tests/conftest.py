@@ -28,7 +28,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # at once overlap well on two cores.
 LONGEST_FIRST = ("test_parallel.py", "test_checkpoint.py", "test_slurm.py", "test_training.py",
                  "test_memory_calibration.py", "test_multinode.py", "test_bench_smoke.py", "test_hf_checkpoint.py",
-                 "test_failures.py", "test_moe.py", "test_pipeline.py", "test_context_parallel.py")
+                 "test_failures.py", "test_moe.py", "test_pipeline.py", "test_build.py", "test_context_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):
