@@ -1,9 +1,11 @@
 """The import rules of docs/architecture.md, read from the source (no imports executed): no cycle
 between files, each package imports only the layers below it, and the torch-free layers never
-name torch. A function-level (lazy) import counts like a top-level one."""
+name torch. A function-level (lazy) import counts like a top-level one. docs/architecture.md's import
+table is this file's table, and its file listing names every file of usp/."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from functools import cache, lru_cache
 from pathlib import Path
@@ -12,33 +14,38 @@ import pytest
 
 USP = Path(__file__).resolve().parents[1] / "usp"
 
-# package -> the usp packages it may import (besides itself). usp.errors and usp.rundir are the
-# floor every layer stands on (with usp.names, the directory-name rule, and usp.runlock, the run
-# lock, and usp.writable, the check of an output target, all on usp.errors alone); launch reaches the
-# engine only to run one rank in-process. usp.cli_examples is the --help examples' text.
-BASE = {"usp.errors", "usp.rundir", "usp.names", "usp.runlock", "usp.writable"}
+# package (or module) -> the usp packages it may import (besides itself); the longest name that
+# matches a module decides. usp/run/ is the floor every layer stands on: the run directory's files
+# (usp.run.files, no usp imports at all), the directory-name rule, the run lock and the check of an
+# output target (on usp.errors alone); the run's state and a sweep's record read those. usp/perf/ is
+# the performance model and the layout it models (on usp.errors alone); usp/plan/ builds a plan with
+# it; its calibration fits the model's constants to measured runs. launch reaches the engine only to
+# run one rank in-process.
+BASE = {"usp.errors", "usp.run", "usp.run.files", "usp.run.names", "usp.run.lock", "usp.run.writable"}
 ALLOWED = {
     "usp.errors": set(),
-    "usp.rundir": set(),
-    "usp.names": {"usp.errors"},
-    "usp.runlock": {"usp.errors"},
-    "usp.writable": {"usp.errors"},
-    "usp.cli_examples": set(),
-    "usp.runstate": BASE,
-    "usp.sweeprecord": BASE | {"usp.runstate"},
-    "usp.config": {"usp.errors", "usp.rundir", "usp.writable"},
-    "usp.data": {"usp.errors", "usp.rundir"},
+    "usp.run": set(),
+    "usp.run.files": set(),
+    "usp.run.names": {"usp.errors"},
+    "usp.run.lock": {"usp.errors"},
+    "usp.run.writable": {"usp.errors"},
+    "usp.run.state": BASE,
+    "usp.run.sweep_record": BASE | {"usp.run.state"},
+    "usp.config": {"usp.errors", "usp.run", "usp.run.files", "usp.run.writable"},
+    "usp.data": {"usp.errors", "usp.run", "usp.run.files"},
     "usp.models": set(),
-    "usp.plan": BASE | {"usp.config", "usp.data"},
-    "usp.report": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan"},
-    "usp.launch": BASE | {"usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data", "usp.engine"},
-    "usp.engine": BASE | {"usp.plan", "usp.data", "usp.models"},
-    "usp.cli": BASE | {"usp.cli_examples", "usp.runstate", "usp.sweeprecord", "usp.config", "usp.plan", "usp.data",
-                       "usp.launch", "usp.report", "usp.engine"},
+    "usp.perf": {"usp.errors"},
+    "usp.perf.calibration": {"usp.errors", "usp.config", "usp.perf"},
+    "usp.plan": BASE | {"usp.config", "usp.data", "usp.perf"},
+    "usp.report": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.plan"},
+    "usp.launch": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.plan", "usp.perf", "usp.data",
+                          "usp.engine"},
+    "usp.engine": BASE | {"usp.plan", "usp.perf", "usp.data", "usp.models"},
+    "usp.cli": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.plan", "usp.perf",
+                       "usp.perf.calibration", "usp.data", "usp.launch", "usp.report", "usp.engine"},
 }
-TORCH_FREE = ("usp.errors", "usp.rundir", "usp.names", "usp.runlock", "usp.writable", "usp.cli_examples",
-              "usp.runstate", "usp.sweeprecord",
-              "usp.config", "usp.plan", "usp.launch", "usp.report", "usp.cli")
+TORCH_FREE = tuple(p for p in ALLOWED if p not in ("usp.engine", "usp.models"))
+DOC = USP.parent / "docs" / "architecture.md"
 
 
 def _modules() -> dict[str, Path]:
@@ -153,6 +160,60 @@ def test_the_rule_table_catches_a_wrong_edge(tmp_path):
     bad.write_text("def f():\n    from usp.engine.trainer import Trainer\n")
     assert "usp.engine.trainer" in _imports(bad)
     assert _package("usp.engine.trainer") not in ALLOWED["usp.models"]
+
+
+def _doc_table() -> dict[str, tuple[set[str] | None, bool]]:
+    """docs/architecture.md's import table: package -> (what it may import, None for "any of the
+    above"; whether it may import torch). "run" stands for the floor of usp/run/ (BASE)."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) != 3 or not cells[0].startswith("`usp/"):
+            continue
+        names = {n.removesuffix(".py").rstrip("/").replace("/", ".") for n in re.findall(r"`([\w/.]+)`", cells[0])}
+        may: set[str] | None = set()
+        if cells[1].startswith("any of the above"):
+            may = None
+        elif cells[1] != "nothing from usp":
+            for item in re.split(r"[,;]", cells[1]):
+                word = item.split()[0]
+                may |= BASE if word == "run" else {f"usp.{word.replace('/', '.')}"}
+        rows.update({name: (may, cells[2] == "yes") for name in names})
+    return rows
+
+
+def test_the_docs_table_is_this_table():
+    doc = _doc_table()
+    assert set(doc) == set(ALLOWED) - {"usp.run"}, "a package missing from one of the two tables"
+    for package, (may, torch) in doc.items():
+        if may is not None:  # usp.run itself is an empty package: the table names its files
+            assert may - {"usp.run"} == ALLOWED[package] - {"usp.run"}, package
+        assert torch == (package not in TORCH_FREE), package
+
+
+def _doc_files() -> set[str]:
+    """The paths the "Every file" listing of docs/architecture.md names (a tree, two spaces a level)."""
+    block = DOC.read_text().split("## Every file", 1)[1].split("```")[1]
+    folders: list[str] = []
+    found = set()
+    for line in block.splitlines():
+        token = line.split()[0] if line.strip() else ""
+        depth = (len(line) - len(line.lstrip())) // 2
+        if not token.startswith("usp/") and (depth > 4 or not token.endswith((".py", ".j2", "/"))):
+            continue  # a description's second line
+        path = token if token.startswith("usp/") else "".join(folders[:depth]) + token
+        if token.endswith("/"):
+            folders[depth:] = [path if depth == 0 else token]
+        else:
+            found.add(path)
+    return found
+
+
+def test_the_docs_list_every_file():
+    files = {p.relative_to(USP.parent).as_posix() for p in USP.rglob("*.py") if p.name != "__init__.py"}
+    listed = {f for f in _doc_files() if f.endswith(".py") and not f.endswith("/__init__.py")}
+    assert sorted(files - listed) == [], "files docs/architecture.md does not list"
+    assert sorted(listed - files) == [], "files docs/architecture.md lists that do not exist"
 
 
 MAX_FUNCTION_LINES = 60

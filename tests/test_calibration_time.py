@@ -18,11 +18,11 @@ import pytest
 import yaml
 
 from tests.conftest import usp_cli
-from usp.plan.calibrate import Problem, calibrate, report, score, split
-from usp.plan.measured_runs import BF16, SWEEP_CSV, read_sweep_csv
-from usp.plan.profile import PROFILES
-from usp.plan.specs import Hardware
-from usp.plan.timing import evaluate, mfu, pipeline_stall_s, time_shape
+from usp.perf.calibration.calibrate import Problem, calibrate, report, score, split
+from usp.perf.calibration.measured_runs import BF16, SWEEP_CSV, read_sweep_csv
+from usp.perf.profile import PROFILES
+from usp.perf.specs import Hardware
+from usp.perf.timing import evaluate, mfu, pipeline_stall_s, time_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = SWEEP_CSV
@@ -165,7 +165,7 @@ def test_calibrate_loss_counts_a_cell_whose_measured_best_leaves_the_predicted_t
     """The fit's ranking term: RANK_WEIGHT x ln(3rd-best prediction / the measured best's prediction), 0 when
     the measured best is among the top 3 predicted (1.34B on 1 node with the committed fit), > 0 when not
     (1.34B on 64 nodes: every layout measured below 6 %, the fit misses it)."""
-    import usp.plan.calibrate as cal
+    import usp.perf.calibration.calibrate as cal
 
     hw = _hw(FITTED)
     for nodes, missed in ((1, False), (64, True)):

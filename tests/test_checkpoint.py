@@ -16,7 +16,7 @@ import pytest
 from conftest import _CACHE, USP, run_usp
 
 from usp.engine.observe.metrics import read_metrics
-from usp.rundir import list_checkpoints
+from usp.run.files import list_checkpoints
 
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
          "train.eval_batches=1", "train.measure_memory=false"]  # neither is checked here; both cost time

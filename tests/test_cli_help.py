@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, USP, usp_cli
 
 from usp.cli import app
-from usp.cli_examples import EXAMPLES
+from usp.cli.examples import EXAMPLES
 from usp.config.compose import compose_config
 
 COMMANDS = [[c.name or c.callback.__name__.replace("_", "-")] for c in app.registered_commands]

@@ -7,9 +7,9 @@ import pytest
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
-from usp.plan.memory import fp8_layer_params
+from usp.perf.memory import fp8_layer_params
+from usp.perf.specs import GIB, Arch, Layout, compile_choice, uses_compile
 from usp.plan.plan import build_plan, checked_plan, plan_with_failures
-from usp.plan.specs import GIB, Arch, Layout, compile_choice, uses_compile
 
 H100_ONE = ("cluster=slurm_h100", "cluster.procs_per_node=1", "model=llama3_2_1b", "train.seq_len=2048",
             "train.global_batch=8", "train.micro_batch=8")
@@ -140,8 +140,8 @@ def test_fp8_copies_replace_autocast_copies_and_count_their_scales():
     layer = fp8_layer_params(a, Layout())
     assert layer == a.attn_params + a.dense_mlp_params
     rows_and_cols = 6 * a.dim + 2 * a.kv_dim + 3 * (a.dim + a.ffn_dim)  # wq, wo: 2h; wk, wv: h + kv; SwiGLU: h + f
-    from usp.plan.memory import _fp8_copies
-    from usp.plan.specs import Precision
+    from usp.perf.memory import _fp8_copies
+    from usp.perf.specs import Precision
 
     assert _fp8_copies(a, Layout(), Precision.resolve("bf16", "cuda", True, fp8="rowwise")) == layer + 4 * rows_and_cols
     assert _fp8_copies(a, Layout(), Precision.resolve("bf16", "cuda", True, fp8="tensorwise")) == layer + 4 * 7

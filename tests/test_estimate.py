@@ -11,8 +11,8 @@ from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
+from usp.perf.specs import Arch
 from usp.plan.estimate import DEFAULT_MFU, estimate
-from usp.plan.specs import Arch
 
 PEAK = 989e12
 

@@ -26,7 +26,7 @@ from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir
 from usp.plan.io import write_plan
 from usp.plan.plan import build_plan
-from usp.rundir import list_checkpoints, read_plan
+from usp.run.files import list_checkpoints, read_plan
 
 PP2_TP2 = ["cluster.procs_per_node=4", "parallelism.pp=2", "parallelism.tp=2", "model.tie_embeddings=false"]
 TINY = ["model.dim=32", "model.n_heads=4", "model.ffn_dim=64", "model.vocab_size=4096", "train.seq_len=16"]

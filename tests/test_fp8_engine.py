@@ -66,7 +66,7 @@ def test_fp8_trains_next_to_fp32_with_unchanged_parameters_and_keys(recipe, shak
 
 
 def test_compile_auto_wraps_blocks_on_cuda_only(shakespeare):
-    """parallelize resolves train.compile through usp.plan.specs.uses_compile: auto compiles each block
+    """parallelize resolves train.compile through usp.perf.specs.uses_compile: auto compiles each block
     for a CUDA plan, not for a CPU one (torch.compile wraps lazily: nothing compiles here)."""
     with tempfile.TemporaryDirectory() as runs:
         plan = plan_dict(RUN, 1, runs)

@@ -15,7 +15,7 @@ from conftest import run_usp, usp_cli
 from data_builders import WORDS, trained_tiktoken_file, word_corpus
 
 from usp.engine.observe.metrics import read_metrics
-from usp.rundir import read_plan
+from usp.run.files import read_plan
 
 DIMS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1)
@@ -148,7 +148,7 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """The trained model's logits, from its last usp checkpoint, in one process."""
     from usp.engine.export import load_model_state
     from usp.models.llama import Llama, LlamaArgs
-    from usp.rundir import list_checkpoints
+    from usp.run.files import list_checkpoints
 
     plan = read_plan(run_dir / "plan.yaml")
     ckpt = [c for c in list_checkpoints(run_dir / "checkpoints") if c.complete][-1].path

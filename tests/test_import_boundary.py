@@ -1,10 +1,9 @@
 """The torch-free import boundary, in one place: every usp command that must not import torch runs
 in its own Python process, and what that process imported (sys.modules at exit, so lazy imports
 count too) must not hold torch, nor numpy where start-up keeps it out (only `usp report`'s plots
-and `usp prepare-data`'s token files need it; `usp --help` also stays clear of Hydra, and so do
-`usp plan` and `usp estimate` on the catalogue's plain shapes). One more
-case imports every module of the torch-free packages (usp.cli, usp.config, usp.plan, usp.launch,
-usp.report, usp.data and the top-level usp.rundir, usp.runstate, usp.sweeprecord, usp.errors)."""
+and `usp prepare-data`'s token files need it; `usp --help` also stays clear of Hydra and omegaconf). One more
+case imports every module of the torch-free packages (usp.cli, usp.run, usp.config, usp.perf, usp.plan,
+usp.launch, usp.report, usp.data) and usp.errors."""
 from __future__ import annotations
 
 import json
@@ -19,8 +18,9 @@ import pytest
 from usp.plan.hf_config import hf_config
 
 REPO = Path(__file__).resolve().parents[1]
-TORCH_FREE_PACKAGES = ("usp.config", "usp.plan", "usp.launch", "usp.report", "usp.data")
-TORCH_FREE_MODULES = ("usp.cli", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.errors")
+TORCH_FREE_PACKAGES = ("usp.cli", "usp.run", "usp.config", "usp.perf", "usp.plan", "usp.launch", "usp.report",
+                       "usp.data")
+TORCH_FREE_MODULES = ("usp.errors",)
 
 # Runs one usp command (or imports every torch-free module) and writes sys.modules at exit.
 RUNNER = f"""
@@ -32,7 +32,8 @@ if sys.argv[1:] == ["--import-all"]:
         importlib.import_module(name)
     for pkg in {TORCH_FREE_PACKAGES!r}:
         for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + "."):
-            importlib.import_module(info.name)
+            if not info.name.endswith(".__main__"):  # `python -m` entries run the command
+                importlib.import_module(info.name)
 else:
     from usp.cli import main
     sys.argv = ["usp", *sys.argv[1:]]
@@ -47,20 +48,16 @@ R, C, H = "<runs>", "<corpus>", "<hf>"  # placeholders: the module's runs direct
 RUN = f"{R}/boundary"  # a run directory: plan.yaml (usp plan --save), a rank log, a job record
 CASES = [  # (argv, modules that must not be imported)
     pytest.param(["--help"], NO_NUMPY | {"hydra", "omegaconf"}, id="help"),
-    # usp.config.direct composes these without Hydra (start-up time)
-    pytest.param(["plan", f"train.runs_dir={R}"], NO_NUMPY | {"hydra"}, id="plan"),
-    pytest.param(["plan", "model=llama3_1_8b", "cluster=slurm_h100", "--force"], NO_NUMPY | {"hydra"},
-                 id="plan-force"),
-    pytest.param(["plan", f"model.init_from={H}", "model.vocab_size=4096"], NO_NUMPY | {"hydra"},
-                 id="plan-init-from-hf"),
-    pytest.param(["plan", "--search", "model=llama3_2_1b", "cluster=slurm_h100"], NO_NUMPY | {"hydra"},
-                 id="plan-search"),
+    pytest.param(["plan", f"train.runs_dir={R}"], NO_NUMPY, id="plan"),
+    pytest.param(["plan", "model=llama3_1_8b", "cluster=slurm_h100", "--force"], NO_NUMPY, id="plan-force"),
+    pytest.param(["plan", f"model.init_from={H}", "model.vocab_size=4096"], NO_NUMPY, id="plan-init-from-hf"),
+    pytest.param(["plan", "--search", "model=llama3_2_1b", "cluster=slurm_h100"], NO_NUMPY, id="plan-search"),
     pytest.param(["plan", "--cfg", "job"], NO_NUMPY, id="plan-cfg"),
     # own files: planned from their names and sizes, nothing read or tokenized
     pytest.param(["plan", "data=files", f"data.paths=[{C}]", f"train.runs_dir={R}"],
-                 NO_NUMPY | {"tokenizers", "datasets", "tiktoken", "pyarrow", "hydra"}, id="plan-files"),
+                 NO_NUMPY | {"tokenizers", "datasets", "tiktoken", "pyarrow"}, id="plan-files"),
     pytest.param(["estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720"],
-                 NO_NUMPY | {"hydra"}, id="estimate"),
+                 NO_NUMPY, id="estimate"),
     # The runs directory holds no measured metrics.jsonl: usp calibrate refuses (exit 2) after its imports.
     pytest.param(["calibrate", R, "--cluster", "slurm_h100"], NO_NUMPY, id="calibrate", marks=pytest.mark.may_refuse),
     pytest.param(["train", "--cfg", "job"], NO_NUMPY, id="train-cfg"),

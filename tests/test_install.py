@@ -45,7 +45,7 @@ def test_a_wheel_install_composes_from_its_own_catalogue(tmp_path):
                     str(wheel)],
                    check=True, capture_output=True, timeout=300)
     site_packages = Path(sysconfig.get_path("purelib", vars={"base": str(prefix)}))
-    assert (site_packages / "usp" / "cli.py").is_file() and not (site_packages / "conf").exists()
+    assert (site_packages / "usp" / "cli" / "commands.py").is_file() and not (site_packages / "conf").exists()
 
     listing = _usp(site_packages, "config", "list", cwd=tmp_path)
     assert listing.returncode == 0, listing.stderr

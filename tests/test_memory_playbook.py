@@ -1,8 +1,8 @@
 """The planner's memory model on real H100 runs (calibration/playbook_h100: the Ultra-Scale
 Playbook's nanotron sweep, 1,027 ok runs of a 1.34B and an 8.86B Llama on 1-64 nodes): the
 `nanotron` profile's predicted peak memory of pp rank 0 against the measured one (mem_gb: peak
-allocated memory on rank 0). The rows become layouts once (usp.plan.measured_runs, also behind
-`usp calibrate`); usp.plan.memory_check scores them (also behind scripts/bench/calibration_sweep.py).
+allocated memory on rank 0). The rows become layouts once (usp.perf.calibration.measured_runs, also behind
+`usp calibrate`); usp.perf.calibration.memory_check scores them (also behind scripts/bench/calibration_sweep.py).
 Pure Python, no torch; docs/planner.md has the numbers."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from dataclasses import replace
 import pytest
 from conftest import usp_cli
 
-from usp.plan.measured_runs import BF16, SEQ_LEN, h100_nodes, read_sweep_csv
-from usp.plan.memory import activation_values, memory_plan, stage_memory, zero_sharding
-from usp.plan.memory_check import accuracy, check_memory, fit_constants
-from usp.plan.pipeline_split import matmul_threshold_split
-from usp.plan.profile import PROFILES
-from usp.plan.specs import Layout
+from usp.perf.calibration.measured_runs import BF16, SEQ_LEN, h100_nodes, read_sweep_csv
+from usp.perf.calibration.memory_check import accuracy, check_memory, fit_constants
+from usp.perf.memory import activation_values, memory_plan, stage_memory, zero_sharding
+from usp.perf.pipeline_split import matmul_threshold_split
+from usp.perf.profile import PROFILES
+from usp.perf.specs import Layout
 
 NANOTRON = PROFILES["nanotron"]
 

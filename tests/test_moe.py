@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tests.dist.harness import launch
 from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import MoE, moe_aux_loss, moe_layers
-from usp.plan.specs import Arch
+from usp.perf.specs import Arch
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")

@@ -1,4 +1,4 @@
-"""Names that become directories (train.name, `usp sweep --name`): one rule (usp/names.py), checked
+"""Names that become directories (train.name, `usp sweep --name`): one rule (usp/run/names.py), checked
 at plan time, so `usp plan` refuses what `usp train` refuses and nothing is written outside
 train.runs_dir. And train.steps >= 1, checked at the same place."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from conftest import usp_cli
 from usp.config.compose import compose_config
 from usp.errors import PlanError, UspError
 from usp.launch.sweep import expand_grid, plan_grid
-from usp.names import check_dir_name, name_problem
 from usp.plan.plan import build_plan
+from usp.run.names import check_dir_name, name_problem
 
 BAD_NAMES = ["../../elsewhere", "..", ".", "/abs/path", "a/b", "", " lead", "a b", "tab\there", "nl\nx", "-opt",
              ".hidden", "x" * 256]

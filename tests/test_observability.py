@@ -20,7 +20,7 @@ from rich.console import Console
 from usp.config.compose import compose_config
 from usp.engine.observe.metrics import read_metrics
 from usp.launch.prepare import prepare_run
-from usp.rundir import read_plan
+from usp.run.files import read_plan
 
 FAST = ["train.global_batch=4", "train.seq_len=64", "train.sample_tokens=0", "train.log_interval=1",
         "train.eval_interval=0", "train.eval_batches=1", "logging.console=plain"]

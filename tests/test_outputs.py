@@ -1,7 +1,7 @@
 """Outputs never clobber: every command that writes where the user points (`usp export` in each
 format, `usp config cp`, `usp calibrate --out`, `usp report --out`) refuses an existing target
 without --force; with --force the old target is replaced only once the new output is whole
-(usp.rundir.staged), so a process SIGKILLed at that moment leaves the old content intact. The
+(usp.run.files.staged), so a process SIGKILLed at that moment leaves the old content intact. The
 export is a directory of its own: nothing lands beside an HF model's config.json. Against a real
 trained run, the real CLI, and a real process killed with SIGKILL."""
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 import yaml
 from conftest import REPO, run_usp, usp_cli
 
-from usp import rundir
 from usp.config.paths import recipes_dir
-from usp.rundir import staged
+from usp.run import files as rundir
+from usp.run.files import staged
 
 TINY = ["data.tokenizer=bytes", "logging.console=plain", "train.sample_tokens=0", "train.log_interval=1",
         "train.eval_interval=0", "checkpoint.enabled=true", "train.steps=2", "train.global_batch=4", "train.seq_len=32",
@@ -35,13 +35,13 @@ HF_INDEX = "model.safetensors.index.json"
 # swapped into place: the worst moment for the old target.
 KILL_AT_SWAP = """
 import os, signal, sys
-import usp.rundir
+import usp.run.files
 from usp.cli import main
 
 def swap_in(tmp, path):
     os.kill(os.getpid(), signal.SIGKILL)
 
-usp.rundir._swap_in = swap_in
+usp.run.files._swap_in = swap_in
 sys.argv[0] = "usp"
 main()
 """

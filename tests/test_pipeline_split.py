@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from usp.errors import PlanError
-from usp.plan.pipeline_split import arch_split, last_stage_rank, split_layers, stage_ranks, validate_schedule
+from usp.perf.pipeline_split import arch_split, last_stage_rank, split_layers, stage_ranks, validate_schedule
 
 
 def counts(split):
@@ -124,7 +124,7 @@ def test_unknown_schedule_lists_choices():
 
 def test_tied_embeddings_split_like_untied():
     """Under pp the last stage holds the tied embedding's copy: it costs what an untied head does."""
-    from usp.plan.specs import Arch
+    from usp.perf.specs import Arch
 
     kw = dict(name="m", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256)
     tied, untied = Arch(**kw, tie_embeddings=True), Arch(**kw, tie_embeddings=False)

@@ -14,12 +14,12 @@ from conftest import usp_cli
 from usp.config.compose import compose_config
 from usp.config.schema import ParallelismConfig, TrainConfig
 from usp.errors import PlanError, UspError
+from usp.perf.layout import MESH_DIMS, layout_tag, rank_table, resolve_degrees
+from usp.perf.specs import Arch
 from usp.plan.batch import plan_batch
 from usp.plan.io import write_plan
-from usp.plan.layout import MESH_DIMS, layout_tag, rank_table, resolve_degrees
 from usp.plan.plan import build_plan, engine_support_errors
-from usp.plan.specs import Arch
-from usp.rundir import read_plan, write_text_atomic
+from usp.run.files import read_plan, write_text_atomic
 
 TINY_PARAMS = 950_912  # tiny model, vocab 4096 (README: "~0.95 M parameters")
 

@@ -13,12 +13,12 @@ from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.errors import PlanError
-from usp.plan.layout import rank_table
-from usp.plan.memory import in_flight, memory_plan, stage_memory
+from usp.perf.layout import rank_table
+from usp.perf.memory import in_flight, memory_plan, stage_memory
+from usp.perf.profile import PROFILES
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
+from usp.perf.timing import timing_plan
 from usp.plan.plan import build_plan
-from usp.plan.profile import PROFILES
-from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
-from usp.plan.timing import timing_plan
 
 REPO = Path(__file__).resolve().parents[1]
 BF16, FP32 = Precision("bf16", 2, 2, 12, 2), Precision("fp32", 4, 4, 8, 4)
@@ -469,7 +469,7 @@ def test_plan_carries_memory_and_timing(tmp_path):
     assert data["memory"]["stages"][0]["total"] == plan.memory.stages[0].total
     assert data["timing"]["comm"][0]["name"].startswith("FSDP")
     from usp.plan.io import write_plan
-    from usp.rundir import read_plan
+    from usp.run.files import read_plan
 
     assert read_plan(write_plan(plan, tmp_path / "plan.yaml")) == data
 
@@ -599,7 +599,7 @@ def test_usp_plan_shows_memory_and_time_tables(tmp_path):
 @pytest.mark.parametrize("embed,head", [(0, 0), (500, 500), (1000, 1), (1, 1000), (262, 263)])
 def test_uniform_split_equals_pipeline_split(embed, head):
     """The fast split for equal layers (what split_layers uses) is the exact dynamic program."""
-    from usp.plan.pipeline_split import _balanced_counts, uniform_split
+    from usp.perf.pipeline_split import _balanced_counts, uniform_split
 
     cases = [(n, s) for n in range(2, 27) for s in range(2, min(n, 12) + 1)] + [(80, 32), (126, 63), (80, 80)]
     for n, stages in cases:
@@ -656,7 +656,7 @@ def test_compiled_activations_follow_the_measured_gpu_run():
     """Llama-3.2 1B, micro batch 8 x seq 2048, no recompute, compiled, on an H200: 59.4 GiB of tensors
     measured (docs/benchmarks.md), the constant COMPILED_ACTIVATIONS fitted to it; with full
     recompute a compiled block keeps what an eager one keeps (its input)."""
-    from usp.plan.memory import COMPILED_ACTIVATIONS
+    from usp.perf.memory import COMPILED_ACTIVATIONS
 
     runs = {c: plan_for("model=llama3_2_1b", *H200_ONE, "train.micro_batch=8", f"train.compile={c}")
             for c in ("false", "true")}

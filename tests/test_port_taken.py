@@ -19,9 +19,9 @@ import pytest
 from conftest import USP
 
 from usp.engine.observe.failure import record_failure
-from usp.rundir import read_plan
-from usp.runlock import read_lock
-from usp.runstate import COMPLETED, analyse_failures, port_taken_since, run_state
+from usp.run.files import read_plan
+from usp.run.lock import read_lock
+from usp.run.state import COMPLETED, analyse_failures, port_taken_since, run_state
 
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.eval_interval=0", "train.measure_memory=false"]
 

@@ -10,7 +10,7 @@ from conftest import usp_cli
 
 from usp.config.compose import compose_config
 from usp.config.paths import group_options, recipe_names
-from usp.plan.layout import data_parallel_kind
+from usp.perf.layout import data_parallel_kind
 from usp.plan.plan import checked_plan
 
 # preset -> (the model and nodes of 8 x H100 it is checked on, the degrees it must produce, its DP flavour)

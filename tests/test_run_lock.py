@@ -1,4 +1,4 @@
-"""One live run per run directory (usp/runlock.py): real `usp train` processes racing for one
+"""One live run per run directory (usp/run/lock.py): real `usp train` processes racing for one
 train.name, a killed run that `usp status` must not call running, and the lock's own rules."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import _CACHE, run_usp, usp_cli
 
-from usp import runlock
+from usp.run import lock as runlock
 
 FAST = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
         "train.eval_batches=1", "train.sample_tokens=0", "logging.console=plain", "train.log_interval=1",
@@ -88,7 +88,7 @@ def test_lock_is_exclusive_and_released(tmp_path):
     lock = runlock.acquire(tmp_path, say=lambda m: None)
     info = runlock.read_lock(tmp_path)
     assert info is not None and info.live and info.record["pid"] == os.getpid()
-    other = subprocess.run([sys.executable, "-c", f"from usp import runlock; runlock.acquire({str(tmp_path)!r})"],
+    other = subprocess.run([sys.executable, "-c", f"from usp.run import lock; lock.acquire({str(tmp_path)!r})"],
                            capture_output=True, text=True)  # another process: refused
     assert other.returncode == 1 and "LaunchError" in other.stderr and f"pid {os.getpid()}" in other.stderr
     assert "train.name" in other.stderr

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from usp.config.compose import compose_config
+from usp.perf.memory import memory_plan, peak_bytes
+from usp.perf.specs import GIB, Layout
+from usp.perf.timing import rank_params
 from usp.plan.context import planner_context
-from usp.plan.memory import memory_plan, peak_bytes
 from usp.plan.plan import build_plan
 from usp.plan.search import divisors, search, search_config
-from usp.plan.specs import GIB, Layout
-from usp.plan.timing import rank_params
 
 USP = str(Path(sys.executable).parent / "usp")
 EIGHT_B_16 = ["model=llama3_1_8b", "cluster=slurm_h100", "cluster.nodes=2", "train.seq_len=4096",
@@ -54,7 +54,7 @@ def test_search_returns_only_valid_fitting_layouts(eight_b):
 def test_best_beats_naive_layouts(eight_b):
     best = eight_b.best
     ctx = planner_context(compose_config(None, EIGHT_B_16)[0])
-    from usp.plan.timing import timing_plan
+    from usp.perf.timing import timing_plan
 
     def throughput(layout: Layout) -> float:
         return timing_plan(ctx.arch, layout, ctx.seq_len, ctx.global_batch, ctx.hw, ctx.prec).tokens_per_s_per_device

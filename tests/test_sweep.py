@@ -14,7 +14,7 @@ from rich.console import Console
 
 from usp.errors import UspError
 from usp.launch.sweep import expand_grid, plan_grid, point_id, run_sweep_local
-from usp.sweeprecord import read_sweep
+from usp.run.sweep_record import read_sweep
 
 QUIET = ["train.steps=2", "logging.console=quiet", "train.sample_tokens=0", "train.eval_interval=0"]
 
@@ -156,3 +156,23 @@ def test_cli_every_point_rejected_exits_1(tmp_path):
 def test_cli_bad_name_is_a_clear_error(tmp_path):
     proc = usp_cli("sweep", "train.micro_batch=4,8", f"train.runs_dir={tmp_path}", "--name", "a/b", cwd=tmp_path)
     assert proc.returncode == 2 and "--name" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_point_whose_data_fails_at_launch_is_that_points_failure(tmp_path):
+    """A DataError while a point prepares its data (no such corpus file) fails that point, like any
+    other UspError there; the sweep goes on and says why."""
+    sweep = plan_grid(None, expand_grid([*QUIET, "data=text_files", f"data.paths=[{tmp_path}/nope.txt]",
+                                         "train.micro_batch=4,8"]), "s", str(tmp_path))
+    out = io.StringIO()
+    failed = run_sweep_local(sweep, Console(file=out, width=200), launch=lambda plan, path: 0)
+    assert failed == 2, out.getvalue()
+    reasons = [p["reason"] for p in read_sweep(tmp_path / "s")["points"]]
+    assert all("data.paths: no files match" in r for r in reasons), reasons
+
+
+def test_data_that_fails_at_planning_stops_the_sweep_before_anything_is_written(tmp_path):
+    missing = tmp_path / "no_tokenizer.json"
+    proc = usp_cli("sweep", "data.tokenizer=hf", f"data.tokenizer_path={missing}", "train.micro_batch=4,8",
+                   f"train.runs_dir={tmp_path}", "--name", "data", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2 and "data.tokenizer_path=" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists()

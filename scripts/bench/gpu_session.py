@@ -331,7 +331,7 @@ def record(args, i: int, case: Case, r: dict, rows: list) -> None:
             f.write(json.dumps(line, default=float) + "\n")
     r.pop("stderr_tail", None)  # kept in --out's line only
     if args.md:
-        from usp.rundir import write_text_atomic
+        from usp.run.files import write_text_atomic
 
         write_text_atomic(Path(args.md), markdown(rows))
 

@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 from usp.launch.rendezvous import is_multinode_local, node_rank, rendezvous, torchrun_rendezvous_args
-from usp.plan.specs import uses_deterministic
-from usp.rundir import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from usp.runlock import TOKEN_ENV, held_token
-from usp.runstate import port_taken_since, preempted_since
+from usp.perf.specs import uses_deterministic
+from usp.run.files import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from usp.run.lock import TOKEN_ENV, held_token
+from usp.run.state import port_taken_since, preempted_since
 
 WORKER_MODULE = "usp.engine.worker"
 AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, with one line instead of a traceback on Ctrl-C
-PORT_RELAUNCHES = 2  # launches again when rank 0's port was taken before it listened (usp.runstate.port_taken_since)
+PORT_RELAUNCHES = 2  # launches again when rank 0's port was taken before it listened (usp.run.state.port_taken_since)
 TORCH_INSTALL = ("pip install torch (CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu; "
                  "a GPU build: https://pytorch.org/get-started/locally/)")
 
@@ -48,7 +48,7 @@ def worker_env(plan) -> dict[str, str]:
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.update({k: v for k, v in plan_accelerator_env(plan).items() if k not in env})  # the user's setting wins
     token = held_token(plan.run_dir)
-    if token:  # rank 0 keeps this launch's run lock alive (usp.runlock)
+    if token:  # rank 0 keeps this launch's run lock alive (usp.run.lock)
         env[TOKEN_ENV] = token
     return env
 

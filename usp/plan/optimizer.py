@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, fields
 
 from usp.config.schema import OptimizerConfig, TrainConfig
-from usp.plan.nodes import getter
+from usp.perf.nodes import getter
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # Known, but refused, with the reason measured (2 ranks, FSDP2 on gloo, torch 2.13).

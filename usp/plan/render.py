@@ -86,7 +86,7 @@ def rank_table(plan) -> Table:
     return table
 
 
-# --- planner predictions (usp/plan/memory.py, timing.py, search.py) ------------------------------------
+# --- planner predictions (usp/perf/memory.py, timing.py, search.py) ------------------------------------
 
 def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f}"
@@ -94,7 +94,7 @@ def _gib(n: float) -> str:
 
 def memory_table(mem):
     """Memory per device by term, one column per pipeline stage that differs (GiB, predicted)."""
-    from usp.plan.memory import TERM_LABELS, TERMS
+    from usp.perf.memory import TERM_LABELS, TERMS
 
     stages = mem.distinct_stages()
     table = Table(title=f"memory per device, predicted (GiB; {mem.dtype}, {mem.device_name}: "

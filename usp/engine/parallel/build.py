@@ -20,7 +20,7 @@ from usp.engine.parallel.parallelize import parallelize
 from usp.engine.parallel.tied import tied_embedding
 from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import moe_layers
-from usp.plan.pipeline_split import last_stage_rank
+from usp.perf.pipeline_split import last_stage_rank
 
 
 @dataclass

@@ -162,7 +162,7 @@ def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tup
 
 
 def arch_split(arch, n_stages: int, pp_layers: Sequence[int] | None = None) -> list[list[int]]:
-    """split_layers for a model shape (usp.plan.specs.Arch): the memory-balanced split, or the
+    """split_layers for a model shape (usp.perf.specs.Arch): the memory-balanced split, or the
     explicit parallelism.pp_layers. The last stage always holds a v x h LM head: with tied
     embeddings it is the embedding's copy (usp/engine/parallel/tied.py)."""
     return split_layers(arch.n_layers, n_stages, arch.embed_params, arch.dim + arch.embed_params, arch.layer_params,

@@ -15,7 +15,7 @@ from usp.errors import PlanError
 class Profile:
     name: str
     description: str
-    # memory (usp.plan.memory reads these; the defaults are usp's engine)
+    # memory (usp.perf.memory reads these; the defaults are usp's engine)
     # bf16 training keeps fp32 parameters and gradients and gives the matmuls bf16 copies (autocast, FSDP2's
     # MixedPrecisionPolicy): 4 + 4 + 8 bytes + the copies; False: bf16 parameters and gradients, fp32 master
     # weights in the optimizer (2 + 2 + 12; Megatron, nanotron)
@@ -26,7 +26,7 @@ class Profile:
     # adds them into its fp32 buffer, then sets param.grad = None), so the peak is the start or the end of one micro
     # batch's backward; applied up to this tp, where the sweep's rank-0 peaks follow it (0: never; docs/planner.md)
     grads_freed_max_tp: int = 0
-    # data parallel as built: usp (usp.plan.specs.Layout.dp_kind) | nanotron (without ZeRO-1: DDP with its buckets,
+    # data parallel as built: usp (usp.perf.specs.Layout.dp_kind) | nanotron (without ZeRO-1: DDP with its buckets,
     # also under TP/PP; ZeRO-1: no DDP, only the optimizer states sharded over dp, also under TP/PP)
     data_parallel: str = "usp"
     fused_norm: bool = False  # RMSNorm keeps only its input (a fused kernel), not x·rstd as well
@@ -38,17 +38,17 @@ class Profile:
     # keeps on top when it accumulates gradients (grad_accum > 1); not divided by tp (docs/planner.md, Profiles)
     accum_bytes_per_token_h: float = 0.0
     loss_forward_bytes: float = 0.0  # bytes per logit at the loss forward (0: usp's kept log-probs + backward buffers)
-    pp_split: str = "params"  # params: usp.plan.pipeline_split; matmul: nanotron's cumulative matmul-cost thresholds
-    fixed_overhead_gib: float | None = None  # None: the device's allowance (usp.plan.memory)
+    pp_split: str = "params"  # params: usp.perf.pipeline_split; matmul: nanotron's cumulative matmul-cost thresholds
+    fixed_overhead_gib: float | None = None  # None: the device's allowance (usp.perf.memory)
     fragmentation: float = 0.05  # allocator fragmentation on top of the tensors (0: the peak is allocated memory)
-    # time (usp/plan/timing.py): how the recipe runs its communication and optimizer
+    # time (usp/perf/timing.py): how the recipe runs its communication and optimizer
     dp_overlap: float = 0.8  # share of the data-parallel window (the last backward) its gradient reduction hides behind
     cp_overlap: float = 0.8  # share of a layer's attention the CP ring exchange hides behind
     reduce_bytes: int = 0  # bytes per gradient value reduced over dp; 0 = the precision's gradient bytes
     zero1_once_per_step: bool = False  # ZeRO-1 with TP/PP: one gradient reduction + all-gather per step (not FSDP2)
     optimizer_bytes_per_param: int = 34  # AdamW (+ clipping) streams fp32 master, m, v, the gradient, writes bf16
     # train.compile applies to the recipe (usp's blocks through torch.compile): eager blocks pay the cluster's
-    # eager_overhead, compiled ones keep usp.plan.memory.COMPILED_ACTIVATIONS; False: the recipe's own fused
+    # eager_overhead, compiled ones keep usp.perf.memory.COMPILED_ACTIVATIONS; False: the recipe's own fused
     # kernels (nanotron: flash attention, fused norms), neither
     follows_compile: bool = True
 

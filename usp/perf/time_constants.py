@@ -1,12 +1,12 @@
 """A cluster's time constants (`cluster.timing`): the few physical figures the planner's time model
-(usp/plan/timing.py) needs beyond the nominal peak FLOP/s and link bandwidths, and what they were
-fitted on. `usp calibrate` (usp/plan/calibrate.py) fits them from measured runs; the defaults are
+(usp/perf/timing.py) needs beyond the nominal peak FLOP/s and link bandwidths, and what they were
+fitted on. `usp calibrate` (usp/perf/calibration/calibrate.py) fits them from measured runs; the defaults are
 uncalibrated round figures. Pure Python."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from usp.plan.nodes import getter as _getter
+from usp.perf.nodes import getter as _getter
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class Calibrated:
     source: str = ""  # "" = never calibrated
     runs: int = 0
     nodes: tuple = ()  # node counts measured
-    features: tuple = ()  # layout features measured (usp.plan.calibrate.FEATURES)
+    features: tuple = ()  # layout features measured (usp.perf.calibration.calibrate.FEATURES)
     mfu_abs_err_p50: float = 0.0  # MFU points, fit residuals
     mfu_abs_err_p90: float = 0.0
     ratio_p10: float = 1.0  # predicted / measured MFU, 10th and 90th percentile
@@ -35,7 +35,7 @@ class TimeConstants:
     p2p_us: float = 0.0  # extra fixed cost of a pipeline send/recv pair (handshake, host sync)
     layer_overhead_us: float = 0.0  # fixed cost per layer and micro batch, forward + backward (launches, host)
     step_overhead_ms: float = 0.0  # fixed cost per optimizer step (gradient clipping, host sync, logging)
-    # a blocking pipeline send/recv's stall (usp.plan.timing.pipeline_stall_s): up to p2p_stall_ms per op,
+    # a blocking pipeline send/recv's stall (usp.perf.timing.pipeline_stall_s): up to p2p_stall_ms per op,
     # growing steeply with the job's node count and as the fullest stage's memory nears the device's
     p2p_stall_ms: float = 0.0  # 0 = none
     p2p_stall_nodes: float = 32.0  # node count at which the stall reaches half of p2p_stall_ms

@@ -1,7 +1,7 @@
 """Predicted step time, tokens/s, MFU and HFU of one layout (docs/planner.md: formulas, sources,
 what is not modelled). Every intermediate term stays in the TimingPlan so a figure can be traced.
-The physical constants come from the cluster (`cluster.timing`, usp/plan/time_constants.py, fitted
-by `usp calibrate`), the recipe's choices from the profile (usp/plan/profile.py).
+The physical constants come from the cluster (`cluster.timing`, usp/perf/time_constants.py, fitted
+by `usp calibrate`), the recipe's choices from the profile (usp/perf/profile.py).
 
 Model, per optimizer step:
 
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from usp.errors import PlanError
-from usp.plan.layout import MESH_DIMS
-from usp.plan.memory import ZERO_BUBBLE, peak_bytes, stage_layer_counts
-from usp.plan.profile import PROFILES, Profile
-from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
+from usp.perf.layout import MESH_DIMS
+from usp.perf.memory import ZERO_BUBBLE, peak_bytes, stage_layer_counts
+from usp.perf.profile import PROFILES, Profile
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 
 
 @dataclass
@@ -446,7 +446,7 @@ def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, layers_r: int) -> f
 def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: Hardware, prec: Precision,
                profile: Profile, peak: float | None = None) -> TimeShape:
     """The layout's step geometry: FLOPs per matmul, collectives, optimizer state (no fitted constant).
-    peak: the predicted peak bytes of the fullest stage (usp.plan.memory.peak_bytes; computed if None)."""
+    peak: the predicted peak bytes of the fullest stage (usp.perf.memory.peak_bytes; computed if None)."""
     _, _, model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
     busiest, layers, mats = _stage_matmuls(arch, layout, seq_len, profile.pp_split)
     tokens_mb = layout.micro_batch * seq_len / layout.cp

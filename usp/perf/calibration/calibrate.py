@@ -1,6 +1,6 @@
-"""`usp calibrate`: fit a cluster's time constants (usp/plan/time_constants.py and the two link
+"""`usp calibrate`: fit a cluster's time constants (usp/perf/time_constants.py and the two link
 bandwidths) to measured runs, score the fit, and write the fitted cluster group. Pure Python: each
-run's step geometry (usp.plan.timing.time_shape) is built once, then a coordinate search in log
+run's step geometry (usp.perf.timing.time_shape) is built once, then a coordinate search in log
 space over the few constants minimises the runs' MFU error (mean |error| in points plus the mean
 |log(predicted / measured)|, so that both large and small MFUs count) plus a ranking term (each
 (model, nodes) cell's measured-best layout kept in the predicted top 3). ~1,000 runs fit in minutes."""
@@ -13,11 +13,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from usp.errors import UspError
-from usp.plan.measured_runs import MeasuredRun, read_run_dirs, read_sweep_csv
-from usp.plan.profile import Profile, get_profile
-from usp.plan.specs import Hardware, Precision, uses_bf16
-from usp.plan.time_constants import Calibrated
-from usp.plan.timing import TimeShape, evaluate, layout_features, mfu, time_shape
+from usp.perf.calibration.measured_runs import MeasuredRun, read_run_dirs, read_sweep_csv
+from usp.perf.profile import Profile, get_profile
+from usp.perf.specs import Hardware, Precision, uses_bf16
+from usp.perf.time_constants import Calibrated
+from usp.perf.timing import TimeShape, evaluate, layout_features, mfu, time_shape
 
 # (name, lower, upper): Hardware link bandwidths (GB/s; upper bound: the cluster's nominal figure,
 # an achieved bandwidth never exceeds it) and TimeConstants fields

@@ -2,7 +2,7 @@
 cp`'s destination, `usp calibrate --out`, `usp report --out`): checked before any work, so a
 read-only mount, a missing permission or a file where a directory is expected is one clear error,
 not a traceback after minutes of work, and something the user already has there is never replaced
-without --force (the replacement itself goes through usp.rundir.staged: the old one stays until the
+without --force (the replacement itself goes through usp.run.files.staged: the old one stays until the
 new one is whole). No torch."""
 from __future__ import annotations
 

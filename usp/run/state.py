@@ -1,7 +1,7 @@
 """What state a run is in, read from its run directory alone (no torch): `usp status`, `usp train`'s
 failure summary, sweeps and `usp report` all ask here.
 
-State: running (a live run lock, usp/runlock.py: its process is alive, or its heartbeat is
+State: running (a live run lock, usp/run/lock.py: its process is alive, or its heartbeat is
 fresh), else completed (summary.json, no failure after it), failed (logs/failure_rank<R>.json
 files of the latest launch, not followed by a restart), else stopped (killed, interrupted or
 preempted: nothing runs, and it didn't finish). A dead run is never "running". For a failed run
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.rundir import FAILURE_GLOB, LOST_PEER, events_path, logs_dir, plan_path, read_jsonl, summary_path
-from usp.runlock import LockInfo
+from usp.run.files import FAILURE_GLOB, LOST_PEER, events_path, logs_dir, plan_path, read_jsonl, summary_path
+from usp.run.lock import LockInfo
 
 RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"
 

@@ -3,7 +3,7 @@ measured (MFU, tokens/s, peak memory), read from a CSV shaped like
 calibration/playbook_h100/playbook_sweep_calibration.csv (with its archs CSV beside it) or from a
 directory of usp run directories (plan.yaml + metrics.jsonl). The one place a measured row becomes
 the planner's Arch / Layout / Hardware: `usp calibrate` fits the cluster's time constants to them,
-usp.plan.memory_check and scripts/bench/calibration_sweep.py score the memory model on them, the
+usp.perf.calibration.memory_check and scripts/bench/calibration_sweep.py score the memory model on them, the
 memory and time tests compare the planner with them. Pure Python, no torch.
 
 Row -> planner inputs (the Ultra-Scale Playbook's nanotron runs): the model shape from the archs CSV
@@ -20,11 +20,11 @@ from functools import cache
 from pathlib import Path
 
 from usp.errors import UspError
-from usp.plan.specs import Arch, Hardware, Layout, Precision
+from usp.perf.specs import Arch, Hardware, Layout, Precision
 
 SEQ_LEN = 4096  # the playbook's sequence length: an archs CSV without a seq_len column
 # default paths only: nothing here reads them unless asked (an installed package has no calibration/)
-PLAYBOOK_DIR = Path(__file__).resolve().parents[2] / "calibration" / "playbook_h100"
+PLAYBOOK_DIR = Path(__file__).resolve().parents[3] / "calibration" / "playbook_h100"
 SWEEP_CSV = PLAYBOOK_DIR / "playbook_sweep_calibration.csv"
 ARCHS_FILE = "playbook_model_archs.csv"
 PLAYBOOK_CLUSTER = "slurm_h100"  # the cluster group of the playbook's nodes
@@ -65,7 +65,7 @@ def layout_from_row(row: dict) -> Layout:
 @cache
 def h100_nodes(nodes: int) -> Hardware:
     """The playbook's hardware: conf/cluster/slurm_h100.yaml with the run's node count (the group's
-    YAML read directly: composing a config per node count costs seconds)."""
+    YAML file itself: composing a config per node count costs seconds)."""
     import yaml
 
     from usp.config.paths import conf_dir

@@ -23,7 +23,7 @@ runs/<sweep_name>/sweep.json (written atomically after every status change):
        ...]}
 
 A point's run is composed from `conf` + its `overrides` + `train.name=<id>`, with `train.runs_dir`
-set to the sweep's directory (a run name is one directory name, usp/names.py): the same config
+set to the sweep's directory (a run name is one directory name, usp/run/names.py): the same config
 `usp train conf=... <overrides> train.runs_dir=runs/<sweep_name> train.name=<id>` would build.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from usp.errors import LaunchError
-from usp.rundir import SWEEP, metrics_path, read_plan_if_any, summary_path, write_text_atomic
-from usp.runstate import analyse_failures
+from usp.run.files import SWEEP, metrics_path, read_plan_if_any, summary_path, write_text_atomic
+from usp.run.state import analyse_failures
 
 SWEEP_FILE = SWEEP
 SWEEP_VERSION = 1

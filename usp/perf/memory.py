@@ -5,7 +5,7 @@ work evenly), so the breakdown is per pp rank ("stage" below; with interleaved /
 pp rank holds several virtual stages). Terms, in bytes (Ψ = parameters this rank holds after
 TP / EP slicing, N = ranks that shard them, P/G/K = bytes per param / grad / optimizer state:
 4/4/8 in fp32 and in usp's bf16 (fp32 parameters, bf16 copies C = 2), 2/2/12 for a recipe that
-stores bf16 parameters (usp.plan.specs.Precision)):
+stores bf16 parameters (usp.perf.specs.Precision)):
 
   parameters   PΨ, or PΨ/N under ZeRO-3 (FSDP2 reshard_after_forward=true), PΨ/N + CΨ under ZeRO-2
   gradients    GΨ, or GΨ/N under ZeRO-2/3 (but unsharded when grad_accum > 1: the engine turns
@@ -71,7 +71,7 @@ stores bf16 parameters (usp.plan.specs.Precision)):
                Not tensor memory: the engine's memory probe (usp/engine/observe/memory_probe.py) compares
                the total WITHOUT it with the measured tensor peak.
 
-All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.plan.profile:
+All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.perf.profile:
 nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
 norm, sequence-sharded norm outputs, its loss, its layer split, no overhead, a measured extra per
 token when a whole-model rank accumulates gradients, and its peak moment: at tp = 1 the bf16
@@ -83,9 +83,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from usp.plan.layout import bf16_by_fsdp_policy
-from usp.plan.profile import Profile
-from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache
+from usp.perf.layout import bf16_by_fsdp_policy
+from usp.perf.profile import Profile
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
 DEFAULT_FIXED_OVERHEAD_GIB = 1.0
@@ -182,9 +182,9 @@ class MemoryPlan:
 @lru_cache(maxsize=1024)
 def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None,
                        split: str = "params") -> tuple:
-    """(layers per virtual stage, virtual stages per pp rank): usp.plan.pipeline_split's split, the
+    """(layers per virtual stage, virtual stages per pp rank): usp.perf.pipeline_split's split, the
     one the engine builds, or (split="matmul", a profile's) nanotron's matmul-cost split."""
-    from usp.plan.pipeline_split import arch_split, matmul_threshold_split, stage_ranks
+    from usp.perf.pipeline_split import arch_split, matmul_threshold_split, stage_ranks
 
     if pp * virtual == 1:
         return (arch.n_layers,), ((0,),)
@@ -427,7 +427,7 @@ def _fp8_copies(arch: Arch, layout: Layout, prec: Precision) -> float:
 def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> tuple[float, float, float]:
     """The bf16 copies autocast makes of the fp32 weights it feeds to matmuls, in bytes, alive at
     (the loss forward, the loss backward, a layer's backward). Each linear saves its copy for
-    backward; without recompute autocast also caches it (usp.plan.specs.autocast_weight_cache), so
+    backward; without recompute autocast also caches it (usp.perf.specs.autocast_weight_cache), so
     a pipeline's in-flight micro batches share one copy, held for the whole step. A recomputed
     layer's copy lives within its own forward or backward: one layer's during a layer's backward.
     Compiled blocks (train.compile) cast inside their graph, FP8 blocks (train.fp8) cast to FP8 themselves

@@ -1,4 +1,4 @@
-"""The planner's memory model on measured runs (usp.plan.measured_runs: the calibration CSV's rows
+"""The planner's memory model on measured runs (usp.perf.calibration.measured_runs: the calibration CSV's rows
 as Arch / Layout / Hardware): pp rank 0's predicted tensor memory against the measured peak, the
 accuracy figures, and the grid fit of a profile's three memory constants. Used by
 tests/test_memory_playbook.py and scripts/bench/calibration_sweep.py.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from usp.plan.measured_runs import MeasuredRun, h100_nodes
-from usp.plan.specs import GIB, Precision
+from usp.perf.calibration.measured_runs import MeasuredRun, h100_nodes
+from usp.perf.specs import GIB, Precision
 
 MEDIAN_BAR = 0.08  # issue 17: median |error| <= 8 %, and >= 70 % of the ok runs within 10 %
 
@@ -30,9 +30,9 @@ class MemoryCheck:
 
 
 def check_memory(runs: list[MeasuredRun], profile) -> list[MemoryCheck]:
-    """The planner's memory model (usp.plan.memory.memory_plan) on each run, as the profile's recipe."""
+    """The planner's memory model (usp.perf.memory.memory_plan) on each run, as the profile's recipe."""
     from usp.errors import PlanError
-    from usp.plan.memory import peak_bytes, stage_memory
+    from usp.perf.memory import peak_bytes, stage_memory
 
     prec = Precision.resolve("bf16", "cuda", profile.fp32_params)  # the sweep's runs: bf16, as the recipe stores it
     out = []

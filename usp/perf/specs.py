@@ -1,16 +1,16 @@
 """Inputs of the planner's memory and time model, as small frozen dataclasses: the model's
 shape (`Arch`), the hardware (`Hardware`), the numeric precision (`Precision`) and one
 parallel layout (`Layout`). Built once from a composed config (or by the layout search), then
-handed to usp.plan.memory and usp.plan.timing. Pure Python: never imports torch."""
+handed to usp.perf.memory and usp.perf.timing. Pure Python: never imports torch."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
-from usp.plan.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
-from usp.plan.nodes import getter as _getter
-from usp.plan.time_constants import TimeConstants
+from usp.perf.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
+from usp.perf.nodes import getter as _getter
+from usp.perf.time_constants import TimeConstants
 
 GIB = 1024 ** 3
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -187,7 +187,7 @@ class Hardware:
     price_per_device_hour: float
     nodes: int
     procs_per_node: int
-    timing: TimeConstants = TimeConstants()  # fitted by `usp calibrate` (usp/plan/time_constants.py)
+    timing: TimeConstants = TimeConstants()  # fitted by `usp calibrate` (usp/perf/time_constants.py)
     peak_tflops_fp8: float = 0.0  # 0: no FP8 matmul units
 
     @classmethod
@@ -407,7 +407,7 @@ class Layout:
 
 def group_crosses_nodes(degrees: dict, procs_per_node: int, dims: tuple) -> bool:
     """Does any process group along `dims` hold ranks of different nodes? Exactly the rank
-    table's placement (usp.plan.layout.rank_table: row-major over MESH_DIMS, node = rank //
+    table's placement (usp.perf.layout.rank_table: row-major over MESH_DIMS, node = rank //
     procs_per_node), computed per group (first and last rank) instead of per rank."""
     idx = tuple(sorted(MESH_DIMS.index(d) for d in dims))
     return _crosses(tuple(degrees[d] for d in MESH_DIMS), procs_per_node, idx)

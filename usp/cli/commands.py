@@ -8,7 +8,7 @@ from typing import NoReturn
 
 import typer
 
-from usp.cli_examples import add_examples
+from usp.cli.examples import add_examples
 
 # add_completion: `usp --install-completion` / `--show-completion` (bash, zsh, fish, PowerShell)
 app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
@@ -65,10 +65,9 @@ def _print_cfg(cfg, which: str) -> None:
 
 
 def _user_errors():
-    from usp.data.errors import DataError
-    from usp.errors import UspError
+    from usp.errors import UspError  # the data layer's DataError is one too
 
-    return (UspError, DataError)
+    return UspError
 
 
 def _nothing_to_do():
@@ -78,9 +77,9 @@ def _nothing_to_do():
 
 
 def handles_errors(command):
-    """The one error wrapper of every command: a problem the user can fix (UspError, DataError)
-    is printed as one red line (with its fix) and exits 2, never as a stack trace. A run that is
-    already at train.steps says so and exits 0."""
+    """The one error wrapper of every command: a problem the user can fix (a UspError) is printed
+    as one red line (with its fix) and exits 2, never as a stack trace. A run that is already at
+    train.steps says so and exits 0."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
@@ -125,8 +124,8 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         from pathlib import Path
 
         from usp.plan.io import write_plan
-        from usp.runlock import refuse_if_locked
-        from usp.writable import check_writable_dir
+        from usp.run.lock import refuse_if_locked
+        from usp.run.writable import check_writable_dir
 
         refuse_if_locked(run_plan.run_dir, "plan --save")  # a live run's checkpoints copy its plan.yaml
         check_writable_dir(Path(run_plan.run_dir), "train.runs_dir", composed.train.runs_dir,
@@ -153,10 +152,10 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
     measured runs, report the residuals, write the cluster group."""
     from pathlib import Path
 
-    from usp.plan.calibrate import calibrate as fit_cluster
-    from usp.plan.calibrate import report
-    from usp.rundir import write_text_atomic
-    from usp.writable import check_new_output
+    from usp.perf.calibration.calibrate import calibrate as fit_cluster
+    from usp.perf.calibration.calibrate import report
+    from usp.run.files import write_text_atomic
+    from usp.run.writable import check_new_output
 
     if out:  # before the fit
         check_new_output(out, force=force, key="--out", inputs=[measured])
@@ -203,7 +202,7 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
     from usp.launch.local import launch_local, require_torch
-    from usp.runlock import release
+    from usp.run.lock import release
 
     require_torch("train")
     run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
@@ -222,7 +221,7 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         release(run_plan.run_dir)
     if code:
         from usp.launch.status import print_failure_summary
-        from usp.rundir import logs_dir
+        from usp.run.files import logs_dir
 
         print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
         typer.echo(f"usp: training exited with code {code}; per-rank logs in {logs_dir(run_plan.run_dir)}", err=True)
