@@ -10,11 +10,11 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from dist.harness import run_cases  # noqa: E402
+from tests.dist.harness import run_cases  # noqa: E402
 
 STEPS = ["train.steps=2", "optimizer.warmup_steps=1", "train.eval_batches=1", "train.measure_memory=true"]
 SINGLE = ["parallelism.dp_replicate=1"]
@@ -100,7 +100,7 @@ BF16_LAYOUTS = {
 
 
 def measure_layout(world: int, overrides: list[str]) -> dict:
-    from dist.parity import plan_dict
+    from tests.dist.parity import plan_dict
     from usp.engine.observe.memory_probe import optimizer_state_tensors, storage_bytes
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer

@@ -7,13 +7,13 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from dist.harness import run_cases  # noqa: E402
-from dist.layouts import LAYOUTS  # noqa: E402
-from dist.parity import plan_dict, verify_case  # noqa: E402
+from tests.dist.harness import run_cases  # noqa: E402
+from tests.dist.layouts import LAYOUTS  # noqa: E402
+from tests.dist.parity import plan_dict, verify_case  # noqa: E402
 from usp.engine.parallel.mesh import make_context  # noqa: E402
 from usp.engine.trainer import Trainer  # noqa: E402
 

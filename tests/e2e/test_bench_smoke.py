@@ -11,13 +11,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import _CACHE, REPO
+
+from tests.helpers import REPO, SESSION_CACHE
 
 BENCH = REPO / "scripts" / "bench"
 
 
 def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, USP_CACHE_DIR=str(_CACHE))
+    env = dict(os.environ, USP_CACHE_DIR=str(SESSION_CACHE))
     return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
 

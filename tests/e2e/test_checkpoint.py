@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _CACHE, USP, run_usp
 
+from tests.helpers import SESSION_CACHE, USP, run_usp
 from usp.engine.observe.metrics import read_metrics
 from usp.rundir import list_checkpoints
 
@@ -39,7 +39,7 @@ def assert_same(a: dict, b: dict, steps, rtol: float) -> None:
 
 
 def spawn(tmp_path: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, USP_CACHE_DIR=str(_CACHE))
+    env = dict(os.environ, USP_CACHE_DIR=str(SESSION_CACHE))
     return subprocess.Popen([USP, "train", f"train.runs_dir={tmp_path}", *QUIET, *overrides], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

@@ -14,7 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import USP, usp_cli
+
+from tests.helpers import USP, usp_cli
 
 
 @pytest.fixture

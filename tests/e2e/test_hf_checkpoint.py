@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_usp, usp_cli
-from data_builders import WORDS, trained_tiktoken_file, word_corpus
 
+from tests.data_builders import WORDS, trained_tiktoken_file, word_corpus
+from tests.helpers import run_usp, usp_cli
 from usp.engine.observe.metrics import read_metrics
 from usp.rundir import read_plan
 

@@ -18,7 +18,7 @@ import pytest
 
 from usp.plan.hf_config import hf_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TORCH_FREE_PACKAGES = ("usp.config", "usp.plan", "usp.launch", "usp.report", "usp.data")
 TORCH_FREE_MODULES = ("usp.cli", "usp.rundir", "usp.runstate", "usp.sweeprecord", "usp.errors")
 

@@ -10,7 +10,7 @@ import sysconfig
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 from offline_wheels import copy_source  # noqa: E402
 

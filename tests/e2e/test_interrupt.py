@@ -10,7 +10,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import USP
+
+from tests.helpers import USP
 
 
 @pytest.mark.distributed

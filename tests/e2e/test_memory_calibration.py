@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist.cases_memory import BF16_LAYOUTS, MEMORY_LAYOUTS, ZERO_LAYOUTS
-from dist.harness import launch
 
+from tests.dist.cases_memory import BF16_LAYOUTS, MEMORY_LAYOUTS, ZERO_LAYOUTS
+from tests.dist.harness import launch
 from usp.engine.observe.memory_probe import (
     MemTrackerProbe,
     ddp_bucket_bytes,
@@ -24,7 +24,7 @@ from usp.engine.observe.memory_probe import (
 )
 
 TOLERANCE = 0.15  # |predicted - measured| / measured
-SCRIPT = Path(__file__).parent / "dist" / "cases_memory.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "cases_memory.py"
 MIB = 2 ** 20
 
 

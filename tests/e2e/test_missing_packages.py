@@ -14,7 +14,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # In the child: the commands through the Typer app, their exit codes and output as JSON.
 CHILD = """

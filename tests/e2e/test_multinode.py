@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, USP, usp_cli
+
+from tests.helpers import REPO, USP, usp_cli
 
 TINY = ["model=tiny", "train.sample_tokens=0", "train.eval_interval=0", "train.log_interval=1",
         "train.measure_memory=false", "logging.console=plain"]

@@ -10,15 +10,16 @@ import json
 from pathlib import Path
 
 import pytest
-from dist.harness import launch
-from dist.layouts import APPROXIMATE, LAYOUTS
-from dist.layouts import PARAM_ATOL as PARAM_ATOL_BY_LAYOUT
+
+from tests.dist.harness import launch
+from tests.dist.layouts import APPROXIMATE, LAYOUTS
+from tests.dist.layouts import PARAM_ATOL as PARAM_ATOL_BY_LAYOUT
 
 LOSS_RTOL = 1e-5  # fp32 loss per step, relative
 # AdamW divides by sqrt(second moment): rounding differences of ~1e-7 in near-zero gradients
 # become ~1e-5 parameter differences after a few steps; 1e-4 absolute bounds that (measured max 8.5e-5).
 PARAM_ATOL = 1e-4
-SCRIPT = Path(__file__).parent / "dist" / "cases_parallel.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "cases_parallel.py"
 
 pytestmark = pytest.mark.distributed
 
@@ -74,7 +75,7 @@ def test_bf16_fsdp_computes_in_bf16_over_fp32_master_weights(results):
 
 def test_usp_verify_passes_an_exact_layout(tmp_path, shakespeare):
     """`usp verify` as a user types it: tp x pp on 4 processes, exit 0 and a per-step table."""
-    from conftest import run_usp
+    from tests.helpers import run_usp
 
     proc = run_usp("verify", "parallelism.tp=2", "parallelism.pp=2", "model.tie_embeddings=false",
                    "model.n_layers=4", "train.micro_batch=4", f"train.runs_dir={tmp_path}", "--steps", "3")
@@ -86,7 +87,7 @@ def test_usp_verify_passes_an_exact_layout(tmp_path, shakespeare):
 
 def test_usp_verify_fails_an_approximate_layout(tmp_path, shakespeare):
     """PowerSGD compression changes the loss: verify must notice and exit non-zero."""
-    from conftest import run_usp
+    from tests.helpers import run_usp
 
     proc = run_usp("verify", "parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=powersgd",
                    f"train.runs_dir={tmp_path}")
@@ -95,7 +96,7 @@ def test_usp_verify_fails_an_approximate_layout(tmp_path, shakespeare):
 
 
 def test_usp_verify_refuses_a_layout_the_engine_cannot_run(tmp_path):
-    from conftest import run_usp
+    from tests.helpers import run_usp
 
     proc = run_usp("verify", "parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=bf16",
                    f"train.runs_dir={tmp_path}")

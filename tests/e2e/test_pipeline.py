@@ -8,7 +8,7 @@ import pytest
 
 from tests.dist.harness import launch
 
-SCRIPT = Path(__file__).parent / "dist" / "cases_pipeline.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "cases_pipeline.py"
 PARITY = ["afab_mb4", "afab_mb2", "1f1b_mb4", "interleaved_1f1b_mb4", "interleaved_zb_mb4", "zbv_mb4"]
 # float32 vs a full-batch single process: summation-order rounding, amplified by AdamW on
 # near-zero gradients, moves parameters by up to ~2e-5 after 3 steps (single-process

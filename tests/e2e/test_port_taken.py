@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import USP
 
+from tests.helpers import USP
 from usp.engine.observe.failure import record_failure
 from usp.rundir import read_plan
 from usp.runlock import read_lock

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_usp, usp_cli
 
+from tests.helpers import run_usp, usp_cli
 from usp.engine.observe.metrics import read_metrics
 from usp.report import write_report
 from usp.report.heatmap import heatmap_grid

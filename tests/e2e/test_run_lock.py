@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _CACHE, run_usp, usp_cli
 
+from tests.helpers import SESSION_CACHE, run_usp, usp_cli
 from usp import runlock
 
 FAST = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
@@ -23,7 +23,7 @@ USP = str(Path(sys.executable).parent / "usp")
 
 
 def _spawn(tmp_path: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, USP_CACHE_DIR=str(_CACHE), COLUMNS="200")
+    env = dict(os.environ, USP_CACHE_DIR=str(SESSION_CACHE), COLUMNS="200")
     return subprocess.Popen([USP, "train", f"train.runs_dir={tmp_path}", "train.name=x", *FAST, *overrides],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_usp
+
+from tests.helpers import REPO, run_usp
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _CACHE, USP, run_usp
 from rich.console import Console
 
+from tests.helpers import SESSION_CACHE, USP, run_usp
 from usp.config.compose import compose_config
 from usp.engine.observe.metrics import read_metrics
 from usp.launch.prepare import prepare_run
@@ -126,7 +126,7 @@ def test_failing_rank_propagates_exit_code(tmp_path):
 
 @pytest.mark.distributed
 def test_ctrl_c_stops_every_rank(tmp_path, shakespeare):
-    env = dict(os.environ, USP_CACHE_DIR=str(_CACHE))
+    env = dict(os.environ, USP_CACHE_DIR=str(SESSION_CACHE))
     proc = subprocess.Popen([USP, "train", "conf=tiny_ddp", "train.steps=100000", f"train.runs_dir={tmp_path}",
                              "logging.console=plain", "train.log_interval=1"], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -11,7 +11,7 @@ from tests.dist import harness
 from usp.engine.parallel.context import cp_positions, shard_sequence, unshard_sequence, zigzag_indices
 from usp.models.llama import Llama, LlamaArgs
 
-CASES = Path(__file__).parent / "dist" / "cases_context.py"
+CASES = Path(__file__).resolve().parents[1] / "dist" / "cases_context.py"
 ATTN_ATOL = 1e-5
 LOSS_REL = 1e-6
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_usp, usp_cli
 from rich.console import Console
 
+from tests.helpers import REPO, run_usp, usp_cli
 from usp.config.compose import compose_config
 from usp.engine.observe.failure import LOST_PEER, OOM, PYTHON, TIMEOUT, classify, record_failure
 from usp.errors import LaunchError

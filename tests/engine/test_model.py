@@ -18,7 +18,7 @@ from usp.models.layers import apply_rope, precompute_rope
 from usp.models.llama import Llama, LlamaArgs
 from usp.plan.specs import Arch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = dict(dim=64, n_layers=2, n_heads=4, ffn_dim=192, vocab_size=256)
 
 

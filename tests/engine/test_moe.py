@@ -16,7 +16,7 @@ from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import MoE, moe_aux_loss, moe_layers
 from usp.plan.specs import Arch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARCH = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
 MOE = ("n_experts", "top_k", "moe_ffn_dim", "shared_expert")
 
@@ -188,7 +188,7 @@ def test_mixtral_8x7b_param_count():
 
 @pytest.fixture(scope="module")
 def ep_results():
-    return launch(Path(__file__).parent / "dist" / "cases_expert.py", 2)
+    return launch(Path(__file__).resolve().parents[1] / "dist" / "cases_expert.py", 2)
 
 
 def _ok(results, case):
@@ -251,7 +251,7 @@ def test_attached_aux_loss_gives_the_added_aux_loss_gradients():
 
 @pytest.fixture(scope="module")
 def pp_aux_results():
-    return launch(Path(__file__).parent / "dist" / "cases_moe_pipeline.py", 2)
+    return launch(Path(__file__).resolve().parents[1] / "dist" / "cases_moe_pipeline.py", 2)
 
 
 @pytest.mark.distributed

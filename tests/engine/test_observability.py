@@ -14,9 +14,9 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import run_usp, usp_cli
 from rich.console import Console
 
+from tests.helpers import run_usp, usp_cli
 from usp.config.compose import compose_config
 from usp.engine.observe.metrics import read_metrics
 from usp.launch.prepare import prepare_run

@@ -8,7 +8,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import run_usp, usp_cli
+
+from tests.helpers import run_usp, usp_cli
 
 FAST = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
         "train.eval_batches=1", "train.sample_tokens=0", "logging.console=plain", "train.log_interval=1",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-USP = Path(__file__).resolve().parents[1] / "usp"
+USP = Path(__file__).resolve().parents[2] / "usp"
 
 # package -> the usp packages it may import (besides itself). usp.errors and usp.rundir are the
 # floor every layer stands on (with usp.names, the directory-name rule, and usp.runlock, the run

@@ -190,8 +190,7 @@ def test_bad_sources_name_the_key_and_leave_nothing(tmp_path, case, words):
 def test_the_continued_pretraining_recipe_plans_and_prepares(tmp_path):
     """recipes/continue_pretraining_blend.yaml with its three paths pointed at files built here:
     it plans (the model's 128,256 rows hold the tokenizer's ids) and its data prepares as a blend."""
-    from data_builders import hf_bpe_tokenizer
-
+    from tests.data_builders import hf_bpe_tokenizer
     from usp.plan.plan import checked_plan
 
     jsonl, parquet = write_sources(tmp_path / "src")

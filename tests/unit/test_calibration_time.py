@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import usp_cli
+from tests.helpers import usp_cli
 from usp.plan.calibrate import Problem, calibrate, report, score, split
 from usp.plan.measured_runs import BF16, SWEEP_CSV, read_sweep_csv
 from usp.plan.profile import PROFILES
 from usp.plan.specs import Hardware
 from usp.plan.timing import evaluate, mfu, pipeline_stall_s, time_shape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = SWEEP_CSV
 FITTED = ROOT / "conf" / "cluster" / "h100_playbook.yaml"
 

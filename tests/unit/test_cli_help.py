@@ -8,8 +8,8 @@ import shlex
 import subprocess
 
 import pytest
-from conftest import REPO, USP, usp_cli
 
+from tests.helpers import REPO, USP, usp_cli
 from usp.cli import app
 from usp.cli_examples import EXAMPLES
 from usp.config.compose import compose_config

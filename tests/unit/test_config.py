@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config import schema
 from usp.config.catalogue import copy_recipe, show_item
 from usp.config.compose import compose_config, resolve_primary
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.errors import ConfigError, UspError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CHOICES = {"model": "tiny", "parallelism": "ddp", "optimizer": "adamw", "cluster": "local_cpu",
                    "data": "shakespeare"}
 

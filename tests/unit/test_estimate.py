@@ -7,8 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.plan.estimate import DEFAULT_MFU, estimate

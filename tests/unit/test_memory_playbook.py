@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.plan.measured_runs import BF16, SEQ_LEN, h100_nodes, read_sweep_csv
 from usp.plan.memory import activation_values, memory_plan, stage_memory, zero_sharding
 from usp.plan.memory_check import accuracy, check_memory, fit_constants

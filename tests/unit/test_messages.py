@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import usp_cli
+
+from tests.helpers import usp_cli
 
 RECIPE = "defaults:\n  - config\n  - _self_\ntrain:\n  steps: 7\n  name: mine\n"
 

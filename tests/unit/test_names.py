@@ -4,8 +4,8 @@ train.runs_dir. And train.steps >= 1, checked at the same place."""
 from __future__ import annotations
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.errors import PlanError, UspError
 from usp.launch.sweep import expand_grid, plan_grid

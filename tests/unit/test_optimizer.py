@@ -7,12 +7,12 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.plan.optimizer import OptimSettings, lr_factor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def curve(steps: int, **kw) -> list[float]:

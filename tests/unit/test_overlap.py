@@ -13,8 +13,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_usp
 
+from tests.helpers import run_usp
 from usp.report import write_report
 from usp.report.overlap import intersect, merge, overlap_markdown, step_overlaps, totals
 from usp.report.trace import read_trace

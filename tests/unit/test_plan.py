@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.config.schema import ParallelismConfig, TrainConfig
 from usp.errors import PlanError, UspError

@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.plan.layout import rank_table
@@ -20,7 +20,7 @@ from usp.plan.profile import PROFILES
 from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.plan.timing import timing_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BF16, FP32 = Precision("bf16", 2, 2, 12, 2), Precision("fp32", 4, 4, 8, 4)
 USP = PROFILES["usp"]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, usp_cli
-from data_builders import WORDS, word_corpus
 
+from tests.data_builders import WORDS, word_corpus
+from tests.helpers import REPO, usp_cli
 from usp.config.schema import DataConfig
 from usp.data.errors import DataError
 from usp.data.prepare import dataset_dir, ensure_dataset, val_split

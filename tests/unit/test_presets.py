@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.config.paths import group_options, recipe_names
 from usp.plan.layout import data_parallel_kind

@@ -7,15 +7,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.plan import rules
 from usp.plan.plan import build_plan, checked_plan, engine_support_errors, plan_with_failures
 from usp.plan.search import search_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
 # a cluster each catalogue model fits on (the search finds at least one layout)
 CLUSTERS = {

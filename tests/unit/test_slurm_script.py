@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, usp_cli
+
+from tests.helpers import REPO, usp_cli
 
 GOLDEN = REPO / "tests" / "golden"
 
@@ -139,7 +140,7 @@ def test_submit_refuses_a_local_cluster(tmp_path):
 def test_submit_without_slurm_commands_says_what_to_do(tmp_path):
     """No sbatch on PATH: a clear error, and the script is still there to submit by hand."""
     env = dict(os.environ, PATH=str(Path(os.sys.executable).parent))
-    from conftest import USP
+    from tests.helpers import USP
 
     r = subprocess.run([USP, "submit", "conf=tiny_demo", "cluster=local_slurm", "train.name=nosbatch",
                         f"train.runs_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import usp_cli
 from rich.console import Console
 
+from tests.helpers import usp_cli
 from usp.errors import UspError
 from usp.launch.sweep import expand_grid, plan_grid, point_id, run_sweep_local
 from usp.sweeprecord import read_sweep

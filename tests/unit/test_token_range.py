@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import usp_cli
 
+from tests.helpers import usp_cli
 from usp.config.schema import DataConfig
 from usp.data import prepare
 from usp.data.errors import DataError

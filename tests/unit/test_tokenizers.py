@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import usp_cli
-from data_builders import WORDS, big_wordlevel_tokenizer, hf_bpe_tokenizer, tiktoken_file, word_corpus
 
+from tests.data_builders import WORDS, big_wordlevel_tokenizer, hf_bpe_tokenizer, tiktoken_file, word_corpus
+from tests.helpers import usp_cli
 from usp.config.schema import DataConfig
 from usp.data.errors import DataError
 from usp.data.prepare import ensure_dataset
