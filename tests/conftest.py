@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,8 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # Slurm scheduling), so two at once overlap well on two cores. A name that matches no file fails.
 LONGEST_FIRST = ("e2e/test_parallel.py", "e2e/test_checkpoint.py", "e2e/test_slurm.py", "e2e/test_training.py",
                  "e2e/test_memory_calibration.py", "e2e/test_multinode.py", "e2e/test_bench_smoke.py",
-                 "e2e/test_hf_checkpoint.py", "engine/test_failures.py", "engine/test_moe.py", "e2e/test_pipeline.py",
-                 "engine/test_context_parallel.py")
+                 "e2e/test_hf_checkpoint.py", "e2e/test_failures.py", "e2e/test_moe.py", "e2e/test_pipeline.py",
+                 "e2e/test_context_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,6 +45,9 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that don't exist: {missing}")
     rank = {TESTS / name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: file order kept otherwise
+
+
+_TORCH_BEFORE = pytest.StashKey[bool]()
 
 
 def _is_unit(path: Path) -> bool:
@@ -63,16 +68,19 @@ def pytest_make_collect_report(collector):
     return report
 
 
-@pytest.fixture(autouse=True)
-def _unit_tests_import_no_torch(request):
-    """A unit test that imports torch (the code it calls, lazily) fails at teardown, named."""
-    if not _is_unit(request.node.path) or "torch" in sys.modules:
-        yield
-        return
-    yield
-    if "torch" in sys.modules:
-        pytest.fail(f"{request.node.nodeid} imported torch: a unit test is torch-free (move it to tests/engine)",
-                    pytrace=False)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_TORCH_BEFORE] = "torch" in sys.modules  # before any fixture, module-scoped ones included
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A unit test that imports torch (the code it calls or its fixtures, lazily) fails at teardown, named."""
+    result = yield
+    if _is_unit(item.path) and not item.stash.get(_TORCH_BEFORE, True) and "torch" in sys.modules:
+        raise pytest.fail.Exception(f"{item.nodeid} imported torch: a unit test is torch-free (move it to "
+                                    "tests/engine)", pytrace=False)
+    return result
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -96,3 +104,18 @@ def fresh_cache(tmp_path, monkeypatch) -> Path:
     cache = tmp_path / "cache"
     monkeypatch.setenv("USP_CACHE_DIR", str(cache))
     return cache
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 40 MiB tmpfs to fill (mounting one needs root: skipped otherwise); unmounted afterwards."""
+    mount = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

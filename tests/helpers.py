@@ -71,3 +71,31 @@ def plan_for(*overrides: str, conf: str | None = None, runs_dir: Path | None = N
     extra = [f"train.runs_dir={runs_dir}"] if runs_dir else []
     cfg, choices = compose_config(conf, [*overrides, *extra])
     return build_plan(cfg, choices, training=training, **kw)
+
+
+def train_in_process(*overrides: str, conf: str | None = None) -> tuple[Path, str]:
+    """Plan and train one rank in this process, as `usp train` does for world size 1 (the catalogue's
+    config, or the recipe `conf`, with `overrides`); returns the run directory and what the run printed."""
+    import contextlib
+    import io
+
+    from rich.console import Console
+
+    from usp.config.compose import compose_config
+    from usp.engine.worker import run_worker
+    from usp.launch.prepare import prepare_run
+
+    cfg, choices = compose_config(conf, list(overrides))
+    plan, plan_path = prepare_run(cfg, choices, console=Console(file=io.StringIO()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run_worker(str(plan_path)) == 0
+    return Path(plan.run_dir), out.getvalue()
+
+
+def assert_same_losses(ref: list[dict], other: list[dict], rtol: float) -> None:
+    """Two runs' metrics.jsonl records: the same steps, losses within rtol, gradient norms within 1e-5."""
+    assert [r["step"] for r in ref] == [r["step"] for r in other]
+    for a, b in zip(ref, other):
+        assert abs(a["loss"] - b["loss"]) <= rtol * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(a["grad_norm"]), (a["step"], a, b)

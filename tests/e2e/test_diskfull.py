@@ -4,48 +4,14 @@ removes its partial checkpoint and records the failure, instead of torch's
 `basic_ios::clear: iostream error` or a CheckpointException traceback."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import USP, usp_cli
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 40 MiB tmpfs (we are root in the test environment); unmounted afterwards."""
-    mount = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip()}): the ENOSPC run needs one")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def test_is_disk_full_reads_errno_text_and_torchs_cpp_error(small_tmpfs, tmp_path):
-    from usp.engine.diskfull import is_disk_full
-    from usp.engine.observe.failure import classify
-
-    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
-    assert classify(RuntimeError("rank 0: OSError: [Errno 28] No space left on device")) == "disk full"
-    cpp = RuntimeError("basic_ios::clear: iostream error")
-    assert not is_disk_full(cpp, small_tmpfs)  # 40 MiB free: something else
-    fd = os.open(small_tmpfs / "filler", os.O_CREAT | os.O_WRONLY)
-    os.posix_fallocate(fd, 0, shutil.disk_usage(small_tmpfs).free - 100_000)
-    os.close(fd)
-    assert is_disk_full(cpp, small_tmpfs / "checkpoints" / ".tmp-step_00000010")  # nearly full: that
-    assert not is_disk_full(ValueError("bad value"), small_tmpfs)
 
 
 def test_a_full_disk_during_the_run_says_so_and_records_the_failure(small_tmpfs):

@@ -1,11 +1,10 @@
-"""Hugging Face checkpoints in (`model.init_from`) and out (`usp export --format hf`), against the real
-`transformers`: tiny random Llama / Mixtral models made on the fly with save_pretrained (nothing
-downloaded). Logits must equal transformers' within 1e-5; an import trained under FSDP2 x TP2
-(4 processes) follows a single process; a tied model keeps its tie both ways; a config.json that
-doesn't match the model group is refused before launch."""
+"""Hugging Face checkpoints through real runs, against the real `transformers`: an HF Llama imported
+(`model.init_from`) and trained under FSDP2 x TP2 (4 processes) follows a single process and exports
+(`usp export --format hf`) keeping its tie; an HF Mixtral likewise on one process; a tiktoken run
+exports the tokenizer transformers loads (loading and the config check in this process:
+tests/engine/test_hf_checkpoint.py)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -13,119 +12,18 @@ import pytest
 import torch
 
 from tests.data_builders import WORDS, trained_tiktoken_file, word_corpus
-from tests.helpers import run_usp, usp_cli
-from usp.engine.observe.metrics import read_metrics
+from tests.engine.test_hf_checkpoint import TOL, USP_DIMS, make_hf
+from tests.helpers import losses, run_usp, usp_cli
 from usp.rundir import read_plan
 
-DIMS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1)
-USP_DIMS = ["model.dim=64", "model.ffn_dim=96", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
          "checkpoint.enabled=true", "train.steps=3", "train.global_batch=8", "train.seq_len=64"]
-TOL = 1e-5
-
-
-def make_hf(directory: Path, kind: str, vocab: int, tied: bool) -> Path:
-    """A random tiny LlamaForCausalLM or MixtralForCausalLM saved with save_pretrained."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**DIMS, vocab_size=vocab, tie_word_embeddings=tied))
-    else:
-        model = MixtralForCausalLM(MixtralConfig(**DIMS, vocab_size=vocab, tie_word_embeddings=tied,
-                                                 num_local_experts=4, num_experts_per_tok=2))
-    model.save_pretrained(directory)
-    return directory
-
-
-def usp_model(kind: str, vocab: int, tied: bool):
-    from usp.models.llama import Llama, LlamaArgs
-
-    moe = dict(n_experts=4, top_k=2) if kind == "mixtral" else {}
-    return Llama(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=vocab,
-                           tie_embeddings=tied, **moe), max_seq_len=64)
-
-
-def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory)
-    with torch.no_grad():
-        return model(tokens).logits
-
-
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("mixtral", False)])
-def test_import_matches_transformers_logits(tmp_path, kind, tied):
-    """An HF checkpoint loaded into usp's model gives transformers' logits (the RoPE rows of q/k
-    permuted, experts stacked and transposed), and usp's own export of it loads back identically."""
-    from usp.engine.hf_checkpoint import load_hf_weights, read_hf_tensors, write_hf
-
-    src = make_hf(tmp_path / "hf", kind, 100, tied)
-    model = usp_model(kind, 100, tied)
-    load_hf_weights(model, src)
-    tokens = torch.randint(0, 100, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours = model(tokens)
-    expected = hf_logits(src, tokens)
-    assert ours.abs().max() > 0.1  # logits large enough for 1e-5 to say something
-    assert torch.allclose(ours, expected, rtol=0, atol=TOL), (ours - expected).abs().max()
-    assert (model.output.weight is model.tok_embeddings.weight) == tied
-
-    # usp -> HF again, in two shards: the same tensors under the same names, the index naming each
-    plan = {"batch": {"seq_len": 64}, "dataset_dir": str(tmp_path / "no-dataset")}
-    cfg = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "vocab_size": 100,
-           "tie_embeddings": tied, "rope_theta": 10000.0, "norm_eps": 1e-5, "n_experts": 4 if kind == "mixtral" else 0,
-           "top_k": 2, "moe_ffn_dim": 0}
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    write_hf(state, cfg, plan, tmp_path / "ckpt", 0, tmp_path / "back", max_shard_mb=0.1)
-    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1
-    original, back = read_hf_tensors(src), read_hf_tensors(tmp_path / "back")
-    assert set(back) == set(index["weight_map"]) == set(original) - ({"lm_head.weight"} if tied else set())
-    assert all(torch.equal(original[k], back[k]) for k in back)
-    assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)
-
-
-def test_config_mismatch_is_refused_before_launch(tmp_path):
-    """`usp plan` and `usp train` refuse an init_from whose config.json isn't the model group, naming the
-    field and the key to change; a matching one plans."""
-    src = make_hf(tmp_path / "hf", "llama", 512, tied=True)
-    base = ["data.tokenizer=bytes", "model.vocab_size=512", *USP_DIMS, f"model.init_from={src}"]
-    proc = usp_cli("plan", "--save", *base[:-1], "model.init_from=hf", f"train.runs_dir={tmp_path / 'saved'}",
-                   "train.name=p", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    # relative to where `usp plan` ran; the plan holds it absolute (ranks may start elsewhere)
-    assert read_plan(tmp_path / "saved" / "p" / "plan.yaml")["config"]["model"]["init_from"] == str(src.resolve())
-    cases = [(["model.n_heads=8"], "num_attention_heads=4", "model.n_heads=4"),
-             (["model.ffn_dim=128"], "intermediate_size=96", "model.ffn_dim=96"),
-             (["model.vocab_size=1024"], "vocab_size=512", "model.vocab_size=512"),
-             (["model.tie_embeddings=false"], "tie_word_embeddings=True", "model.tie_embeddings=True"),
-             (["model.n_experts=4"], "model_type='llama'", "model group")]
-    for i, (extra, field, fix) in enumerate(cases):
-        for command in ("plan", "train") if i == 0 else ("plan",):
-            proc = usp_cli(command, *base, *extra, f"train.runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
-            out = proc.stdout + proc.stderr
-            assert proc.returncode == 2, (extra, command, out)
-            assert "model.init_from=" in out and field in out and fix in out, (extra, out)
-    assert not (tmp_path / "runs").exists()  # nothing launched, nothing written
-    config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3",
-                                                                               "rope_theta": 10000.0}}))
-    proc = usp_cli("plan", *base, cwd=tmp_path)
-    assert proc.returncode == 2 and "rope_parameters.rope_type='llama3'" in proc.stdout + proc.stderr
-    proc = usp_cli("plan", *base[:-1], f"model.init_from={tmp_path}", cwd=tmp_path)
-    assert proc.returncode == 2 and "no config.json" in proc.stdout + proc.stderr
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> Path:
     proc = run_usp("train", f"train.runs_dir={tmp_path}", f"train.name={name}", *QUIET, *overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp_path / name
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
 def _first_batch_loss(run_dir: Path, hf_dir: Path) -> float:
@@ -202,9 +100,10 @@ def test_llama_import_trains_under_fsdp2_tp2_and_exports(tmp_path, shakespeare):
     single = _train(tmp_path, "single", *common)
     first = _first_batch_loss(single, src)
     for run in (sharded, single):
-        losses = _losses(run)
-        assert len(losses) == 3 and abs(losses[0] - first) <= TOL * first, (run.name, losses, first)
-    assert np.allclose(_losses(sharded), _losses(single), rtol=TOL, atol=0), (_losses(sharded), _losses(single))
+        by_step = losses(run)
+        assert sorted(by_step) == [1, 2, 3] and abs(by_step[1] - first) <= TOL * first, (run.name, by_step, first)
+    assert np.allclose(list(losses(sharded).values()), list(losses(single).values()), rtol=TOL, atol=0), \
+        (losses(sharded), losses(single))
     _check_export(tmp_path, sharded, tied=True, kind="llama")
 
 
@@ -215,7 +114,7 @@ def test_mixtral_import_trains_and_exports(tmp_path, shakespeare):
     src = make_hf(tmp_path / "hf_mixtral", "mixtral", vocab, tied=False)
     run = _train(tmp_path, "moe", "model=moe_tiny", *USP_DIMS, "model.tie_embeddings=false", f"model.init_from={src}")
     first = _first_batch_loss(run, src)
-    assert abs(_losses(run)[0] - first) <= TOL * first, (_losses(run), first)
+    assert abs(losses(run)[1] - first) <= TOL * first, (losses(run), first)
     _check_export(tmp_path, run, tied=False, kind="mixtral")
 
 

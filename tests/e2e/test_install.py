@@ -7,22 +7,11 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 from offline_wheels import copy_source  # noqa: E402
-
-DATA_FILES = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
-
-
-def test_data_files_list_every_catalogue_folder():
-    """A new conf/ group folder that pyproject does not list would be missing from every wheel."""
-    folders = {"conf", "recipes"} | {f"conf/{d.name}" for d in (REPO / "conf").iterdir() if d.is_dir()}
-    assert {dest.removeprefix("share/usp/") for dest in DATA_FILES} == folders
-    for dest, patterns in DATA_FILES.items():
-        assert all(list(REPO.glob(p)) for p in patterns), (dest, patterns)
 
 
 def _usp(site_packages: Path, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:

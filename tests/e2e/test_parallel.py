@@ -21,7 +21,7 @@ LOSS_RTOL = 1e-5  # fp32 loss per step, relative
 PARAM_ATOL = 1e-4
 SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "cases_parallel.py"
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1800)]  # the launches' own limit (below)
 
 
 @pytest.fixture(scope="module")

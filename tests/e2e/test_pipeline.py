@@ -8,6 +8,9 @@ import pytest
 
 from tests.dist.harness import launch
 
+# A first test builds its module's torchrun launch: the launch's own limit (tests/dist/harness.py).
+pytestmark = pytest.mark.timeout(600)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "dist" / "cases_pipeline.py"
 PARITY = ["afab_mb4", "afab_mb2", "1f1b_mb4", "interleaved_1f1b_mb4", "interleaved_zb_mb4", "zbv_mb4"]
 # float32 vs a full-batch single process: summation-order rounding, amplified by AdamW on

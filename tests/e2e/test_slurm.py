@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_usp
+from tests.helpers import REPO, losses, run_usp
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -99,11 +99,6 @@ def wait_for_line(path: Path, text: str, timeout: float = 120) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"{text!r} never appeared in {path}")
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def assert_close(got: dict[int, float], want: dict[int, float], rtol: float) -> None:

@@ -1,42 +1,19 @@
-"""Training on the real corpus: the loss falls, and layouts that must be exactly equivalent
-(DDP vs one process, gradient accumulation vs one big micro batch, recompute on/off) give
-the same losses step by step."""
+"""Training on the real corpus through `usp train`: the loss falls, DDP on two processes gives one
+process's losses step by step, and a failing or interrupted run ends cleanly."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from tests.helpers import SESSION_CACHE, USP, run_usp
-from usp.config.compose import compose_config
+from tests.helpers import USP, assert_same_losses, run_usp, train_in_process, usp_env
 from usp.engine.observe.metrics import read_metrics
-from usp.launch.prepare import prepare_run
 
 QUIET = ["logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0"]
-
-
-def train_inprocess(runs: Path, *overrides: str) -> list[dict]:
-    """Plan and train one rank in this process (what `usp train` does for world size 1)."""
-    from usp.engine.worker import run_worker
-
-    cfg, choices = compose_config(None, [f"train.runs_dir={runs}", *QUIET, *overrides])
-    plan, plan_path = prepare_run(cfg, choices, console=Console(file=io.StringIO()))
-    assert run_worker(str(plan_path)) == 0
-    return read_metrics(Path(plan.run_dir) / "metrics.jsonl")
-
-
-def assert_same_losses(ref: list[dict], other: list[dict], rtol: float) -> None:
-    assert [r["step"] for r in ref] == [r["step"] for r in other]
-    for a, b in zip(ref, other):
-        assert abs(a["loss"] - b["loss"]) <= rtol * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(a["grad_norm"]), (a["step"], a, b)
 
 
 @pytest.mark.slow
@@ -64,40 +41,15 @@ def test_ddp_two_processes_matches_single_process(tmp_path, shakespeare):
     proc = run_usp("train", "conf=tiny_ddp", *steps, f"train.runs_dir={tmp_path}", *QUIET)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp = read_metrics(tmp_path / "tiny_ddp" / "metrics.jsonl")
-    single = train_inprocess(tmp_path, *steps, "train.micro_batch=16", "train.name=single")
+    single_dir, _ = train_in_process(f"train.runs_dir={tmp_path}", *QUIET, *steps, "train.micro_batch=16",
+                                     "train.name=single")
+    single = read_metrics(single_dir / "metrics.jsonl")
     assert_same_losses(single, ddp, rtol=1e-6)
     assert abs(single[-1]["val_loss"] - ddp[-1]["val_loss"]) <= 1e-6 * single[-1]["val_loss"]
     plan = (tmp_path / "tiny_ddp" / "plan.yaml").read_text()
     assert "grad_accum: 1" in plan and "world_size: 2" in plan
     for rank in (0, 1):  # every rank writes its own log
         assert "done:" in (tmp_path / "tiny_ddp" / "logs" / f"rank_{rank}.log").read_text()
-
-
-@pytest.mark.slow
-def test_grad_accum_equals_one_big_micro_batch(tmp_path, shakespeare):
-    big = train_inprocess(tmp_path, "train.steps=5", "train.micro_batch=16", "train.name=big")
-    accum = train_inprocess(tmp_path, "train.steps=5", "train.micro_batch=4", "train.name=accum")
-    plan = (tmp_path / "accum" / "plan.yaml").read_text()
-    assert "grad_accum: 4" in plan
-    assert_same_losses(big, accum, rtol=1e-6)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_gives_the_same_losses(tmp_path, shakespeare, mode):
-    ref = train_inprocess(tmp_path, "train.steps=4", "train.name=ref")
-    other = train_inprocess(tmp_path, "train.steps=4", f"train.recompute={mode}", f"train.name={mode}")
-    assert_same_losses(ref, other, rtol=1e-6)
-
-
-def test_pretokenized_token_files(tmp_path, shakespeare):
-    """data=token_files trains from the user's own uint16 .bin files (no tokenizer, no sample)."""
-    directory, _ = shakespeare
-    metrics = train_inprocess(tmp_path, "data=token_files", f"data.train_bin={directory / 'train.bin'}",
-                              f"data.val_bin={directory / 'val.bin'}", "data.vocab_size=4096", "train.steps=2",
-                              "train.sample_tokens=5")
-    assert len(metrics) == 2 and metrics[0]["loss"] > 8.0
-    assert not (tmp_path / "tiny-single" / "sample.txt").exists()
 
 
 def test_missing_data_file_is_a_clear_error(tmp_path):
@@ -126,7 +78,7 @@ def test_failing_rank_propagates_exit_code(tmp_path):
 
 @pytest.mark.distributed
 def test_ctrl_c_stops_every_rank(tmp_path, shakespeare):
-    env = dict(os.environ, USP_CACHE_DIR=str(SESSION_CACHE))
+    env = usp_env()
     proc = subprocess.Popen([USP, "train", "conf=tiny_ddp", "train.steps=100000", f"train.runs_dir={tmp_path}",
                              "logging.console=plain", "train.log_interval=1"], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -140,22 +92,3 @@ def test_ctrl_c_stops_every_rank(tmp_path, shakespeare):
     plan_path = str(tmp_path / "tiny_ddp" / "plan.yaml")
     leftover = subprocess.run(["pgrep", "-f", plan_path], capture_output=True, text=True).stdout.split()
     assert leftover == [], f"workers still running: {leftover}"
-
-
-@pytest.mark.slow
-def test_compiled_blocks_give_the_same_losses_and_checkpoints(tmp_path, shakespeare):
-    """train.compile=true (per-block torch.compile; inductor's C++ backend on CPU) with full
-    recomputation, the combination mfu.py measures on a GPU, against eager; its checkpoint
-    resumes an eager run (the checkpoint's keys don't carry the compile wrapper)."""
-    import torch._dynamo
-
-    run = ["train.recompute=full", "checkpoint.interval=2"]
-    ref = train_inprocess(tmp_path, "train.steps=6", *run, "train.name=eager")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    compiled = train_inprocess(tmp_path, "train.steps=4", *run, "train.compile=true", "train.name=compiled")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
-    assert_same_losses(ref[:4], compiled, rtol=1e-5)
-    resumed = train_inprocess(tmp_path, "train.steps=6", *run, "train.name=compiled")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # appended from step 5: it resumed
-    assert_same_losses(ref[4:], resumed[4:], rtol=1e-5)

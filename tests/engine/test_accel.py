@@ -3,27 +3,19 @@ plan rules), checked on CPU: the GPU code paths themselves are unreachable here,
 from __future__ import annotations
 
 import importlib.util
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from usp.config.compose import compose_config
+from tests.unit.test_accel import plan_of
 from usp.engine import accel
 from usp.engine.parallel import precision
-from usp.launch.local import worker_env
-from usp.plan.plan import build_plan, engine_support_errors
+from usp.plan.plan import engine_support_errors
 
 FSDP2 = ["cluster.procs_per_node=2", "parallelism.dp_replicate=1", "parallelism.dp_shard=2"]
 DDP2 = ["cluster.procs_per_node=2", "parallelism.dp_replicate=2"]
 NO_CUDA_WARNING = pytest.mark.filterwarnings("ignore:CUDA is not available")  # a cuda autocast object, built on CPU
-
-
-def plan_of(*overrides: str, obj: bool = False):
-    cfg, choices = compose_config(None, list(overrides))
-    plan = build_plan(cfg, choices, training=False)
-    return plan if obj else plan.to_dict()
 
 
 @pytest.mark.parametrize("dtype,device,bf16", [("auto", "cuda", True), ("auto", "xpu", True), ("auto", "cpu", False),
@@ -116,54 +108,12 @@ def test_unknown_attention_is_refused():
     assert [e.key for e in errors] == ["model.attention"]
 
 
-def test_flash_attn_plan_errors_name_the_key():
-    cpu = engine_support_errors(plan_of("model.attention=flash_attn", obj=True))
-    assert [e.key for e in cpu] == ["model.attention"] and "model.attention=sdpa" in str(cpu[0].fix)
-    fp32 = engine_support_errors(plan_of("cluster=local_gpu", "model.attention=flash_attn", "train.dtype=fp32",
-                                         obj=True))
-    assert [e.key for e in fp32] == ["train.dtype"]
-    assert engine_support_errors(plan_of("cluster=local_gpu", "model.attention=flash_attn", obj=True)) == []
-
-
-def test_backend_follows_the_device():
-    assert plan_of("cluster=local_gpu")["backend"] == "nccl"
-    assert plan_of("cluster=mi300x", "cluster.nodes=1")["device"] == "cuda"  # ROCm: device type cuda, RCCL as nccl
-    assert plan_of("cluster=mi300x", "cluster.nodes=1")["backend"] == "nccl"
-    xpu = plan_of("cluster=supermuc_ng_p2")
-    assert (xpu["device"], xpu["backend"]) == ("xpu", "xccl")
-    assert plan_of()["backend"] == "gloo"
-
-
-def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None):
-    return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1,
-                           config={"cluster": {"env": env or {}, "launcher": "local", "nodes": 1},
-                                   "train": {"deterministic": deterministic}})
-
-
-def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(_env_plan("cpu"))
-    # the user's setting wins: from cluster.env, or from the environment
-    assert worker_env(_env_plan("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}))[
-        "PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
-    assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
-
-
 @pytest.mark.parametrize("configured,device,on", [(None, "cpu", True), (None, "cuda", False), (None, "xpu", False),
                                                   (True, "cuda", True), (False, "cpu", False)])
 def test_deterministic_by_default_on_cpu_only(configured, device, on):
     """Parity tests and exact resume need it on CPU (where it costs nothing measurable); on a GPU
     its deterministic kernels (embedding backward, scatter) cost speed, so only when asked."""
     assert accel.deterministic({"device": device, "config": {"train": {"deterministic": configured}}}) is on
-
-
-def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    assert worker_env(_env_plan("cuda", deterministic=True))["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env(_env_plan("cuda"))
-    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env(_env_plan("cpu", deterministic=True))
 
 
 def test_set_attention_leaves_cpu_models_alone():
@@ -174,27 +124,3 @@ def test_set_attention_leaves_cpu_models_alone():
     assert all(b.attention.core_attention is None for b in model.layers.values())
     accel.set_attention(model, "sdpa", "cuda")  # what a GPU run installs (not run here)
     assert all(b.attention.core_attention is not None for b in model.layers.values())
-
-
-def test_a_cpu_run_on_a_machine_with_gpus_says_how_to_use_them(tmp_path, monkeypatch):
-    import io
-
-    from rich.console import Console
-
-    from usp.launch import prepare
-
-    gpus = tmp_path / "gpus"
-    for bus in ("0000:01:00.0", "0000:02:00.0"):
-        (gpus / bus).mkdir(parents=True)
-    monkeypatch.setattr(prepare, "NVIDIA_GPUS", gpus)
-
-    def note(*overrides: str) -> str:
-        cfg, choices = compose_config(None, [f"train.runs_dir={tmp_path}", *overrides])
-        out = io.StringIO()
-        prepare.prepare_run(cfg, choices, console=Console(file=out, width=300), prepare_data=False)
-        return out.getvalue()
-
-    assert "2 NVIDIA GPU(s) visible here" in note() and "cluster=local_gpu cluster.procs_per_node=2" in note()
-    assert "visible here" not in note("cluster=local_gpu")
-    monkeypatch.setattr(prepare, "NVIDIA_GPUS", tmp_path / "none")  # no driver: no note
-    assert "visible here" not in note()

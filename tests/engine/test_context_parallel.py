@@ -1,23 +1,13 @@
-"""Context parallelism: zigzag sharding (unit) and ring attention / CP Llama parity (torchrun)."""
+"""Context parallelism in one process: zigzag sharding, positions, the attention hook (ring attention
+under torchrun: tests/e2e/test_context_parallel.py)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist import harness
 from usp.engine.parallel.context import cp_positions, shard_sequence, unshard_sequence, zigzag_indices
 from usp.models.llama import Llama, LlamaArgs
-
-CASES = Path(__file__).resolve().parents[1] / "dist" / "cases_context.py"
-ATTN_ATOL = 1e-5
-LOSS_REL = 1e-6
-GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5
-
-
-# ------------------------------------------------------------------------ unit
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
@@ -70,44 +60,3 @@ def test_core_attention_hook_defaults_to_sdpa():
     attn.core_attention = lambda q, k, v: F.scaled_dot_product_attention(
         q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True)
     torch.testing.assert_close(model(tokens), base, atol=1e-6, rtol=1e-5)
-
-
-# ---------------------------------------------------------------- distributed
-
-
-@pytest.fixture(scope="module")
-def launches():
-    cache = {}
-
-    def get(nproc):
-        if nproc not in cache:
-            cache[nproc] = harness.launch(CASES, nproc)
-        return cache[nproc]
-    return get
-
-
-def _check(results, nproc):
-    expected = {"attention_mha", "attention_gqa", "llama_mha", "llama_gqa"}
-    if nproc == 4:
-        expected |= {"subgroup_attention_mha", "subgroup_attention_gqa"}
-    assert set(results) == expected
-    for name, r in results.items():
-        assert r["ok"], f"{name}: {r.get('error')}\n{r.get('trace', '')}"
-        if name.startswith(("attention", "subgroup")):
-            assert r["configs"] >= 3
-            for key in ("fwd_err", "dq_err", "dk_err", "dv_err"):
-                assert r[key] < ATTN_ATOL, f"{name}: {key}={r[key]}"
-        else:
-            assert r["cp"] == nproc
-            assert r["loss_rel_err"] < LOSS_REL, f"{name}: {r}"
-            assert r["grad_abs_err"] < GRAD_ATOL or r["grad_rel_err"] < GRAD_RTOL, f"{name}: {r}"
-
-
-@pytest.mark.distributed
-def test_context_parallel_cp2(launches):
-    _check(launches(2), 2)
-
-
-@pytest.mark.distributed
-def test_context_parallel_cp4(launches):
-    _check(launches(4), 4)

@@ -1,6 +1,7 @@
-"""Checkpoints that survive anything, the parts around the save/resume core: failure records
-(usp/engine/observe/failure.py), `usp status`, checkpoint listing, `usp export` and the pre-launch
-check of the checkpoint directory. Real files, real exceptions, real processes."""
+"""Failure records and checkpoints in this process: exceptions classified (OOM, timeout, lost peer,
+Python), the failure record and log line a rank writes, the worker re-raising, `usp status` naming
+the root cause of a failed run, checkpoint listing and `usp export` of real checkpoints (real runs:
+tests/e2e/test_failures.py)."""
 from __future__ import annotations
 
 import io
@@ -8,10 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,25 +16,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from tests.helpers import REPO, run_usp, usp_cli
-from usp.config.compose import compose_config
+from tests.helpers import usp_cli
+from tests.unit.test_failures import _fake_checkpoint, _write_jsonl, make_run
 from usp.engine.observe.failure import LOST_PEER, OOM, PYTHON, TIMEOUT, classify, record_failure
-from usp.errors import LaunchError
-from usp.launch.checkpoints import check_checkpoint_dir
-from usp.plan.io import write_plan
-from usp.plan.plan import build_plan
-from usp.rundir import list_checkpoints, read_plan
+from usp.rundir import list_checkpoints
 
 PP2_TP2 = ["cluster.procs_per_node=4", "parallelism.pp=2", "parallelism.tp=2", "model.tie_embeddings=false"]
 TINY = ["model.dim=32", "model.n_heads=4", "model.ffn_dim=64", "model.vocab_size=4096", "train.seq_len=16"]
-
-
-def make_run(tmp_path: Path, *overrides: str, name: str = "run") -> tuple[Path, dict]:
-    """A run directory with the real plan.yaml of `overrides`."""
-    cfg, choices = compose_config(None, [f"train.runs_dir={tmp_path / 'runs'}", f"train.name={name}", *overrides])
-    plan = build_plan(cfg, choices, training=False)
-    path = write_plan(plan)
-    return path.parent, read_plan(path)
 
 
 def raised(exc: BaseException) -> BaseException:
@@ -74,48 +59,6 @@ def test_classify_exception_objects():
             raise RuntimeError("pipeline stage 1 failed") from inner
     except RuntimeError as outer:
         assert classify(outer) == OOM
-
-
-GLOO_SCRIPT = textwrap.dedent("""
-    import datetime, json, os, sys, time
-    import torch, torch.distributed as dist
-    from usp.engine.observe.failure import classify
-    rank, port = int(sys.argv[1]), int(sys.argv[2])
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1))
-    second = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
-    if rank == 1:  # never joins the first collective, then dies
-        time.sleep(1.3)
-        os._exit(0)
-    out = []
-    for group in (None, second):
-        try:
-            dist.all_reduce(torch.ones(2), group=group)
-        except Exception as exc:
-            out.append([classify(exc), str(exc)[:300]])
-        time.sleep(0.7)
-    print(json.dumps(out), flush=True)
-    os._exit(0)
-""")
-
-
-@pytest.mark.distributed
-def test_classify_real_gloo_errors(tmp_path):
-    """A peer that never joins a collective (timeout), then one that has died (lost peer)."""
-    script = tmp_path / "gloo_errors.py"
-    script.write_text(GLOO_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    peer = subprocess.Popen([sys.executable, str(script), "1", str(port)], env=env)
-    try:
-        main = subprocess.run([sys.executable, str(script), "0", str(port)], env=env, capture_output=True,
-                              text=True, timeout=60)
-    finally:
-        peer.wait(timeout=30)
-    results = json.loads(main.stdout.strip().splitlines()[-1])
-    assert [r[0] for r in results] == [TIMEOUT, LOST_PEER], results
 
 
 # -- failure records -----------------------------------------------------------------------------
@@ -172,37 +115,6 @@ def test_worker_records_failure_and_reraises(tmp_path, monkeypatch):
 
 # -- usp status ---------------------------------------------------------------------------------
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def _fake_checkpoint(ckpt_dir: Path, step: int, manifest: bool = True) -> Path:
-    d = ckpt_dir / f"step_{step:08d}"
-    d.mkdir(parents=True)
-    files = {".metadata": b"m" * 10, "__0_0.distcp": b"w" * 100,
-             "trainer_state.json": json.dumps({"step": step}).encode()}
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-    if manifest:
-        (d / "manifest.json").write_text(json.dumps({"files": {k: len(v) for k, v in files.items()}, "step": step}))
-    return d
-
-
-def test_status_completed_run(tmp_path):
-    run_dir, _ = make_run(tmp_path)
-    _write_jsonl(run_dir / "metrics.jsonl", [{"step": 10, "loss": 5.0}, {"step": 20, "loss": 3.25, "val_loss": 3.5}])
-    _write_jsonl(run_dir / "logs" / "events.jsonl", [{"event": "restart", "time": time.time(), "restart": 1,
-                                                     "resumed_from_step": 10}])
-    _fake_checkpoint(run_dir / "checkpoints", 20)
-    (run_dir / "summary.json").write_text(json.dumps({"steps": 20}))
-    proc = usp_cli("status", cwd=tmp_path)  # default: the newest directory under ./runs
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    assert "run: run" in out and "completed" in out and "single process" in out
-    assert "20 / 150: loss 3.2500, val loss 3.5000" in out
-    assert "step_00000020" in out and "complete" in out and "resumed from step 10" in out
-
 
 def _failed_run(tmp_path: Path) -> Path:
     """World 4 (pp=2 x tp=2): rank 3 runs out of memory after step 7, rank 1 loses it as a peer,
@@ -247,68 +159,6 @@ def test_train_failure_summary_and_stale_records(tmp_path):
     assert not print_failure_summary(run_dir, Console(file=io.StringIO()))
     proc = usp_cli("status", str(run_dir), cwd=tmp_path)
     assert proc.returncode == 0 and "stopped" in proc.stdout and "earlier failures" in proc.stdout
-
-
-FAST_TRAIN = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
-              "train.eval_batches=1", "train.sample_tokens=0", "logging.console=plain", "train.log_interval=1"]
-
-
-def test_train_that_fails_prints_the_root_cause(tmp_path):
-    """A real run (one rank, in-process) whose loss blows up: nan_policy=stop raises, the worker
-    records it, and `usp train` ends with the failure summary."""
-    proc = run_usp("train", f"train.runs_dir={tmp_path}", "train.name=boom", *FAST_TRAIN, "train.steps=6",
-                   "optimizer.lr=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=0")
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rec = json.loads((tmp_path / "boom" / "logs" / "failure_rank0.json").read_text())
-    assert rec["error_class"] == PYTHON and rec["last_completed_step"] is not None
-    assert "root cause" in proc.stderr and "failing rank" in proc.stderr and "usp status" in proc.stderr
-    assert "FAILED (Python error)" in (tmp_path / "boom" / "logs" / "rank_0.log").read_text()
-    status = usp_cli("status", str(tmp_path / "boom"), cwd=tmp_path)
-    assert status.returncode == 1 and rec["exception_type"] in status.stdout
-
-
-def _pids_with_env(marker: str, rank: int) -> list[int]:
-    """Processes started by this test (they inherit `marker` in their environment) with RANK=rank."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if marker.encode() in env and f"RANK={rank}".encode() in env:
-            found.append(int(proc.name))
-    return found
-
-
-@pytest.mark.distributed
-def test_sigkilled_rank_is_named_by_status(tmp_path):
-    """Two ranks under torchrun; rank 1 gets SIGKILL mid-run (what the OOM killer does). Rank 0
-    records a lost peer; `usp status` names rank 1 as the one that died without a traceback."""
-    marker = f"USP_TEST_MARKER={os.getpid()}-{time.time()}"
-    env = dict(os.environ, COLUMNS="200", **dict([marker.split("=", 1)]))
-    cmd = [str(Path(sys.executable).parent / "usp"), "train", "conf=tiny_ddp", "train.steps=100000",
-           f"train.runs_dir={tmp_path}", *FAST_TRAIN, "logging.console=quiet", "train.eval_interval=0",
-           "checkpoint.enabled=false"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "tiny_ddp" / "logs" / "rank_1.log"
-    try:
-        deadline = time.time() + 90
-        while time.time() < deadline and not (log.is_file() and "step 2 " in log.read_text()):
-            time.sleep(0.2)
-        victims = _pids_with_env(marker, 1)
-        assert len(victims) == 1, victims
-        os.kill(victims[0], signal.SIGKILL)
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert "rank(s) 1 died without a Python traceback" in err and "likely root cause" in err
-    rec = json.loads((tmp_path / "tiny_ddp" / "logs" / "failure_rank0.json").read_text())
-    assert rec["error_class"] == LOST_PEER, rec["message"]
-    assert not (tmp_path / "tiny_ddp" / "logs" / "failure_rank1.json").exists()
-    status = usp_cli("status", str(tmp_path / "tiny_ddp"), cwd=tmp_path)
-    assert status.returncode == 1 and "rank 0: lost peer" in status.stdout and "dp_replicate=1" in status.stdout
 
 
 # -- real checkpoints: list_checkpoints and usp export --------------------------------------------
@@ -406,22 +256,6 @@ def test_export_newest_checkpoint_loads_into_a_fresh_model(tmp_path, trained_run
         export_model(run_dir, step=4)
 
 
-def test_export_cli_older_step(tmp_path, trained_run):
-    from usp.models.llama import Llama, LlamaArgs
-
-    run_dir, _, tokens, logits = trained_run
-    out = tmp_path / "out" / "step3.pt"
-    proc = run_usp("export", str(run_dir), "--step", "3", "--out", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "exported step 3" in proc.stdout and "output.weight = tok_embeddings.weight" in proc.stdout
-    config = json.loads((out.parent / "config.json").read_text())
-    model = Llama(LlamaArgs(**config["model"]), max_seq_len=config["max_seq_len"])
-    model.load_state_dict(torch.load(out, weights_only=True))
-    with torch.no_grad():
-        assert torch.equal(model(tokens), logits[3])
-    assert sorted(p.name for p in out.parent.iterdir()) == ["config.json", "step3.pt"]  # no temp files
-
-
 def _has(module: str) -> bool:
     import importlib.util
 
@@ -438,27 +272,18 @@ class _noop:
 
 # -- pre-launch check of the checkpoint directory ------------------------------------------------
 
-def test_train_refuses_unwritable_checkpoint_dir(tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a directory")
-    proc = run_usp("train", f"train.runs_dir={tmp_path / 'runs'}", f"checkpoint.dir={blocker / 'ckpt'}",
-                   "logging.console=plain")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "checkpoint.dir" in proc.stderr and str(blocker / "ckpt") in proc.stderr and "fix:" in proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
 
+def test_export_cli_older_step(tmp_path, trained_run):
+    from usp.models.llama import Llama, LlamaArgs
 
-def test_checkpoint_dir_needs_room_for_keep_last_plus_one(tmp_path):
-    cfg, choices = compose_config(None, [f"train.runs_dir={tmp_path}", "train.name=x", "checkpoint.keep_last=2"])
-    plan = build_plan(cfg, choices, training=False)
-    need = 3 * plan.model.params * 12
-    with pytest.raises(LaunchError) as err:
-        check_checkpoint_dir(plan, disk_free=lambda path: need - 1)
-    msg = str(err.value)
-    assert msg.startswith("checkpoint.dir: ") and "keep_last + 1 = 3" in msg
-    assert f"{plan.model.params:,} parameters" in msg
-    assert f"{need - 1:,} bytes" in msg and f"{need:,} bytes" in msg
-    assert "checkpoint.keep_last=1" in msg and "checkpoint.enabled=false" in msg
-    assert check_checkpoint_dir(plan, disk_free=lambda path: need) == tmp_path / "x" / "checkpoints"
-    plan.config["checkpoint"]["enabled"] = False
-    assert check_checkpoint_dir(plan, disk_free=lambda path: 0) is None
+    run_dir, _, tokens, logits = trained_run
+    out = tmp_path / "out" / "step3.pt"
+    proc = usp_cli("export", str(run_dir), "--step", "3", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "exported step 3" in proc.stdout and "output.weight = tok_embeddings.weight" in proc.stdout
+    config = json.loads((out.parent / "config.json").read_text())
+    model = Llama(LlamaArgs(**config["model"]), max_seq_len=config["max_seq_len"])
+    model.load_state_dict(torch.load(out, weights_only=True))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), logits[3])
+    assert sorted(p.name for p in out.parent.iterdir()) == ["config.json", "step3.pt"]  # no temp files

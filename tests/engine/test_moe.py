@@ -1,6 +1,5 @@
-"""Mixture of experts: MoE layer vs its slow reference, routing / aux loss, MoE param math
-(incl. Mixtral-8x7B), and expert parallelism vs a single process (one 2-process launch,
-cases in tests/dist/cases_expert.py)."""
+"""Mixture of experts in one process: the MoE layer against its slow reference, routing and the aux
+loss, MoE Llama training and parameter counts (expert parallelism: tests/e2e/test_moe.py)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist.harness import launch
+from tests.unit.test_moe import compose_model
 from usp.models.llama import Llama, LlamaArgs
 from usp.models.moe import MoE, moe_aux_loss, moe_layers
 from usp.plan.specs import Arch
@@ -32,13 +31,6 @@ def moe_layer(dim=32, n_experts=4, top_k=2, ffn_dim=48, seed=0, **kw) -> MoE:
         for name, p in m.named_parameters():
             p.normal_(0.0, 0.3 if name.startswith("router") else 0.1)
     return m
-
-
-def compose_model(name: str):
-    from usp.config.compose import compose_config
-
-    cfg, _ = compose_config(None, [f"model={name}"])
-    return cfg.model
 
 
 # -------------------------------------------------------------- layer vs reference
@@ -167,68 +159,7 @@ def test_param_count_matches_moe_models(kw):
     assert arch.flops_per_token(seq) == 6 * matmul + 12 * 2 * 32 * seq
 
 
-def test_dense_math_unchanged_by_moe_defaults():
-    a = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=None, ffn_dim=384, vocab_size=4096, tie_embeddings=True)
-    dense = Arch.from_model(SimpleNamespace(**a))
-    assert dense.total_params == dense.active_params == 950_912
-    assert Arch.from_model(SimpleNamespace(**a, n_experts=0, top_k=5)).total_params == 950_912
-
-
-def test_mixtral_8x7b_param_count():
-    cfg = compose_model("mixtral_8x7b")
-    total, active = Arch.from_model(cfg).total_params, Arch.from_model(cfg).active_params
-    assert round(total / 1e9, 1) == 46.7  # published: 46.7B total
-    assert round(active / 1e9, 1) == 12.9  # published: 12.9B active per token
-    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == \
-        (4096, 32, 32, 8, 14336, 32000)
-    assert (cfg.n_experts, cfg.top_k, cfg.tie_embeddings, cfg.rope_theta) == (8, 2, False, 1e6)
-
-
 # -------------------------------------------------------------- expert parallelism
-
-@pytest.fixture(scope="module")
-def ep_results():
-    return launch(Path(__file__).resolve().parents[1] / "dist" / "cases_expert.py", 2)
-
-
-def _ok(results, case):
-    r = results[case]
-    assert r["ok"], r.get("trace", r)
-    return r
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", ["layer_dropless", "layer_capacity", "layer_shared"])
-def test_ep_layer_matches_single_process(ep_results, case):
-    r = _ok(ep_results, case)
-    print(case, r)
-    assert r["n_local_experts"] == 2
-    assert (r["dropped"] > 0) == (case == "layer_capacity")
-    assert max(r["fwd_err"], r["vs_dense_reference"], r["dx_err"], r["aux_err"]) < 1e-6
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", ["llama_grads_ce", "llama_grads_aux"])
-def test_ep_llama_gradients_match_single_process(ep_results, case):
-    r = _ok(ep_results, case)
-    print(case, r)
-    assert r["n_expert_params"] == 6 and r["n_params"] == 22
-    assert max(r["dense_grad_err"], r["expert_grad_err"], r["loss_err"]) < 1e-6
-
-
-@pytest.mark.distributed
-def test_ep_adamw_losses_match_single_process(ep_results):
-    r = _ok(ep_results, "adamw_3_steps")
-    print(r)
-    assert r["loss_max_rel_err"] < 1e-6
-    assert r["losses"][-1] < r["losses"][0]
-    # AdamW turns float32 rounding of near-zero gradients into ~lr-sized steps (see test_pipeline.py).
-    assert r["param_max_abs_err"] < 1e-4
-
-
-@pytest.mark.distributed
-def test_ep_init_weights_gives_the_owned_slice(ep_results):
-    assert _ok(ep_results, "init_after_ep")["err"] == 0.0
 
 
 def test_attached_aux_loss_gives_the_added_aux_loss_gradients():
@@ -247,19 +178,3 @@ def test_attached_aux_loss_gives_the_added_aux_loss_gradients():
     router = "layers.0.feed_forward.router.weight"
     assert all(torch.allclose(grads[0][n], grads[1][n], rtol=0, atol=1e-12) for n in grads[0])
     assert grads[1][router].abs().max() > 0
-
-
-@pytest.fixture(scope="module")
-def pp_aux_results():
-    return launch(Path(__file__).resolve().parents[1] / "dist" / "cases_moe_pipeline.py", 2)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", ["afab_mb4", "1f1b_mb4", "interleaved_1f1b_mb4", "zbv_mb4"])
-def test_pp_aux_loss_gradients_match_single_process(pp_aux_results, case):
-    """aux_loss_coef > 0 with pp = 2: every stage's gradients equal a single process adding
-    coef x aux to the loss of the same micro batches (float64: exact to rounding)."""
-    r = _ok(pp_aux_results, f"aux_pp_{case}")
-    print(case, r)
-    assert r["aux_grad_effect"] > 1e-4  # the aux loss changes the gradients, so the check has teeth
-    assert r["grad_max_abs_err"] < 1e-12

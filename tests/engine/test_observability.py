@@ -1,11 +1,9 @@
-"""Watching a run, for real: the plain console line, metrics.jsonl's performance fields, W&B
-offline runs (read back from the .wandb file), TensorBoard event files (read back with
-TensorBoard's own reader), the profiler's traces and summaries, and the plan's check of
-profile.steps. Nothing touches the network: W&B runs offline, or "online" against a closed
-local port to exercise the fallback."""
+"""Watching a run, for real, in this process: the plain console line, metrics.jsonl's performance
+fields, W&B offline runs (read back from the .wandb file), TensorBoard event files (read back with
+TensorBoard's own reader), the profiler's traces and summaries. Nothing touches the network: W&B
+runs offline, or "online" against a closed local port to exercise the fallback."""
 from __future__ import annotations
 
-import contextlib
 import glob
 import io
 import json
@@ -14,12 +12,9 @@ import struct
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from tests.helpers import run_usp, usp_cli
-from usp.config.compose import compose_config
+from tests.helpers import train_in_process
 from usp.engine.observe.metrics import read_metrics
-from usp.launch.prepare import prepare_run
 from usp.rundir import read_plan
 
 FAST = ["train.global_batch=4", "train.seq_len=64", "train.sample_tokens=0", "train.log_interval=1",
@@ -39,15 +34,8 @@ def offline_wandb(tmp_path_factory):
 
 
 def train(runs: Path, *overrides: str) -> tuple[Path, str]:
-    """Plan and train one rank in this process; returns the run dir and what it printed."""
-    from usp.engine.worker import run_worker
-
-    cfg, choices = compose_config(None, [f"train.runs_dir={runs}", *FAST, *overrides])
-    plan, plan_path = prepare_run(cfg, choices, console=Console(file=io.StringIO()))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert run_worker(str(plan_path)) == 0
-    return Path(plan.run_dir), out.getvalue()
+    """One rank trained in this process: the run dir and what it printed."""
+    return train_in_process(f"train.runs_dir={runs}", *FAST, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -164,22 +152,6 @@ def test_profiler_traces_the_chosen_steps(observed):
     assert "aten::mm" in summary  # the top-ops table
 
 
-@pytest.mark.distributed
-def test_two_ranks_write_one_trace_each_with_their_communication(tmp_path, shakespeare):
-    proc = run_usp("train", "conf=tiny_ddp", f"train.runs_dir={tmp_path}", *FAST, "train.steps=3",
-                   "checkpoint.enabled=false", "train.measure_memory=false", "profile.enabled=true",
-                   "profile.steps=[2,3]")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    profile = tmp_path / "tiny_ddp" / "profile"
-    for rank in (0, 1):
-        names = {e.get("name") for e in json.loads((profile / f"rank_{rank}.json").read_text())["traceEvents"]}
-        assert {"usp_step_2", "usp_step_3"} <= names
-        assert any("allreduce" in str(n) or "all_reduce" in str(n) for n in names)  # DDP's gradient sync
-        summary = (profile / f"summary_rank_{rank}.txt").read_text()
-        share = float(re.search(r"communication: ([\d.]+)% of self CPU time", summary)[1])
-        assert f"rank {rank}," in summary and 0 < share < 100, summary
-
-
 def test_online_wandb_without_a_server_falls_back_to_offline_and_resume_keeps_the_run_id(
         tmp_path, shakespeare, offline_wandb):
     """wandb_mode=online against a closed local port: a warning, then an offline run. Resuming
@@ -205,20 +177,6 @@ def test_online_wandb_without_a_server_falls_back_to_offline_and_resume_keeps_th
     assert len(runs) == 2, list((run_dir / "wandb").iterdir())
     steps = [[h["_step"] for h in wandb_history(wandb_records(Path(f)))] for f in runs]
     assert steps == [[1, 2], [3]]
-
-
-@pytest.mark.parametrize("window, steps", [("[5,3]", 150), ("[1,200]", 150), ("[0,2]", 150), ("[10]", 150)])
-def test_bad_profile_steps_are_refused_by_the_plan(window, steps, tmp_path):
-    proc = usp_cli("plan", "profile.enabled=true", f"profile.steps={window}", f"train.steps={steps}", cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout[-2000:]
-    err = " ".join(proc.stderr.split())
-    assert "profile.steps=" in err and "train.steps (150)" in err and "fix: profile.steps=[10,12]" in err, err
-    assert "Traceback" not in proc.stderr + proc.stdout
-
-
-def test_profile_steps_are_not_checked_when_profiling_is_off(tmp_path):
-    proc = usp_cli("plan", "profile.steps=[5,3]", "train.steps=4", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_communication_ops_are_told_from_compute():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,11 +20,6 @@ from usp.errors import ConfigError, UspError
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CHOICES = {"model": "tiny", "parallelism": "ddp", "optimizer": "adamw", "cluster": "local_cpu",
                    "data": "shakespeare"}
-
-
-def usp(*args: str, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
-    """The usp command line (wide terminal so rich does not wrap)."""
-    return usp_cli(*args, cwd=cwd, env={"USP_CACHE_DIR": str(cache)})
 
 
 def config_error(conf=None, overrides=()) -> ConfigError:
@@ -317,10 +311,10 @@ def test_show_bad_option():
     assert info.value.key == "model" and info.value.value == "huge"
 
 
-# --- CLI, real processes ---------------------------------------------------------------------------
+# --- the CLI, in this process ---------------------------------------------------------------------
 
 def test_cli_config_list(tmp_path):
-    out = usp("config", "list", cwd=tmp_path, cache=tmp_path / "cache")
+    out = usp_cli("config", "list", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     for group in schema.GROUPS:
         assert group in out.stdout
@@ -331,8 +325,8 @@ def test_cli_config_list(tmp_path):
 
 def test_cli_train_cfg_job_prints_and_does_not_train(tmp_path):
     runs = tmp_path / "myruns"
-    out = usp("train", "--cfg", "job", "model=tiny", "train.steps=3", f"train.runs_dir={runs}",
-              cwd=tmp_path, cache=tmp_path / "cache")
+    out = usp_cli("train", "--cfg", "job", "model=tiny", "train.steps=3", f"train.runs_dir={runs}",
+                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "steps: 3" in out.stdout
     printed = yaml.safe_load(out.stdout)
@@ -343,21 +337,20 @@ def test_cli_train_cfg_job_prints_and_does_not_train(tmp_path):
 
 
 def test_cli_bad_key_is_one_clear_error(tmp_path):
-    out = usp("plan", "parallelism.tpp=4", cwd=tmp_path, cache=tmp_path / "cache")
+    out = usp_cli("plan", "parallelism.tpp=4", cwd=tmp_path)
     assert out.returncode == 2
     assert "parallelism.tpp" in out.stderr and "did you mean" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
 
 
 def test_cli_config_cp_then_plan_the_copy(tmp_path):
-    cache = tmp_path / "cache"
-    out = usp("config", "cp", "tiny_ddp", str(tmp_path), cwd=tmp_path, cache=cache)
+    out = usp_cli("config", "cp", "tiny_ddp", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     copied = tmp_path / "tiny_ddp.yaml"
     assert copied.is_file() and str(copied) in out.stdout
-    again = usp("config", "cp", "tiny_ddp", str(tmp_path), cwd=tmp_path, cache=cache)
+    again = usp_cli("config", "cp", "tiny_ddp", str(tmp_path), cwd=tmp_path)
     assert again.returncode == 2 and "overwrite" in again.stderr and "Traceback" not in again.stderr
-    planned = usp("plan", f"conf={copied}", f"train.runs_dir={tmp_path / 'runs'}", cwd=tmp_path, cache=cache)
+    planned = usp_cli("plan", f"conf={copied}", f"train.runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert planned.returncode == 0, planned.stderr
     assert "run plan: tiny_ddp" in planned.stdout
     assert "parallelism=ddp" in planned.stdout and "cluster=local_cpu2" in planned.stdout

@@ -3,8 +3,6 @@ FLOPs/token x tokens = devices x hours x 3600 x peak x MFU, checked by hand."""
 from __future__ import annotations
 
 import math
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -17,18 +15,12 @@ from usp.plan.specs import Arch
 PEAK = 989e12
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")  # planning computes the dataset's path from it
 
 
 def est(*overrides: str, **kw):
     cfg, choices = compose_config(None, list(overrides))
     return estimate(cfg, choices, **kw)
-
-
-def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return usp_cli(*args, cwd=cwd)
 
 
 def test_devices_for_a_deadline_by_hand():
@@ -71,13 +63,13 @@ def test_estimate_errors(kw, key):
 
 
 def test_usp_estimate_cli(tmp_path):
-    r = usp("estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720",
-            cwd=tmp_path)
+    r = usp_cli("estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720",
+                cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "memory per device" in out and "optimizer states" in out  # the breakdown table
     assert "devices" in out and "node(s) x 8" in out and "hours" in out and "MFU" in out
-    r = usp("estimate", "train.tokens=1e9", "--devices", "1", "--mfu", "0.3", cwd=tmp_path)
+    r = usp_cli("estimate", "train.tokens=1e9", "--devices", "1", "--mfu", "0.3", cwd=tmp_path)
     assert r.returncode == 0 and "30.0% (given (--mfu))" in r.stdout
-    r = usp("estimate", "--hours", "5", cwd=tmp_path)
+    r = usp_cli("estimate", "--hours", "5", cwd=tmp_path)
     assert r.returncode == 2 and "train.tokens" in r.stderr

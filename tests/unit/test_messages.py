@@ -1,8 +1,9 @@
 """Messages for the user's mistakes: a broken recipe names its file and line, a `.yml` recipe works,
 a recipe without `defaults:` says what to add, and read-only output targets (`usp plan --save`,
-`usp export --out`, `usp config cp`) are one clean error. Tests run as root, where chmod doesn't
-stop writes: the unwritable targets are a file where a directory is expected and /proc/1 (a
-directory no one can create files in), plus a chmod 0o500 directory when not root."""
+`usp config cp`; `usp export --out`: tests/engine/test_messages.py) are one clean error. Tests run
+as root, where chmod doesn't stop writes: the unwritable targets are a file where a directory is
+expected and /proc/1 (a directory no one can create files in), plus a chmod 0o500 directory when
+not root."""
 from __future__ import annotations
 
 import os
@@ -69,12 +70,3 @@ def test_config_cp_to_an_unwritable_destination(tmp_path):
         out = _flat(proc.stderr)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert says in out and "dest=" in out, out
-
-
-def test_export_out_to_an_unwritable_place_before_loading(tmp_path):
-    """Checked before the checkpoint is even looked for (a long load would be wasted)."""
-    for directory, says in _unwritable(tmp_path):
-        proc = usp_cli("export", str(tmp_path / "no_such_run"), "--out", f"{directory}/model.pt", cwd=tmp_path)
-        out = _flat(proc.stderr)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        assert says in out and "--out=" in out, out

@@ -16,9 +16,7 @@ BAD_NAMES = ["../../elsewhere", "..", ".", "/abs/path", "a/b", "", " lead", "a b
              ".hidden", "x" * 256]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")  # planning computes the dataset's path from it
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)

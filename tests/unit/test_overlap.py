@@ -1,11 +1,11 @@
 """usp/report/overlap.py: communication time and the part of it hidden behind compute, on small
-synthetic Chrome traces with exact answers, then on a real 2-rank DDP profile (gloo).
+synthetic Chrome traces with exact answers (a real 2-rank DDP profile: tests/e2e/test_overlap.py).
 
 What the real CPU traces show (see overlap.py's docstring): DDP's bucket all-reduces run on gloo
 worker threads while the main thread goes on with the backward. With the default 25 MB buckets the
 tiny model (3.8 MB of gradients) has one bucket, launched by the last gradient, so almost nothing
 overlaps; with 1 MB buckets the first buckets' all-reduces run under the backward of the earlier
-layers, so the real test uses ddp_bucket_mb=1 and asserts overlap > 0. (FSDP2 on gloo waits for
+layers, so the real run uses ddp_bucket_mb=1 and asserts overlap > 0. (FSDP2 on gloo waits for
 each all-gather / reduce-scatter on the main thread: overlap 0; scripts/bench/overlap.py shows it.)"""
 from __future__ import annotations
 
@@ -14,10 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import run_usp
-from usp.report import write_report
 from usp.report.overlap import intersect, merge, overlap_markdown, step_overlaps, totals
-from usp.report.trace import read_trace
 
 MAIN, WORKER, WORKER2 = 10, 11, 12  # thread ids of one rank (pid 1)
 
@@ -101,28 +98,3 @@ def test_report_lines_one_row_per_rank(tmp_path):
     md = "\n".join(overlap_markdown(SimpleNamespace(label="run", traces=traces)))
     assert "| 0 | 3 | CPU threads | 40.0 | 40.0 | 100% |" in md and "| 1 | 3 | CPU threads | 40.0 | 10.0 | 25% |" in md
     assert overlap_markdown(SimpleNamespace(label="run", traces={})) == []
-
-
-@pytest.mark.distributed
-def test_real_ddp_profile_overlaps_the_backward(shakespeare, tmp_path):
-    """2 ranks on gloo, DDP with 1 MB buckets, steps 3-4 profiled."""
-    proc = run_usp("train", "cluster.procs_per_node=2", "parallelism.dp_replicate=2", "parallelism.ddp_bucket_mb=1",
-                   "train.steps=4", f"train.runs_dir={tmp_path}", "train.name=ddp", "profile.enabled=true",
-                   "profile.steps=[3,4]", "train.log_interval=1", "train.sample_tokens=0", "train.eval_interval=0",
-                   "checkpoint.enabled=false", "logging.console=plain")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = tmp_path / "ddp"
-    for rank in (0, 1):
-        events = read_trace(run / "profile" / f"rank_{rank}.json")
-        overlaps = step_overlaps(events, rank)
-        assert [o.step for o in overlaps] == [3, 4] and {o.source for o in overlaps} == {"CPU threads"}
-        for o in overlaps:
-            span = next(e for e in events if e["name"] == f"usp_step_{o.step}")
-            # gloo's worker-thread spans (bucket all-reduces, DDP's buffer broadcast), unioned
-            inside = [e["dur"] / 1e3 for e in events if e["name"].startswith("gloo:") and e["tid"] != span["tid"]
-                      and span["ts"] <= e["ts"] <= span["ts"] + span["dur"]]
-            assert inside and max(inside) <= o.comm_ms + 1e-3 and o.comm_ms <= sum(inside) + 1e-3  # float ts ~1e12 us
-            assert 0 <= o.overlapped_ms <= o.comm_ms and 0 <= o.fraction <= 1
-        assert totals(overlaps)["overlapped_ms_per_step"] > 0, overlaps  # the all-reduce ran under the backward
-    md = write_report([str(run)], tmp_path / "report").markdown.read_text()
-    assert "### Communication overlapped by compute: ddp" in md and "| 1 | 3, 4 | CPU threads |" in md

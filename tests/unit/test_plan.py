@@ -5,12 +5,11 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import usp_cli
+from tests.helpers import plan_for, usp_cli
 from usp.config.compose import compose_config
 from usp.config.schema import ParallelismConfig, TrainConfig
 from usp.errors import PlanError, UspError
@@ -24,20 +23,7 @@ from usp.rundir import read_plan, write_text_atomic
 TINY_PARAMS = 950_912  # tiny model, vocab 4096 (README: "~0.95 M parameters")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    """Planning only computes the dataset path; keep even that away from ~/.cache."""
-    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def usp(*args: str, cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    return usp_cli(*args, cwd=cwd, env=extra_env)
-
-
-def plan_for(*overrides: str, runs_dir: Path | None = None, conf: str | None = None):
-    extra = [f"train.runs_dir={runs_dir}"] if runs_dir else []
-    cfg, choices = compose_config(conf, [*overrides, *extra])
-    return build_plan(cfg, choices)
+pytestmark = pytest.mark.usefixtures("fresh_cache")  # planning computes the dataset's path from it
 
 
 def plan_error(*overrides: str) -> PlanError:
@@ -466,8 +452,8 @@ def test_failed_write_keeps_previous_file(tmp_path):
 # --- CLI, real processes ------------------------------------------------------------------------------
 
 def test_cli_plan_prints_rank_table_and_batch(tmp_path):
-    out = usp("plan", "parallelism=ddp", "cluster=local_cpu2", "train.micro_batch=8", f"train.runs_dir={tmp_path}",
-              cwd=tmp_path)
+    out = usp_cli("plan", "parallelism=ddp", "cluster=local_cpu2", "train.micro_batch=8", f"train.runs_dir={tmp_path}",
+                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "run plan: tiny-dp2" in out.stdout
     assert "global 16 seq x 128 = 2,048 tokens/step = micro 8 x grad-accum 1 x dp 2" in out.stdout
@@ -479,7 +465,7 @@ def test_cli_plan_prints_rank_table_and_batch(tmp_path):
 
 def test_cli_plan_save_writes_plan_yaml(tmp_path):
     runs = tmp_path / "runs"
-    out = usp("plan", "--save", f"train.runs_dir={runs}", cwd=tmp_path)
+    out = usp_cli("plan", "--save", f"train.runs_dir={runs}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     path = runs / "tiny-single" / "plan.yaml"
     assert path.is_file() and "plan written to" in out.stdout and str(path) in out.stdout
@@ -490,19 +476,19 @@ def test_cli_plan_save_writes_plan_yaml(tmp_path):
 
 
 def test_cli_plan_error_is_one_clear_message(tmp_path):
-    out = usp("plan", "cluster.procs_per_node=3", "parallelism.tp=3", cwd=tmp_path)
+    out = usp_cli("plan", "cluster.procs_per_node=3", "parallelism.tp=3", cwd=tmp_path)
     assert out.returncode == 2
     assert "model.n_heads" in out.stderr and "fix:" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
 
 
 def test_cli_zero_heads_no_traceback(tmp_path):
-    out = usp("plan", "model.n_heads=0", cwd=tmp_path)
+    out = usp_cli("plan", "model.n_heads=0", cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr
 
 
 def test_cli_plan_prints_the_pipeline_stage_split(tmp_path):
-    out = usp("plan", "cluster.procs_per_node=2", "parallelism.pp=2", "model.tie_embeddings=false",
-              "model.n_layers=4", "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2", cwd=tmp_path)
+    out = usp_cli("plan", "cluster.procs_per_node=2", "parallelism.pp=2", "model.tie_embeddings=false",
+                  "model.n_layers=4", "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "pipeline: zbv, 4 stages" in out.stdout and "final norm + LM head" in out.stdout

@@ -1,18 +1,16 @@
-"""Preparation at scale: directories expanded, one document per file / record, validation by
-documents, shards tokenized in parallel and cached (only changed files again, an interrupted
-prepare continues), the trained BPE reused, `usp prepare-data --clean`, bounded memory."""
+"""Preparation of own files: validation by documents, shards tokenized in parallel and cached (only
+changed files again, an interrupted prepare continues), the trained BPE reused, `usp prepare-data
+--clean` (HF-datasets records: tests/engine/test_prepare.py; bounded memory: tests/e2e/test_prepare.py)."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.data_builders import WORDS, word_corpus
-from tests.helpers import REPO, usp_cli
+from tests.helpers import usp_cli
 from usp.config.schema import DataConfig
 from usp.data.errors import DataError
 from usp.data.prepare import dataset_dir, ensure_dataset, val_split
@@ -35,22 +33,6 @@ def _cfg(tmp_path: Path, **kw) -> DataConfig:
 
 def _shards(tmp_path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").glob("*.bin")}
-
-
-def test_directories_expand_to_one_document_per_file_or_record(tmp_path):
-    corpus = tmp_path / "corpus"
-    _files(corpus / "sub", 2)
-    (corpus / "notes.md").write_text(word_corpus(3000, WORDS, seed=9))
-    (corpus / ".hidden.txt").write_text("never read")
-    (corpus / "records.jsonl").write_text("".join(json.dumps({"text": word_corpus(900, WORDS, seed=20 + i)}) + "\n"
-                                                  for i in range(3)))
-    messages: list[str] = []
-    directory, meta = ensure_dataset(_cfg(tmp_path, workers=1), progress=messages.append)
-    assert (meta["n_files"], meta["n_documents"]) == (4, 6)  # 3 text files + 3 records; the hidden file skipped
-    tokens = np.concatenate([np.fromfile(directory / meta[k], dtype=np.uint16) for k in ("train_bin", "val_bin")])
-    text = bytes(tokens.astype(np.uint8)).decode()
-    assert "never read" not in text and text.count("\n\n") == 6  # every document ends with the bytes EOS
-    assert meta["blend"][0]["val_split"] == "documents" and text.endswith("\n\n")
 
 
 def test_val_split_is_whole_tail_documents_when_it_can_be():
@@ -131,16 +113,3 @@ def test_progress_bar_and_parallel_workers_give_the_same_tokens(tmp_path):
     two_dir, two = ensure_dataset(_cfg(tmp_path, workers=2, cache_dir=str(tmp_path / "c2")), show_progress=True)
     for key in ("train_bin", "val_bin"):
         assert (one_dir / one[key]).read_bytes() == (two_dir / two[key]).read_bytes()
-
-
-def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
-    """Peak RSS of a prepare of 4 MB and of 16 MB of text (one file each: streamed in pieces)."""
-    sys.path.insert(0, str(REPO / "scripts" / "bench"))
-    from prepare import peak_rss_mb, write_corpus
-
-    rss = {}
-    for mb in (4, 16):
-        corpus = write_corpus(tmp_path / f"c{mb}", mb, files=1)
-        rss[mb] = peak_rss_mb(corpus, tmp_path / f"cache{mb}", workers=1)
-    # Holding the corpus (the old prepare: ~47 bytes per character) would add ~560 MB.
-    assert rss[16] < rss[4] + 40, rss

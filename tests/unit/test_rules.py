@@ -1,9 +1,9 @@
 """The rule table (usp/plan/rules.py) and its three callers: build_plan / checked_plan, `usp plan`
-(every failure listed) and the layout search (never proposes what `usp train` refuses). Torch-free."""
+(every failure listed) and the layout search (never proposes what `usp train` refuses; for every catalogue
+model: tests/e2e/test_rules.py). Torch-free."""
 from __future__ import annotations
 
 import ast
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,28 +30,11 @@ CLUSTERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")  # planning computes the dataset's path from it
 
 
 def test_every_catalogue_model_has_a_cluster():
     assert set(MODELS) == set(CLUSTERS) and "moe_tiny" in MODELS
-
-
-@pytest.mark.parametrize("checkpoint", ["true", "false"])
-@pytest.mark.parametrize("model", MODELS)
-def test_search_never_proposes_what_train_refuses(model, checkpoint):
-    """The search's top 3, planned as `usp train` plans them (build_plan + the engine rules)."""
-    base = [f"model={model}", *CLUSTERS[model], f"checkpoint.enabled={checkpoint}"]
-    result = search_config(compose_config(None, base)[0], top_k=3)
-    assert result.top, f"nothing fits for {model}: pick a larger cluster in CLUSTERS"
-    for cand in result.top:
-        cfg, choices = compose_config(None, base + cand.layout.overrides())
-        try:
-            checked_plan(cfg, choices)
-        except PlanError as exc:
-            pytest.fail(f"the search proposed {cand.describe()} for {model}, which usp train refuses: {exc}")
 
 
 def test_moe_search_proposes_expert_parallel_only_as_the_engine_runs_it():
@@ -109,19 +92,15 @@ def test_plan_builds_and_lists_engine_failures():
     assert build_plan(cfg, choices).degrees["tp"] == 2  # the plan itself is fine (estimates)
 
 
-def usp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return usp_cli(*args, cwd=cwd, columns=250)
-
-
 def test_usp_plan_cli_lists_all_failures(tmp_path):
-    r = usp("plan", "cluster.procs_per_node=3", "parallelism.tp=3", "model.n_experts=4", "parallelism.ep=2",
-            cwd=tmp_path)
+    r = usp_cli("plan", "cluster.procs_per_node=3", "parallelism.tp=3", "model.n_experts=4", "parallelism.ep=2",
+                cwd=tmp_path, columns=250)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "model.n_heads=4: 4 heads can't be split over parallelism.tp=3" in r.stderr
     assert "parallelism.ep=2: expert parallelism takes its ranks from the sharded data-parallel ranks" in r.stderr
     assert r.stderr.count("fix:") == 3 and "Traceback" not in r.stderr  # + checkpoints of EP runs
-    r = usp("plan", "model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2",
-            cwd=tmp_path)
+    r = usp_cli("plan", "model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2",
+                cwd=tmp_path, columns=250)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("usp train would refuse:") == 2 and "memory per device" in r.stdout
 

@@ -2,15 +2,12 @@
 micro batch per layout really is the largest, and it is fast at 512 GPUs."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.plan.context import planner_context
 from usp.plan.memory import memory_plan, peak_bytes
@@ -19,14 +16,11 @@ from usp.plan.search import divisors, search, search_config
 from usp.plan.specs import GIB, Layout
 from usp.plan.timing import rank_params
 
-USP = str(Path(sys.executable).parent / "usp")
 EIGHT_B_16 = ["model=llama3_1_8b", "cluster=slurm_h100", "cluster.nodes=2", "train.seq_len=4096",
               "train.global_batch=128"]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("fresh_cache")  # planning computes the dataset's path from it
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +137,7 @@ def test_nothing_fits_is_said():
 
 
 def test_usp_plan_search_cli(tmp_path):
-    env = dict(os.environ, USP_CACHE_DIR=str(tmp_path / "cache"), COLUMNS="220")
-    r = subprocess.run([USP, "plan", "--search", "--top", "3", *EIGHT_B_16], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = usp_cli("plan", "--search", "--top", "3", *EIGHT_B_16, cwd=tmp_path, columns=220)
     assert r.returncode == 0, r.stderr
     assert "best layouts for llama3_1_8b on 16 device(s)" in r.stdout
     assert "max micro" in r.stdout and "best:" in r.stdout and "use it: usp plan" in r.stdout

@@ -9,11 +9,12 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, usp_cli
+from tests.helpers import REPO, SESSION_CACHE, usp_cli
 
 GOLDEN = REPO / "tests" / "golden"
 
@@ -137,13 +138,11 @@ def test_submit_refuses_a_local_cluster(tmp_path):
     assert r.returncode == 2 and "cluster.launcher" in r.stderr and "cluster=local_slurm" in r.stderr
 
 
-def test_submit_without_slurm_commands_says_what_to_do(tmp_path):
+def test_submit_without_slurm_commands_says_what_to_do(tmp_path, shakespeare):
     """No sbatch on PATH: a clear error, and the script is still there to submit by hand."""
-    env = dict(os.environ, PATH=str(Path(os.sys.executable).parent))
-    from tests.helpers import USP
-
-    r = subprocess.run([USP, "submit", "conf=tiny_demo", "cluster=local_slurm", "train.name=nosbatch",
-                        f"train.runs_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    env = {"PATH": str(Path(sys.executable).parent), "USP_CACHE_DIR": str(SESSION_CACHE)}  # the corpus, prepared
+    r = usp_cli("submit", "conf=tiny_demo", "cluster=local_slurm", "train.name=nosbatch", f"train.runs_dir={tmp_path}",
+                cwd=tmp_path, env=env)
     assert r.returncode == 2 and "`sbatch` not found" in r.stderr and "--dry-run" in r.stderr
     assert (tmp_path / "nosbatch" / "job.sbatch").is_file()
 

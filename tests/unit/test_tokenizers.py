@@ -1,5 +1,6 @@
 """Pretrained tokenizers from a local path (HF tokenizer.json / directory, a tiktoken BPE file),
-built in the tests; how documents are framed (BOS, EOS); vocabularies over 65,536 (uint32)."""
+built in the tests; how documents are framed (BOS, EOS) (vocabularies over 65,536:
+tests/engine/test_tokenizers.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -114,26 +115,3 @@ def test_plan_takes_the_vocab_from_the_tokenizer_file(tmp_path):
     r = usp_cli("plan", *args, "model.vocab_size=500", cwd=tmp_path)
     assert r.returncode == 2 and "model.vocab_size=500" in r.stderr and "519" in r.stderr
     assert not (tmp_path / "cache").exists()  # refused before anything was tokenized
-
-
-def test_a_vocab_over_65536_gives_uint32_files_that_train(tmp_path):
-    """A 70,002-id tokenizer built here -> uint32 token files -> a short training run on them."""
-    from test_training import train_inprocess
-
-    path, words = big_wordlevel_tokenizer(tmp_path / "tok")
-    rare = words[-500:]  # ids above 65,535
-    for i in range(2):
-        (tmp_path / f"doc{i}.txt").write_text(word_corpus(12_000, WORDS + rare, seed=i))
-    data = ["data=text_files", f"data.paths=[{tmp_path}/doc*.txt]", "data.tokenizer=hf",
-            f"data.tokenizer_path={path}", "data.val_fraction=0.4"]
-    cfg = DataConfig(name="text_files", source="text_files", paths=[f"{tmp_path}/doc*.txt"], tokenizer="hf",
-                     tokenizer_path=str(path), val_fraction=0.4)
-    directory, meta = ensure_dataset(cfg)
-    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_002
-    train = np.fromfile(directory / meta["train_bin"], dtype=np.uint32)
-    assert len(train) == meta["n_train_tokens"] and train.max() > 65_535 and train.max() < 70_002
-    metrics = train_inprocess(tmp_path / "runs", *data, "model.dim=32", "model.n_heads=2", "model.n_kv_heads=2",
-                              "model.ffn_dim=64", "train.seq_len=64", "train.global_batch=4", "train.steps=3",
-                              "checkpoint.enabled=false", "train.measure_memory=false", "train.eval_batches=1")
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert metrics[0]["loss"] == pytest.approx(np.log(70_002), rel=0.05)  # a 70,002-way softmax at the start
