@@ -31,7 +31,7 @@ def test_weight_decay_skips_norms_and_biases():
 def test_each_optimizer_and_schedule_trains(tmp_path, shakespeare):
     """Three real steps per optimizer: the same first loss (same init and batch), different updates,
     the loss falls, and metrics.jsonl's lr follows the schedule's curve."""
-    from test_training import train_inprocess
+    from tests.engine.test_training import train_inprocess
 
     runs = {}
     for name, extra in (("adamw", ["optimizer.schedule=linear"]), ("adam", ["optimizer.schedule=constant"]),

@@ -11,7 +11,7 @@ from usp.data.prepare import ensure_dataset
 
 def test_a_vocab_over_65536_gives_uint32_files_that_train(tmp_path):
     """A 70,002-id tokenizer built here -> uint32 token files -> a short training run on them."""
-    from test_training import train_inprocess
+    from tests.engine.test_training import train_inprocess
 
     path, words = big_wordlevel_tokenizer(tmp_path / "tok")
     rare = words[-500:]  # ids above 65,535
