@@ -1,15 +1,14 @@
-"""A local multi-rank launch whose rank 0 finds its port taken is launched again on a new port.
+"""Several local multi-rank launches at once all start: rank 0's port can't be taken from under it.
 
-torchrun picks rank 0's port by binding port 0 and closing it; rank 0 binds it again only after
-importing torch, and any process may take it in between (seen in CI as EADDRINUSE when two test
-workers launched at once). The collision here is real: the test reads the port from torchrun's
-own log and takes it before rank 0 can."""
+torchrun's agent serves the ranks' store on a port it holds from before it announces it (usp shares
+the agent's store unless train.max_restarts > 0, usp/launch/local.py). Before, rank 0 bound a port
+torchrun had picked by binding port 0 and closing it, seconds earlier: another launch could take it
+in between (seen in CI as EADDRINUSE when two test workers launched at once). The check here is
+real: each run's announced port is tried while the runs start, and must already be in use."""
 from __future__ import annotations
 
-import json
-import os
+import errno
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -17,66 +16,45 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import USP
-from usp.engine.observe.failure import record_failure
-from usp.rundir import read_plan
-from usp.runlock import read_lock
-from usp.runstate import COMPLETED, analyse_failures, port_taken_since, run_state
+from tests.helpers import USP, usp_env
 
-QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.eval_interval=0", "train.measure_memory=false"]
+LAUNCHES = 4
+QUIET = ["cluster=local_cpu2", "train.steps=2", "logging.console=plain", "train.sample_tokens=0",
+         "train.eval_interval=0", "train.measure_memory=false", "checkpoint.enabled=false"]
+
+
+def _held_by_someone(port: int) -> bool:
+    try:
+        socket.create_server(("", port)).close()
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
 
 
 @pytest.mark.distributed
-def test_taken_rank0_port_is_launched_again(tmp_path):
-    env = dict(os.environ, LOGLEVEL="INFO", COLUMNS="200")  # LOGLEVEL: torchrun logs the port it picked
-    proc = subprocess.Popen([USP, "train", f"train.runs_dir={tmp_path}", "train.name=port", "cluster=local_cpu2",
-                             "train.steps=2", *QUIET], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    ports: list[int] = []
-    lines: list[str] = []
-    taken = None
+def test_concurrent_local_launches_all_start_on_ports_held_from_the_start(tmp_path, shakespeare):
+    env = usp_env(LOGLEVEL="INFO")  # torchrun logs the port it gives the ranks (master_port=...)
+    logs = [tmp_path / f"launch{i}.log" for i in range(LAUNCHES)]
+    procs = [subprocess.Popen([USP, "train", f"train.runs_dir={tmp_path}", f"train.name=run{i}", *QUIET], env=env,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+             for i, log in enumerate(logs)]
+    ports: dict[int, bool] = {}  # announced port -> held by someone when tried
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            found = re.search(r"master_port=(\d+)", line)
-            if found:
-                ports.append(int(found.group(1)))
-                if taken is None:
-                    taken = socket.create_server(("", ports[0]))  # before rank 0 has imported torch
-        code = proc.wait(timeout=300)
+        deadline = time.time() + 300
+        while any(p.poll() is None for p in procs) and time.time() < deadline:
+            for log in logs:
+                for port in map(int, re.findall(r"master_port=(\d+)", log.read_text())):
+                    if port not in ports:
+                        ports[port] = _held_by_someone(port)
+            time.sleep(0.05)
+        codes = [p.wait(timeout=60) for p in procs]
     finally:
-        if taken is not None:
-            taken.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = "".join(lines)
-    assert code == 0, out[-4000:]
-    assert len(ports) == 2 and ports[1] != ports[0], ports
-    assert "launching again on a new port" in out
-    run_dir = tmp_path / "port"
-    failure = json.loads((run_dir / "logs" / "failure_rank0.json").read_text())
-    assert "address already in use" in failure["message"].lower() and failure["last_completed_step"] is None
-    report = analyse_failures(run_dir, read_plan(run_dir / "plan.yaml"))
-    assert run_state(run_dir, report, read_lock(run_dir)) == COMPLETED
-
-
-def _record(run_dir: Path, message: str, step: int | None) -> None:
-    try:
-        raise RuntimeError(message)
-    except RuntimeError as exc:
-        record_failure(run_dir, {"ranks": []}, 0, exc, step)
-
-
-def test_only_a_port_taken_before_the_first_step_counts(tmp_path):
-    (tmp_path / "logs").mkdir()
-    start = time.time()
-    taken = ("The server socket has failed to listen on any local network address. port: 29500, useIpv6: false, "
-             "code: -98, name: EADDRINUSE, message: address already in use")
-    _record(tmp_path, "shapes do not match", None)
-    assert not port_taken_since(tmp_path, start)
-    _record(tmp_path, taken, 3)  # the run had trained: not a launch problem to retry
-    assert not port_taken_since(tmp_path, start)
-    _record(tmp_path, taken, None)
-    assert port_taken_since(tmp_path, start)
-    assert not port_taken_since(tmp_path, time.time() + 1)  # an earlier launch's failure
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0] * LAUNCHES, "\n\n".join(out[-3000:] for out in outputs)
+    assert len(ports) == LAUNCHES and all(ports.values()), ports  # no port left free for another to take
+    for i in range(LAUNCHES):
+        run_dir = Path(tmp_path / f"run{i}")
+        assert (run_dir / "summary.json").is_file() and not list((run_dir / "logs").glob("failure_rank*.json"))

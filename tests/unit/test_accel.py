@@ -1,6 +1,6 @@
 """What a GPU run would get from the torch-free layers, checked on CPU: the backend per device, the
-plan's flash-attention checks, the workers' environment (CUDA allocator, cuBLAS workspace) and the
-note about visible GPUs (the engine's choices: tests/engine/test_accel.py)."""
+plan's flash-attention checks, the workers' environment (CUDA allocator, cuBLAS workspace, torchrun's
+store) and the note about visible GPUs (the engine's choices: tests/engine/test_accel.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -34,10 +34,21 @@ def test_backend_follows_the_device():
     assert plan_of()["backend"] == "gloo"
 
 
-def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None):
+def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None, max_restarts: int = 0):
     return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1,
                            config={"cluster": {"env": env or {}, "launcher": "local", "nodes": 1},
-                                   "train": {"deterministic": deterministic}})
+                                   "train": {"deterministic": deterministic, "max_restarts": max_restarts}})
+
+
+def test_ranks_share_the_agents_store_unless_torchrun_restarts(monkeypatch):
+    """Without restarts rank 0 binds no port of its own (nothing another launch could take first,
+    tests/e2e/test_port_taken.py); with train.max_restarts each attempt gets a store of its own (a
+    restarted rank must not read its dead peer's address). The user's setting wins."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(_env_plan("cpu"))
+    assert worker_env(_env_plan("cpu", max_restarts=2))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    assert worker_env(_env_plan("cpu", max_restarts=2))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
 
 
 def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):
