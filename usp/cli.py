@@ -17,6 +17,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_e
 config_app = typer.Typer(no_args_is_help=True, help="Browse and copy the config catalogue.")
 app.add_typer(config_app, name="config")
 
+ForceOption = typer.Option(False, "--force", help="replace an existing output (the old one is kept until the new "
+                                                   "one is complete)")
 OVERRIDES_HELP = ("conf=<name or recipe.yaml> and Hydra overrides: key=value, +key=value (add), "
                   "~key (delete), group=option (e.g. model=tiny parallelism=ddp)")
 
@@ -145,7 +147,8 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
               archs: str | None = typer.Option(None, "--archs", help="model shapes of a CSV (default: "
                                                                       "playbook_model_archs.csv beside it)"),
               holdout: int = typer.Option(0, "--holdout", help="hold every N-th run out of the fit and score it "
-                                                                "separately")) -> None:
+                                                                "separately"),
+              force: bool = ForceOption) -> None:
     """Fit the cluster's time constants (link bandwidth and latency, kernel efficiency, overheads) to
     measured runs, report the residuals, write the cluster group."""
     from pathlib import Path
@@ -153,7 +156,10 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
     from usp.plan.calibrate import calibrate as fit_cluster
     from usp.plan.calibrate import report
     from usp.rundir import write_text_atomic
+    from usp.writable import check_new_output
 
+    if out:  # before the fit
+        check_new_output(out, force=force, key="--out", inputs=[measured])
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
     for line in report(result):
         typer.echo(line)
@@ -283,20 +289,21 @@ def status(run_dir: str | None = typer.Argument(None, help="run directory (defau
 @handles_errors
 def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<N> checkpoint directory)"),
            step: int | None = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
-           out: str | None = typer.Option(None, "--out",
-                                          help="output file, or directory for hf (default: <run dir>/export/...)"),
+           out: str | None = typer.Option(None, "--out", help="output directory: model.pt or model.safetensors + "
+                                          "config.json, or the hf files (default: <run dir>/export/<format>_step<N>)"),
            fmt: str = typer.Option("torch", "--format",
                                    help="torch (torch.load) | safetensors | hf (a transformers directory)"),
            shard_mb: float | None = typer.Option(None, "--shard-mb", help="--format hf: largest safetensors shard, MB "
-                                                                           "(default 5000)")) -> None:
-    """Write the model from a checkpoint: one consolidated state dict (full tensors, FQN keys) + config.json,
-    or (--format hf) a directory transformers' AutoModelForCausalLM.from_pretrained loads."""
+                                                                           "(default 5000)"),
+           force: bool = ForceOption) -> None:
+    """Write the model from a checkpoint into a new directory: one consolidated state dict (full tensors,
+    FQN keys) + config.json, or (--format hf) what transformers' AutoModelForCausalLM.from_pretrained loads."""
     from usp.launch.local import require_torch
 
     require_torch("export")
     from usp.engine.export import export_model  # imports torch: only for this command
 
-    result = export_model(run_dir, step=step, out=out, fmt=fmt, max_shard_mb=shard_mb)
+    result = export_model(run_dir, step=step, out=out, fmt=fmt, max_shard_mb=shard_mb, force=force)
     typer.echo(result.describe())
 
 
@@ -361,11 +368,12 @@ def config_show(item: str = typer.Argument(..., help="group=option (e.g. model=t
 @config_app.command("cp")
 @handles_errors
 def config_cp(recipe: str = typer.Argument(..., help="recipe name (see `usp config list`)"),
-              dest: str = typer.Argument(".", help="file or directory to copy to")) -> None:
+              dest: str = typer.Argument(".", help="file or directory to copy to"),
+              force: bool = ForceOption) -> None:
     """Copy a recipe into the working directory to edit it; run it with conf=<file>."""
     from usp.config.catalogue import copy_recipe
 
-    path = copy_recipe(recipe, dest)
+    path = copy_recipe(recipe, dest, force=force)
     typer.echo(f"copied to {path}; run it with: usp train conf={path}")
 
 
@@ -409,11 +417,12 @@ def sweep(overrides: list[str] | None = typer.Argument(None, show_default=False,
 @handles_errors
 def report(paths: list[str] = typer.Argument(..., help="run directories and/or sweep directories", show_default=False),
            out: str | None = typer.Option(None, "--out", help="output directory "
-                                             "(default: <first run or sweep dir>/report)")) -> None:
+                                             "(default: <first run or sweep dir>/report)"),
+           force: bool = ForceOption) -> None:
     """Plots (loss, lr, throughput, memory, step time) and report.md for runs or a sweep (no torch)."""
     from usp.report import write_report
 
-    result = write_report(paths, out)
+    result = write_report(paths, out, force=force)
     typer.echo(f"report: {result.markdown} ({len(result.plots)} plots)")
 
 

@@ -15,10 +15,13 @@ alike, so a file name is spelled once. No torch, no usp imports: every layer may
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
-import tempfile
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -122,21 +125,66 @@ def step_dir_name(step: int) -> str:
 
 
 # -- writing and reading ---------------------------------------------------------------------
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and a rename, so a crash never leaves a half-written file."""
+@contextmanager
+def staged(path) -> Iterator[Path]:
+    """A temporary sibling of `path` to write instead (it doesn't exist yet: make a file or a
+    directory there). When the block ends, the new output replaces `path` in one step; whatever was
+    at `path` (a file or a whole directory) stays intact until then. On an exception (Ctrl-C too) the
+    temporary is removed and `path` is untouched; a SIGKILL leaves only the hidden temporary."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give it the mode a plain open() would
+        yield tmp
+        _swap_in(tmp, path)
+    finally:
+        _remove(tmp)  # the unfinished output, or after a swap what was at `path` before
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """rename(2) replaces a file in one step but not a directory (nor a file by a directory):
+    those are exchanged with renameat2(RENAME_EXCHANGE), atomic, so `path` is never missing."""
+    if not os.path.lexists(path) or not (tmp.is_dir() or path.is_dir()):
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return
+    try:
+        _exchange(tmp, path)
+    except OSError as exc:  # no renameat2 here (not Linux, or a filesystem without it): two renames
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        aside = tmp.with_name(tmp.name + "-old")
+        os.replace(path, aside)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(aside, path)
+            raise
+        os.replace(aside, tmp)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    import ctypes  # only here: every other write needs no ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd, rename_exchange = -100, 2  # <fcntl.h>, <linux/fs.h>
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename, so a crash never leaves a half-written file."""
+    with staged(path) as tmp:
+        tmp.write_text(text)
 
 
 def read_plan(path) -> dict:

@@ -1,5 +1,5 @@
 """Parity matrix worker: every layout of LAYOUTS[world] trains the tiny model next to its
-single-process reference; rank 0 records the comparison. Launched by tests/test_parallel.py.
+single-process reference; rank 0 records the comparison. Launched by tests/e2e/test_parallel.py.
 On 2 ranks it also records the dtypes FSDP2's bf16 mixed-precision policy trains with."""
 import os
 import sys
@@ -17,7 +17,7 @@ from tests.dist.parity import plan_dict, verify_case  # noqa: E402
 from usp.engine.parallel.mesh import make_context  # noqa: E402
 from usp.engine.trainer import Trainer  # noqa: E402
 
-# No memory probe (tests/test_memory_calibration.py covers it) and one validation batch: both
+# No memory probe (tests/e2e/test_memory_calibration.py covers it) and one validation batch: both
 # cost time on every rank of every layout and are not compared here. Three steps: the losses of
 # steps 2 and 3 and the final parameters follow two optimizer updates (gradients, their reduction
 # and the sharded AdamW states); most of a TP or PP layout's time is its steps' collectives (~2.5 s a

@@ -60,7 +60,7 @@ def test_bf16_on_cpu_takes_the_gpu_recipe():
 
 def test_autocast_caches_weight_copies_only_without_recompute():
     """A recomputed layer casts its weights again; a cache would hold every layer's bf16 copy
-    through the loss (measured: tests/test_memory_calibration.py's wide bf16 layouts)."""
+    through the loss (measured: tests/e2e/test_memory_calibration.py's wide bf16 layouts)."""
     for recompute, cache in (("none", True), ("full", False), ("selective", False)):
         ctx = accel.autocast_context(plan_of(*DDP2, "train.dtype=bf16", f"train.recompute={recompute}"),
                                      torch.device("cpu"))

@@ -236,7 +236,8 @@ def test_export_newest_checkpoint_loads_into_a_fresh_model(tmp_path, trained_run
 
     run_dir, plan, tokens, logits = trained_run
     result = export_model(run_dir)
-    assert result.step == 5 and result.path == run_dir / "export" / "model_step00000005.pt"
+    assert result.step == 5 and result.path == run_dir / "export" / "torch_step00000005" / "model.pt"
+    assert result.config_path == result.path.parent / "config.json"  # in the directory the export owns
     config = json.loads(result.config_path.read_text())
     assert config["model"]["vocab_size"] == 4096 and config["model"]["dim"] == 32 and config["step"] == 5
     assert config["tied_weights"] == {"output.weight": "tok_embeddings.weight"}
@@ -251,7 +252,7 @@ def test_export_newest_checkpoint_loads_into_a_fresh_model(tmp_path, trained_run
     assert config["n_params"] == sum(p.numel() for p in model.parameters())
 
     with pytest.raises(ExportError, match="pip install safetensors") if not _has("safetensors") else _noop():
-        export_model(run_dir, fmt="safetensors", out=tmp_path / "m.safetensors")
+        export_model(run_dir, fmt="safetensors", out=tmp_path / "m")
     with pytest.raises(ExportError, match="step 4"):
         export_model(run_dir, step=4)
 
@@ -277,13 +278,14 @@ def test_export_cli_older_step(tmp_path, trained_run):
     from usp.models.llama import Llama, LlamaArgs
 
     run_dir, _, tokens, logits = trained_run
-    out = tmp_path / "out" / "step3.pt"
+    out = tmp_path / "out" / "step3"
     proc = usp_cli("export", str(run_dir), "--step", "3", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exported step 3" in proc.stdout and "output.weight = tok_embeddings.weight" in proc.stdout
-    config = json.loads((out.parent / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     model = Llama(LlamaArgs(**config["model"]), max_seq_len=config["max_seq_len"])
-    model.load_state_dict(torch.load(out, weights_only=True))
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
     with torch.no_grad():
         assert torch.equal(model(tokens), logits[3])
-    assert sorted(p.name for p in out.parent.iterdir()) == ["config.json", "step3.pt"]  # no temp files
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.pt"]
+    assert [p.name for p in out.parent.iterdir()] == ["step3"]  # no temp left beside it

@@ -26,7 +26,7 @@ ALLOWED = {
     "usp.cli_examples": set(),
     "usp.runstate": BASE,
     "usp.sweeprecord": BASE | {"usp.runstate"},
-    "usp.config": {"usp.errors", "usp.writable"},
+    "usp.config": {"usp.errors", "usp.rundir", "usp.writable"},
     "usp.data": {"usp.errors", "usp.rundir"},
     "usp.models": set(),
     "usp.plan": BASE | {"usp.config", "usp.data"},

@@ -128,16 +128,18 @@ def test_copy_recipe_to_a_file_name_and_refuses_to_overwrite(tmp_path):
     target = copy_recipe("tiny_demo", str(tmp_path / "mine.yaml"))
     assert target == tmp_path / "mine.yaml" and target.is_file()
     target.write_text(target.read_text() + "# my edit\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UspError) as info:
         copy_recipe("tiny_demo", str(target))
-    assert info.value.key == "dest" and "overwrite" in str(info.value)
+    assert info.value.key == "dest" and "already exists" in str(info.value) and "--force" in info.value.fix
     assert target.read_text().endswith("# my edit\n")  # untouched
+    assert copy_recipe("tiny_demo", str(target), force=True) == target
+    assert target.read_text() == (recipes_dir() / "tiny_demo.yaml").read_text()
 
 
 def test_copy_recipe_into_directory_refuses_existing(tmp_path):
     first = copy_recipe("tiny_demo", str(tmp_path))
     assert first == tmp_path / "tiny_demo.yaml"
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UspError) as info:
         copy_recipe("tiny_demo", str(tmp_path))
     assert info.value.key == "dest" and info.value.fix
 
@@ -349,7 +351,8 @@ def test_cli_config_cp_then_plan_the_copy(tmp_path):
     copied = tmp_path / "tiny_ddp.yaml"
     assert copied.is_file() and str(copied) in out.stdout
     again = usp_cli("config", "cp", "tiny_ddp", str(tmp_path), cwd=tmp_path)
-    assert again.returncode == 2 and "overwrite" in again.stderr and "Traceback" not in again.stderr
+    assert again.returncode == 2 and "already exists" in again.stderr and "--force" in again.stderr
+    assert "Traceback" not in again.stderr
     planned = usp_cli("plan", f"conf={copied}", f"train.runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert planned.returncode == 0, planned.stderr
     assert "run plan: tiny_ddp" in planned.stdout

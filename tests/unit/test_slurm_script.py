@@ -1,8 +1,8 @@
 """The generated batch script, without a Slurm cluster: golden files for two real-cluster
 jobs, quoting of shell-special values, and errors before anything is written or submitted.
-(Jobs on a running Slurm controller: tests/test_slurm.py.)
+(Jobs on a running Slurm controller: tests/e2e/test_slurm.py.)
 
-Refresh the golden files after an intended change: USP_UPDATE_GOLDEN=1 pytest tests/test_slurm_script.py"""
+Refresh the golden files after an intended change: USP_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_script.py"""
 from __future__ import annotations
 
 import os
@@ -54,11 +54,12 @@ def test_golden_sbatch(tmp_path, golden, name, overrides):
     assert text == path.read_text(), f"{golden} changed: diff it, then refresh with USP_UPDATE_GOLDEN=1"
 
 
-def test_readme_shows_the_golden_script():
-    """README's "Running on Slurm" excerpt is the H100 golden file's body, so the docs can't drift."""
+def test_docs_show_the_golden_script():
+    """docs/slurm.md's excerpt of the generated script is the H100 golden file's body, so the docs can't drift."""
     golden = (GOLDEN / "slurm_h100_16x8.sbatch").read_text().replace("<RUNS>", "/scratch/me/runs")
     body = golden[golden.index("export PYTORCH_CUDA_ALLOC_CONF"):]
-    assert body in (REPO / "README.md").read_text(), "update README's excerpt from tests/golden/slurm_h100_16x8.sbatch"
+    docs = REPO / "docs" / "slurm.md"
+    assert body in docs.read_text(), "update docs/slurm.md's excerpt from tests/golden/slurm_h100_16x8.sbatch"
 
 
 def test_h100_script_takes_nodes_and_gpus_from_the_plan(tmp_path):

@@ -1,6 +1,6 @@
 """`usp sweep`: grid expansion with Hydra's override grammar, planning every point (accepted /
 rejected with the planner's reason), sweep.json, and the local runner's bookkeeping. The real
-end-to-end sweep (training several points) is in tests/test_report.py."""
+end-to-end sweep (training several points) is in tests/e2e/test_report.py."""
 from __future__ import annotations
 
 import io

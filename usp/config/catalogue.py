@@ -7,7 +7,8 @@ from pathlib import Path
 from usp.config import schema
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.errors import ConfigError
-from usp.writable import check_writable_dir
+from usp.rundir import staged
+from usp.writable import check_new_output
 
 
 def complete_override(incomplete: str) -> list[str]:
@@ -67,17 +68,17 @@ def show_item(item: str) -> str:
     return f"# {item}: {picked}\n" + OmegaConf.to_yaml(cfg)
 
 
-def copy_recipe(recipe: str, dest: str = ".") -> Path:
+def copy_recipe(recipe: str, dest: str = ".", force: bool = False) -> Path:
+    """Copy a recipe to `dest` (a file, or a directory to copy into). An existing file is replaced
+    only with force, through a temporary file (usp.rundir.staged)."""
     source = Path(recipe) if recipe.endswith(".yaml") else recipes_dir() / f"{recipe}.yaml"
     if not source.is_file():
         raise ConfigError("no such recipe", key="recipe", value=recipe,
                           fix=f"one of: {', '.join(recipe_names())}")
-    target = Path(dest)
+    target = Path(dest).expanduser()
     if target.is_dir():
         target = target / source.name
-    if target.exists():
-        raise ConfigError("refusing to overwrite an existing file", key="dest", value=str(target),
-                          fix="remove it or give another destination")
-    check_writable_dir(target.parent, "dest", dest, "a writable directory, e.g. `usp config cp <recipe> .`")
-    shutil.copyfile(source, target)
+    check_new_output(target, force=force, key="dest")
+    with staged(target) as tmp:
+        shutil.copyfile(source, tmp)
     return target

@@ -5,13 +5,18 @@ DCP's own loader (`_load_state_dict_from_keys`: full, unsharded tensors whatever
 them), and writes {FQN: tensor} with torch.save (or safetensors) plus config.json with the
 architecture. Tied weights are stored once (torch: two keys share one storage; safetensors:
 the duplicate key is dropped) and listed under "tied_weights" in config.json. --format hf writes a
-Hugging Face directory instead (usp/engine/hf_checkpoint.py)."""
+Hugging Face directory instead (usp/engine/hf_checkpoint.py).
+
+Every format writes one directory the export owns (model.pt or model.safetensors + config.json,
+or the HF files): a torch file has no room for the architecture without changing what torch.load
+returns, and a config.json must never land in a folder holding someone else's (an HF model's).
+The directory is built under a temporary name and swapped into place (usp.rundir.staged); an
+--out that exists is refused unless force (usp.writable.check_new_output)."""
 from __future__ import annotations
 
 import json
-import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -26,11 +31,13 @@ from usp.rundir import (
     list_checkpoints,
     plan_path,
     read_plan,
-    write_text_atomic,
+    staged,
 )
-from usp.writable import check_writable_dir
+from usp.writable import check_new_output
 
 FORMATS = ("torch", "safetensors", "hf")
+WEIGHTS = {"torch": "model.pt", "safetensors": "model.safetensors"}  # the file in the export directory
+CONFIG = "config.json"
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile
 
 
@@ -86,43 +93,60 @@ def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
-                 max_shard_mb: float | None = None) -> ExportResult | HFExportResult:
+                 max_shard_mb: float | None = None, force: bool = False) -> ExportResult | HFExportResult:
     """Export the newest complete checkpoint of run directory `source` (or `step`, or `source`
-    itself when it is a step_<N> directory) to `out` (default <run dir>/export/model_step<N>.<ext>,
-    or the directory <run dir>/export/hf_step<N> for fmt="hf", in safetensors shards of at most
-    max_shard_mb)."""
+    itself when it is a step_<N> directory) to the directory `out` (default <run dir>/export/
+    <fmt>_step<N>; hf in safetensors shards of at most max_shard_mb). An existing `out` is
+    replaced only with force; the default one, usp's own, always is."""
     _check_format(fmt)
     if out:  # before the (possibly long) load
-        check_writable_dir(Path(out).parent, "--out", out, "--out <a file in a writable directory>")
+        out = check_new_output(_out_dir(out, fmt), force=force, key="--out", inputs=[source])
     ckpt, run_dir = _pick_checkpoint(Path(source), step)
+    if out and force:  # nor the checkpoint it reads (checkpoint.dir may lie outside the run directory)
+        check_new_output(out, force=True, key="--out", inputs=[ckpt])
     plan = _plan_of(ckpt, run_dir)
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))
     state = load_model_state(ckpt)
     model_cfg = _model_config(plan)
     padding = _strip_vocab_padding(state, int(model_cfg["vocab_size"]))
-    if fmt == "hf":
-        hf_out = Path(out) if out else run_dir / "export" / f"hf_step{ckpt_step:08d}"
-        return write_hf(state, model_cfg, plan, ckpt, ckpt_step, hf_out, max_shard_mb or DEFAULT_SHARD_MB)
-    tied = _tie_embeddings(state, model_cfg, fmt)
-    ext = ".pt" if fmt == "torch" else ".safetensors"
-    path = Path(out) if out else run_dir / "export" / f"model_step{ckpt_step:08d}{ext}"
-    _write_weights(state, path, fmt, tied)
+    target = Path(out) if out else run_dir / "export" / f"{fmt}_step{ckpt_step:08d}"
+    with staged(target) as tmp:  # swapped into place as the block ends (a return included)
+        if fmt == "hf":
+            return replace(write_hf(state, model_cfg, plan, ckpt, ckpt_step, tmp, max_shard_mb or DEFAULT_SHARD_MB),
+                           path=target)
+        config = _write_portable(state, model_cfg, plan, ckpt, ckpt_step, padding, fmt, tmp)
+    non_finite = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return ExportResult(target / WEIGHTS[fmt], target / CONFIG, ckpt, ckpt_step, len(state), config["n_params"],
+                        config["tied_weights"], non_finite)
 
-    unique = {id(t): t for k, t in state.items()}
-    n_params = sum(t.numel() for t in unique.values())
+
+def _out_dir(out, fmt: str) -> Path:
+    """--out is the directory the export writes; a weights file name there is the old usage."""
+    out = Path(out)
+    if fmt != "hf" and out.suffix in (".pt", ".pth", ".bin", ".safetensors"):
+        raise ExportError(f"--out names the directory the export writes ({WEIGHTS[fmt]} and {CONFIG} go in it), "
+                          "not the weights file", key="--out", value=str(out), fix=f"--out {out.with_suffix('')}")
+    return out
+
+
+def _write_portable(state: dict, model_cfg: dict, plan: dict, ckpt: Path, ckpt_step: int, padding: int,
+                    fmt: str, directory: Path) -> dict:
+    """The weights file and usp's config.json in `directory` (created here); returns the config."""
+    directory.mkdir()
+    tied = _tie_embeddings(state, model_cfg, fmt)
+    _write_weights(state, directory / WEIGHTS[fmt], fmt, tied)
+    unique = {id(t): t for t in state.values()}
     config = {
         "architecture": "llama (usp.models.llama.Llama: RMSNorm, RoPE, GQA attention, SwiGLU)",
         "model": model_cfg,
         "max_seq_len": int(plan["batch"]["seq_len"]),
         "dtype": str(next(iter(state.values())).dtype).replace("torch.", ""),
-        "weights": path.name, "weights_format": fmt, "tied_weights": tied,
-        "vocab_padding_removed": padding, "n_params": n_params, "step": ckpt_step,
+        "weights": WEIGHTS[fmt], "weights_format": fmt, "tied_weights": tied,
+        "vocab_padding_removed": padding, "n_params": sum(t.numel() for t in unique.values()), "step": ckpt_step,
         "source_checkpoint": str(ckpt), "run": plan.get("name"), "model_name": plan["config"]["model"].get("name"),
     }
-    config_path = path.parent / "config.json"
-    write_text_atomic(config_path, json.dumps(config, indent=2) + "\n")
-    non_finite = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    return ExportResult(path, config_path, ckpt, ckpt_step, len(state), n_params, tied, non_finite)
+    (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return config
 
 
 def _check_format(fmt: str) -> None:
@@ -164,19 +188,12 @@ def _tie_embeddings(state: dict, model_cfg: dict, fmt: str) -> dict:
 
 
 def _write_weights(state: dict, path: Path, fmt: str, tied: dict) -> None:
-    """Through a temporary file and a rename, so a crash never leaves half a weights file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        if fmt == "torch":
-            torch.save(state, tmp)
-        else:
-            from safetensors.torch import save_file
+    if fmt == "torch":
+        torch.save(state, path)
+    else:
+        from safetensors.torch import save_file
 
-            save_file(state, str(tmp), metadata={"format": "pt", "tied_weights": json.dumps(tied)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        save_file(state, str(path), metadata={"format": "pt", "tied_weights": json.dumps(tied)})
 
 
 def _model_config(plan: dict) -> dict:

@@ -3,8 +3,9 @@
 Out: a directory that transformers.AutoModelForCausalLM.from_pretrained loads (LlamaForCausalLM, or
 MixtralForCausalLM for a MoE model): config.json (usp/plan/hf_config.py), safetensors shards with
 model.safetensors.index.json, and the dataset's tokenizer files when it has an HF tokenizer. Names
-and the RoPE row order are converted in usp/models/hf_convert.py. Written into a temporary
-directory beside the target and renamed into place: a crash never leaves half an export.
+and the RoPE row order are converted in usp/models/hf_convert.py. usp/engine/export.py writes it
+into a temporary directory beside the target and swaps it into place: a crash never leaves half an
+export.
 
 In: every rank reads the full HF tensors (safetensors, memory-mapped: only the tensors asked for are
 read) into the full model it has just built, before any parallelism is applied; tensor parallelism,
@@ -13,7 +14,6 @@ initialisation (build.py builds the same full model on every rank). Transformers
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +59,8 @@ class HFExportResult:
 
 def write_hf(state: dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: Path, step: int, out: Path,
              max_shard_mb: float = DEFAULT_SHARD_MB) -> HFExportResult:
-    """Write `state` (usp FQNs, full tensors, vocabulary padding removed) as an HF directory `out`."""
+    """Write `state` (usp FQNs, full tensors, vocabulary padding removed) as the new HF directory `out`
+    (usp export writes it under a temporary name and swaps it into place)."""
     tied = bool(model_cfg.get("tie_embeddings"))
     if tied:
         state.pop("output.weight", None)  # stored once, as the embedding (transformers re-ties it)
@@ -67,16 +68,10 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: 
     hf_state = to_hf(state, int(model_cfg["n_heads"]), n_kv)
     dtype = str(next(iter(hf_state.values())).dtype).replace("torch.", "")
     config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        shards = _write_shards(hf_state, tmp, max_shard_mb)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        copied = _copy_tokenizer(Path(plan.get("dataset_dir", "")), tmp)
-        _replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    out.mkdir(parents=True)
+    shards = _write_shards(hf_state, out, max_shard_mb)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copied = _copy_tokenizer(Path(plan.get("dataset_dir", "")), out)
     n_params = sum(t.numel() for t in hf_state.values())
     return HFExportResult(out, ckpt, step, shards, n_params, config["architectures"][0], tied, copied)
 
@@ -137,16 +132,6 @@ def _write_tiktoken(dataset_dir: Path, directory: Path) -> list[str]:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     shutil.copyfile(source, directory / TIKTOKEN_FILE)
     return ["tokenizer.json", "tokenizer_config.json", TIKTOKEN_FILE]
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename the finished directory into place; an older export there is removed only after."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # -------------------------------------------------------------------------------- in

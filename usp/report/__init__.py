@@ -7,7 +7,7 @@ directories only. No torch; matplotlib is imported when a plot is drawn (Agg bac
 from __future__ import annotations
 
 
-def write_report(paths, out=None):
+def write_report(paths, out=None, force=False):
     from usp.report.report import write_report as _write
 
-    return _write(list(paths), out)
+    return _write(list(paths), out, force)

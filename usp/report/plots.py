@@ -30,20 +30,12 @@ def _plt():
 
 
 def _save(fig, path: Path) -> Path:
-    """Write through a temp file + rename, like plan.yaml: a reader never sees half a PNG."""
-    import os
-    import tempfile
-
+    """A PNG in the report directory, which write_report swaps into place whole (usp.rundir.staged)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=100)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        fig.savefig(path, dpi=100)
     finally:
-        Path(tmp).unlink(missing_ok=True)
         _plt().close(fig)
     return path
 

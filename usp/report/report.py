@@ -15,8 +15,9 @@ from usp.report.runs import RunData, is_run_dir, load_run, unique_labels
 from usp.report.sweep_plots import plot_heatmap, plot_scaling
 from usp.report.sweep_tables import batch_guidance, scaling, sweep_rows
 from usp.report.trace import PHASES, run_breakdowns, run_events
-from usp.rundir import METRICS, PROFILE, SPAN_STEP_PREFIX, write_text_atomic
+from usp.rundir import METRICS, PROFILE, SPAN_STEP_PREFIX, staged
 from usp.sweeprecord import SWEEP_FILE, is_sweep_dir, layout_text, read_sweep, refresh_statuses
+from usp.writable import check_new_output
 
 MAX_BARS = 48  # step-time bars in one plot (runs x ranks x profiled steps)
 
@@ -60,9 +61,24 @@ def collect(paths: list[str]) -> tuple[list[RunData], list[tuple[Path, dict]]]:
     return runs, sweeps
 
 
-def write_report(paths: list[str], out: str | Path | None = None) -> ReportResult:
+def write_report(paths: list[str], out: str | Path | None = None, force: bool = False) -> ReportResult:
+    """The report of `paths` in the directory `out` (default <first path>/report, usp's own). It is
+    drawn in a temporary directory and swapped into place; an existing `out` is replaced only with
+    force."""
+    if out:
+        check_new_output(out, force=force, key="--out", inputs=paths)
     runs, sweeps = collect(paths)
-    out = Path(out).expanduser() if out else Path(paths[0]).expanduser() / "report"
+    target = Path(out).expanduser() if out else Path(paths[0]).expanduser() / "report"
+    with staged(target) as tmp:
+        tmp.mkdir()
+        result = _draw(paths, runs, sweeps, tmp)
+    for plot in result.plots:
+        plot.path = target / plot.path.name
+    result.out, result.markdown = target, target / result.markdown.name
+    return result
+
+
+def _draw(paths: list[str], runs: list[RunData], sweeps: list[tuple[Path, dict]], out: Path) -> ReportResult:
     result = ReportResult(out, out / "report.md", runs=runs)
     # runs without metrics.jsonl have empty series: the plots leave them out
     run_plots = [p for p in (make(runs, out) for make in (P.plot_loss, P.plot_lr, P.plot_throughput, P.plot_memory))
@@ -80,7 +96,7 @@ def write_report(paths: list[str], out: str | Path | None = None) -> ReportResul
     for plot in run_plots:
         lines += [f"![{plot.name}]({plot.path.name})", "", f"*{plot.caption}*", ""]
     lines += profile_md + sweep_md
-    write_text_atomic(result.markdown, "\n".join(lines).rstrip() + "\n")
+    result.markdown.write_text("\n".join(lines).rstrip() + "\n")
     return result
 
 
