@@ -6,7 +6,6 @@ export is a directory of its own: nothing lands beside an HF model's config.json
 trained run, the real CLI, and a real process killed with SIGKILL."""
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import subprocess
@@ -19,9 +18,8 @@ import pytest
 import yaml
 
 from tests.helpers import REPO, run_usp, usp_cli
-from usp import rundir
+from tests.unit.test_outputs import _listing
 from usp.config.paths import recipes_dir
-from usp.rundir import staged
 
 TINY = ["data.tokenizer=bytes", "logging.console=plain", "train.sample_tokens=0", "train.log_interval=1",
         "train.eval_interval=0", "checkpoint.enabled=true", "train.steps=2", "train.global_batch=4", "train.seq_len=32",
@@ -57,10 +55,6 @@ def inputs(tmp_path_factory):
     csv = tmp / "measured.csv"
     csv.write_text("\n".join([rows[0], *rows[1::40]]) + "\n")
     return {"RUN": str(tmp / "run"), "CSV": str(csv)}
-
-
-def _listing(directory: Path) -> list[str]:
-    return sorted(os.listdir(directory))
 
 
 class Case(NamedTuple):
@@ -160,26 +154,3 @@ def test_force_never_replaces_the_inputs(tmp_path, inputs):
         proc = usp_cli(*args, "--force", cwd=tmp_path)
         assert proc.returncode == 2 and "which holds" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert _listing(run) == before and _listing(run / "checkpoints") == ["step_00000002"]
-
-
-def test_staged_keeps_the_old_target_on_failure_and_without_renameat2(tmp_path, monkeypatch):
-    target = tmp_path / "out"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
-    with pytest.raises(RuntimeError), staged(target) as tmp:
-        tmp.mkdir()
-        (tmp / "new.txt").write_text("half")
-        raise RuntimeError("the write failed")
-    assert _listing(tmp_path) == ["out"] and _listing(target) == ["old.txt"]
-
-    def no_renameat2(a, b):
-        raise OSError(errno.ENOSYS, "renameat2 is not available")
-
-    monkeypatch.setattr(rundir, "_exchange", no_renameat2)  # another OS or filesystem: two renames
-    with staged(target) as tmp:
-        tmp.mkdir()
-        (tmp / "new.txt").write_text("new")
-    assert _listing(tmp_path) == ["out"] and _listing(target) == ["new.txt"]
-    with staged(target) as tmp:  # a file replaces a directory
-        tmp.write_text("a file now")
-    assert _listing(tmp_path) == ["out"] and target.read_text() == "a file now"
