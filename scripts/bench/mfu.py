@@ -61,7 +61,9 @@ def gpu_overrides(name: str, mem_gib: float) -> list[str]:
     c = compose_config(None, [f"cluster={group}"])[0].cluster
     return ["cluster=local_gpu", f"cluster.device_name={name.replace(' ', '_')}",
             f"cluster.peak_tflops_bf16={c.peak_tflops_bf16}", f"cluster.peak_tflops_fp32={c.peak_tflops_fp32}",
-            f"cluster.intra_node_gbps={c.intra_node_gbps}", f"cluster.device_memory_gb={mem_gib:.1f}"]
+            f"cluster.peak_tflops_fp8={c.peak_tflops_fp8}", f"cluster.intra_node_gbps={c.intra_node_gbps}",
+            f"cluster.device_memory_gb={mem_gib:.1f}", f"cluster.timing.eager_overhead={c.timing.eager_overhead}",
+            f"cluster.timing.fp8_efficiency={c.timing.fp8_efficiency}"]
 
 
 def this_gpu() -> tuple[str, float]:
@@ -92,16 +94,18 @@ def cases(only: str | None, steps: int, smoke: bool = False) -> list[tuple[str, 
     return out
 
 
-def fitting_plan(overrides: list[str], models: list[str | None], runs: str) -> dict | None:
-    """The first model (largest first) and largest micro batch (8, 4, 2, 1; global batch 8) the
-    planner predicts to fit (build_plan refuses a predicted OOM)."""
+def fitting_plan(overrides: list[str], models: list[str | None], runs: str, micros: tuple = (8, 4, 2, 1),
+                 global_batch: int | None = 8) -> dict | None:
+    """The first model (largest first) and largest micro batch (of `micros`) the planner predicts to
+    fit (build_plan refuses a predicted OOM); global batch 8, or None: one micro batch per step."""
     from usp.errors import UspError
 
     for model in models:
-        for micro in (8, 4, 2, 1):
+        for micro in micros:
             try:
                 return _common.plan_for(overrides + ([f"model={model}"] if model else [])
-                                        + ["train.global_batch=8", f"train.micro_batch={micro}"], 1, runs)
+                                        + [f"train.global_batch={global_batch or micro}",
+                                           f"train.micro_batch={micro}"], 1, runs)
             except UspError:
                 continue
     return None
@@ -129,15 +133,18 @@ def measure(plan: dict, steps: int) -> dict:
     # none on CPU, which has no caching allocator to ask
     peaks = [r["memory_peak_gib"] for r in trainer.history if r.get("memory_peak_gib")]
     peak_gib = max(peaks) if peaks else None
-    t = plan["timing"]
+    t, peak_stage = plan["timing"], plan["memory"]["stages"][plan["memory"]["peak_stage"]]
     tokens_per_s = t["tokens_per_step"] / step_s
     peak = t["peak_tflops"] * 1e12
     return {"tokens_per_s": tokens_per_s, "step_s": step_s,
             "mfu": tokens_per_s * t["model_flops_per_token"] / peak,
             "hfu": tokens_per_s * t["hw_flops_per_token"] / peak,
-            "peak_memory_gib": peak_gib, "probe_peak_gib": summary.get("memory_measured_peak_gib"),
+            "peak_memory_gib": peak_gib, "probe_peak_gib": (summary or {}).get("memory_measured_peak_gib"),
+            "losses": [r["loss"] for r in trainer.history],
             "predicted": {"tokens_per_s": t["tokens_per_s"], "mfu": t["mfu"], "hfu": t["hfu"],
-                          "peak_memory_gib": plan["memory"]["peak_gib"]}}
+                          "peak_memory_gib": plan["memory"]["peak_gib"],
+                          # tensors only, what the allocator's peak measures (no overhead allowance)
+                          "tensor_gib": (peak_stage["total"] - peak_stage["overhead"]) / 2**30}}
 
 
 def run_case(name: str, args) -> dict:

@@ -11,8 +11,10 @@ from usp.config.reference import reference_overrides
 from usp.engine.verify_worker import train_reference, verify_against
 
 
-def plan_dict(overrides: list[str], world: int, runs_dir: str) -> dict:
-    """Compose + plan in-process (the plan layer is pure Python) with the dataset prepared."""
+def plan_dict(overrides: list[str], world: int, runs_dir: str, train: dict | None = None) -> dict:
+    """Compose + plan in-process (the plan layer is pure Python) with the dataset prepared. `train`:
+    train.* values set in the plan after planning, for what the planner refuses on CPU but the
+    engine runs here all the same (train.fp8: torch's CPU _scaled_mm)."""
     from usp.config.compose import compose_config
     from usp.data.prepare import ensure_dataset
     from usp.plan.plan import build_plan
@@ -24,28 +26,31 @@ def plan_dict(overrides: list[str], world: int, runs_dir: str) -> dict:
     plan = build_plan(cfg, choices)
     path, meta = ensure_dataset(cfg.data)
     plan.dataset_dir, plan.data_meta = str(path), dict(meta)
-    return plan.to_dict()
+    out = plan.to_dict()
+    out["config"]["train"].update(train or {})
+    return out
 
 
 _REFERENCES: dict[tuple, tuple] = {}  # reference overrides -> (metrics, parameters), rank 0 of one launch
 
 
-def verify_case(overrides: list[str], world: int) -> dict:
+def verify_case(overrides: list[str], world: int, train: dict | None = None) -> dict:
     """Plan a layout and its reference from overrides (tests), then verify them as `usp verify`
-    does. Layouts of one launch share references (same model, data, dtype): each is trained once."""
-    key = tuple(reference_overrides(overrides))
+    does. Layouts of one launch share references (same model, data, dtype): each is trained once.
+    `train`: plan_dict's train.* values, set in both."""
+    key = (*reference_overrides(overrides), *sorted((train or {}).items()))
     with tempfile.TemporaryDirectory() as tmp:
         ref = None
         if dist.get_rank() == 0:
             if key not in _REFERENCES:
-                _REFERENCES[key] = train_reference(plan_dict(list(key), 1, tmp))
+                _REFERENCES[key] = train_reference(plan_dict(reference_overrides(overrides), 1, tmp, train))
             ref = _REFERENCES[key]
-        return verify_against(_planned_once(overrides, world, tmp), ref)
+        return verify_against(_planned_once(overrides, world, tmp, train), ref)
 
 
-def _planned_once(overrides: list[str], world: int, runs_dir: str) -> dict:
+def _planned_once(overrides: list[str], world: int, runs_dir: str, train: dict | None = None) -> dict:
     """Rank 0 composes and plans (Hydra's compose is ~0.2-0.4 s a call, measured), the others
     receive its plan: one compose per case instead of one per rank."""
-    box = [plan_dict(overrides, world, runs_dir) if dist.get_rank() == 0 else None]
+    box = [plan_dict(overrides, world, runs_dir, train) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

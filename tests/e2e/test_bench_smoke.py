@@ -98,3 +98,101 @@ def test_calibration_sweep_counts_ok_runs_predicted_oom(tmp_path):
     assert (out["profile"], out["ok_runs"], out["failed_runs"], out["ok_predicted_oom"]) == ("nanotron", 2, 1, 1)
     zero0, zero1 = out["by_group"]["8.86B zero=0, tp"], out["by_group"]["8.86B zero=1, tp"]
     assert zero0["ok_predicted_oom"] == 1 and zero1["ok_predicted_oom"] == 0 and zero1["within_10pct"] == 1.0
+
+
+# --- scripts/bench/gpu_session.py: the prepared GPU session ------------------------------------------
+
+def gpu_session_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_session", BENCH / "gpu_session.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))
+    sys.modules["gpu_session"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_session_needs_cuda_and_says_so():
+    proc = run_bench("gpu_session.py")
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gpu_session_device_command_is_the_documented_one():
+    """One command for the device, the same in the script's docstring (over three lines), --plan-only's
+    output and docs/benchmarks.md; it fits the device tool's 2,000 characters."""
+    gs = gpu_session_module()
+    command = gs.DEVICE_COMMAND
+    assert len(command) < 2000 and "--budget-s 300" in command and "$OUT" in command
+    assert " ".join(command.split()) in " ".join(gs.__doc__.replace("\\\n", " ").split())
+    assert command in (REPO / "docs" / "benchmarks.md").read_text()
+    assert "PYTHONPATH=$PWD:/tmp/site" in command  # the checkout's usp before anything carried
+
+
+@pytest.mark.slow
+def test_gpu_session_plans_an_h100_without_a_gpu():
+    """--plan-only: every case with its model, micro batch and time estimate; the correctness cases first;
+    on an 80 GB H100 the largest model is the 3B (the 8B needs more than one GPU's memory)."""
+    proc = run_bench("gpu_session.py", "--plan-only", "NVIDIA H100 80GB HBM3", "79.1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    cases = out["cases"]
+    assert [c["n"] for c in cases.values()] == list(range(1, 12)) and out["budget_s"] == 300
+    assert list(cases)[:4] == ["tiny fp32 cpu", "tiny fp32", "tiny bf16", "tiny fp32 compiled"]
+    assert cases["tiny fp32 cpu"]["on_cpu"] and not cases["tiny fp32"]["on_cpu"]
+    assert cases["1b compiled"]["model"] == "llama3_2_1b" and cases["1b compiled"]["steps"] == 50
+    assert cases["largest fp8 tensorwise compiled"]["model"] == "llama3_2_3b"
+    assert all(c["estimate_s"] > 0 for c in cases.values())
+    fp8, bf16 = cases["1b fp8 tensorwise compiled"], cases["1b compiled"]
+    assert fp8["in_budget"] and fp8["predicted_tokens_per_s"] > bf16["predicted_tokens_per_s"]  # the 1st call's FP8
+
+
+def test_gpu_session_never_starts_a_case_past_its_budget(shakespeare, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    proc = run_bench("gpu_session.py", "--smoke", "--cases", "5", "--budget-s", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["case"] == "1b compiled" and row["skipped"].startswith("not started: estimated")
+    assert "elapsed_s" not in row  # no process was started
+
+
+@pytest.mark.slow
+def test_gpu_session_smoke_runs_the_flow_on_cpu(shakespeare, tmp_path):
+    """--smoke: the CPU reference, a 'GPU' run and bf16 compared with it (both on CPU here), FP8 skipped
+    and saying so; each row printed, appended to the JSONL and in the markdown table."""
+    out, md = tmp_path / "rows.jsonl", tmp_path / "table.md"
+    proc = run_bench("gpu_session.py", "--smoke", "--cases", "1-3,6", "--out", str(out), "--md", str(md),
+                     timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(rows) == ["tiny fp32 cpu", "tiny fp32", "tiny bf16", "1b fp8 tensorwise compiled"]
+    fp32, bf16 = rows["tiny fp32"]["check"], rows["tiny bf16"]["check"]
+    assert fp32["ok"] and fp32["ref"] == "tiny fp32 cpu" and fp32["max_rel_diff"] == 0  # the same CPU run
+    assert bf16["ok"] and 0 < bf16["max_rel_diff"] <= 5e-3 and len(rows["tiny bf16"]["losses"]) == 5
+    assert "FP8 skipped on CPU" in rows["1b fp8 tensorwise compiled"]["skipped"]
+    printed = [line.split()[1:3] for line in proc.stdout.splitlines()[1:]]
+    assert printed == [["tiny", "fp32"], ["tiny", "fp32"], ["tiny", "bf16"], ["1b", "fp8"]]
+    table = md.read_text()
+    assert "| 3 | tiny bf16 | tiny, 4 x 1 |" in table and "FP8 skipped on CPU" in table
+
+
+@pytest.mark.slow
+def test_gpu_session_fit_recovers_the_planner_constants(shakespeare, tmp_path):
+    """--fit on a session's rows: eager_overhead = compiled / eager tokens/s - 1, and the fp8_efficiency at
+    which the planner predicts the measured FP8 / bf16 speedup (rows made from the planner at 0.6)."""
+    gs = gpu_session_module()
+    hardware = gs.mfu.gpu_overrides("NVIDIA H100 80GB HBM3", 79.1)
+    base = {"hardware": hardware, "model": "llama3_2_1b", "micro_batch": 8, "grad_accum": 1}
+    bf16 = {**base, "case": "1b compiled", "group": "mfu", "overrides": list(gs.all_cases()[4].overrides)}
+    fp8 = {**base, "case": "1b fp8 tensorwise compiled", "group": "fp8",
+           "overrides": list(gs.all_cases()[5].overrides), "check": {"ref": "1b compiled"}}
+    runs = str(tmp_path / "runs")
+    bf16["tokens_per_s"] = gs._predicted_tokens_per_s(bf16, runs)
+    fp8["tokens_per_s"] = gs._predicted_tokens_per_s(fp8, runs, "cluster.timing.fp8_efficiency=0.6")
+    eager = {**bf16, "case": "1b eager", "tokens_per_s": bf16["tokens_per_s"] / 1.25}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (bf16, fp8, eager)))
+    lines = gs.fit(str(path))
+    assert "1b (llama3_2_1b): cluster.timing.eager_overhead = 0.250" in lines
+    [fitted] = [line for line in lines if "fp8_efficiency" in line]
+    assert float(fitted.rsplit("= ", 1)[1]) == pytest.approx(0.6, abs=2e-3)

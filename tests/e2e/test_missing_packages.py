@@ -37,9 +37,10 @@ print(json.dumps(out))
 """
 
 
-def run_without(package: str, root: Path, *commands: str) -> dict:
+def run_without(package: str, root: Path, *commands: str, child: str = CHILD) -> dict:
     """The commands (CHILD's names) in one process where `package` is not installed: name -> [exit
-    code, stdout, stderr, unexpected exception]."""
+    code, stdout, stderr, unexpected exception]. `child`: another script, given the same arguments,
+    printing its JSON last."""
     site = Path(sysconfig.get_paths()["purelib"])
     shadow = root / "site"
     shadow.mkdir()
@@ -47,7 +48,7 @@ def run_without(package: str, root: Path, *commands: str) -> dict:
         if not entry.name.startswith(package) and entry.suffix != ".pth":
             (shadow / entry.name).symlink_to(entry)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{shadow}", USP_CACHE_DIR=str(root / "cache"))
-    proc = subprocess.run([sys.executable, "-S", "-c", CHILD, package, str(root / "runs"), *commands], env=env,
+    proc = subprocess.run([sys.executable, "-S", "-c", child, package, str(root / "runs"), *commands], env=env,
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
@@ -76,3 +77,25 @@ def test_train_without_torch_says_how_to_install_it_before_any_work(tmp_path):
             (stderr, exc)
         assert "pip install torch" in text and "Traceback" not in stderr
     assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()  # no data prepared, no run dir
+
+
+FP8_CHILD = """
+import importlib.util, json, sys
+assert importlib.util.find_spec(sys.argv[1]) is None, f"{sys.argv[1]} is still importable"
+from usp.engine.parallel.fp8 import apply_fp8
+from usp.errors import UspError
+from usp.models.llama import Llama, LlamaArgs
+try:
+    apply_fp8(Llama(LlamaArgs(dim=64, n_layers=1, n_heads=4, ffn_dim=128, vocab_size=256)), "rowwise")
+    print(json.dumps(None))
+except UspError as exc:
+    print(json.dumps([exc.key, exc.value, str(exc)]))
+"""
+
+
+def test_fp8_without_torchao_says_how_to_install_it(tmp_path):
+    """torchao is no dependency of usp (pip install 'usp[fp8]'): the engine imports it only for train.fp8,
+    and says what to install where it is missing."""
+    key, value, text = run_without("torchao", tmp_path, child=FP8_CHILD)
+    assert (key, value) == ("train.fp8", "rowwise") and "torchao is not installed" in text
+    assert "pip install 'torchao>=0.17'" in text and "train.fp8=off" in text

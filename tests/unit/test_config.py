@@ -197,7 +197,7 @@ def test_unknown_top_level_key():
 @pytest.mark.parametrize("override,key,type_name", [
     ("train.steps=abc", "train.steps", "int"),
     ("optimizer.lr=fast", "optimizer.lr", "float"),
-    ("train.compile=maybe", "train.compile", "bool"),
+    ("checkpoint.enabled=maybe", "checkpoint.enabled", "bool"),
     ("cluster.nodes=1.5", "cluster.nodes", "int"),
 ])
 def test_wrong_type_names_key_and_expected_type(override, key, type_name):

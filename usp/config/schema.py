@@ -105,6 +105,8 @@ class ClusterTimingConfig:
     p2p_stall_exp: float = 4.0  # how steeply the stall grows (node count, memory headroom)
     optimizer_gbps: float = 0.0  # memory bandwidth of the optimizer step; 0 = not modelled
     loss_ps_per_logit: float = 0.0  # the loss's cost per logit (token x vocabulary/tp) on the last stage; 0 = none
+    eager_overhead: float = 0.0  # an eager (train.compile off) micro batch's extra time over a compiled one; 0 = none
+    fp8_efficiency: float = 1.0  # share of the FP8 peak a train.fp8 matmul reaches, relative to kernel_efficiency
     calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
 
 
@@ -154,6 +156,7 @@ class ClusterConfig:
     device_memory_gb: float = 24.0  # per device (per process on CPU), GiB
     peak_tflops_bf16: float = 0.15  # dense peak per device; CPU values are placeholders to calibrate
     peak_tflops_fp32: float = 0.15
+    peak_tflops_fp8: float = 0.0  # dense FP8 peak; 0 = no FP8 matmul units (train.fp8 is refused)
     intra_node_gbps: float = 5.0  # per-device link bandwidth inside a node, GB/s (one direction)
     inter_node_gbps: float = 1.25  # per-device bandwidth between nodes, GB/s
     price_per_device_hour: float = 0.0  # 0 = unknown
@@ -212,7 +215,11 @@ class TrainConfig:
     log_interval: int = 10
     sample_tokens: int = 120  # text sampled from the model at the end; 0 = none
     sample_prompt: str = "ROMEO:"
-    compile: bool = False
+    # auto = on for CUDA (measured faster there), off elsewhere (usp.plan.specs.uses_compile) | true | false
+    compile: Any = "auto"
+    # FP8 training of the blocks' linears through torchao.float8 (GPUs with FP8 units; docs/parallelism.md, FP8):
+    # off | tensorwise (one scale per tensor: fastest; FP8 all-gathers under FSDP) | rowwise (a scale per row)
+    fp8: str = "off"
     max_restarts: int = 0  # torchrun restarts the whole job this often after a rank dies (resuming)
     nan_policy: str = "stop"  # stop (checkpoint the last good step, exit) | skip (drop the step)
     # None = on for CPU (exact parity and resume), off on an accelerator (its deterministic kernels

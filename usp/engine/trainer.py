@@ -122,6 +122,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
 
+
     def _non_finite(self, step: int, loss: float, what: str, value: float) -> tuple[float, float]:
         """NaN/inf loss or gradient norm (the same on every rank: both are reduced over all
         ranks), found before the optimizer step. train.nan_policy=skip drops the step; stop keeps

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from usp.plan.profile import Profile, get_profile
 from usp.plan.rules import Settings, Subject
-from usp.plan.specs import Arch, Hardware, Layout, Precision
+from usp.plan.specs import Arch, Hardware, Layout, Precision, uses_compile
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ def recipe_precision(cfg, device: str) -> tuple[Profile, Precision]:
     """planner.profile's recipe and the bytes per value it stores at train.dtype on this device."""
     profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
     train = cfg.train
-    return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params,
-                                      bool(getattr(train, "compile", False)))
+    compiled = profile.follows_compile and uses_compile(getattr(train, "compile", "auto"), device)
+    return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params, compiled,
+                                      str(getattr(train, "fp8", "off")))
 
 
 def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:

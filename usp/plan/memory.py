@@ -51,8 +51,11 @@ stores bf16 parameters (usp.plan.specs.Precision)):
   copies       bf16 under autocast (usp's engine without FSDP2's bf16 policy: P/G/K = 4/4/8, fp32
                parameters): the bf16 copy of each weight a matmul reads, 2 bytes, where alive
                (_autocast_copies: every layer's without recompute, else the LM head's; compiled
-               blocks none). Adds the "loss forward" peak: the copies + bf16 logits and their fp32
-               copy (6 bytes per logit) beside the kept log-probs.
+               blocks or FP8 blocks none). Adds the "loss forward" peak: the copies + bf16 logits and
+               their fp32 copy (6 bytes per logit) beside the kept log-probs. train.fp8: the blocks'
+               linears cast their fp32 (or gathered bf16) weights to FP8 themselves, 1 byte + fp32
+               scales (one per tensor, or per row and per column: rowwise), one layer's during a
+               layer's backward (_fp8_copies); FSDP gathers them as without FP8.
   comm buffers DDP / ZeRO-1: a flat copy of the gradients in buckets (PyTorch's default
                gradient_as_bucket_view=False).
   peak         the terms above are not all alive at once. Parameters, optimizer states, buckets and
@@ -94,6 +97,11 @@ ZERO_BUBBLE = ("interleaved_zb", "zbv")
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
 LOSS_FORWARD_EXTRA_BYTES = 6  # per logit at the loss forward, besides the kept fp32 log-probs: bf16 logits + fp32 copy
+# train.compile: the kept activations of a compiled block (no recompute) / the eager count (inductor recomputes
+# norms and SwiGLU's pointwise ops in backward instead of keeping them). Fitted to one GPU run: Llama-3.2 1B,
+# micro batch 8 x seq 2048 on an H200, 59.4 GiB measured compiled where the eager count predicted 62.5
+# (docs/planner.md "Compile and FP8"). To refine from scripts/bench/gpu_session.py's rows.
+COMPILED_ACTIVATIONS = 0.876
 
 TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "copies", "comm_buffers",
          "overhead")
@@ -240,6 +248,8 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
     kept, full = activation_values(arch, layout, profile)
+    if prec.compiled and layout.recompute == "none":
+        kept *= COMPILED_ACTIVATIONS
     ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
     kept_ring = ring if layout.recompute != "full" else 0
     scale = profile.activation_scale
@@ -396,20 +406,39 @@ def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
     return 2 * b * root + (blocks * b + b) * unit
 
 
+def fp8_layer_params(arch: Arch, layout: Layout) -> float:
+    """Weights of one layer on one rank that train.fp8 converts: every linear of a dense block
+    (attention and SwiGLU; usp/engine/parallel/fp8.py), none of a MoE layer's (refused)."""
+    return 0.0 if arch.moe else (arch.attn_params + arch.dense_mlp_params) / layout.tp
+
+
+def _fp8_copies(arch: Arch, layout: Layout, prec: Precision) -> float:
+    """train.fp8: one layer's FP8 weight copies (1 byte each) and their fp32 scales, alive while the
+    layer computes: one scale per tensor (tensorwise), or one per row and one per column (rowwise:
+    the forward and the backward scale along different dims)."""
+    if prec.fp8 == "off" or arch.moe:
+        return 0.0
+    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
+    rows_and_cols = (2 * h + 2 * (h + kv) + 2 * h) / t + 3 * (h + f) / t  # wq, wk, wv, wo; w1, w3, w2
+    scales = 4 * rows_and_cols if prec.fp8 == "rowwise" else 4 * 7
+    return fp8_layer_params(arch, layout) + scales
+
+
 def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> tuple[float, float, float]:
     """The bf16 copies autocast makes of the fp32 weights it feeds to matmuls, in bytes, alive at
     (the loss forward, the loss backward, a layer's backward). Each linear saves its copy for
     backward; without recompute autocast also caches it (usp.plan.specs.autocast_weight_cache), so
     a pipeline's in-flight micro batches share one copy, held for the whole step. A recomputed
     layer's copy lives within its own forward or backward: one layer's during a layer's backward.
-    Compiled blocks (train.compile) cast inside their graph: only the eager LM head's copy counts.
-    0 where nothing is copied: fp32, bf16-stored parameters, or FSDP2's bf16 policy (gathered)."""
+    Compiled blocks (train.compile) cast inside their graph, FP8 blocks (train.fp8) cast to FP8 themselves
+    (_fp8_copies): only the eager LM head's copy counts. 0 where nothing is copied: fp32, bf16-stored
+    parameters, or FSDP2's bf16 policy (gathered)."""
     b = prec.copy_bytes
     if not b or bf16_by_fsdp_policy(layout.dp_kind, layout.pp, layout.ep if arch.moe else 1):
         return 0.0, 0.0, 0.0
     tied_head = arch.tie_embeddings and layout.pp == 1 and h.holds_head  # the head casts the embedding
     head = b * (h.emb if tied_head else max(0.0, h.head - arch.dim))  # its weight, not the final norm's
-    if prec.compiled:
+    if prec.compiled or prec.fp8 != "off":
         return head, head, 0.0
     layer = b * (h.dense_layer + h.expert_layer)
     if not autocast_weight_cache(layout.recompute):
@@ -432,6 +461,7 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     loss_extra = _logits(layout, seq_len, prec, h, st, profile)
     gathered = _gathered(layout, prec, h)
     copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h)
+    copies_layer += _fp8_copies(arch, layout, prec) if h.layers else 0.0
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some), a
     # layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer) or, under autocast,
     # the loss forward (every cached weight copy), whichever is largest.

@@ -47,6 +47,10 @@ class Profile:
     reduce_bytes: int = 0  # bytes per gradient value reduced over dp; 0 = the precision's gradient bytes
     zero1_once_per_step: bool = False  # ZeRO-1 with TP/PP: one gradient reduction + all-gather per step (not FSDP2)
     optimizer_bytes_per_param: int = 34  # AdamW (+ clipping) streams fp32 master, m, v, the gradient, writes bf16
+    # train.compile applies to the recipe (usp's blocks through torch.compile): eager blocks pay the cluster's
+    # eager_overhead, compiled ones keep usp.plan.memory.COMPILED_ACTIVATIONS; False: the recipe's own fused
+    # kernels (nanotron: flash attention, fused norms), neither
+    follows_compile: bool = True
 
 
 PROFILES = {
@@ -60,7 +64,7 @@ PROFILES = {
         accum_bytes_per_token_h=100.0,
         loss_forward_bytes=10.0, pp_split="matmul", fixed_overhead_gib=0.0, fragmentation=0.0,
         # time
-        dp_overlap=0.8, reduce_bytes=4, zero1_once_per_step=True),
+        dp_overlap=0.8, reduce_bytes=4, zero1_once_per_step=True, follows_compile=False),
 }
 
 

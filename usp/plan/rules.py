@@ -35,7 +35,17 @@ from usp.data.tokenizer import KINDS as TOKENIZERS
 from usp.errors import PlanError
 from usp.plan.optimizer import OPTIMIZERS, REFUSED_OPTIMIZERS, SCHEDULES, OptimSettings
 from usp.plan.pipeline_split import check_explicit, validate_schedule
-from usp.plan.specs import ATTENTION_CHOICES, RECOMPUTE_MODES, Arch, Hardware, Layout, group_crosses_nodes
+from usp.plan.specs import (
+    ATTENTION_CHOICES,
+    FP8_RECIPES,
+    RECOMPUTE_MODES,
+    Arch,
+    Hardware,
+    Layout,
+    compile_choice,
+    group_crosses_nodes,
+    uses_compile,
+)
 
 KINDS = ("plan", "engine", "warn")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
@@ -54,6 +64,8 @@ class Settings:
     tokenizer: str = "bpe"
     node_rank: int | None = None  # cluster.node_rank / rdzv_endpoint: several machines without Slurm
     rdzv_endpoint: str | None = None
+    compile: Any = "auto"  # train.compile as configured (usp.plan.specs.uses_compile resolves it)
+    fp8: str = "off"  # train.fp8
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -64,7 +76,8 @@ class Settings:
                    ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")),
                    optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
                    tokenizer=str(g("data", "tokenizer", "bpe")),
-                   node_rank=g("cluster", "node_rank"), rdzv_endpoint=g("cluster", "rdzv_endpoint"))
+                   node_rank=g("cluster", "node_rank"), rdzv_endpoint=g("cluster", "rdzv_endpoint"),
+                   compile=g("train", "compile", "auto"), fp8=str(g("train", "fp8", "off")))
 
 
 def _get(obj, key: str, default=None):
@@ -147,6 +160,11 @@ def _wsd_overlap(o: OptimSettings) -> bool:
     return o.schedule == "wsd" and o.steps >= 1 and o.warmup_steps + o.decay_steps > o.steps
 
 
+def _fp8(s: Subject) -> bool:
+    return s.settings.fp8 in FP8_RECIPES and s.settings.fp8 != "off"
+
+
+FP8_GPUS = "NVIDIA compute capability 8.9 or newer (H100, H200, L40S) or an AMD MI300X"
 INF = math.inf
 CONFIG_RULES = [
     Rule("device_known", "plan", "cluster.device", lambda s: s.hw.device not in DEVICES,
@@ -190,6 +208,22 @@ CONFIG_RULES = [
     Rule("tokenizer_known", "plan", "data.tokenizer", lambda s: s.settings.tokenizer not in TOKENIZERS,
          f"unknown tokenizer; choose one of {', '.join(TOKENIZERS)}", "data.tokenizer=bpe",
          lambda s: s.settings.tokenizer),
+    Rule("compile_choice", "plan", "train.compile", lambda s: compile_choice(s.settings.compile) is None,
+         "choose auto (on for CUDA, off elsewhere), true or false", "train.compile=auto",
+         lambda s: s.settings.compile),
+    Rule("fp8_recipe", "plan", "train.fp8", lambda s: s.settings.fp8 not in FP8_RECIPES,
+         f"unknown FP8 recipe; choose one of {', '.join(FP8_RECIPES)}", "train.fp8=tensorwise (or off)",
+         lambda s: s.settings.fp8),
+    Rule("fp8_on_cuda", "plan", "train.fp8", lambda s: _fp8(s) and s.hw.device != "cuda",
+         lambda s: f"FP8 training runs torchao's float8 matmuls on GPUs with FP8 units ({FP8_GPUS}); "
+                   f"cluster.device={s.hw.device} has none",
+         "train.fp8=off, or a cluster group whose GPUs have FP8: cluster=slurm_h100 (or h200, mi300x)",
+         lambda s: s.settings.fp8),
+    Rule("fp8_units", "plan", "train.fp8", lambda s: _fp8(s) and s.hw.device == "cuda" and s.hw.peak_tflops_fp8 <= 0,
+         lambda s: f"the cluster's GPU ({s.hw.device_name}) has no FP8 matmul units (cluster.peak_tflops_fp8=0); "
+                   f"FP8 needs {FP8_GPUS}",
+         "train.fp8=off; or, if this GPU has FP8 units, cluster.peak_tflops_fp8=<its dense FP8 TFLOP/s>",
+         lambda s: s.settings.fp8),
 ]
 
 
@@ -254,6 +288,11 @@ LAYOUT_RULES = [
          lambda s: s.layout.pp_virtual_stages < 1, "must be at least 1", "parallelism.pp_virtual_stages=1",
          lambda s: s.layout.pp_virtual_stages),
     Rule("pp_layers_split", "plan", check=lambda s: _check_pp_layers(s)),
+    Rule("fp8_rowwise_over_tp", "plan", "train.fp8", lambda s: s.settings.fp8 == "rowwise" and s.layout.tp > 1,
+         lambda s: "torchao's float8 tensor-parallel styles (Float8ColwiseParallel, Float8RowwiseParallel) scale "
+                   f"per tensor only: rowwise scales can't be sharded over parallelism.tp={s.layout.tp}",
+         "train.fp8=tensorwise, or parallelism.tp=1 (shard over data-parallel ranks instead: parallelism.dp_shard)",
+         "rowwise"),
 ]
 
 
@@ -347,6 +386,13 @@ ENGINE_RULES = [
          "checkpoints of expert-parallel runs are not supported yet (expert weights differ per rank)",
          "checkpoint.enabled=false", True),
     Rule("local_multinode_rendezvous", "engine", check=lambda s: _check_node_keys(s)),
+    Rule("fp8_over_tp", "engine", "parallelism.tp", lambda s: _fp8(s) and s.layout.tp > 1,
+         "this engine doesn't install torchao's float8 tensor-parallel styles yet: FP8 trains with FSDP, DDP, "
+         "CP and PP", "parallelism.tp=1 (shard with FSDP: parallelism.dp_shard=<ranks>), or train.fp8=off",
+         lambda s: s.layout.tp),
+    Rule("fp8_dense_only", "engine", "train.fp8", lambda s: _fp8(s) and s.arch.moe,
+         "FP8 converts the linears of dense blocks; this engine doesn't convert MoE layers (routed experts) yet",
+         "train.fp8=off, or a dense model", lambda s: s.settings.fp8),
 ]
 
 
@@ -401,6 +447,12 @@ def _tp_across_nodes(s: Subject) -> str:
 
 
 WARN_RULES = [
+    Rule("fp8_compiled", "warn", "train.compile",
+         lambda s: _fp8(s) and compile_choice(s.settings.compile) is not None
+         and not uses_compile(s.settings.compile, s.hw.device),
+         "FP8 without compile: torchao's scaling and casts run as separate kernels, slower than bf16 "
+         "(torchtitan compiles every float8 run)", "train.compile=auto (or true), or drop --strict",
+         lambda s: s.settings.compile),
     Rule("warmup_ends", "warn", "optimizer.warmup_steps",
          lambda s: 1 <= s.settings.optim.steps <= s.settings.optim.warmup_steps,
          lambda s: f"the warmup outlasts the run (train.steps={s.settings.optim.steps}): the learning rate peaks at "

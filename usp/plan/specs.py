@@ -15,6 +15,8 @@ from usp.plan.time_constants import TimeConstants
 GIB = 1024 ** 3
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
+FP8_RECIPES = ("off", "tensorwise", "rowwise")  # train.fp8: torchao.float8's recipe names (usp/engine/parallel/fp8.py)
+COMPILE_CHOICES = ("auto", "true", "false")  # train.compile
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ class Hardware:
     nodes: int
     procs_per_node: int
     timing: TimeConstants = TimeConstants()  # fitted by `usp calibrate` (usp/plan/time_constants.py)
+    peak_tflops_fp8: float = 0.0  # 0: no FP8 matmul units
 
     @classmethod
     def from_cluster(cls, c) -> Hardware:
@@ -196,7 +199,7 @@ class Hardware:
                    intra_node_gbps=float(g("intra_node_gbps", 5.0)), inter_node_gbps=float(g("inter_node_gbps", 1.25)),
                    price_per_device_hour=float(g("price_per_device_hour", 0.0)),
                    nodes=int(g("nodes", 1)), procs_per_node=int(g("procs_per_node", 1)),
-                   timing=TimeConstants.from_config(g("timing")))
+                   timing=TimeConstants.from_config(g("timing")), peak_tflops_fp8=float(g("peak_tflops_fp8", 0.0)))
 
     @property
     def world(self) -> int:
@@ -222,7 +225,8 @@ class Precision:
     optim: int
     act: int
     compute: int = 0  # the copy of a parameter the matmuls read (0: the stored one, `param` bytes)
-    compiled: bool = False  # train.compile: the blocks cast their weights inside the compiled graph
+    compiled: bool = False  # train.compile (resolved): the blocks cast their weights inside the compiled graph
+    fp8: str = "off"  # train.fp8: the blocks' linears compute in FP8 (torchao.float8), their casts are FP8 copies
 
     @property
     def copy_bytes(self) -> int:
@@ -235,15 +239,19 @@ class Precision:
         return self.compute or self.param
 
     @classmethod
-    def resolve(cls, dtype: str, device: str, fp32_params: bool = False, compiled: bool = False) -> Precision:
+    def resolve(cls, dtype: str, device: str, fp32_params: bool = False, compiled: bool = False,
+                fp8: str = "off") -> Precision:
         if dtype not in DTYPES:
             from usp.errors import PlanError
 
             raise PlanError(f"unknown dtype; choose one of {', '.join(DTYPES)}", key="train.dtype", value=dtype,
                             fix="train.dtype=auto")
+        fp8 = fp8 if fp8 in FP8_RECIPES else "off"  # an unknown recipe is the rules' to refuse
         if not uses_bf16(dtype, device):
-            return cls("fp32", 4, 4, 8, 4)
-        return cls("bf16", 4, 4, 8, 2, compute=2, compiled=compiled) if fp32_params else cls("bf16", 2, 2, 12, 2)
+            return cls("fp32", 4, 4, 8, 4, compiled=compiled, fp8=fp8)
+        if fp32_params:
+            return cls("bf16", 4, 4, 8, 2, compute=2, compiled=compiled, fp8=fp8)
+        return cls("bf16", 2, 2, 12, 2, compiled=compiled, fp8=fp8)
 
 
 ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.py installs them)
@@ -252,6 +260,22 @@ ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.
 def uses_bf16(dtype: str, device: str) -> bool:
     """train.dtype=auto means bf16 on an accelerator, fp32 on CPU (the planner and the engine)."""
     return dtype == "bf16" or (dtype == "auto" and device != "cpu")
+
+
+def compile_choice(value) -> str | None:
+    """train.compile as one of COMPILE_CHOICES ("auto", "true", "false"), or None for anything else
+    (YAML and the command line give booleans; a string works too)."""
+    text = str(value).lower()
+    return text if text in COMPILE_CHOICES else None
+
+
+def uses_compile(value, device: str) -> bool:
+    """train.compile: per-block torch.compile, or eager. auto is on for CUDA, where it measured faster
+    (Llama-3.2 1B on an H200: 49.0 % MFU compiled, 40.8 % eager, docs/benchmarks.md), and off elsewhere:
+    on CPU inductor's C++ build costs more than a short run gains, XPU was never measured. The one
+    place the setting is resolved (the planner and the engine)."""
+    choice = compile_choice(value)
+    return choice == "true" or (choice == "auto" and device == "cuda")
 
 
 def autocast_weight_cache(recompute: str) -> bool:

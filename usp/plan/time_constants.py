@@ -45,6 +45,12 @@ class TimeConstants:
     # the LM head's loss (softmax cross-entropy, forward + backward) streams the micro batch's logits
     # (tokens x vocabulary/tp) through memory several times, in fp32 where the recipe upcasts them
     loss_ps_per_logit: float = 0.0  # picoseconds per logit on the last stage; 0 = not modelled
+    # train.compile off: an eager micro batch takes (1 + eager_overhead) x a compiled one's time (unfused
+    # elementwise kernels, launches); measured per GPU (docs/planner.md "Compile and FP8"); 0 = not modelled
+    eager_overhead: float = 0.0
+    # train.fp8: a converted matmul reaches fp8_efficiency x kernel_efficiency of the FP8 peak (its casts and
+    # scales included); 1.0 = uncalibrated (the same share of its peak as a bf16 matmul)
+    fp8_efficiency: float = 1.0
     calibrated: Calibrated = field(default_factory=Calibrated)
 
     @classmethod

@@ -6,7 +6,10 @@ by `usp calibrate`), the recipe's choices from the profile (usp/plan/profile.py)
 Model, per optimizer step:
 
   compute     per micro batch on the busiest pp rank: sum over its matmuls of FLOPs / (peak x
-              kernel efficiency) + a fixed cost per layer (launches, host). FLOPs per token per
+              kernel efficiency) + a fixed cost per layer (launches, host); x (1 + eager_overhead)
+              unless train.compile (unfused elementwise kernels); under train.fp8 the blocks'
+              linears run at the FP8 peak x kernel efficiency x fp8_efficiency (attention scores
+              and the LM head stay bf16; MFU and HFU stay against the bf16 peak, as torchtitan's). FLOPs per token per
               layer: 6·(matmul weights)/t + 12·h·s/t (attention scores, playbook convention; a
               MoE layer's 6·(router + top_k experts + shared expert) is not divided by t); LM head
               6·V·h/t on the last stage. Full recompute adds the forward again (HFU > MFU);
@@ -212,6 +215,8 @@ class TimeShape:
     nodes: int = 1
     memory_fraction: float = 0.0  # predicted peak of the fullest stage / device memory (the p2p stall)
     logits_mb: float = 0.0  # logits the busiest pp rank's loss handles per micro batch (tokens x vocabulary/tp)
+    compiled: bool = False  # train.compile: no eager_overhead
+    fp8_peak: float = 0.0  # FLOP/s of the FP8 matmuls (FP8_MATMULS) under train.fp8; 0 = off
 
     @property
     def layers_r(self) -> int:
@@ -262,18 +267,25 @@ def _stage_matmuls(arch: Arch, layout: Layout, seq_len: int, split: str) -> tupl
     return busiest, layers, out
 
 
+FP8_MATMULS = ("q/o", "k/v", "mlp")  # _layer_matmuls' names of the linears train.fp8 converts (not attention, moe)
+
+
 def _compute(shape: TimeShape, hw: Hardware) -> tuple[float, float, float, dict]:
     """(micro batch seconds on the busiest pp rank incl. its fixed cost, matmul seconds, sat(tokens),
     sat(width) per matmul): FLOPs / (peak x kernel efficiency) + a fixed cost per layer + the loss's
-    cost per logit (memory-bound: it scales with tokens x vocabulary/tp, not with FLOPs)."""
+    cost per logit (memory-bound: it scales with tokens x vocabulary/tp, not with FLOPs), x (1 +
+    eager_overhead) for eager blocks. FP8 matmuls run at their own peak x fp8_efficiency."""
     c, extra = hw.timing, shape.recompute_extra
     sat_tok = _sat(shape.tokens_mb, c.kernel_half_tokens)
     rate = shape.peak * c.kernel_efficiency * sat_tok
+    fp8_speedup = shape.fp8_peak * c.fp8_efficiency / shape.peak if shape.fp8_peak else 1.0
     sat_dims = {name: _sat(width, c.kernel_half_dim) for name, _, width, _ in shape.matmuls}
     matmul_s = shape.tokens_mb * sum(f * (1 + extra if again else 1) / sat_dims[name]
+                                     / (fp8_speedup if name in FP8_MATMULS else 1.0)
                                      for name, f, _, again in shape.matmuls) / rate
     loss_s = 1e-12 * c.loss_ps_per_logit * shape.logits_mb
-    return matmul_s + 1e-6 * c.layer_overhead_us * shape.layers_r + loss_s, matmul_s, sat_tok, sat_dims
+    mb_s = matmul_s + 1e-6 * c.layer_overhead_us * shape.layers_r + loss_s
+    return mb_s * (1 if shape.compiled else 1 + c.eager_overhead), matmul_s, sat_tok, sat_dims
 
 
 def _bubble(layout: Layout) -> float:
@@ -448,7 +460,9 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
                      optimizer_bytes=profile.optimizer_bytes_per_param, tokens_per_step=global_batch * seq_len,
                      model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world, nodes=hw.nodes,
                      memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak),
-                     logits_mb=tokens_mb * mats[-1][2] if mats[-1][0] == "head" else 0.0)
+                     logits_mb=tokens_mb * mats[-1][2] if mats[-1][0] == "head" else 0.0,
+                     compiled=prec.compiled or not profile.follows_compile,
+                     fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0)
 
 
 def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile,
@@ -554,6 +568,13 @@ def _assumptions(layout: Layout, hw: Hardware, prec: Precision, shape: TimeShape
         f"ring latency {c.intra_hop_us:.3g} µs per hop inside a node, {c.inter_hop_us:.3g} µs across; fixed "
         f"{c.layer_overhead_us:.3g} µs per layer and micro batch, {c.step_overhead_ms:.3g} ms per step",
     ]
+    if c.eager_overhead and not shape.compiled:
+        out.append(f"eager blocks (train.compile off): + {c.eager_overhead:.0%} per micro batch over compiled ones")
+    if shape.fp8_peak:
+        out.append(f"train.fp8={prec.fp8}: the blocks' linears at {shape.fp8_peak / 1e12:.0f} TFLOP/s FP8 peak x "
+                   f"fp8_efficiency {c.fp8_efficiency:.2f}"
+                   + (" (uncalibrated)" if c.fp8_efficiency == 1.0 else "")
+                   + "; attention scores and the LM head in bf16; MFU against the bf16 peak")
     if layout.pp > 1 and c.p2p_stall_ms > 0:
         stall = pipeline_stall_s(hw, shape.nodes, shape.memory_fraction)
         out.append(f"pipeline p2p stall {1e3 * stall:.3g} ms per blocking send/recv (up to {c.p2p_stall_ms:.3g} ms: "

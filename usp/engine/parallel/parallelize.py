@@ -1,8 +1,8 @@
 """Apply the parallelisms of the plan to one model (or one pipeline stage), always in the
-same order (as torchtitan): TP/SP -> CP -> EP -> activation recomputation -> compile ->
-FSDP / ZeRO / DDP. Each step lives in its own file beside this one in usp/engine/parallel/
-(tensor.py, context.py, expert.py, recompute.py, data.py; the FSDP2 policy in precision.py);
-build.py calls this once per model or pipeline stage."""
+same order (as torchtitan): FP8 conversion -> TP/SP -> CP -> EP -> activation recomputation ->
+compile -> FSDP / ZeRO / DDP. Each step lives in its own file beside this one in
+usp/engine/parallel/ (fp8.py, tensor.py, context.py, expert.py, recompute.py, data.py; the FSDP2
+policy in precision.py); build.py calls this once per model or pipeline stage."""
 from __future__ import annotations
 
 import torch
@@ -13,11 +13,16 @@ from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.precision import fsdp_mp_policy
 from usp.engine.parallel.recompute import apply_recompute
 from usp.plan.layout import FSDP_KINDS, data_parallel_kind
+from usp.plan.specs import uses_compile
 
 
 def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
     cfg, deg = plan["config"], ctx.degrees
     par, train = cfg["parallelism"], cfg["train"]
+    if str(train.get("fp8", "off")) != "off":  # torchtitan converts at model build, before any wrapper
+        from usp.engine.parallel.fp8 import apply_fp8
+
+        apply_fp8(model, str(train["fp8"]))
     if deg["tp"] > 1:
         from usp.engine.parallel.tensor import apply_tensor_parallel
 
@@ -33,7 +38,7 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
 
         apply_expert_parallel(model, ctx.expert_mesh(ep)["ep"].get_group())
     apply_recompute(model, train["recompute"])
-    if train["compile"]:
+    if uses_compile(train.get("compile", "auto"), plan["device"]):  # train.compile=auto: on for CUDA
         for name, block in list(model.layers.named_children()):
             model.layers[name] = torch.compile(block)
     kind = data_parallel_kind(deg, bool(par["zero1"]))
