@@ -21,7 +21,7 @@ Cases (priority order; --plan-only lists them with the model, micro batch and ti
 Case numbers count from the tiny CPU reference (1) to 1B rowwise (11): --plan-only lists them.
 Tolerances (max over the steps of |loss - ref| / ref):
  - 1e-4, GPU fp32 vs CPU fp32 and compiled vs eager fp32: the same arithmetic, only reduction
-   orders differ (on CPU, compiled vs eager measured < 1e-5 over 4 steps, tests/test_training.py);
+   orders differ (on CPU, compiled vs eager measured < 1e-5 over 4 steps, tests/engine/test_training.py);
  - 5e-3, bf16 vs fp32: about one bf16 rounding (2^-8 = 3.9e-3) of the mean loss; a lost cast or
    gradient moves a 20-step loss by far more. Measured on CPU (tiny, 20 steps): 4.4e-5;
  - 2e-2, FP8 vs bf16 over 50 steps: e4m3 keeps 3 mantissa bits per operand, but dynamic scales

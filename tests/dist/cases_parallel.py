@@ -70,7 +70,7 @@ if __name__ == "__main__":
     if world == 2:
         cases["bf16_fsdp_dtypes"] = bf16_fsdp_dtypes
         # FP8 (torch's CPU _scaled_mm) under FSDP2 ZeRO-3 against one FP8 process: FSDP gathers the weights,
-        # each Float8Linear casts them (tests/test_parallel.py: test_fp8_under_fsdp_tracks_one_process)
+        # each Float8Linear casts them (tests/e2e/test_parallel.py: test_fp8_under_fsdp_tracks_one_process)
         cases["fp8_fsdp"] = lambda: verify_case(STEPS + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"],
                                                 2, {"fp8": "tensorwise"})
     run_cases(cases)

@@ -3,7 +3,7 @@ CPU _scaled_mm runs torchao's float8 training here (slowly: no FP8 units), so th
 training loop and the checkpoint keys are checked here; its speed only on a GPU (scripts/bench/
 gpu_session.py). The planner refuses train.fp8 on CPU, so these tests switch it on in the plan the
 engine reads, after planning: what `usp train` would hand the engine on a GPU. torchao comes with
-`make setup` (tests/test_missing_packages.py checks the engine without it)."""
+`make setup` (tests/e2e/test_missing_packages.py checks the engine without it)."""
 from __future__ import annotations
 
 import copy
@@ -11,9 +11,9 @@ import tempfile
 
 import pytest
 import torch
-from dist.parity import plan_dict
 from torch import nn
 
+from tests.dist.parity import plan_dict
 from usp.engine.parallel import mesh as udist
 from usp.engine.parallel.fp8 import apply_fp8, convertible
 from usp.engine.parallel.mesh import make_context

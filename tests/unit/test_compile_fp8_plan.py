@@ -3,12 +3,15 @@ plan-time rules for FP8 (where it can't run: CPU, a GPU without FP8 units, rowwi
 this engine doesn't train yet), and what the planner's memory and time make of both."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
+from tests.helpers import plan_for
 from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.plan.memory import fp8_layer_params
-from usp.plan.plan import build_plan, checked_plan, plan_with_failures
+from usp.plan.plan import checked_plan, plan_with_failures
 from usp.plan.specs import GIB, Arch, Layout, compile_choice, uses_compile
 
 H100_ONE = ("cluster=slurm_h100", "cluster.procs_per_node=1", "model=llama3_2_1b", "train.seq_len=2048",
@@ -17,14 +20,8 @@ FSDP8 = ("cluster=slurm_h100", "model=llama3_1_8b", "parallelism.dp_replicate=1"
          "train.seq_len=2048", "train.global_batch=8")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("USP_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def plan_for(*overrides: str, **kw):
-    cfg, choices = compose_config(None, list(overrides))
-    return build_plan(cfg, choices, training=False, **kw)
+pytestmark = pytest.mark.usefixtures("fresh_cache")  # planning computes the dataset's path from it
+plan_for = partial(plan_for, training=False)  # as `usp plan` plans: the data pipeline's limits are warnings
 
 
 def failures(*overrides: str):
