@@ -88,7 +88,11 @@ CASES = [  # (argv, modules that must not be imported)
 
 
 def _run(argv: list[str], cwd: Path, out: Path) -> subprocess.CompletedProcess:
+    # SLURM_CONF names no file: the Slurm commands here never reach a real controller (the local
+    # cluster tests/e2e/test_slurm.py runs in the other worker: `usp cancel` of the record's job 1
+    # cancelled that cluster's first job)
     env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), USP_MODULES_OUT=str(out), COLUMNS="200",
+               SLURM_CONF=str(cwd / "no-slurm.conf"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-c", RUNNER, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=180)
