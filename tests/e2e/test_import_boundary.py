@@ -44,6 +44,7 @@ NO_TORCH = {"torch"} | HF
 NO_NUMPY = {"torch", "numpy", "datasets"} | HF
 R, C, H = "<runs>", "<corpus>", "<hf>"  # placeholders: the module's runs directory, a small text corpus, an HF
 # checkpoint directory (its config.json: what `usp plan` reads of a model.init_from)
+JOB_ID = "987654321"
 RUN = f"{R}/boundary"  # a run directory: plan.yaml (usp plan --save), a rank log, a job record
 CASES = [  # (argv, modules that must not be imported)
     pytest.param(["--help"], NO_NUMPY | {"hydra", "omegaconf"}, id="help"),
@@ -88,11 +89,7 @@ CASES = [  # (argv, modules that must not be imported)
 
 
 def _run(argv: list[str], cwd: Path, out: Path) -> subprocess.CompletedProcess:
-    # SLURM_CONF names no file: the Slurm commands here never reach a real controller (the local
-    # cluster tests/e2e/test_slurm.py runs in the other worker: `usp cancel` of the record's job 1
-    # cancelled that cluster's first job)
     env = dict(os.environ, USP_CACHE_DIR=str(cwd / "cache"), USP_MODULES_OUT=str(out), COLUMNS="200",
-               SLURM_CONF=str(cwd / "no-slurm.conf"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-c", RUNNER, *argv], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=180)
@@ -108,7 +105,9 @@ def work(tmp_path_factory) -> Path:
     run = runs / "boundary"
     (run / "logs").mkdir()
     (run / "logs" / "rank_0.log").write_text("step 1/1 loss 8.0\n")
-    (run / "job.json").write_text(json.dumps({"jobs": [{"job_id": "1", "script": str(run / "job.sbatch"),
+    # a job id no Slurm cluster here reaches: with tests/e2e/test_slurm.py's local cluster up in the
+    # other worker, `usp cancel` of a job 1 cancelled that cluster's first job
+    (run / "job.json").write_text(json.dumps({"jobs": [{"job_id": JOB_ID, "script": str(run / "job.sbatch"),
                                                         "log_dir": str(run / "logs"),
                                                         "plans": [str(run / "plan.yaml")], "submitted_at": 0.0}]}))
     (work / "hf").mkdir()  # the tiny model group as a Hugging Face config.json
