@@ -7,12 +7,14 @@ and the RoPE row order are converted in usp/models/hf_convert.py. usp/engine/exp
 into a temporary directory beside the target and swaps it into place: a crash never leaves half an
 export.
 
-In: every rank reads the full HF tensors (safetensors, memory-mapped: only the tensors asked for are
-read) into the full model it has just built, before any parallelism is applied; tensor parallelism,
-FSDP2 and pipeline cutting then keep only this rank's part, exactly as they do with usp's own
-initialisation (build.py builds the same full model on every rank). Transformers is not imported."""
+In: the model (or pipeline stage) is built on the meta device, parallelized and allocated (this rank's
+shards only, usp/engine/parallel/materialize.py); then `load_hf_weights` goes through its parameters
+one at a time: it reads that parameter's whole HF tensor (safetensors, memory-mapped: only the tensors
+asked for are read), converts it, and keeps this rank's part, exactly as usp's own initialisation
+does. Transformers is not imported."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -23,7 +25,8 @@ from torch import nn
 
 from usp.data.tiktoken_file import TIKTOKEN_FILE, TIKTOKEN_META, hf_tokenizer_json, read_ranks
 from usp.errors import UspError
-from usp.models.hf_convert import from_hf, to_hf
+from usp.models.hf_convert import from_hf, hf_names, to_hf
+from usp.models.llama import Place, copy_whole
 from usp.plan.hf_config import hf_config
 
 INDEX = "model.safetensors.index.json"
@@ -140,51 +143,81 @@ class HFLoadError(UspError):
     """The Hugging Face checkpoint can't be loaded into this model."""
 
 
-def read_hf_tensors(path: str | Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of an HF checkpoint directory (single model.safetensors or an index of shards),
-    only `names` when given; memory-mapped, so a tensor not asked for is never read."""
+def _weight_map(path: Path) -> dict[str, str]:
+    """HF tensor name -> the safetensors file holding it (an index of shards, or one file)."""
     from safetensors import safe_open
 
-    path = Path(path).expanduser()
     if (path / INDEX).is_file():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / SINGLE).is_file():
-        files = [SINGLE]
-    else:
-        raise HFLoadError(f"no {SINGLE} or {INDEX} in {path}", key="model.init_from", value=str(path),
-                          fix="save the model with save_pretrained(..., safe_serialization=True)")
-    out = {}
-    for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
-                if names is None or name in names:
-                    out[name] = f.get_tensor(name)
-    return out
+        return dict(json.loads((path / INDEX).read_text())["weight_map"])
+    if (path / SINGLE).is_file():
+        with safe_open(str(path / SINGLE), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE)
+    raise HFLoadError(f"no {SINGLE} or {INDEX} in {path}", key="model.init_from", value=str(path),
+                      fix="save the model with save_pretrained(..., safe_serialization=True)")
+
+
+@contextlib.contextmanager
+def _hf_reader(path: Path):
+    """(names in the checkpoint, get(name) -> tensor): each file opened once, memory-mapped, so a
+    tensor not asked for is never read."""
+    from safetensors import safe_open
+
+    weight_map = _weight_map(path)
+    with contextlib.ExitStack() as stack:
+        files = {file: stack.enter_context(safe_open(str(path / file), framework="pt"))
+                 for file in sorted(set(weight_map.values()))}
+        yield set(weight_map), lambda name: files[weight_map[name]].get_tensor(name)
+
+
+def read_hf_tensors(path: str | Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of an HF checkpoint directory (single model.safetensors or an index of shards),
+    only `names` when given."""
+    with _hf_reader(Path(path).expanduser()) as (available, get):
+        return {name: get(name) for name in sorted(available) if names is None or name in names}
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | Path) -> None:
-    """Copy an HF Llama / Mixtral checkpoint into `model`, a full usp Llama (before parallelism).
-    The architecture was checked at plan time (usp/plan/hf_config.py); the shapes are checked here.
-    Rows beyond the checkpoint's vocabulary (tensor parallelism's padding) keep their init."""
-    args = model.args
-    usp_state = from_hf(read_hf_tensors(path), args.n_heads, args.n_kv_heads)
-    if args.tie_embeddings:
-        usp_state.pop("output.weight", None)  # a tied checkpoint may still carry lm_head.weight
-    params = dict(model.named_parameters())  # the tied head appears once, as tok_embeddings.weight
-    missing = sorted(set(params) - set(usp_state))
-    unexpected = sorted(set(usp_state) - set(params))
+def load_hf_weights(model: nn.Module, path: str | Path, place: Place | None = None, seed: int = 0) -> None:
+    """Copy an HF Llama / Mixtral checkpoint into `model`, a usp Llama or pipeline stage (plain, or
+    already parallelized and allocated), one parameter at a time: read its HF tensor(s), convert them
+    (usp/models/hf_convert.py) and `place` it (default: copy it whole; the engine keeps this rank's
+    part, usp/engine/parallel/materialize.py). The architecture was checked at plan time
+    (usp/plan/hf_config.py); names and shapes are checked here. Rows beyond the checkpoint's
+    vocabulary (tensor parallelism's padding) get the model's own initialisation (`seed`)."""
+    args, path = model.args, Path(path).expanduser()
+    with _hf_reader(path) as (available, get):
+        _check_names(type(model), args, available, path)
+        for name, p, shape, rows in model.full_parameters():
+            src = from_hf({n: get(n) for n in hf_names(name, args.n_experts)}, args.n_heads, args.n_kv_heads)[name]
+            (place or copy_whole)(p, _fitted(model, name, src, shape, seed, path)[rows])
+
+
+def _check_names(model_cls: type, args, available: set[str], path: Path) -> None:
+    """The checkpoint holds every tensor of the whole model (whatever part this rank holds) and
+    nothing else (a tied model's lm_head.weight and old RoPE frequency buffers are ignored)."""
+    with torch.device("meta"):  # names only: nothing allocated
+        whole = model_cls(args, max_seq_len=2)
+    needed = {name: hf_names(name, args.n_experts) for name, *_ in whole.full_parameters()}
+    missing = sorted(name for name, hf in needed.items() if not set(hf) <= available)
+    known = set().union(*needed.values()) | ({"lm_head.weight"} if args.tie_embeddings else set())
+    unexpected = sorted(n for n in available - known if not n.endswith("rotary_emb.inv_freq"))
     if missing or unexpected:
         raise HFLoadError(f"{path} does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}",
                           key="model.init_from", value=str(path))
-    for name, p in params.items():
-        src = usp_state[name]
-        rows = src.shape[0]
-        if src.shape[1:] != p.shape[1:] or rows > p.shape[0] or (rows < p.shape[0] and not _vocab_row(name)):
-            raise HFLoadError(f"{name}: the checkpoint's shape {tuple(src.shape)} does not fit the model's "
-                              f"{tuple(p.shape)}", key="model.init_from", value=str(path))
-        p[:rows].copy_(src.to(p.dtype))
+
+
+def _fitted(model: nn.Module, name: str, src: torch.Tensor, shape: tuple[int, ...], seed: int,
+            path: Path) -> torch.Tensor:
+    """The checkpoint's tensor as the whole parameter: vocabulary rows it lacks (padding) keep the init."""
+    rows = src.shape[0]
+    if tuple(src.shape[1:]) != tuple(shape[1:]) or rows > shape[0] or (rows < shape[0] and not _vocab_row(name)):
+        raise HFLoadError(f"{name}: the checkpoint's shape {tuple(src.shape)} does not fit the model's "
+                          f"{tuple(shape)}", key="model.init_from", value=str(path))
+    if rows == shape[0]:
+        return src
+    value = model.initial_value(name, shape, seed)
+    value[:rows] = src
+    return value
 
 
 def _vocab_row(name: str) -> bool:

@@ -109,6 +109,21 @@ def from_hf(hf: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[
     return out
 
 
+def hf_names(name: str, n_experts: int) -> list[str]:
+    """The HF tensors that make usp parameter `name` (one, or one per expert for stacked experts):
+    what to read of a checkpoint to convert that one parameter with `from_hf`."""
+    if name in _TOP:
+        return [_TOP[name]]
+    layer, rest = _split(name, _LAYER)
+    prefix = f"model.layers.{layer}."
+    if rest.startswith("feed_forward.experts."):
+        which = rest.rsplit(".", 1)[1]
+        return [f"{prefix}block_sparse_moe.experts.{e}.{which}.weight" for e in range(n_experts)]
+    if rest in _DENSE:
+        return [prefix + _DENSE[rest]]
+    raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
+
+
 def _split(name: str, pattern: re.Pattern) -> tuple[str, str]:
     m = pattern.match(name)
     if not m:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -18,7 +19,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.models.layers import FeedForward, apply_rope, precompute_rope
-from usp.models.moe import MoE
+from usp.models.moe import GroupedExperts, MoE
+
+# How a parameter receives its whole-model value (initialisation, an imported checkpoint):
+# place(param, value). The model knows no parallelism: an engine that shards parameters passes a
+# function that keeps only its own part of `value`.
+Place = Callable[[nn.Parameter, torch.Tensor], None]
+# Names torch's wrappers insert into parameter names (activation checkpointing, torch.compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def copy_whole(param: nn.Parameter, value: torch.Tensor) -> None:
+    """The default Place: a plain parameter holds the whole value."""
+    param.copy_(value)
 
 
 @dataclass
@@ -174,42 +187,79 @@ class Llama(nn.Module):
             h = self.output(h)
         return h
 
-    def materialize(self, device, seed: int | None = None) -> Llama:
-        """A model built on the meta device, allocated once on `device` and initialised there: no
-        CPU copy of the whole model first. Same values as an eager build (init_weights draws on
-        CPU per parameter, whatever the device)."""
-        self.to_empty(device=device)
-        if self.args.tie_embeddings:  # to_empty makes new Parameters: tie them again
-            self.output.weight = self.tok_embeddings.weight
-        self.init_weights(seed)
+    def materialize(self, device, seed: int | None = None, place: Place | None = None) -> Llama:
+        """A model built on the meta device (whole, cut to a pipeline stage, or already
+        parallelized), allocated on `device` and initialised there. Only what this module holds is
+        allocated: a sharded parameter's local part (DTensor, FSDP2) and no full copy first.
+        Same values as an eager build (`init_weights`); `place` as there."""
+        self.allocate(device)
+        self.init_weights(seed, place)
         return self
 
-    @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Deterministic init: Linear/Embedding weights ~ N(0, init_std), output projections
-        (wo, w2) scaled by 1/sqrt(2 n_layers), norms = 1; RoPE tables recomputed (so a model
-        materialised from the meta device works).
+    def allocate(self, device) -> Llama:
+        """Uninitialised storage on `device` for what this module holds (`to_empty`), tie kept."""
+        self.to_empty(device=device)
+        # to_empty gives a plain parameter a new Parameter per module holding it (a DTensor one
+        # keeps its identity): the LM head shares the embedding's again
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None \
+                and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return self
 
-        Each parameter draws from its own CPU generator seeded from (seed, FQN), so the
-        values do not depend on the global RNG, on which device the model lives, or on which
-        layers this rank holds (pipeline stages get the same weights as the full model).
-        """
+    def canonical_name(self, name: str) -> str:
+        """A parameter's name in the whole, unwrapped model: recompute's and torch.compile's
+        wrapper prefixes removed, and a tied LM head (a last pipeline stage's copy) named as the
+        embedding it copies."""
+        for prefix in WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        return "tok_embeddings.weight" if self.args.tie_embeddings and name == "output.weight" else name
+
+    def full_parameters(self) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...], slice]]:
+        """(canonical name, parameter, shape of that whole-model tensor, its rows this module holds),
+        each parameter once. A DTensor parameter's shape is its global shape; expert parallelism
+        keeps a slice of the stacked experts (rows expert_start .. + n_local), otherwise all rows."""
+        sliced = {id(p): m for m in self.modules() if isinstance(m, GroupedExperts) and m.n_local != m.n_experts
+                  for p in m.parameters(recurse=False)}
+        for name, p in self.named_parameters():  # deduplicates the tied weight
+            m = sliced.get(id(p))
+            if m is None:
+                yield self.canonical_name(name), p, tuple(p.shape), slice(None)
+            else:
+                rows = slice(m.expert_start, m.expert_start + m.n_local)
+                yield self.canonical_name(name), p, (m.n_experts, *p.shape[1:]), rows
+
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int | None = None) -> torch.Tensor:
+        """The whole initial fp32 tensor of parameter `name` (canonical) of shape `shape`, on the CPU:
+        a function of (seed, name) only. Linear/Embedding weights ~ N(0, init_std), output
+        projections (wo, w2) scaled by 1/sqrt(2 n_layers), norms = 1. Each parameter draws from
+        its own CPU generator seeded from (seed, name), so the values don't depend on the global
+        RNG, on the device, or on which layers or which part of a tensor this process holds."""
+        module_name = name.rsplit(".", 2)[-2]  # e.g. "wo", "ffn_norm", "tok_embeddings"
+        if module_name.endswith("norm"):
+            return torch.ones(shape, dtype=torch.float32)
         seed = 0 if seed is None else seed
         std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        for name, p in self.named_parameters():  # deduplicates the tied weight
-            fqn = name.replace("_checkpoint_wrapped_module.", "")
-            module_name = fqn.rsplit(".", 2)[-2]  # e.g. "wo", "ffn_norm", "tok_embeddings"
-            if module_name.endswith("norm"):
-                p.fill_(1.0)
-                continue
-            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
-            sd = out_std if module_name in ("wo", "w2") or fqn.endswith("experts.w2") else std
-            # An expert-parallel slice of stacked expert weights draws the full (E, ...) tensor, keeps its rows.
-            start, n_full = getattr(p, "_ep_shard", (0, None))
-            full = torch.empty(p.shape if n_full is None else (n_full, *p.shape[1:]), dtype=torch.float32)
-            full.normal_(0.0, sd, generator=g)
-            p.copy_(full if n_full is None else full[start:start + p.shape[0]])
+        if module_name in ("wo", "w2") or name.endswith("experts.w2"):
+            std = std / math.sqrt(2 * self.args.n_layers)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, place: Place | None = None) -> None:
+        """Deterministic init (`initial_value`), one parameter at a time; RoPE tables recomputed
+        (so a model materialised from the meta device works).
+
+        `place(param, value)` puts the whole-model value of a parameter into it; the default copies
+        it whole. A parallel engine passes one that keeps only this process's part of a sharded
+        parameter: the transient is one parameter's whole tensor, never the model."""
+        place = place or copy_whole
+        for name, p, shape, rows in self.full_parameters():
+            place(p, self.initial_value(name, shape, seed)[rows])
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The RoPE tables (non-persistent buffers, derived from args)."""
         cos, sin = precompute_rope(self.args.head_dim, self.max_seq_len, self.args.rope_theta,
                                    device=self.rope_cos.device)
         self.rope_cos.copy_(cos)

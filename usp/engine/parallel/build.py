@@ -1,13 +1,18 @@
 """Build what one rank trains from the plan: the model, or this rank's pipeline stages (each
 stage parallelized like a whole model), parallelized in the fixed order of
-usp/engine/parallel/parallelize.py. Running a pipeline step lives in parallel/pipeline.py."""
+usp/engine/parallel/parallelize.py. Everything is built on the meta device and a rank allocates
+only its own part: its stages, and of those its shards (parallel/materialize.py). Running a
+pipeline step lives in parallel/pipeline.py."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from usp.engine.accel import set_attention
 from usp.engine.parallel.mesh import DistContext
@@ -39,7 +44,8 @@ class ModelParts:
 
 
 def model_factory(plan: dict, ctx: DistContext):
-    """A function that builds the full model, identically initialised on every rank."""
+    """A function that builds the whole model on the meta device: shapes only, nothing allocated.
+    parallelize() allocates and initialises each rank's part (parallel/materialize.py)."""
     cfg = plan["config"]
     vocab = int(plan["model"]["vocab_size"])
     if ctx.degrees["tp"] > 1:
@@ -49,13 +55,8 @@ def model_factory(plan: dict, ctx: DistContext):
     args = LlamaArgs.from_config(_Attrs(cfg["model"]), vocab)
 
     def build() -> Llama:
-        with torch.device("meta"):  # shapes only: the weights are allocated once, on the device
+        with torch.device("meta"):
             model = Llama(args, max_seq_len=int(plan["batch"]["seq_len"]))
-        model.materialize(ctx.device, seed=int(cfg["train"]["seed"]))  # same seed everywhere: no broadcast needed
-        if cfg["model"].get("init_from"):  # HF weights replace the init, before parallelism takes each rank's part
-            from usp.engine.hf_checkpoint import load_hf_weights
-
-            load_hf_weights(model, cfg["model"]["init_from"])
         set_attention(model, str(cfg["model"].get("attention", "sdpa")), ctx.device.type)
         return model
 
@@ -63,12 +64,26 @@ def model_factory(plan: dict, ctx: DistContext):
 
 
 def build_model(plan: dict, ctx: DistContext) -> ModelParts:
+    start = time.perf_counter()
     build = model_factory(plan, ctx)
     if ctx.degrees["pp"] > 1:
-        return build_pipeline_parts(plan, ctx, build)
-    model = build()
-    wrapped = parallelize(model, plan, ctx)
-    return ModelParts(modules=[wrapped], raw=model, stage_modules=[wrapped])
+        parts = build_pipeline_parts(plan, ctx, build)
+    else:
+        model = build()
+        wrapped = parallelize(model, plan, ctx)
+        parts = ModelParts(modules=[wrapped], raw=model, stage_modules=[wrapped])
+    _log_build(ctx, parts, time.perf_counter() - start)
+    return parts
+
+
+def _log_build(ctx: DistContext, parts: ModelParts, seconds: float) -> None:
+    """How long this rank took to build, parallelize and initialise its part, and what it holds
+    (logs/rank_<R>.log; scripts/bench/build_memory.py reads it)."""
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in parts.parameters()]
+    n_bytes = sum(t.numel() * t.element_size() for t in local)
+    logging.getLogger(f"usp.rank{ctx.rank}").info(
+        "build: %.2f s, this rank holds %d parameter elements (%.1f MiB)", seconds,
+        sum(t.numel() for t in local), n_bytes / 2 ** 20)
 
 
 def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:

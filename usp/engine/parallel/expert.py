@@ -96,9 +96,11 @@ def ep_dispatch_combine(experts: GroupedExperts, routed: torch.Tensor, counts: t
 
 def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
     """Shard every MoE layer's experts over `ep_group`, in place: EP rank r keeps rows
-    [r*E/ep, (r+1)*E/ep) of the already-initialised full stacked weights (so the values match a
-    single process), and forwards dispatch tokens with all_to_all. Apply before building the
-    optimizer and before any DDP/FSDP wrapping. Returns the model."""
+    [r*E/ep, (r+1)*E/ep) of the full stacked weights, and forwards dispatch tokens with all_to_all.
+    On a meta-built model (the engine's) only the shapes change and the initialisation later draws
+    the full tensor and keeps those rows (Llama.full_parameters); on an initialised one the rows'
+    values are kept (so the values match a single process). Apply before building the optimizer
+    and before any DDP/FSDP wrapping. Returns the model."""
     ep, r = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for m in moe_layers(model):
         E, ex = m.n_experts, m.experts
@@ -110,7 +112,7 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
         for name in ("w1", "w2", "w3"):
             full = getattr(ex, name)
             p = nn.Parameter(full.detach()[start:start + n].clone(), requires_grad=full.requires_grad)
-            p._ep_shard = (start, E)  # Llama.init_weights draws the full tensor and keeps this slice
+            p._ep_shard = (start, E)  # rows of the full tensor (GroupedExperts.expert_start says it too)
             setattr(ex, name, p)
         ex.expert_start = start
         m.expert_dispatch = functools.partial(ep_dispatch_combine, group=ep_group)

@@ -1,14 +1,18 @@
 """Apply the parallelisms of the plan to one model (or one pipeline stage), always in the
 same order (as torchtitan): FP8 conversion -> TP/SP -> CP -> EP -> activation recomputation ->
-compile -> FSDP / ZeRO / DDP. Each step lives in its own file beside this one in
-usp/engine/parallel/ (fp8.py, tensor.py, context.py, expert.py, recompute.py, data.py; the FSDP2
-policy in precision.py); build.py calls this once per model or pipeline stage."""
+compile -> FSDP / ZeRO -> allocate + initialise -> DDP. Each step lives in its own file beside this
+one in usp/engine/parallel/ (fp8.py, tensor.py, context.py, expert.py, recompute.py, data.py,
+materialize.py; the FSDP2 policy in precision.py); build.py calls this once per model or pipeline
+stage, built on the meta device: every step up to FSDP works on shapes, then each rank allocates
+only its own shards. DDP (and plain-DDP ZeRO-1) wraps real parameters: those layouts replicate the
+whole model on every rank anyway, so it is allocated whole just before the wrap."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from usp.engine.parallel.data import apply_ddp, apply_fsdp
+from usp.engine.parallel.materialize import materialize
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.precision import fsdp_mp_policy
 from usp.engine.parallel.recompute import apply_recompute
@@ -17,6 +21,8 @@ from usp.plan.specs import uses_compile
 
 
 def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
+    """`model`: built on the meta device. Returns it parallelized (maybe wrapped), with this rank's
+    part of every parameter allocated on ctx.device and initialised (materialize.py)."""
     cfg, deg = plan["config"], ctx.degrees
     par, train = cfg["parallelism"], cfg["train"]
     if str(train.get("fp8", "off")) != "off":  # torchtitan converts at model build, before any wrapper
@@ -44,8 +50,9 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
     kind = data_parallel_kind(deg, bool(par["zero1"]))
     if kind in FSDP_KINDS:
         reshard = bool(par["reshard_after_forward"]) and kind in ("fsdp", "hsdp")  # ZeRO-1/replication: never
-        return apply_fsdp(model, ctx, reshard_after_forward=reshard, mp_policy=fsdp_mp_policy(plan),
-                          shard_replicas=kind == "zero1_fsdp", ep=ep)  # mp_policy: bf16 compute on GPU, None on CPU
+        apply_fsdp(model, ctx, reshard_after_forward=reshard, mp_policy=fsdp_mp_policy(plan),
+                   shard_replicas=kind == "zero1_fsdp", ep=ep)  # mp_policy: bf16 compute on GPU, None on CPU
+    materialize(model, plan, ctx)  # this rank's TP / FSDP2 shards; the whole model where it is replicated
     if kind in ("ddp", "zero1"):
         return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
     return model

@@ -91,6 +91,10 @@ def build_stage_module(model: nn.Module, layer_ids: Sequence[int], is_first: boo
     return model
 
 
+def _on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
 class _Stage(PipelineStage):
     """A PipelineStage whose zero-bubble split backward works under ZeRO-3.
 
@@ -119,8 +123,10 @@ def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequ
                    ) -> tuple[object, list[nn.Module]]:
     """Build this rank's stages and the schedule that runs them.
 
-    model_factory: returns a full model with the same weights on every rank (per-name seeded
-      init); called once per local stage, then cut down (`build_stage_module`).
+    model_factory: returns a full model, on the meta device (parallelize_fn then allocates and
+      initialises the stage: a rank never holds more than its stages) or with the same weights on
+      every rank (per-name seeded init); called once per local stage, then cut down
+      (`build_stage_module`).
     stage_layer_ids: layer ids of every stage (`split_layers`), len = number of stages.
     stage_indices: the stages this rank holds (`stage_ranks(...)[pp_rank]`).
     loss_fn: the plain mean loss of one micro batch; it is divided by n_microbatches here (see
@@ -135,8 +141,9 @@ def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequ
     num_stages = len(stage_layer_ids)
     modules, stages = [], []
     for idx in stage_indices:
-        module = parallelize_fn(build_stage_module(model_factory(), stage_layer_ids[idx],
-                                                   is_first=idx == 0, is_last=idx == num_stages - 1).to(device))
+        stage = build_stage_module(model_factory(), stage_layer_ids[idx], is_first=idx == 0,
+                                   is_last=idx == num_stages - 1)
+        module = parallelize_fn(stage if _on_meta(stage) else stage.to(device))
         modules.append(module)
         stages.append(_Stage(module, idx, num_stages, device, group=pp_group))
 

@@ -86,7 +86,7 @@ def _moe_plan() -> dict:
 
 def _mask_padded_logits(output: nn.Module, tp_mesh: DeviceMesh, real_vocab: int) -> None:
     total = output.weight.shape[0]
-    mask = torch.zeros(total, device=output.weight.device)
+    mask = torch.zeros(total, device="cpu")  # not the weight's device: that is meta while the model is built
     mask[real_vocab:] = float("-inf")
-    mask = distribute_tensor(mask, tp_mesh, [Shard(0)])  # sharded like the logits' last dim
+    mask = distribute_tensor(mask, tp_mesh, [Shard(0)])  # on the mesh's device, sharded like the logits' last dim
     output.register_forward_hook(lambda module, inputs, logits: logits + mask)

@@ -1,8 +1,8 @@
 """Tied input/output embeddings under pipeline parallelism, as Megatron-LM does it.
 
 The first stage holds the token embedding (`tok_embeddings.weight`), the last stage its own copy
-as the LM head (`output.weight`). Both start identical: every rank builds the full model from one
-seed and cuts it down (parallel/pipeline.py), so the head keeps the embedding's values. After the
+as the LM head (`output.weight`). Both start identical: the head copy is initialised (or loaded)
+under the embedding's name (Llama.canonical_name), and the init is a function of (seed, name). After the
 backward, the two copies' gradients are summed over the *embedding group* (per (dp, cp, tp) slice:
 the pp ranks holding the first and the last stage), so both hold the gradient of the shared
 weight and AdamW moves them identically. The copies are summed after the data-parallel reduction

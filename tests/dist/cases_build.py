@@ -1,0 +1,183 @@
+"""Sharded build checks, one torchrun launch (4 processes), by tests/e2e/test_build.py.
+
+Every rank builds its part of the model exactly as the trainer does (usp/engine/parallel/build.py:
+meta device, parallelize, allocate this rank's shards, initialise) from a real plan, then:
+- memory (first, while the process's high-water mark is still the start-up's): the growth of this
+  process's VmHWM (/proc/self/status, the kernel's counter) over the build, next to the whole
+  model's bytes and this rank's share;
+- values: every parameter this rank holds, made whole (DTensor.full_tensor(), a collective),
+  equals a single-process eager build of the same model (torch.equal, bit for bit); expert-parallel
+  slices equal their rows; the ranks together cover every parameter of the model. The same for a
+  Hugging Face checkpoint loaded into the shards (model.init_from) against one process's load."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from tests.dist.harness import run_cases  # noqa: E402
+from tests.dist.parity import plan_dict  # noqa: E402
+from usp.engine.hf_checkpoint import load_hf_weights  # noqa: E402
+from usp.engine.parallel.build import build_model, model_factory  # noqa: E402
+from usp.engine.parallel.mesh import make_context  # noqa: E402
+from usp.models.llama import Llama  # noqa: E402
+
+# ~35.7 M parameters (143 MB in fp32), the largest one the 4096 x 512 embedding (8 MB): over 4 FSDP
+# ranks a rank's share is 36 MB. Building the whole model first (what the engine did before) grows
+# a rank's peak by at least the whole model.
+MEMORY_MODEL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.ffn_dim=2048", "train.seq_len=64"]
+PP = ["model.tie_embeddings=false", "model.n_layers=4", "train.micro_batch=4"]
+TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4", "train.micro_batch=4"]
+MOE = ["model=moe_tiny"]
+ONE = ["parallelism.dp_replicate=1"]
+LAYOUTS = {
+    "fsdp": ONE + ["parallelism.dp_shard=4"],
+    "fsdp_x_tp": ONE + ["parallelism.dp_shard=2", "parallelism.tp=2"],  # FSDP2 over TP: _StridedShard dims
+    "fsdp_x_tp_padded_vocab": ONE + ["parallelism.dp_shard=2", "parallelism.tp=2", "model.vocab_size=4099"],
+    "hsdp": ["parallelism.dp_replicate=2", "parallelism.dp_shard=2"],
+    "ddp": ["parallelism.dp_replicate=4"],  # replicated: the whole model is allocated before the DDP wrap
+    "zero1_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2", "parallelism.zero1=true"],
+    "cp_x_fsdp": ONE + ["parallelism.dp_shard=2", "parallelism.cp=2"],
+    "fsdp_recompute_compile": ONE + ["parallelism.dp_shard=4", "train.recompute=full", "train.compile=true"],
+    "ep_x_fsdp": MOE + ONE + ["parallelism.dp_shard=4", "parallelism.ep=2"],
+    "ep_x_tp": MOE + ONE + ["parallelism.dp_shard=2", "parallelism.ep=2", "parallelism.tp=2"],
+    "pp_x_fsdp": PP + ONE + ["parallelism.pp=2", "parallelism.dp_shard=2"],
+    "pp_zbv_x_tp": PP + ONE + ["parallelism.pp=2", "parallelism.tp=2", "parallelism.pp_schedule=zbv",
+                               "parallelism.pp_virtual_stages=2"],
+    "tied_pp_x_tp": TIED_PP + ONE + ["parallelism.pp=2", "parallelism.tp=2"],
+    "ep_x_pp": MOE + PP + ONE + ["parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.ep=2"],
+}
+# FP8 (first in parallelize's order: the blocks' linears become torchao Float8Linear on the meta
+# model); train.fp8 set in the plan after planning, as tests/engine/test_fp8_engine.py does (CPU _scaled_mm)
+FP8_LAYOUTS = {"fp8_fsdp": ONE + ["parallelism.dp_shard=4"]}
+# model.init_from: a tiny transformers Llama / Mixtral saved on the fly (byte vocabulary of 511 rows:
+# padded to 512 under tp 2, the padding rows keep usp's init)
+HF_DIMS = ["data.tokenizer=bytes", "model.vocab_size=511", "model.dim=64", "model.ffn_dim=96", "model.n_layers=4",
+           "model.n_heads=4", "model.n_kv_heads=2"]
+HF_LAYOUTS = {
+    "hf_fsdp_x_tp": ONE + ["model.tie_embeddings=true", "parallelism.dp_shard=2", "parallelism.tp=2"],
+    "hf_tied_pp_x_tp": ONE + ["model.tie_embeddings=true", "parallelism.pp=2", "parallelism.tp=2",
+                              "train.micro_batch=4"],
+    "hf_mixtral_ep_x_fsdp": ONE + ["model=moe_tiny", "model.tie_embeddings=false", "parallelism.dp_shard=4",
+                                   "parallelism.ep=2"],
+}
+
+
+def planned(overrides: list[str], tmp: str, train: dict | None = None) -> dict:
+    """Rank 0 plans (and prepares the dataset, once), the others receive its plan."""
+    box = [plan_dict(overrides, dist.get_world_size(), tmp, train) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def vm_hwm_bytes() -> int:
+    """This process's peak resident set (VmHWM), as the kernel counts it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def build_memory(tmp: str) -> dict:
+    plan = planned(ONE + ["parallelism.dp_shard=4"] + MEMORY_MODEL, tmp)
+    ctx = make_context(plan)
+    whole = model_factory(plan, ctx)()  # on the meta device: shapes only
+    whole_bytes = sum(p.numel() * 4 for p in whole.parameters())
+    largest = max(p.numel() * 4 for p in whole.parameters())
+    gc.collect()
+    dist.barrier()
+    before = vm_hwm_bytes()
+    parts = build_model(plan, ctx)
+    growth = vm_hwm_bytes() - before
+    local = sum(_local(p).numel() * _local(p).element_size() for p in parts.parameters())
+    del parts
+    gc.collect()
+    stats = torch.tensor([growth, local], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return {"whole_model_bytes": whole_bytes, "largest_param_bytes": largest,
+            "max_rank_growth_bytes": int(stats[0]), "max_rank_local_bytes": int(stats[1])}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def reference(plan: dict, ctx, init_from: str | None = None) -> Llama:
+    """One process's eager build of the same model (same shapes, tensor parallelism's padded vocab
+    included), initialised by the model itself or loaded from the checkpoint whole."""
+    shape = model_factory(plan, ctx)()
+    model = Llama(shape.args, max_seq_len=shape.max_seq_len)
+    model.init_weights(int(plan["config"]["train"]["seed"]))
+    if init_from:
+        load_hf_weights(model, init_from, seed=int(plan["config"]["train"]["seed"]))
+    return model
+
+
+def compare(overrides: list[str], tmp: str, init_from: str | None = None, train: dict | None = None) -> dict:
+    plan = planned(overrides + ([f"model.init_from={init_from}"] if init_from else []), tmp, train)
+    ctx = make_context(plan)
+    parts = build_model(plan, ctx)
+    ref = dict(reference(plan, ctx, init_from).named_parameters())
+    names, unequal, meta = set(), [], 0
+    for module in parts.stage_modules:
+        bare = getattr(module, "module", module)  # DDP wraps; FSDP2 and TP work in place
+        for name, p, _, rows in bare.full_parameters():
+            meta += p.is_meta or _local(p).is_meta
+            whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if not torch.equal(whole, ref[name][rows].detach()):
+                unequal.append(name)
+            names.add(name)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (sorted(names), unequal, meta))
+    covered = set().union(*(set(n) for n, _, _ in everyone))
+    return {"unequal": sorted({n for _, u, _ in everyone for n in u}), "meta_params": sum(m for *_, m in everyone),
+            "missing": sorted(set(ref) - covered), "compared": len(covered), "n_ref": len(ref),
+            "local_names_rank0": len(names)}
+
+
+def make_hf(tmp: str, kind: str) -> str:
+    """Rank 0 saves a random tiny transformers model; every rank gets its path."""
+    path = [os.path.join(tmp, f"hf_{kind}")]
+    if dist.get_rank() == 0:
+        from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+        torch.manual_seed(0)
+        dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1,
+                    vocab_size=511)
+        if kind == "llama":
+            model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=True))
+        else:
+            model = MixtralForCausalLM(MixtralConfig(**dims, tie_word_embeddings=False, num_local_experts=4,
+                                                     num_experts_per_tok=2))
+        model.save_pretrained(path[0])
+    dist.barrier()
+    return path[0]
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a broken case fails, not hangs
+    box = [tempfile.mkdtemp(prefix="usp-build-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    tmp = box[0]
+    cases = {"memory": lambda: build_memory(tmp)}  # first: the high-water mark is still the start-up's
+    cases.update({name: (lambda ov=ov: compare(ov, tmp)) for name, ov in LAYOUTS.items()})
+    fp8 = {"fp8": "tensorwise"}
+    cases.update({name: (lambda ov=ov: compare(ov, tmp, train=fp8)) for name, ov in FP8_LAYOUTS.items()})
+    for name, ov in HF_LAYOUTS.items():
+        kind = "mixtral" if "mixtral" in name else "llama"
+        cases[name] = lambda ov=HF_DIMS + ov, kind=kind: compare(ov, tmp, make_hf(tmp, kind))
+    run_cases(cases)
+
+
+if __name__ == "__main__":
+    main()
