@@ -1,4 +1,4 @@
-"""MoE load-balancing loss under pipeline parallelism (nproc = pp = 2), by tests/test_moe.py.
+"""MoE load-balancing loss under pipeline parallelism (nproc = pp = 2), by tests/e2e/test_moe.py.
 
 No stage but the last sees the loss, so each MoE layer attaches its aux loss's gradient to its
 own output (usp.models.moe.AttachAuxLoss, scale = aux_loss_coef / n_microbatches, as

@@ -134,7 +134,7 @@ def uniform_split(n: int, stages: int, embed: int, head: int, layer: int) -> tup
     its O(stages·n²) dynamic program (the search calls it for every pp): the first and last stage
     sizes are enumerated, the middle stages share the rest evenly (extra layers first), and the
     same objective picks the winner: the smallest (max stage cost, sum of squared costs), then
-    the largest earlier stages. tests/test_planner.py checks it against split_layers."""
+    the largest earlier stages. tests/unit/test_planner.py checks it against split_layers."""
     if stages == 1:
         return (n,)
     k = stages - 2

@@ -26,7 +26,7 @@ _TRAIN = TrainConfig()
 @dataclass(frozen=True)
 class OptimSettings:
     """optimizer.* and train.steps, as the rules and the lr curve read them (the schema's fields and
-    defaults: tests/test_optimizer.py checks the two list the same fields)."""
+    defaults: tests/unit/test_optimizer.py checks the two list the same fields)."""
 
     name: str = _SCHEMA.name
     schedule: str = _SCHEMA.schedule

@@ -521,5 +521,5 @@ def config_failure(hw: Hardware, settings: Settings) -> PlanError | None:
     return first_failure(Subject(cast(Arch, None), cast(Layout, None), hw, settings), ("plan",), CONFIG_RULES)
 BATCH_ONLY = [r for r in RULES if r.batch]
 # Besides micro_batch / grad_accum, the layout fields the batch rules read: the search asks them once per
-# (these values, per-rank batch). tests/test_search.py checks the memo against asking every layout.
+# (these values, per-rank batch). tests/unit/test_search.py checks the memo against asking every layout.
 BATCH_RULE_FIELDS = ("pp", "pp_schedule", "pp_virtual_stages")

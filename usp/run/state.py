@@ -71,18 +71,6 @@ def read_failures(run_dir: Path) -> list[dict]:
     return out
 
 
-_PORT_TAKEN_TEXT = ("eaddrinuse", "address already in use")
-
-
-def port_taken_since(run_dir: Path, since: float) -> bool:
-    """A rank failed since `since`, before its first step, because the port it was to listen on
-    was taken (EADDRINUSE): torchrun picks rank 0's port by binding port 0 and closing it, and any
-    process may take that port in the seconds before rank 0 binds it again."""
-    return any(float(f["unix_time"]) >= since and f.get("last_completed_step") is None
-               and any(t in str(f.get("message", "")).lower() for t in _PORT_TAKEN_TEXT)
-               for f in read_failures(run_dir))
-
-
 def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
     """Sort the failure files of the latest launch (and attempt) into root cause and consequences."""
     failures = read_failures(run_dir)

@@ -1,7 +1,7 @@
 """The planner's memory model on measured runs (usp.perf.calibration.measured_runs: the calibration CSV's rows
 as Arch / Layout / Hardware): pp rank 0's predicted tensor memory against the measured peak, the
 accuracy figures, and the grid fit of a profile's three memory constants. Used by
-tests/test_memory_playbook.py and scripts/bench/calibration_sweep.py.
+tests/unit/test_memory_playbook.py and scripts/bench/calibration_sweep.py.
 
 The memory model is asked without the rules (the 1.34B ties its embeddings under pp, which usp's
 engine refuses, but nanotron ran it). Pure Python, no torch."""
