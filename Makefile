@@ -24,19 +24,28 @@ $(VENV)/.usp-installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/usp train conf=tiny_demo
 
-# pytest exits 5 when it collected no tests: that is a failure here, not a pass.
-# Two pytest-xdist workers, each taking whole files (module fixtures such as the parity matrix's
-# torchrun launches are built once), the longest files first (tests/conftest.py LONGEST_FIRST).
-test: setup
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+# The tests by kind (tests/conftest.py): tests/unit (torch-free, seconds), tests/engine (torch in
+# this process), tests/e2e (torchrun, the usp console script, Slurm). The unit tests run first, in a
+# session of their own: one that also collects the engine's test files has torch loaded, and could
+# not tell a unit test that imports it. The others run on two pytest-xdist workers that each take
+# whole files (module fixtures such as the parity matrix's torchrun launches are built once), the
+# longest files first (tests/conftest.py LONGEST_FIRST). pytest exits 5 when it collected no tests:
+# a failure here when neither session collected any, not a pass.
+define run_tests
+u=0; $(PY) -m pytest -n 2 tests/unit $(PYTEST_ARGS) || u=$$?; \
+r=0; $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(1) $(PYTEST_ARGS) || r=$$?; \
+if [ $$u -eq 5 ] && [ $$r -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
+for rc in $$u $$r; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
+endef
 
-# Everything but the multi-process, Slurm and slow (long training) tests: a quick check while editing
-# (< 3 min), on two pytest-xdist workers that take whole files (module fixtures are built once).
-# It complements `make test`, never replaces it.
+# The whole suite.
+test: setup
+	@$(call run_tests,tests/engine tests/e2e)
+
+# The unit and engine tests: no torchrun launch, console-script run or Slurm job. A quick check while
+# editing; it complements `make test`, never replaces it.
 test-fast: setup
-	$(PY) -m pytest -n 2 --dist loadfile -m "not distributed and not slurm and not slow" $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	@$(call run_tests,tests/engine)
 
 # ruff (lint + import order) over the code, tests and scripts; mypy over the torch-free layers.
 lint: setup

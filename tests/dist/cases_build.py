@@ -1,4 +1,4 @@
-"""Sharded build checks, one torchrun launch (4 processes), by tests/test_build.py.
+"""Sharded build checks, one torchrun launch (4 processes), by tests/e2e/test_build.py.
 
 Every rank builds its part of the model exactly as the trainer does (usp/engine/parallel/build.py:
 meta device, parallelize, allocate this rank's shards, initialise) from a real plan, then:
@@ -18,14 +18,14 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from dist.harness import run_cases  # noqa: E402
-from dist.parity import plan_dict  # noqa: E402
+from tests.dist.harness import run_cases  # noqa: E402
+from tests.dist.parity import plan_dict  # noqa: E402
 from usp.engine.hf_checkpoint import load_hf_weights  # noqa: E402
 from usp.engine.parallel.build import build_model, model_factory  # noqa: E402
 from usp.engine.parallel.mesh import make_context  # noqa: E402
@@ -57,7 +57,7 @@ LAYOUTS = {
     "ep_x_pp": MOE + PP + ONE + ["parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.ep=2"],
 }
 # FP8 (first in parallelize's order: the blocks' linears become torchao Float8Linear on the meta
-# model); train.fp8 set in the plan after planning, as tests/test_fp8_engine.py does (CPU _scaled_mm)
+# model); train.fp8 set in the plan after planning, as tests/engine/test_fp8_engine.py does (CPU _scaled_mm)
 FP8_LAYOUTS = {"fp8_fsdp": ONE + ["parallelism.dp_shard=4"]}
 # model.init_from: a tiny transformers Llama / Mixtral saved on the fly (byte vocabulary of 511 rows:
 # padded to 512 under tp 2, the padding rows keep usp's init)

@@ -1,4 +1,4 @@
-"""Context-parallel checks, run under torchrun by tests/test_context_parallel.py (cp = world size,
+"""Context-parallel checks, run under torchrun by tests/e2e/test_context_parallel.py (cp = world size,
 plus cp=2 subgroups when the world has 4 ranks). Every case compares with a single-process
 reference that each rank computes on the full sequence, and returns its worst errors
 (maximised over ranks)."""

@@ -1,4 +1,4 @@
-"""Expert-parallel checks, run under torchrun (2 processes, ep = dp = 2) by tests/test_moe.py.
+"""Expert-parallel checks, run under torchrun (2 processes, ep = dp = 2) by tests/e2e/test_moe.py.
 
 Every rank feeds DIFFERENT data: rank r takes batch r of a fixed global batch. Each rank also
 builds the single-process reference itself (same seed, all experts) and compares; the

@@ -3,18 +3,18 @@ config: seq_len 128, global batch 16) for 2 steps with train.measure_memory on; 
 runs under the memory probe (usp/engine/observe/memory_probe.py). Rank 0 records, per layout, the
 planner's tensor memory (its total without the overhead allowance) for the peak stage and the
 measured peak (max over ranks). Single-process layouts run on rank 0 only, in the same launch.
-Launched by tests/test_memory_calibration.py and scripts/bench/memory.py."""
+Launched by tests/e2e/test_memory_calibration.py and scripts/bench/memory.py."""
 import os
 import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from dist.harness import run_cases  # noqa: E402
+from tests.dist.harness import run_cases  # noqa: E402
 
 STEPS = ["train.steps=2", "optimizer.warmup_steps=1", "train.eval_batches=1", "train.measure_memory=true"]
 SINGLE = ["parallelism.dp_replicate=1"]
@@ -69,7 +69,7 @@ CP_PP_LAYOUTS = {
                                 "parallelism.pp_virtual_stages=2"]),
 }
 
-# ZeRO-1 / ZeRO-2 with TP or PP (4 ranks; tests/test_memory_calibration.py and scripts/bench/memory.py
+# ZeRO-1 / ZeRO-2 with TP or PP (4 ranks; tests/e2e/test_memory_calibration.py and scripts/bench/memory.py
 # --zero launch them on their own), next to the replicated layout they replace.
 ZERO_TP_PP = ["parallelism.dp_replicate=2", "parallelism.zero1=true"]
 ZERO_LAYOUTS = {
@@ -83,7 +83,7 @@ ZERO_LAYOUTS = {
 
 
 # bf16 on CPU (train.dtype=bf16): autocast around forward + loss, or FSDP2's bf16 parameters, as on a
-# GPU (fp32 parameters, gradients and AdamW states; bf16 weight copies). tests/test_memory_calibration.py
+# GPU (fp32 parameters, gradients and AdamW states; bf16 weight copies). tests/e2e/test_memory_calibration.py
 # and scripts/bench/memory.py --bf16 launch them on their own (2 ranks).
 BF16 = ["train.dtype=bf16"]
 WIDE = ["model.dim=512", "model.ffn_dim=2048", "model.n_layers=4", "model.n_heads=8", "train.seq_len=32",
@@ -100,7 +100,7 @@ BF16_LAYOUTS = {
 
 
 def measure_layout(world: int, overrides: list[str]) -> dict:
-    from dist.parity import plan_dict
+    from tests.dist.parity import plan_dict
     from usp.engine.observe.memory_probe import optimizer_state_tensors, storage_bytes
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer

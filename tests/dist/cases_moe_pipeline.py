@@ -1,4 +1,4 @@
-"""MoE load-balancing loss under pipeline parallelism (nproc = pp = 2), by tests/test_moe.py.
+"""MoE load-balancing loss under pipeline parallelism (nproc = pp = 2), by tests/e2e/test_moe.py.
 
 No stage but the last sees the loss, so each MoE layer attaches its aux loss's gradient to its
 own output (usp.models.moe.AttachAuxLoss, scale = aux_loss_coef / n_microbatches, as
@@ -26,7 +26,7 @@ from usp.engine.parallel.build import ModelParts  # noqa: E402
 from usp.engine.parallel.pipeline import build_pipeline, lm_loss, pipeline_step  # noqa: E402
 from usp.models.llama import Llama, LlamaArgs  # noqa: E402
 from usp.models.moe import moe_aux_loss  # noqa: E402
-from usp.plan.pipeline_split import last_stage_rank, stage_ranks  # noqa: E402
+from usp.perf.pipeline_split import last_stage_rank, stage_ranks  # noqa: E402
 
 ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, ffn_dim=128, vocab_size=256, tie_embeddings=False, n_experts=4,
                  top_k=2)

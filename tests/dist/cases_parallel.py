@@ -1,5 +1,5 @@
 """Parity matrix worker: every layout of LAYOUTS[world] trains the tiny model next to its
-single-process reference; rank 0 records the comparison. Launched by tests/test_parallel.py.
+single-process reference; rank 0 records the comparison. Launched by tests/e2e/test_parallel.py.
 On 2 ranks it also records the dtypes FSDP2's bf16 mixed-precision policy trains with."""
 import os
 import sys
@@ -7,17 +7,17 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from dist.harness import run_cases  # noqa: E402
-from dist.layouts import LAYOUTS  # noqa: E402
-from dist.parity import plan_dict, verify_case  # noqa: E402
+from tests.dist.harness import run_cases  # noqa: E402
+from tests.dist.layouts import LAYOUTS  # noqa: E402
+from tests.dist.parity import plan_dict, verify_case  # noqa: E402
 from usp.engine.parallel.mesh import make_context  # noqa: E402
 from usp.engine.trainer import Trainer  # noqa: E402
 
-# No memory probe (tests/test_memory_calibration.py covers it) and one validation batch: both
+# No memory probe (tests/e2e/test_memory_calibration.py covers it) and one validation batch: both
 # cost time on every rank of every layout and are not compared here. Three steps: the losses of
 # steps 2 and 3 and the final parameters follow two optimizer updates (gradients, their reduction
 # and the sharded AdamW states); most of a TP or PP layout's time is its steps' collectives (~2.5 s a
@@ -70,7 +70,7 @@ if __name__ == "__main__":
     if world == 2:
         cases["bf16_fsdp_dtypes"] = bf16_fsdp_dtypes
         # FP8 (torch's CPU _scaled_mm) under FSDP2 ZeRO-3 against one FP8 process: FSDP gathers the weights,
-        # each Float8Linear casts them (tests/test_parallel.py: test_fp8_under_fsdp_tracks_one_process)
+        # each Float8Linear casts them (tests/e2e/test_parallel.py: test_fp8_under_fsdp_tracks_one_process)
         cases["fp8_fsdp"] = lambda: verify_case(STEPS + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"],
                                                 2, {"fp8": "tensorwise"})
     run_cases(cases)

@@ -31,7 +31,7 @@ from usp.engine.parallel.build import ModelParts
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.pipeline import build_pipeline, build_stage_module, lm_loss, pipeline_step
 from usp.models.llama import Llama, LlamaArgs
-from usp.plan.pipeline_split import last_stage_rank, split_layers, stage_ranks, validate_schedule
+from usp.perf.pipeline_split import last_stage_rank, split_layers, stage_ranks, validate_schedule
 
 ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, vocab_size=256, tie_embeddings=False)
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3

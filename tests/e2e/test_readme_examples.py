@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_usp, usp_cli
+
+from tests.helpers import REPO, run_usp, usp_cli
 
 README = REPO / "README.md"
 TRAINS = {"train", "sweep", "verify"}  # they start training (and may launch torchrun)

@@ -7,8 +7,8 @@ from pathlib import Path
 from usp.config import schema
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.errors import ConfigError
-from usp.rundir import staged
-from usp.writable import check_new_output
+from usp.run.files import staged
+from usp.run.writable import check_new_output
 
 
 def complete_override(incomplete: str) -> list[str]:
@@ -70,7 +70,7 @@ def show_item(item: str) -> str:
 
 def copy_recipe(recipe: str, dest: str = ".", force: bool = False) -> Path:
     """Copy a recipe to `dest` (a file, or a directory to copy into). An existing file is replaced
-    only with force, through a temporary file (usp.rundir.staged)."""
+    only with force, through a temporary file (usp.run.files.staged)."""
     source = Path(recipe) if recipe.endswith(".yaml") else recipes_dir() / f"{recipe}.yaml"
     if not source.is_file():
         raise ConfigError("no such recipe", key="recipe", value=recipe,

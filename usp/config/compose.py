@@ -13,7 +13,6 @@ from dataclasses import is_dataclass
 from pathlib import Path
 
 from usp.config import schema
-from usp.config.direct import compose_direct
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.config.recipe import check_recipe_file, hydra_primary
 from usp.errors import ConfigError
@@ -68,12 +67,11 @@ def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ..
     check_catalogue()
     directory, name, suffix = resolve_recipe(conf)
     check_recipe_file(directory / f"{name}{suffix}")
-    composed = compose_direct(directory, name, suffix, overrides)
-    return composed if composed is not None else _compose_with_hydra(directory, name, suffix, overrides)
+    return _compose_with_hydra(directory, name, suffix, overrides)
 
 
 def _compose_with_hydra(directory: Path, name: str, suffix: str, overrides: list[str] | tuple[str, ...]):
-    """Hydra's compose API: every input usp.config.direct leaves to it, and its error messages."""
+    """Hydra's compose API; its errors become one ConfigError each (_translate)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
@@ -92,7 +90,7 @@ def _compose_with_hydra(directory: Path, name: str, suffix: str, overrides: list
     choices = {g: cfg.hydra.runtime.choices.get(g) for g in schema.GROUPS}
     with open_dict(cfg):
         del cfg["hydra"]
-    # Only `+key` adds keys the typed schema lacks, and only Hydra composes `+key` (direct merges refuse them).
+    # `+key` adds keys even to a typed section: refuse the ones the schema lacks.
     check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
     return cfg, choices
 

@@ -3,6 +3,7 @@ wrong type is an error at compose time rather than a silent default."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 
@@ -80,7 +81,7 @@ class OptimizerConfig:
 
 @dataclass
 class CalibratedConfig:
-    # What cluster.timing was fitted on (written by `usp calibrate`; usp/plan/time_constants.py).
+    # What cluster.timing was fitted on (written by `usp calibrate`; usp/perf/time_constants.py).
     source: str = ""  # "" = never calibrated
     runs: int = 0
     nodes: list[int] = field(default_factory=list)
@@ -219,7 +220,7 @@ class TrainConfig:
     log_interval: int = 10
     sample_tokens: int = 120  # text sampled from the model at the end; 0 = none
     sample_prompt: str = "ROMEO:"
-    # auto = on for CUDA (measured faster there), off elsewhere (usp.plan.specs.uses_compile) | true | false
+    # auto = on for CUDA (measured faster there), off elsewhere (usp.perf.specs.uses_compile) | true | false
     compile: Any = "auto"
     # FP8 training of the blocks' linears through torchao.float8 (GPUs with FP8 units; docs/parallelism.md, FP8):
     # off | tensorwise (one scale per tensor: fastest; FP8 all-gathers under FSDP) | rowwise (a scale per row)
@@ -267,7 +268,7 @@ class ProfileConfig:
 
 @dataclass
 class PlannerConfig:
-    # Whose training recipe the planner predicts (usp/plan/profile.py): usp (this engine) | nanotron
+    # Whose training recipe the planner predicts (usp/perf/profile.py): usp (this engine) | nanotron
     # (the settings of the Ultra-Scale Playbook's benchmark runs).
     profile: str = "usp"
 
@@ -290,6 +291,7 @@ SCHEMA_NAME = "usp_schema"
 GROUPS = ("model", "parallelism", "optimizer", "cluster", "data")
 
 
+@cache  # once per process: storing the schema converts it to a config (~30 ms), and Hydra copies it on every load
 def register() -> None:
     from hydra.core.config_store import ConfigStore
 

@@ -92,39 +92,28 @@ class TiktokenTokenizer(TextTokenizer):
 
 def hf_tokenizer_json(ranks: dict[bytes, int]) -> str:
     """The same tokenizer as a Hugging Face tokenizer.json (what transformers loads; Llama 3's own
-    repositories ship one beside tokenizer.model): byte-level BPE whose merges are every split of a
-    token into two tokens, ordered by the token's rank (tiktoken merges the lowest-ranked pair
-    first), a piece that is a whole token taken as it is (as tiktoken does), Llama 3's split
-    pattern and its special tokens, numbered after the ranks."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-
+    repositories ship one beside tokenizer.model), built by transformers' TikTokenConverter: byte-level
+    BPE over GPT-2's byte map, merges in rank order, Llama 3's split pattern, the special tokens
+    numbered after the ranks. That converter is what transformers' convert_tiktoken_to_fast runs after
+    it copies the file (with blobfile, a package usp has no other use for); here it gets the ranks
+    read_ranks read."""
+    try:
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+    except ImportError:
+        raise DataError("a tiktoken tokenizer is written as tokenizer.json by transformers: "
+                        "pip install 'usp[hf]' (or transformers)") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise DataError("the tiktoken file's ranks are not 0..n-1: its special token ids have no Hugging Face "
                         "equivalent")
-    as_text = _byte_level_text()
-    merges = []
-    for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
-        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
-        merges += sorted(splits, key=lambda pair: (ranks[pair[0]], ranks[pair[1]]))
-    hf = Tokenizer(BPE({as_text(t): r for t, r in ranks.items()}, [(as_text(a), as_text(b)) for a, b in merges],
-                       fuse_unk=False, ignore_merges=True))
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    hf.decoder = decoders.ByteLevel()
-    specials = llama3_special_tokens(len(ranks))
-    hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
-    return hf.to_str()
 
+    class FromRanks(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            # tiktoken's own loader would read the file again and keep a copy in a temp cache keyed by its path
+            return ranks
 
-def _byte_level_text():
-    """bytes -> the printable characters byte-level BPE spells them with (GPT-2's byte map, which
-    tokenizers' ByteLevel pre-tokenizer applies)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    extra = iter(range(256, 512))
-    table = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
-    return lambda token: "".join(table[b] for b in token)
+    converter = FromRanks(pattern=LLAMA3_PATTERN, extra_special_tokens=llama3_special_tokens(len(ranks)))
+    return converter.converted().to_str()
 
 
 def tiktoken_from_file(path: Path) -> TiktokenTokenizer:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.engine.parallel.precision import fsdp_mixed_precision
-from usp.plan.specs import ATTENTION_CHOICES, autocast_weight_cache, uses_bf16, uses_deterministic
+from usp.perf.specs import ATTENTION_CHOICES, autocast_weight_cache, uses_bf16, uses_deterministic
 
 FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keeps the default (parity with past runs)
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
-from usp.rundir import (
+from usp.run.files import (
     MANIFEST,
     PLAN,
     TRAINER_STATE,

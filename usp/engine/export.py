@@ -10,8 +10,8 @@ Hugging Face directory instead (usp/engine/hf_checkpoint.py).
 Every format writes one directory the export owns (model.pt or model.safetensors + config.json,
 or the HF files): a torch file has no room for the architecture without changing what torch.load
 returns, and a config.json must never land in a folder holding someone else's (an HF model's).
-The directory is built under a temporary name and swapped into place (usp.rundir.staged); an
---out that exists is refused unless force (usp.writable.check_new_output)."""
+The directory is built under a temporary name and swapped into place (usp.run.files.staged); an
+--out that exists is refused unless force (usp.run.writable.check_new_output)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,7 @@ import torch
 
 from usp.engine.hf_checkpoint import DEFAULT_SHARD_MB, HFExportResult, write_hf
 from usp.errors import UspError
-from usp.rundir import (
+from usp.run.files import (
     CHECKPOINTS,
     MANIFEST,
     check_manifest,
@@ -33,7 +33,7 @@ from usp.rundir import (
     read_plan,
     staged,
 )
-from usp.writable import check_new_output
+from usp.run.writable import check_new_output
 
 FORMATS = ("torch", "safetensors", "hf")
 WEIGHTS = {"torch": "model.pt", "safetensors": "model.safetensors"}  # the file in the export directory

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from usp.rundir import EXIT_INTERRUPTED
+from usp.run.files import EXIT_INTERRUPTED
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _interrupted = threading.Event()

@@ -34,8 +34,8 @@ from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
-from usp.plan.layout import data_parallel_kind
-from usp.rundir import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
+from usp.perf.layout import data_parallel_kind
+from usp.run.files import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
 
 
 class Trainer:

@@ -3,8 +3,8 @@ under torchrun (or in-process for one rank). Trains the reference on rank 0, the
 every rank, and writes the step-by-step comparison to F (rank 0, atomically).
 
 The reference is the same model, seed, data and global batch on one process with every degree
-1; it runs on rank 0 while the other ranks wait. The parity-matrix tests drive `verify_plans`
-directly (tests/dist/parity.py)."""
+1; it runs on rank 0 while the other ranks wait. The parity-matrix tests call `verify_plans`
+themselves (tests/dist/parity.py)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,7 @@ from usp.engine.accel import apply_determinism
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Trainer
 from usp.models.moe import GroupedExperts
-from usp.rundir import read_plan, write_text_atomic
+from usp.run.files import read_plan, write_text_atomic
 
 _STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from usp import runlock
 from usp.data.errors import DataError
 from usp.data.prepare import plan_data_meta
 from usp.engine import signals
@@ -22,7 +21,8 @@ from usp.engine.observe.failure import record_failures
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Preempted, Trainer
 from usp.errors import UspError
-from usp.rundir import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
+from usp.run import lock as runlock
+from usp.run.files import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
 
 
 @signals.exits_on_interrupt  # Ctrl-C: one line and exit code 130, no traceback
@@ -146,7 +146,7 @@ def _sample_text(trainer: Trainer) -> str | None:
 
 def _whole_model_on_rank0(trainer: Trainer) -> bool:
     """Sampling runs on rank 0 alone: only when its model is whole (not sharded or pipelined)."""
-    from usp.plan.layout import data_parallel_kind
+    from usp.perf.layout import data_parallel_kind
 
     deg = trainer.ctx.degrees
     return (trainer.raw_model is not None and max(deg["tp"], deg["pp"], deg["cp"]) == 1

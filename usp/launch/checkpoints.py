@@ -1,6 +1,6 @@
 """Before launch, without torch: can the checkpoint directory hold the run's checkpoints, and can
 the checkpoint the run would resume from be loaded by this config (same model shape) and does it
-leave anything to train? (Where checkpoints live and which are complete is usp.rundir's.)"""
+leave anything to train? (Where checkpoints live and which are complete is usp.run.files's.)"""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.rundir import PLAN, TRAINER_STATE, checkpoint_dir, latest_complete, plan_field, read_plan
+from usp.run.files import PLAN, TRAINER_STATE, checkpoint_dir, latest_complete, plan_field, read_plan
 
 # Bytes per parameter in a checkpoint: fp32 weights (4) + AdamW's first and second moments (4 + 4).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 8

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from usp.errors import LaunchError
 from usp.launch import slurm
-from usp.rundir import logs_dir, rank_log, read_jobs
-from usp.runstate import resolve_run_dir
+from usp.run.files import logs_dir, rank_log, read_jobs
+from usp.run.state import resolve_run_dir
 
 
 def cancel_run(run_dir_arg: str | None, console: Console | None = None) -> list[str]:

@@ -12,14 +12,13 @@ import time
 from pathlib import Path
 
 from usp.launch.rendezvous import is_multinode_local, node_rank, rendezvous, torchrun_rendezvous_args
-from usp.plan.specs import uses_deterministic
-from usp.rundir import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from usp.runlock import TOKEN_ENV, held_token
-from usp.runstate import port_taken_since, preempted_since
+from usp.perf.specs import uses_deterministic
+from usp.run.files import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from usp.run.lock import TOKEN_ENV, held_token
+from usp.run.state import preempted_since
 
 WORKER_MODULE = "usp.engine.worker"
 AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, with one line instead of a traceback on Ctrl-C
-PORT_RELAUNCHES = 2  # launches again when rank 0's port was taken before it listened (usp.runstate.port_taken_since)
 TORCH_INSTALL = ("pip install torch (CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu; "
                  "a GPU build: https://pytorch.org/get-started/locally/)")
 
@@ -42,13 +41,15 @@ def worker_env(plan) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", str(plan.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
     env["USP_NODE_RANK"] = str(node_rank(plan))  # named in the agent's one line on Ctrl-C
-    # torchrun's restarts (train.max_restarts) reuse the agent's TCPStore without a per-attempt
-    # prefix, so a restarted rank can read its dead peer's gloo address and hang or fail
-    # (measured: 3 of 5 kill -9 restarts under load). A fresh store per attempt avoids it.
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The ranks share torchrun's own store (its agent holds the port from the start: nothing to race
+    # for). With restarts (train.max_restarts) each attempt gets a store of its own instead: the agent's
+    # store has no per-attempt prefix, so a restarted rank could read its dead peer's gloo address and
+    # hang or fail (measured: 3 of 5 kill -9 restarts under load).
+    if int(plan.config["train"]["max_restarts"]) > 0:
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.update({k: v for k, v in plan_accelerator_env(plan).items() if k not in env})  # the user's setting wins
     token = held_token(plan.run_dir)
-    if token:  # rank 0 keeps this launch's run lock alive (usp.runlock)
+    if token:  # rank 0 keeps this launch's run lock alive (usp.run.lock)
         env[TOKEN_ENV] = token
     return env
 
@@ -100,20 +101,14 @@ def launch_local(plan, plan_path: Path) -> int:
         print(f"usp: node {rdzv.node_rank} of {rdzv.nodes}, rendezvous {rdzv.endpoint} (run id {rdzv.run_id}); "
               f"waiting for the other nodes", file=sys.stderr, flush=True)
     cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
-    for attempt in range(PORT_RELAUNCHES + 1):
-        started = time.time()
-        proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
-        try:
-            code = proc.wait()
-        except KeyboardInterrupt:
-            # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
-            # them, then make sure nothing is left behind.
-            return _stop(proc)
-        if not (code and attempt < PORT_RELAUNCHES and not is_multinode_local(plan)
-                and port_taken_since(Path(plan.run_dir), started)):
-            break
-        print("usp: another process took the port rank 0 was to listen on (EADDRINUSE) before the first step; "
-              "launching again on a new port", file=sys.stderr, flush=True)
+    started = time.time()
+    proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
+        # them, then make sure nothing is left behind.
+        return _stop(proc)
     # torchrun reports any worker failure as 1: recover the workers' "preempted" exit.
     return EXIT_PREEMPTED if code and preempted_since(Path(plan.run_dir), started) else code
 

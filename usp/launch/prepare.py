@@ -8,14 +8,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from usp import runlock
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir, check_resume
 from usp.launch.rendezvous import node_plan_path, node_rank
 from usp.plan.io import write_plan
 from usp.plan.plan import checked_plan
 from usp.plan.render import render_plan
-from usp.runlock import refuse_if_locked
+from usp.run import lock as runlock
+from usp.run.lock import refuse_if_locked
 
 
 def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data: bool = True,
@@ -23,7 +23,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
     """prepare_data=False (a Slurm --dry-run): plan and write plan.yaml, tokenize nothing.
     check(plan): the launcher's own refusals, run before anything is written.
     plan: already built by checked_plan (a sweep point): not built or printed again.
-    hold_lock: take the run lock (usp.runlock) before writing anything, and keep it (the caller
+    hold_lock: take the run lock (usp.run.lock) before writing anything, and keep it (the caller
     gives it back with runlock.release once the run ends); False (Slurm): only refuse a live run."""
     console = console or Console()
     if plan is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usp.plan.rules import RDZV_ENDPOINT
-from usp.rundir import plan_field, plan_path
+from usp.run.files import plan_field, plan_path
 
 PORT_BASE, PORT_SPAN = 20000, 10000  # as the Slurm script: 20000 + job id % 10000
 

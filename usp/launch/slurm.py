@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.rundir import JOB_RECORD, read_jobs, write_text_atomic
+from usp.run.files import JOB_RECORD, read_jobs, write_text_atomic
 
 _FIELD = re.compile(r"(\w+)=(\S*)")
 

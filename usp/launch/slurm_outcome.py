@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from usp.launch.slurm import unhealthy_nodes
-from usp.runstate import preempted_since
+from usp.run.state import preempted_since
 
 
 def outcome(run_dir: Path, since: float, code: int, nodelist: str = "") -> str:

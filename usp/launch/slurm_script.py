@@ -13,8 +13,8 @@ from pathlib import Path
 
 from usp.errors import LaunchError
 from usp.launch.local import plan_accelerator_env
-from usp.plan.layout import layout_tag
-from usp.rundir import EXIT_PREEMPTED, logs_dir
+from usp.perf.layout import layout_tag
+from usp.run.files import EXIT_PREEMPTED, logs_dir
 
 TEMPLATE = "job.sbatch.j2"
 GPU_REQUESTS = ("gpus_per_node", "gres", "none")

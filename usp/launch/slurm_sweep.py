@@ -3,7 +3,7 @@ array (`--array=0-N[%max]`), each task reading its own plan.yaml. Points that as
 different nodes x processes can't share an array: one array per shape. No torch.
 
 Point statuses in sweep.json become `submitted` (with `slurm_job` = "<array id>_<task>");
-usp.sweeprecord.refresh_statuses later reads each run directory (summary.json: done; failure
+usp.run.sweep_record.refresh_statuses later reads each run directory (summary.json: done; failure
 records: failed) so reports see what the jobs did."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from usp.errors import UspError, one_line
 from usp.launch import slurm
 from usp.launch.checkpoints import RunAlreadyDone
 from usp.launch.slurm_script import check_slurm_settings, render_job
-from usp.rundir import JOB_SCRIPT, logs_dir
+from usp.run.files import JOB_SCRIPT, logs_dir
 
 
 def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: int = 0,

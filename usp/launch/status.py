@@ -1,5 +1,5 @@
 """`usp status [RUN_DIR]`: what happened to a run, read from its run directory alone (no torch).
-Which state the run is in and which failure is the root cause: usp/runstate.py; here, how it is
+Which state the run is in and which failure is the root cause: usp/run/state.py; here, how it is
 shown (and `usp train`'s summary after a failed run)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from usp.launch.jobs import slurm_table
-from usp.rundir import (
+from usp.run.files import (
     CHECKPOINTS,
     LOST_PEER,
     METRICS,
@@ -25,8 +25,8 @@ from usp.rundir import (
     read_jsonl,
     read_plan_if_any,
 )
-from usp.runlock import LockInfo, read_lock
-from usp.runstate import COMPLETED, FAILED, RUNNING, FailureReport, analyse_failures, resolve_run_dir, run_state
+from usp.run.lock import LockInfo, read_lock
+from usp.run.state import COMPLETED, FAILED, RUNNING, FailureReport, analyse_failures, resolve_run_dir, run_state
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 

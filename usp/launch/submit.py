@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from usp.launch import slurm
 from usp.launch.slurm_script import check_slurm_settings, default_log_dir, render_job
-from usp.rundir import JOB_SCRIPT, LOGS
+from usp.run.files import JOB_SCRIPT, LOGS
 
 
 def check_submittable(plan) -> None:

@@ -9,7 +9,7 @@ can reuse the first two and replace the third:
     run_sweep_local(sweep)                            # or: submit_sweep_slurm(sweep)
 
 A runner is registered in SWEEP_LAUNCHERS under the `cluster.launcher` it serves. The record,
-runs/<sweep_name>/sweep.json, and its format: usp/sweeprecord.py.
+runs/<sweep_name>/sweep.json, and its format: usp/run/sweep_record.py.
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from usp import runlock
+from usp.data.errors import DataError
 from usp.errors import LaunchError, UspError, one_line
 from usp.launch.checkpoints import RunAlreadyDone
-from usp.names import check_dir_name
-from usp.rundir import EXIT_INTERRUPTED, STOP_CODES, logs_dir, read_plan_if_any
-from usp.runstate import analyse_failures
-from usp.sweeprecord import Sweep, SweepPoint, layout_text, read_sweep, refresh_statuses
+from usp.run import lock as runlock
+from usp.run.files import EXIT_INTERRUPTED, STOP_CODES, logs_dir, read_plan_if_any
+from usp.run.names import check_dir_name
+from usp.run.state import analyse_failures
+from usp.run.sweep_record import Sweep, SweepPoint, layout_text, read_sweep, refresh_statuses
 
 # Short names for the run ids (p03_n2_mb8); other keys use their last component.
 _ABBREV = {"micro_batch": "mb", "grad_accum": "ga", "global_batch": "gb", "global_batch_tokens": "gbt",
@@ -105,12 +106,14 @@ def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir
             point.cfg, point.choices = compose_config(conf, [*overrides, *extra, f"train.name={pid}"])
             runs = Path(point.cfg.train.runs_dir).expanduser().resolve()
             point.run_dir = str(runs / point.run_name)
-            # A run name is one directory name (usp.names): the point's run lives in the sweep's directory.
+            # A run name is one directory name (usp.run.names): the point's run lives in the sweep's directory.
             OmegaConf.update(point.cfg, "train.runs_dir", str(runs / sweep_name))
             sweep_dir = sweep_dir or runs / sweep_name
             launchers.add(str(point.cfg.cluster.launcher))
             point.plan = checked_plan(point.cfg, point.choices)  # what prepare_run refuses, refused here
             point.info = _plan_info(point.plan)
+        except DataError:  # e.g. a missing tokenizer: one error before anything is written, as `usp plan` says it
+            raise
         except UspError as exc:
             point.status, point.reason = "rejected", one_line(exc)
         points.append(point)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from usp.plan.profile import Profile, get_profile
+from usp.perf.profile import Profile, get_profile
+from usp.perf.specs import Arch, Hardware, Layout, Precision, uses_compile
 from usp.plan.rules import Settings, Subject
-from usp.plan.specs import Arch, Hardware, Layout, Precision, uses_compile
 
 
 @dataclass(frozen=True)

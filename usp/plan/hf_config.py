@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.errors import PlanError
-from usp.plan.nodes import getter
+from usp.perf.nodes import getter
 
 CONFIG = "config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from usp.rundir import plan_path, write_text_atomic
+from usp.run.files import plan_path, write_text_atomic
 
 
 def write_plan(plan, path: Path | None = None) -> Path:

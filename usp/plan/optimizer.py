@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, fields
 
 from usp.config.schema import OptimizerConfig, TrainConfig
-from usp.plan.nodes import getter
+from usp.perf.nodes import getter
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # Known, but refused, with the reason measured (2 ranks, FSDP2 on gloo, torch 2.13).
@@ -26,7 +26,7 @@ _TRAIN = TrainConfig()
 @dataclass(frozen=True)
 class OptimSettings:
     """optimizer.* and train.steps, as the rules and the lr curve read them (the schema's fields and
-    defaults: tests/test_optimizer.py checks the two list the same fields)."""
+    defaults: tests/unit/test_optimizer.py checks the two list the same fields)."""
 
     name: str = _SCHEMA.name
     schedule: str = _SCHEMA.schedule

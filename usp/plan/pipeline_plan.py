@@ -3,8 +3,8 @@ stages each pp rank holds. Pure Python; the engine builds exactly these stages. 
 (schedule vs micro batches, layers per stage) are in usp.plan.rules."""
 from __future__ import annotations
 
-from usp.plan.pipeline_split import arch_split, stage_ranks
-from usp.plan.specs import Arch
+from usp.perf.pipeline_split import arch_split, stage_ranks
+from usp.perf.specs import Arch
 
 
 def plan_pipeline(par, arch: Arch, degrees: dict[str, int], grad_accum: int) -> dict | None:

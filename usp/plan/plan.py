@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from usp.errors import PlanError
+from usp.perf.layout import MESH_DIMS, RankInfo, layout_tag, rank_table, resolve_degrees
 from usp.plan import rules
 from usp.plan.batch import BatchPlan
-from usp.plan.layout import MESH_DIMS, RankInfo, layout_tag, rank_table, resolve_degrees
 from usp.plan.pipeline_plan import plan_pipeline
 
 if TYPE_CHECKING:
-    from usp.plan.memory import MemoryPlan
-    from usp.plan.timing import TimingPlan
+    from usp.perf.memory import MemoryPlan
+    from usp.perf.timing import TimingPlan
 
 PLAN_VERSION = 1
 
@@ -25,7 +25,7 @@ class ModelPlan:
     name: str
     params: int
     vocab_size: int
-    flops_per_token: float  # training FLOPs per token: 6N + 12 L h s (usp.plan.specs.Arch.flops_per_token)
+    flops_per_token: float  # training FLOPs per token: 6N + 12 L h s (usp.perf.specs.Arch.flops_per_token)
     flops_per_step: float
 
 
@@ -51,8 +51,8 @@ class RunPlan:
     warnings: list[str] = field(default_factory=list)
     data_meta: dict = field(default_factory=dict)  # filled in once the dataset is prepared
     pipeline: dict | None = None  # stage split and schedule when parallelism.pp > 1
-    memory: MemoryPlan | None = None  # predicted memory per rank and stage (usp/plan/memory.py)
-    timing: TimingPlan | None = None  # predicted step time, tokens/s, MFU (usp/plan/timing.py)
+    memory: MemoryPlan | None = None  # predicted memory per rank and stage (usp/perf/memory.py)
+    timing: TimingPlan | None = None  # predicted step time, tokens/s, MFU (usp/perf/timing.py)
     version: int = PLAN_VERSION
 
     def to_dict(self) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from usp.rundir import checkpoint_dir
+from usp.run.files import checkpoint_dir
 
 MAX_RANK_ROWS = 16
 
@@ -113,7 +113,7 @@ def rank_table(plan) -> Table:
     return table
 
 
-# --- planner predictions (usp/plan/memory.py, timing.py, search.py) ------------------------------------
+# --- planner predictions (usp/perf/memory.py, timing.py, search.py) ------------------------------------
 
 def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f}"
@@ -121,7 +121,7 @@ def _gib(n: float) -> str:
 
 def memory_table(mem):
     """Memory per device by term, one column per pipeline stage that differs (GiB, predicted)."""
-    from usp.plan.memory import TERM_LABELS, TERMS
+    from usp.perf.memory import TERM_LABELS, TERMS
 
     stages = mem.distinct_stages()
     table = Table(title=f"memory per device, predicted (GiB; {mem.dtype}, {mem.device_name}: "

@@ -14,11 +14,11 @@ Three callers read the table: `usp.plan.plan.build_plan` / `checked_plan` (first
 `usp train` refuses).
 
 Rules checked elsewhere, because the Subject can't be built without them: degrees vs world size
-(usp.plan.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), cluster
+(usp.perf.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), cluster
 sizes and launcher, the tokenizer's vocabulary, a Hugging Face model.init_from's config.json
-(usp.plan.plan._subject, usp.plan.hf_config), train.dtype (usp.plan.specs.Precision.resolve);
+(usp.plan.plan._subject, usp.plan.hf_config), train.dtype (usp.perf.specs.Precision.resolve);
 logging / profile settings (usp.plan.validate.check_observability); the run's name (one directory
-name, usp.names) and train.steps >= 1 (usp.plan.validate.check_run); predicted OOM
+name, usp.run.names) and train.steps >= 1 (usp.plan.validate.check_run); predicted OOM
 (usp.plan.validate.analyse: it needs the memory model).
 
 To add a rule: append a Rule to RULES (kind, key, broken, why, fix; `batch=True` when it reads
@@ -33,9 +33,8 @@ from typing import Any, cast
 
 from usp.data.tokenizer import KINDS as TOKENIZERS
 from usp.errors import PlanError
-from usp.plan.optimizer import OPTIMIZERS, REFUSED_OPTIMIZERS, SCHEDULES, OptimSettings
-from usp.plan.pipeline_split import check_explicit, validate_schedule
-from usp.plan.specs import (
+from usp.perf.pipeline_split import check_explicit, validate_schedule
+from usp.perf.specs import (
     ATTENTION_CHOICES,
     FP8_RECIPES,
     RECOMPUTE_MODES,
@@ -46,6 +45,7 @@ from usp.plan.specs import (
     group_crosses_nodes,
     uses_compile,
 )
+from usp.plan.optimizer import OPTIMIZERS, REFUSED_OPTIMIZERS, SCHEDULES, OptimSettings
 
 KINDS = ("plan", "engine", "warn")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
@@ -63,7 +63,7 @@ class Settings:
     tokenizer: str = "bpe"
     node_rank: int | None = None  # cluster.node_rank / rdzv_endpoint: several machines without Slurm
     rdzv_endpoint: str | None = None
-    compile: Any = "auto"  # train.compile as configured (usp.plan.specs.uses_compile resolves it)
+    compile: Any = "auto"  # train.compile as configured (usp.perf.specs.uses_compile resolves it)
     fp8: str = "off"  # train.fp8
 
     @classmethod
@@ -102,7 +102,7 @@ Text = str | Callable[[Subject], Any]
 class Rule:
     """One rule. `broken(s)` is True when subject s breaks it; key, value, why and fix are strings or
     functions of the subject. `check` instead of `broken`: a function that raises the PlanError itself
-    (torch's schedule rules, written once in usp.plan.pipeline_split). `gate`: the rules after it assume
+    (torch's schedule rules, written once in usp.perf.pipeline_split). `gate`: the rules after it assume
     it holds (they are not evaluated once it fails). `batch`: it reads micro_batch / grad_accum."""
 
     name: str
@@ -311,7 +311,7 @@ def _family_fix(s: Subject) -> str:
            "parallelism.pp_schedule=afab"
 
 
-BATCH_RULES = [  # torch's schedule rules (usp.plan.pipeline_split), then ours
+BATCH_RULES = [  # torch's schedule rules (usp.perf.pipeline_split), then ours
     Rule("pipeline_schedule", "plan", batch=True, check=lambda s: validate_schedule(
         s.layout.pp_schedule, s.layout.pp, s.layout.pp_virtual_stages, s.layout.grad_accum)),
     Rule("micro_batches_fill_pipeline", "plan", "train.grad_accum",  # 1f1b itself: pipeline_schedule says it
@@ -521,5 +521,5 @@ def config_failure(hw: Hardware, settings: Settings) -> PlanError | None:
     return first_failure(Subject(cast(Arch, None), cast(Layout, None), hw, settings), ("plan",), CONFIG_RULES)
 BATCH_ONLY = [r for r in RULES if r.batch]
 # Besides micro_batch / grad_accum, the layout fields the batch rules read: the search asks them once per
-# (these values, per-rank batch). tests/test_search.py checks the memo against asking every layout.
+# (these values, per-rank batch). tests/unit/test_search.py checks the memo against asking every layout.
 BATCH_RULE_FIELDS = ("pp", "pp_schedule", "pp_virtual_stages")

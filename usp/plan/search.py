@@ -1,5 +1,5 @@
 """Layout search: enumerate the parallel layouts of a model on a cluster, drop those that break a
-rule or do not fit in memory, rank the rest by predicted throughput (usp.plan.timing).
+rule or do not fit in memory, rank the rest by predicted throughput (usp.perf.timing).
 
 Searched: tp (divisors of the GPUs per node), pp (with 1f1b, interleaved_1f1b v=2 and zbv), cp
 (cp <= 8),
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from usp.errors import PlanError
+from usp.perf.memory import peak_bytes
+from usp.perf.profile import PROFILES, Profile
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision
+from usp.perf.timing import TimingPlan, timing_plan
 from usp.plan import rules
 from usp.plan.context import planner_context
-from usp.plan.memory import peak_bytes
-from usp.plan.profile import PROFILES, Profile
 from usp.plan.rules import BATCH_ONLY, BATCH_RULE_FIELDS, LAYOUT_ONLY, Settings, Subject, divisors
-from usp.plan.specs import GIB, Arch, Hardware, Layout, Precision
-from usp.plan.timing import TimingPlan, timing_plan
 
 MAX_CP = 8
 SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
@@ -134,7 +134,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
            profile: Profile = PROFILES["usp"]) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
     (default: Settings(seq_len): any launcher, auto dtype, no DDP hook); profile:
-    whose recipe's memory decides what fits (usp.plan.profile)."""
+    whose recipe's memory decides what fits (usp.perf.profile)."""
     start = time.perf_counter()
     cap = hw.memory_gib * GIB
     fitting: list[Candidate] = []

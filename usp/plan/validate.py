@@ -11,12 +11,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from usp.errors import PlanError
-from usp.names import check_dir_name
+from usp.perf.specs import GIB, Layout
 from usp.plan import rules
 from usp.plan.batch import BatchPlan, plan_batch
 from usp.plan.context import PlannerContext, recipe_precision
 from usp.plan.rules import Subject
-from usp.plan.specs import GIB, Layout
+from usp.run.names import check_dir_name
 
 
 def derive_batch(train, degrees: dict, par=None) -> BatchPlan:
@@ -42,8 +42,8 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
     """For a plan whose rules of kind "plan" hold: add the warn rules' warnings (raise the first
     under strict) and the observability checks, attach plan.memory / plan.timing, raise the
     predicted OOM (a warning under `force`). training=False: say what `usp train` would still refuse."""
-    from usp.plan.memory import memory_plan
-    from usp.plan.timing import timing_plan
+    from usp.perf.memory import memory_plan
+    from usp.perf.timing import timing_plan
 
     hw, layout = subject.hw, subject.layout
     profile, prec = recipe_precision(cfg, hw.device)
@@ -62,7 +62,7 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
 
 def check_run(cfg, name: str) -> None:
     """The run's own values: its name is one directory name under train.runs_dir (the rule shared
-    with `usp sweep --name`, usp.names), and it trains at least one step."""
+    with `usp sweep --name`, usp.run.names), and it trains at least one step."""
     check_dir_name(name, key="model.name" if cfg.train.name is None else "train.name", error=PlanError,
                    fix="train.name=my_run (letters, digits, '.', '_', '-'); train.runs_dir=<dir> says where it goes")
     steps = int(cfg.train.steps)

@@ -30,7 +30,7 @@ def _plt():
 
 
 def _save(fig, path: Path) -> Path:
-    """A PNG in the report directory, which write_report swaps into place whole (usp.rundir.staged)."""
+    """A PNG in the report directory, which write_report swaps into place whole (usp.run.files.staged)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     try:

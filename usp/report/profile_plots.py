@@ -6,7 +6,7 @@ from pathlib import Path
 
 from usp.report.plots import Plot, _plt, _save
 from usp.report.trace import PHASES, StepBreakdown
-from usp.rundir import METRICS, PROFILE, SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SPAN_STEP_PREFIX
+from usp.run.files import METRICS, PROFILE, SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SPAN_STEP_PREFIX
 
 COLORS = {"forward": "tab:blue", "backward": "tab:orange", "forward+backward (pipeline)": "tab:purple",
           "optimizer": "tab:green", "data wait": "tab:red", "other": "tab:gray"}

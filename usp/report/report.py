@@ -16,9 +16,9 @@ from usp.report.runs import RunData, is_run_dir, load_run, unique_labels
 from usp.report.sweep_plots import plot_heatmap, plot_scaling
 from usp.report.sweep_tables import batch_guidance, scaling, sweep_rows
 from usp.report.trace import PHASES, run_breakdowns, run_events
-from usp.rundir import METRICS, PROFILE, SPAN_STEP_PREFIX, staged
-from usp.sweeprecord import SWEEP_FILE, is_sweep_dir, layout_text, read_sweep, refresh_statuses
-from usp.writable import check_new_output
+from usp.run.files import METRICS, PROFILE, SPAN_STEP_PREFIX, staged
+from usp.run.sweep_record import SWEEP_FILE, is_sweep_dir, layout_text, read_sweep, refresh_statuses
+from usp.run.writable import check_new_output
 
 MAX_BARS = 48  # step-time bars in one plot (runs x ranks x profiled steps)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from usp.errors import UspError
-from usp.rundir import (
+from usp.run.files import (
     PLAN,
     PROFILE_SUMMARY_RE,
     PROFILE_TRACE_RE,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from usp.report.runs import RunData
-from usp.sweeprecord import layout_text
+from usp.run.sweep_record import layout_text
 
 BATCH_KEYS = ("micro_batch", "grad_accum")
 # Swept keys that change the device count or only how the batch / the devices are split: a scaling

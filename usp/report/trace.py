@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from usp.rundir import (
+from usp.run.files import (
     SPAN_BACKWARD,
     SPAN_FORWARD,
     SPAN_OPTIMIZER,

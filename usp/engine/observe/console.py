@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from usp.rundir import rank_log
+from usp.run.files import rank_log
 
 
 def rank_logger(run_dir: Path, rank: int) -> logging.Logger:

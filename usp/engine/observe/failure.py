@@ -17,7 +17,7 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
-from usp.rundir import DISK_FULL, LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
+from usp.run.files import DISK_FULL, LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
 
 # Lower-case message fragments, checked in this order (a lost connection often mentions a timeout).
 _OOM_TEXT = ("out of memory",)
@@ -55,7 +55,7 @@ def classify(exc: BaseException) -> str:
 
 def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step: int | None) -> Path:
     """Write logs/failure_rank<rank>.json atomically and append a one-liner to logs/rank_<rank>.log."""
-    from usp.rundir import write_text_atomic
+    from usp.run.files import write_text_atomic
 
     ranks = plan.get("ranks") or []
     info = ranks[rank] if 0 <= rank < len(ranks) else {}
@@ -106,7 +106,7 @@ def record_failures(worker):
             if interrupted():  # a peer left because of Ctrl-C: not a failure (usp.engine.signals)
                 raise
             try:
-                from usp.rundir import read_plan
+                from usp.run.files import read_plan
 
                 plan = read_plan(Path(plan_path))
                 trainer = _local_of(exc, worker.__code__, "trainer")

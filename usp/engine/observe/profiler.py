@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-from usp.rundir import SPAN_STEP_PREFIX, is_comm, profile_dir, step_span  # shared with usp report
+from usp.run.files import SPAN_STEP_PREFIX, is_comm, profile_dir, step_span  # shared with usp report
 
 TOP_OPS = 15
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from usp.engine.observe.metrics import MetricsWriter
-from usp.rundir import METRICS
+from usp.run.files import METRICS
 
 WANDB_ID_FILE = "wandb_run_id"  # in the run dir: a resumed run appends to the same W&B run
 

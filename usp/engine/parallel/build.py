@@ -19,7 +19,7 @@ from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.parallelize import parallelize
 from usp.engine.parallel.tied import tied_embedding
 from usp.models.llama import Llama, LlamaArgs
-from usp.plan.pipeline_split import last_stage_rank
+from usp.perf.pipeline_split import last_stage_rank
 
 
 @dataclass

@@ -16,8 +16,8 @@ from usp.engine.parallel.materialize import materialize
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.precision import fsdp_mp_policy
 from usp.engine.parallel.recompute import apply_recompute
-from usp.plan.layout import FSDP_KINDS, data_parallel_kind
-from usp.plan.specs import uses_compile
+from usp.perf.layout import FSDP_KINDS, data_parallel_kind
+from usp.perf.specs import uses_compile
 
 
 def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:

@@ -1,6 +1,6 @@
 """Pipeline parallelism (PP) with `torch.distributed.pipelining`.
 
-The model's layers are cut into `num_stages` contiguous stages (`usp.plan.pipeline_split`);
+The model's layers are cut into `num_stages` contiguous stages (`usp.perf.pipeline_split`);
 each pp rank holds one stage (afab, 1f1b) or several (interleaved: stages r, r+pp, ...;
 zbv: stages r and 2pp-1-r). A stage is the full Llama with the layers it does not own deleted,
 and without the embedding (all but the first stage) or the final norm + LM head (all but the

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from usp.plan.layout import bf16_by_fsdp_policy, data_parallel_kind
-from usp.plan.specs import uses_bf16
+from usp.perf.layout import bf16_by_fsdp_policy, data_parallel_kind
+from usp.perf.specs import uses_bf16
 
 
 def fsdp_mixed_precision(plan: dict) -> bool:

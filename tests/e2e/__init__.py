@@ -1,0 +1,1 @@
+"""Tests that start processes: the usp console script, torchrun, Slurm, pip (tests/conftest.py)."""

@@ -1,0 +1,151 @@
+"""Hugging Face checkpoints through real runs, against the real `transformers`: an HF Llama imported
+(`model.init_from`) and trained under FSDP2 x TP2 (4 processes) follows a single process and exports
+(`usp export --format hf`) keeping its tie; an HF Mixtral likewise on one process; a tiktoken run
+exports the tokenizer transformers loads (loading and the config check in this process:
+tests/engine/test_hf_checkpoint.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.data_builders import WORDS, trained_tiktoken_file, word_corpus
+from tests.engine.test_hf_checkpoint import TOL, USP_DIMS, make_hf
+from tests.helpers import losses, run_usp, usp_cli
+from usp.run.files import read_plan
+
+QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
+         "checkpoint.enabled=true", "train.steps=3", "train.global_batch=8", "train.seq_len=64"]
+
+
+def _train(tmp_path: Path, name: str, *overrides: str) -> Path:
+    proc = run_usp("train", f"train.runs_dir={tmp_path}", f"train.name={name}", *QUIET, *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp_path / name
+
+
+def _first_batch_loss(run_dir: Path, hf_dir: Path) -> float:
+    """transformers' loss on the run's first global batch (the data sampler is layout-independent)."""
+    from transformers import AutoModelForCausalLM
+
+    from usp.data.sampler import BatchSampler, TokenFile, get_batch
+
+    plan = read_plan(run_dir / "plan.yaml")
+    seq, batch = int(plan["batch"]["seq_len"]), int(plan["batch"]["global_batch"])
+    tokens = TokenFile(Path(plan["dataset_dir"]) / plan["data_meta"]["train_bin"])
+    starts = BatchSampler(len(tokens), seq, batch, batch, 0, 1, int(plan["config"]["train"]["seed"])).micro_batches(0)
+    x, y = (torch.from_numpy(a) for a in get_batch(tokens, np.concatenate(starts), seq))
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(hf_dir)(x).logits
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+
+def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The trained model's logits, from its last usp checkpoint, in one process."""
+    from usp.engine.export import load_model_state
+    from usp.models.llama import Llama, LlamaArgs
+    from usp.run.files import list_checkpoints
+
+    plan = read_plan(run_dir / "plan.yaml")
+    ckpt = [c for c in list_checkpoints(run_dir / "checkpoints") if c.complete][-1].path
+    model = Llama(LlamaArgs.from_config(_Attrs(plan["config"]["model"]), int(plan["model"]["vocab_size"])),
+                  max_seq_len=64)
+    model.load_state_dict(load_model_state(ckpt), strict=False)  # a tied head is stored once
+    with torch.no_grad():
+        return model(tokens)
+
+
+class _Attrs(dict):
+    __getattr__ = dict.__getitem__
+
+
+def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
+    """usp export --format hf of the run: transformers loads it (and its tokenizer), with usp's logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from usp.data.tokenizer import load_tokenizer
+    from usp.engine.hf_checkpoint import read_hf_tensors
+
+    proc = usp_cli("export", str(run_dir), "--format", "hf", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = run_dir / "export" / "hf_step00000003"
+    assert str(out) in proc.stdout
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf).__name__ == ("MixtralForCausalLM" if kind == "mixtral" else "LlamaForCausalLM")
+    assert hf.config.tie_word_embeddings == tied
+    assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == tied
+    assert ("lm_head.weight" in read_hf_tensors(out)) != tied  # a tied head is stored once
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    ours = _usp_logits(run_dir, tokens)
+    assert torch.allclose(ours, theirs, rtol=0, atol=TOL), (ours - theirs).abs().max()
+    plan = read_plan(run_dir / "plan.yaml")
+    text = "To be, or not to be: that is the question."
+    assert AutoTokenizer.from_pretrained(out).encode(text) == load_tokenizer(plan["dataset_dir"]).encode(text)
+
+
+@pytest.mark.distributed
+def test_llama_import_trains_under_fsdp2_tp2_and_exports(tmp_path, shakespeare):
+    """A tied HF Llama as model.init_from under FSDP2 x TP2 (4 processes, each loading its shards from
+    the full tensors): its first loss is transformers' loss on the same batch, the 3 steps follow one
+    process within 1e-5, and the export loads in transformers with usp's logits and its tie intact."""
+    vocab = int(shakespeare[1]["vocab_size"])
+    src = make_hf(tmp_path / "hf_llama", "llama", vocab, tied=True)
+    common = [*USP_DIMS, "model.tie_embeddings=true", f"model.init_from={src}"]
+    sharded = _train(tmp_path, "fsdp2_tp2", *common, "cluster.procs_per_node=4", "parallelism.dp_shard=2",
+                     "parallelism.tp=2", "parallelism.dp_replicate=1")
+    single = _train(tmp_path, "single", *common)
+    first = _first_batch_loss(single, src)
+    for run in (sharded, single):
+        by_step = losses(run)
+        assert sorted(by_step) == [1, 2, 3] and abs(by_step[1] - first) <= TOL * first, (run.name, by_step, first)
+    assert np.allclose(list(losses(sharded).values()), list(losses(single).values()), rtol=TOL, atol=0), \
+        (losses(sharded), losses(single))
+    _check_export(tmp_path, sharded, tied=True, kind="llama")
+
+
+def test_mixtral_import_trains_and_exports(tmp_path, shakespeare):
+    """An untied HF Mixtral as model.init_from (one process): first loss = transformers' loss, and the
+    trained model exports to a MixtralForCausalLM with usp's logits."""
+    vocab = int(shakespeare[1]["vocab_size"])
+    src = make_hf(tmp_path / "hf_mixtral", "mixtral", vocab, tied=False)
+    run = _train(tmp_path, "moe", "model=moe_tiny", *USP_DIMS, "model.tie_embeddings=false", f"model.init_from={src}")
+    first = _first_batch_loss(run, src)
+    assert abs(losses(run)[1] - first) <= TOL * first, (losses(run), first)
+    _check_export(tmp_path, run, tied=False, kind="mixtral")
+
+
+MIXED_TEXT = ["naïve café — 東京 🚀 don't I'll 12345 67", "  two  spaces\n\nand\ttabs  ", "<|end_of_text  |> a<b>"]
+
+
+def test_a_tiktoken_run_exports_the_tokenizer_transformers_loads(tmp_path):
+    """A run tokenized with a tiktoken file (Llama 3's format) exports a tokenizer.json: transformers'
+    AutoTokenizer gives the run's token ids for prose, unicode, digits and whitespace, and the
+    special tokens keep their ids."""
+    from transformers import AutoTokenizer
+
+    from usp.data.tokenizer import load_tokenizer
+
+    texts = [word_corpus(30_000, WORDS, seed=i) + "\n" + "\n".join(MIXED_TEXT) for i in range(2)]
+    for i, text in enumerate(texts):
+        (tmp_path / f"corpus{i}.txt").write_text(text)
+    model_file = trained_tiktoken_file(tmp_path / "tokenizer.model", texts)
+    run = _train(tmp_path, "tiktoken", "data=text_files", f"data.paths=[{tmp_path}/corpus*.txt]",
+                 "data.tokenizer=tiktoken", f"data.tokenizer_path={model_file}", "data.val_fraction=0.3", *USP_DIMS)
+    _check_export(tmp_path, run, tied=True, kind="llama")
+    out = run / "export" / "hf_step00000003"
+    ours = load_tokenizer(read_plan(run / "plan.yaml")["dataset_dir"])
+    theirs = AutoTokenizer.from_pretrained(out)
+    for text in [*MIXED_TEXT, texts[0][:2000]]:
+        ids = ours.encode(text)
+        assert theirs.encode(text, add_special_tokens=False) == ids, text
+        assert theirs.decode(ids) == text
+    assert theirs.convert_tokens_to_ids([ours.bos, ours.eos]) == [ours.bos_id, ours.eos_id]
+    # As Llama 3's own tokenizer.json: special-token text in a prompt is that token (usp's data pipeline
+    # encodes it as plain text, so no document can fake an end of document).
+    assert theirs.encode(f"{ours.eos} x", add_special_tokens=False) == [ours.eos_id, *ours.encode(" x")]
+    assert len(theirs) == ours.vocab_size
+    assert (out / "tokenizer.model").read_bytes() == model_file.read_bytes()

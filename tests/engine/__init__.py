@@ -1,0 +1,1 @@
+"""Tests that run torch in this process (tests/conftest.py)."""

@@ -1,0 +1,1 @@
+"""Torch-free tests run in this process (tests/conftest.py)."""

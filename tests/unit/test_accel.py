@@ -1,0 +1,93 @@
+"""What a GPU run would get from the torch-free layers, checked on CPU: the backend per device, the
+plan's flash-attention checks, the workers' environment (CUDA allocator, cuBLAS workspace, torchrun's
+store) and the note about visible GPUs (the engine's choices: tests/engine/test_accel.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from usp.config.compose import compose_config
+from usp.launch.local import worker_env
+from usp.plan.plan import build_plan, engine_support_errors
+
+
+def plan_of(*overrides: str, obj: bool = False):
+    cfg, choices = compose_config(None, list(overrides))
+    plan = build_plan(cfg, choices, training=False)
+    return plan if obj else plan.to_dict()
+
+
+def test_flash_attn_plan_errors_name_the_key():
+    cpu = engine_support_errors(plan_of("model.attention=flash_attn", obj=True))
+    assert [e.key for e in cpu] == ["model.attention"] and "model.attention=sdpa" in str(cpu[0].fix)
+    fp32 = engine_support_errors(plan_of("cluster=local_gpu", "model.attention=flash_attn", "train.dtype=fp32",
+                                         obj=True))
+    assert [e.key for e in fp32] == ["train.dtype"]
+    assert engine_support_errors(plan_of("cluster=local_gpu", "model.attention=flash_attn", obj=True)) == []
+
+
+def test_backend_follows_the_device():
+    assert plan_of("cluster=local_gpu")["backend"] == "nccl"
+    assert plan_of("cluster=mi300x", "cluster.nodes=1")["device"] == "cuda"  # ROCm: device type cuda, RCCL as nccl
+    assert plan_of("cluster=mi300x", "cluster.nodes=1")["backend"] == "nccl"
+    xpu = plan_of("cluster=supermuc_ng_p2")
+    assert (xpu["device"], xpu["backend"]) == ("xpu", "xccl")
+    assert plan_of()["backend"] == "gloo"
+
+
+def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None, max_restarts: int = 0):
+    return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1,
+                           config={"cluster": {"env": env or {}, "launcher": "local", "nodes": 1},
+                                   "train": {"deterministic": deterministic, "max_restarts": max_restarts}})
+
+
+def test_ranks_share_the_agents_store_unless_torchrun_restarts(monkeypatch):
+    """Without restarts rank 0 binds no port of its own (nothing another launch could take first,
+    tests/e2e/test_port_taken.py); with train.max_restarts each attempt gets a store of its own (a
+    restarted rank must not read its dead peer's address). The user's setting wins."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in worker_env(_env_plan("cpu"))
+    assert worker_env(_env_plan("cpu", max_restarts=2))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    assert worker_env(_env_plan("cpu", max_restarts=2))["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+
+
+def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(_env_plan("cpu"))
+    # the user's setting wins: from cluster.env, or from the environment
+    assert worker_env(_env_plan("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}))[
+        "PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+
+
+def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert worker_env(_env_plan("cuda", deterministic=True))["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env(_env_plan("cuda"))
+    assert "CUBLAS_WORKSPACE_CONFIG" not in worker_env(_env_plan("cpu", deterministic=True))
+
+
+def test_a_cpu_run_on_a_machine_with_gpus_says_how_to_use_them(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from usp.launch import prepare
+
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:01:00.0", "0000:02:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    monkeypatch.setattr(prepare, "NVIDIA_GPUS", gpus)
+
+    def note(*overrides: str) -> str:
+        cfg, choices = compose_config(None, [f"train.runs_dir={tmp_path}", *overrides])
+        out = io.StringIO()
+        prepare.prepare_run(cfg, choices, console=Console(file=out, width=300), prepare_data=False)
+        return out.getvalue()
+
+    assert "2 NVIDIA GPU(s) visible here" in note() and "cluster=local_gpu cluster.procs_per_node=2" in note()
+    assert "visible here" not in note("cluster=local_gpu")
+    monkeypatch.setattr(prepare, "NVIDIA_GPUS", tmp_path / "none")  # no driver: no note
+    assert "visible here" not in note()

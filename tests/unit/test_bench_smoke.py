@@ -1,0 +1,57 @@
+"""scripts/bench/gpu_session.py read in this process (torch-free): its one device command is the
+documented one, and --fit recovers the planner constants the rows were made from (the scripts run
+as they run: tests/e2e/test_bench_smoke.py)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+BENCH = REPO / "scripts" / "bench"
+
+
+def gpu_session_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_session", BENCH / "gpu_session.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCH))
+    sys.modules["gpu_session"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_session_device_command_is_the_documented_one():
+    """One command for the device, the same in the script's docstring (over three lines), --plan-only's
+    output and docs/benchmarks.md; it fits the device tool's 2,000 characters."""
+    gs = gpu_session_module()
+    command = gs.DEVICE_COMMAND
+    assert len(command) < 2000 and "--budget-s 300" in command and "$OUT" in command
+    assert " ".join(command.split()) in " ".join(gs.__doc__.replace("\\\n", " ").split())
+    assert command in (REPO / "docs" / "benchmarks.md").read_text()
+    assert "PYTHONPATH=$PWD:/tmp/site" in command  # the checkout's usp before anything carried
+
+
+@pytest.mark.slow
+def test_gpu_session_fit_recovers_the_planner_constants(shakespeare, tmp_path):
+    """--fit on a session's rows: eager_overhead = compiled / eager tokens/s - 1, and the fp8_efficiency at
+    which the planner predicts the measured FP8 / bf16 speedup (rows made from the planner at 0.6)."""
+    gs = gpu_session_module()
+    hardware = gs.mfu.gpu_overrides("NVIDIA H100 80GB HBM3", 79.1)
+    base = {"hardware": hardware, "model": "llama3_2_1b", "micro_batch": 8, "grad_accum": 1}
+    bf16 = {**base, "case": "1b compiled", "group": "mfu", "overrides": list(gs.all_cases()[4].overrides)}
+    fp8 = {**base, "case": "1b fp8 tensorwise compiled", "group": "fp8",
+           "overrides": list(gs.all_cases()[5].overrides), "check": {"ref": "1b compiled"}}
+    runs = str(tmp_path / "runs")
+    bf16["tokens_per_s"] = gs._predicted_tokens_per_s(bf16, runs)
+    fp8["tokens_per_s"] = gs._predicted_tokens_per_s(fp8, runs, "cluster.timing.fp8_efficiency=0.6")
+    eager = {**bf16, "case": "1b eager", "tokens_per_s": bf16["tokens_per_s"] / 1.25}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (bf16, fp8, eager)))
+    lines = gs.fit(str(path))
+    assert "1b (llama3_2_1b): cluster.timing.eager_overhead = 0.250" in lines
+    [fitted] = [line for line in lines if "fp8_efficiency" in line]
+    assert float(fitted.rsplit("= ", 1)[1]) == pytest.approx(0.6, abs=2e-3)

@@ -1,0 +1,436 @@
+"""usp command line. One small function per command; the work happens in usp.config,
+usp.plan, usp.data and usp.launch. Only typer is imported at module level so that
+`usp --help` stays fast; nothing here imports torch."""
+from __future__ import annotations
+
+import functools
+from typing import NoReturn
+
+import typer
+
+from usp.cli.examples import add_examples
+
+# add_completion: `usp --install-completion` / `--show-completion` (bash, zsh, fish, PowerShell)
+app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
+                  help="usp: YAML in, a checked parallel run plan out, then torchrun or Slurm.")
+config_app = typer.Typer(no_args_is_help=True, help="Browse and copy the config catalogue.")
+app.add_typer(config_app, name="config")
+
+ForceOption = typer.Option(False, "--force", help="replace an existing output (the old one is kept until the new "
+                                                   "one is complete)")
+OVERRIDES_HELP = ("conf=<name or recipe.yaml> and Hydra overrides: key=value, +key=value (add), "
+                  "~key (delete), group=option (e.g. model=tiny parallelism=ddp)")
+
+
+def _complete_override(incomplete: str) -> list[str]:
+    from usp.config.catalogue import complete_override
+
+    return complete_override(incomplete)
+
+
+Overrides = typer.Argument(None, help=OVERRIDES_HELP, show_default=False, autocompletion=_complete_override)
+CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') and exit without running")
+
+
+def _fail(exc: Exception) -> NoReturn:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    raise typer.Exit(2)
+
+
+def _split_conf(overrides: list[str] | None) -> tuple[str | None, list[str]]:
+    conf, rest = None, []
+    for item in overrides or []:
+        if item.startswith("conf="):
+            conf = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return conf, rest
+
+
+def _compose(overrides: list[str] | None):
+    from usp.config.compose import compose_config
+
+    return compose_config(*_split_conf(overrides))
+
+
+def _print_cfg(cfg, which: str) -> None:
+    from omegaconf import OmegaConf
+
+    if which not in ("job", "all"):
+        _fail(ValueError(f"--cfg {which!r}: use --cfg job"))
+    typer.echo(OmegaConf.to_yaml(cfg, resolve=False), nl=False)
+
+
+def _user_errors():
+    from usp.errors import UspError  # the data layer's DataError is one too
+
+    return UspError
+
+
+def _nothing_to_do():
+    from usp.launch.checkpoints import RunAlreadyDone
+
+    return RunAlreadyDone
+
+
+def handles_errors(command):
+    """The one error wrapper of every command: a problem the user can fix (a UspError) is printed
+    as one red line (with its fix) and exits 2, never as a stack trace. A run that is already at
+    train.steps says so and exits 0."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except _user_errors() as exc:  # evaluated only when something was raised: no import cost
+            _fail(exc)
+        except _nothing_to_do() as done:
+            typer.echo(str(done))
+            raise typer.Exit(0) from None
+
+    return wrapper
+
+
+@app.command()
+@handles_errors
+def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
+         save: bool = typer.Option(False, "--save", help="also write runs/<name>/plan.yaml"),
+         strict: bool = typer.Option(False, "--strict", help="a TP group spanning nodes is an error, not a warning"),
+         force: bool = typer.Option(False, "--force", help="plan even if the layout is predicted not to fit"),
+         search: bool = typer.Option(False, "--search", help="rank the layouts that fit by predicted throughput"),
+         top: int = typer.Option(5, "--top", help="with --search: how many layouts to show")) -> None:
+    """Resolve the config into a run plan and print it; launches nothing."""
+    from usp.plan.plan import plan_with_failures
+    from usp.plan.render import render_plan, render_refusals
+
+    composed, choices = _compose(overrides)
+    if cfg:
+        return _print_cfg(composed, cfg)
+    if search:
+        from usp.plan.search import run_search
+
+        run_search(composed, top)
+        return
+    run_plan, failures = plan_with_failures(composed, choices, force=force, strict=strict)
+    if run_plan is None:  # every failing rule, not just the first
+        for error in failures[:-1]:
+            typer.echo(f"error: {error}", err=True)
+        _fail(failures[-1])
+    render_plan(run_plan)
+    render_refusals(failures)
+    if save:
+        from pathlib import Path
+
+        from usp.plan.io import write_plan
+        from usp.run.lock import refuse_if_locked
+        from usp.run.writable import check_writable_dir
+
+        refuse_if_locked(run_plan.run_dir, "plan --save")  # a live run's checkpoints copy its plan.yaml
+        check_writable_dir(Path(run_plan.run_dir), "train.runs_dir", composed.train.runs_dir,
+                           "train.runs_dir=<a writable directory>")
+        typer.echo(f"plan written to {write_plan(run_plan)}")
+
+
+@app.command()
+@handles_errors
+def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layouts (like calibration/playbook_h100/"
+                                               "playbook_sweep_calibration.csv) or a directory of usp runs"),
+              cluster: str = typer.Option(..., "--cluster", help="the cluster group to fit: a name in conf/cluster "
+                                                                  "or a YAML path"),
+              profile: str = typer.Option("usp", "--profile", help="the recipe the runs were trained with "
+                                                                    "(planner.profile: usp | nanotron)"),
+              out: str | None = typer.Option(None, "--out", help="write the fitted cluster group here (e.g. "
+                                                                  "conf/cluster/mine.yaml); default: print it"),
+              archs: str | None = typer.Option(None, "--archs", help="model shapes of a CSV (default: "
+                                                                      "playbook_model_archs.csv beside it)"),
+              holdout: int = typer.Option(0, "--holdout", help="hold every N-th run out of the fit and score it "
+                                                                "separately"),
+              force: bool = ForceOption) -> None:
+    """Fit the cluster's time constants (link bandwidth and latency, kernel efficiency, overheads) to
+    measured runs, report the residuals, write the cluster group."""
+    from pathlib import Path
+
+    from usp.perf.calibration.calibrate import calibrate as fit_cluster
+    from usp.perf.calibration.calibrate import report
+    from usp.run.files import write_text_atomic
+    from usp.run.writable import check_new_output
+
+    if out:  # before the fit
+        check_new_output(out, force=force, key="--out", inputs=[measured])
+    result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
+    for line in report(result):
+        typer.echo(line)
+    if out:
+        write_text_atomic(Path(out), result.yaml)
+        typer.echo(f"cluster group written to {out} (use it with cluster={Path(out).stem} or commit it)")
+    else:
+        typer.echo(result.yaml)
+
+
+@app.command()
+@handles_errors
+def estimate(overrides: list[str] | None = Overrides,
+             hours: float | None = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
+             devices: int | None = typer.Option(None, "--devices", help="device count: how many hours?"),
+             mfu: float | None = typer.Option(None, "--mfu", help="MFU to assume (default: the time model's)")) -> None:
+    """Memory per device, and devices / hours / cost for a token budget (train.tokens=...)."""
+    from usp.plan.estimate import run_estimate
+
+    composed, choices = _compose(overrides)
+    run_estimate(composed, choices, hours=hours, devices=devices, mfu=mfu)
+
+
+DryRunOption = typer.Option(False, "--dry-run", help="Slurm: write runs/<name>/job.sbatch and print it; submit nothing")
+
+
+@app.command()
+@handles_errors
+def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
+          dry_run: bool = DryRunOption) -> None:
+    """Plan, prepare the data if needed, and train: here (in-process for one rank, torchrun for
+    several), or as a Slurm job when the cluster group says launcher: slurm."""
+    from usp.launch.prepare import prepare_run
+
+    composed, choices = _compose(overrides)
+    if cfg:
+        return _print_cfg(composed, cfg)
+    if composed.cluster.launcher == "slurm":
+        return _submit(composed, choices, overrides, dry_run, "train")
+    if dry_run:
+        _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
+                         "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
+    from usp.launch.local import launch_local, require_torch
+    from usp.run.lock import release
+
+    require_torch("train")
+    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
+
+    try:
+        code = launch_local(run_plan, plan_path)
+    except Exception as exc:  # one rank runs in-process: show its traceback, then the same summary as torchrun's
+        import traceback
+
+        if isinstance(exc, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
+            typer.echo(f"error: {exc}", err=True)
+        else:
+            traceback.print_exc()
+        code = 1
+    finally:
+        release(run_plan.run_dir)
+    if code:
+        from usp.launch.status import print_failure_summary
+        from usp.run.files import logs_dir
+
+        print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
+        typer.echo(f"usp: training exited with code {code}; per-rank logs in {logs_dir(run_plan.run_dir)}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+@handles_errors
+def submit(overrides: list[str] | None = Overrides, dry_run: bool = DryRunOption) -> None:
+    """Plan the run and submit it to Slurm (sbatch); prints the job id and where the logs go."""
+    composed, choices = _compose(overrides)
+    if composed.cluster.launcher != "slurm":
+        from usp.errors import LaunchError
+
+        raise LaunchError("usp submit needs a Slurm cluster group", key="cluster.launcher",
+                          value=composed.cluster.launcher, fix="cluster=local_slurm (or slurm_h100, ...), "
+                          "or `usp train` to run here")
+    _submit(composed, choices, overrides, dry_run, "submit")
+
+
+def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
+    from usp.launch.prepare import prepare_run
+    from usp.launch.submit import check_submittable, submit_run
+
+    run_plan, plan_path = prepare_run(composed, choices, prepare_data=not dry_run, check=check_submittable,
+                                      hold_lock=False)
+    submit_run(run_plan, plan_path, ["usp", verb, *(overrides or [])], dry_run=dry_run)
+
+
+@app.command()
+@handles_errors
+def cancel(run_dir: str | None = typer.Argument(None, help="run or sweep directory "
+                                                          "(default: the newest under ./runs)")) -> None:
+    """Cancel the run's Slurm job (scancel; every task of a sweep's job array)."""
+    from usp.launch.jobs import cancel_run
+
+    cancel_run(run_dir)
+
+
+@app.command()
+@handles_errors
+def logs(run_dir: str | None = typer.Argument(None, help="run directory (default: the newest under ./runs)"),
+         rank: int | None = typer.Option(None, "--rank", help="this rank's log (default: the job's batch output)"),
+         tail: int = typer.Option(0, "--tail", help="only the last N lines (0 = all)"),
+         follow: bool = typer.Option(False, "--follow", "-f",
+                                     help="keep printing as the log grows (Ctrl-C stops)")) -> None:
+    """Print a run's log: the Slurm batch output (torchrun and rank 0), or one rank's log."""
+    from usp.launch.jobs import show_logs
+
+    show_logs(run_dir, rank=rank, tail=tail, follow=follow)
+
+
+@app.command()
+@handles_errors
+def status(run_dir: str | None = typer.Argument(None, help="run directory (default: the newest under ./runs)")) -> None:
+    """State of a run: progress, checkpoints, restarts, and the root cause if it failed (exit 1)."""
+    from usp.launch.status import show_status
+
+    code = show_status(run_dir)
+    raise typer.Exit(code)
+
+
+@app.command()
+@handles_errors
+def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<N> checkpoint directory)"),
+           step: int | None = typer.Option(None, "--step", help="checkpoint step (default: the newest complete)"),
+           out: str | None = typer.Option(None, "--out", help="output directory: model.pt or model.safetensors + "
+                                          "config.json, or the hf files (default: <run dir>/export/<format>_step<N>)"),
+           fmt: str = typer.Option("torch", "--format",
+                                   help="torch (torch.load) | safetensors | hf (a transformers directory)"),
+           shard_mb: float | None = typer.Option(None, "--shard-mb", help="--format hf: largest safetensors shard, MB "
+                                                                           "(default 5000)"),
+           force: bool = ForceOption) -> None:
+    """Write the model from a checkpoint into a new directory: one consolidated state dict (full tensors,
+    FQN keys) + config.json, or (--format hf) what transformers' AutoModelForCausalLM.from_pretrained loads."""
+    from usp.launch.local import require_torch
+
+    require_torch("export")
+    from usp.engine.export import export_model  # imports torch: only for this command
+
+    result = export_model(run_dir, step=step, out=out, fmt=fmt, max_shard_mb=shard_mb, force=force)
+    typer.echo(result.describe())
+
+
+@app.command()
+@handles_errors
+def verify(overrides: list[str] | None = Overrides,
+           steps: int = typer.Option(5, help="optimizer steps to compare"),
+           rtol: float = typer.Option(1e-5, help="relative loss tolerance per step"),
+           param_atol: float = typer.Option(1e-4, help="absolute tolerance on the final parameters")) -> None:
+    """Run a layout at small scale next to a single-process reference and compare them step by step."""
+    from usp.launch.local import require_torch
+    from usp.launch.verify import verify as run
+
+    require_torch("verify")
+    conf, rest = _split_conf(overrides)
+    code = run(conf, rest, steps, rtol, param_atol)
+    raise typer.Exit(code)
+
+
+@app.command("prepare-data")
+@handles_errors
+def prepare_data(overrides: list[str] | None = Overrides,
+                 clean: bool = typer.Option(False, "--clean", help="then remove stale cache entries: older versions "
+                                            "of this dataset, unused shards and tokenizers, temp dirs")) -> None:
+    """Tokenize the data group's corpus once (tokenizer + uint16/uint32 train/val token files)."""
+    from rich.console import Console
+
+    from usp.data.prepare import ensure_dataset
+
+    composed, _ = _compose(overrides)
+    console = Console()
+    path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"),
+                                show_progress=console.is_terminal)
+    console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
+                  f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}, {meta['dtype']}")
+    if clean and composed.data.source != "token_files":
+        from usp.data.clean import clean_caches
+
+        removed = clean_caches(composed.data, keep=path)
+        console.print(f"removed {len(removed)} stale cache entries" + "".join(f"\n  {p}" for p in removed),
+                      highlight=False)
+
+
+@config_app.command("list")
+@handles_errors
+def config_list() -> None:
+    """Config groups with their options, and the recipes."""
+    from usp.config.catalogue import render_catalogue
+
+    render_catalogue()
+
+
+@config_app.command("show")
+@handles_errors
+def config_show(item: str = typer.Argument(..., help="group=option (e.g. model=tiny) or a recipe name/path")) -> None:
+    """Print one group option or recipe, composed with the schema defaults."""
+    from usp.config.catalogue import show_item
+
+    typer.echo(show_item(item), nl=False)
+
+
+@config_app.command("cp")
+@handles_errors
+def config_cp(recipe: str = typer.Argument(..., help="recipe name (see `usp config list`)"),
+              dest: str = typer.Argument(".", help="file or directory to copy to"),
+              force: bool = ForceOption) -> None:
+    """Copy a recipe into the working directory to edit it; run it with conf=<file>."""
+    from usp.config.catalogue import copy_recipe
+
+    path = copy_recipe(recipe, dest, force=force)
+    typer.echo(f"copied to {path}; run it with: usp train conf={path}")
+
+
+@app.command()
+@handles_errors
+def sweep(overrides: list[str] | None = typer.Argument(None, show_default=False, help=(
+              OVERRIDES_HELP + "; a comma list sweeps a key: train.micro_batch=4,8,16 parallelism.tp=1,2")),
+          name: str | None = typer.Option(None, "--name", help="sweep directory runs/<name>/ "
+                                             "(default: sweep-<date>-<time>); the same name again resumes it"),
+          dry_run: bool = typer.Option(False, "--dry-run", help="plan every point, write sweep.json (and the Slurm "
+                                       "array script), run nothing"),
+          max_parallel: int = typer.Option(0, "--max-parallel",
+                                           help="Slurm: at most N array tasks at once (0 = no limit)")) -> None:
+    """Plan the grid of the comma-list overrides and train every point the planner accepts: one
+    after another here, or as one Slurm job array with a Slurm cluster group; rejected points are
+    listed with the reason and skipped."""
+    import time
+
+    from usp.launch.sweep import expand_grid, launch_sweep, plan_grid, render_sweep
+
+    conf, rest = _split_conf(overrides)
+    grid_sweep = plan_grid(conf, expand_grid(rest), name or time.strftime("sweep-%Y%m%d-%H%M%S"))
+    render_sweep(grid_sweep)
+    if not grid_sweep.accepted:
+        typer.echo(f"usp sweep: the planner rejected all {len(grid_sweep.points)} points (reasons above); "
+                   "change the swept values", err=True)
+        raise typer.Exit(1)
+    failed = launch_sweep(grid_sweep, max_parallel=max_parallel, dry_run=dry_run)
+    if dry_run:
+        return
+    if grid_sweep.launcher == "slurm":
+        typer.echo(f"{len(grid_sweep.accepted) - failed} point(s) submitted, {failed} could not be; "
+                   f"when they have run: usp report {grid_sweep.dir}")
+        raise typer.Exit(1 if failed else 0)
+    render_sweep(grid_sweep)
+    typer.echo(f"{failed} of {len(grid_sweep.accepted)} point(s) failed; report: usp report {grid_sweep.dir}")
+    raise typer.Exit(1 if failed else 0)
+
+
+@app.command()
+@handles_errors
+def report(paths: list[str] = typer.Argument(..., help="run directories and/or sweep directories", show_default=False),
+           out: str | None = typer.Option(None, "--out", help="output directory "
+                                             "(default: <first run or sweep dir>/report)"),
+           force: bool = ForceOption) -> None:
+    """Plots (loss, lr, throughput, memory, step time) and report.md for runs or a sweep (no torch)."""
+    from usp.report import write_report
+
+    result = write_report(paths, out, force=force)
+    typer.echo(f"report: {result.markdown} ({len(result.plots)} plots)")
+
+
+add_examples(app)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app(prog_name="usp")
+
+
+if __name__ == "__main__":
+    main()

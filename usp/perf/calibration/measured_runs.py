@@ -1,0 +1,153 @@
+"""Measured training runs as planner inputs: each run's model shape, layout, node count and what was
+measured (MFU, tokens/s, peak memory), read from a CSV shaped like
+calibration/playbook_h100/playbook_sweep_calibration.csv (with its archs CSV beside it) or from a
+directory of usp run directories (plan.yaml + metrics.jsonl). The one place a measured row becomes
+the planner's Arch / Layout / Hardware: `usp calibrate` fits the cluster's time constants to them,
+usp.perf.calibration.memory_check and scripts/bench/calibration_sweep.py score the memory model on them, the
+memory and time tests compare the planner with them. Pure Python, no torch.
+
+Row -> planner inputs (the Ultra-Scale Playbook's nanotron runs): the model shape from the archs CSV
+(hidden, layers, heads, kv_heads, ffn, vocab, tie_word_embeddings, seq_len, default 4096);
+dp -> dp_replicate, zero=1 -> parallelism.zero1, tp, pp with 1F1B, mbs -> micro batch, gas ->
+gradient accumulation, no recomputation; the global batch is dp x mbs x gas sequences; bf16 on
+cluster slurm_h100 (8 x H100 80GB per node) with the run's node count."""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from usp.errors import UspError
+from usp.perf.specs import Arch, Hardware, Layout, Precision
+
+SEQ_LEN = 4096  # the playbook's sequence length: an archs CSV without a seq_len column
+# default paths only: nothing here reads them unless asked (an installed package has no calibration/)
+PLAYBOOK_DIR = Path(__file__).resolve().parents[3] / "calibration" / "playbook_h100"
+SWEEP_CSV = PLAYBOOK_DIR / "playbook_sweep_calibration.csv"
+ARCHS_FILE = "playbook_model_archs.csv"
+PLAYBOOK_CLUSTER = "slurm_h100"  # the cluster group of the playbook's nodes
+BF16 = Precision.resolve("bf16", "cuda")  # the playbook's runs: bf16 mixed precision
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    model: str
+    arch: Arch
+    layout: Layout
+    nodes: int
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    ok: bool
+    mfu: float | None  # fraction (0.4 = 40 %), None when not measured
+    tokens_per_s_per_device: float | None
+    mem_gib: float | None = None  # peak allocated memory on rank 0 (pp rank 0), GiB (the CSV's mem_gb); None if failed
+    source: str = ""
+
+    @property
+    def cell(self) -> tuple[str, int]:
+        return self.model, self.nodes
+
+
+def arch_from_row(row: dict) -> Arch:
+    """One row of an archs CSV (model, layers, hidden, heads, kv_heads, ffn, vocab, tie_word_embeddings)."""
+    return Arch(name=row["model"], dim=int(row["hidden"]), n_layers=int(row["layers"]), n_heads=int(row["heads"]),
+                n_kv_heads=int(row["kv_heads"]), ffn_dim=int(row["ffn"]), vocab_size=int(row["vocab"]),
+                tie_embeddings=row["tie_word_embeddings"].strip().lower() == "true")
+
+
+def layout_from_row(row: dict) -> Layout:
+    return Layout(pp=int(row["pp"]), dp_replicate=int(row["dp"]), tp=int(row["tp"]), zero1=row["zero"] == "1",
+                  micro_batch=int(row["mbs"]), grad_accum=int(row["gas"]), pp_schedule="1f1b")
+
+
+@cache
+def h100_nodes(nodes: int) -> Hardware:
+    """The playbook's hardware: conf/cluster/slurm_h100.yaml with the run's node count (the group's
+    YAML file itself: composing a config per node count costs seconds)."""
+    import yaml
+
+    from usp.config.paths import conf_dir
+
+    group = yaml.safe_load((conf_dir() / "cluster" / f"{PLAYBOOK_CLUSTER}.yaml").read_text())
+    return Hardware.from_cluster(group).with_nodes(nodes)
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def read_sweep_csv(path: Path = SWEEP_CSV, archs: Path | None = None) -> list[MeasuredRun]:
+    """Every row of a sweep CSV (columns: model, nodes, dp, tp, pp, gas, mbs, zero, status, mfu_pct,
+    tok_s_gpu[, mem_gb]); model shapes from `archs` (default: playbook_model_archs.csv beside it)."""
+    archs = archs or path.with_name(ARCHS_FILE)
+    for p, what in ((path, "runs CSV"), (archs, "archs CSV")):
+        if not p.is_file():
+            raise UspError(f"{what} not found: {p}", fix="pass an existing file (see calibration/playbook_h100/)")
+    with archs.open() as f:
+        arch_rows = list(csv.DictReader(f))
+    shapes = {r["model"]: arch_from_row(r) for r in arch_rows}
+    seq = {r["model"]: int(r.get("seq_len") or SEQ_LEN) for r in arch_rows}
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    out = []
+    for i, row in enumerate(rows, start=2):
+        if row["model"] not in shapes:
+            raise UspError(f"{path}:{i}: model {row['model']!r} is not in {archs}",
+                           fix="add its shape to the archs CSV")
+        lay = layout_from_row(row)
+        ok = row.get("status", "ok") == "ok"
+        mfu = _float(row.get("mfu_pct"))
+        out.append(MeasuredRun(row["model"], shapes[row["model"]], lay, int(row["nodes"]), seq[row["model"]],
+                               lay.dp * lay.micro_batch * lay.grad_accum, ok,
+                               None if mfu is None else mfu / 100, _float(row.get("tok_s_gpu")),
+                               _float(row.get("mem_gb")) if ok else None, f"{path.name}:{i}"))
+    return out
+
+
+def read_run_dirs(root: Path) -> list[MeasuredRun]:
+    """usp run directories under `root` (each with plan.yaml and metrics.jsonl): the layout from the
+    plan, the measured MFU and tokens/s the median of the logged steps after the first (warm-up)."""
+    import yaml
+
+    out = []
+    for plan_path in sorted(root.rglob("plan.yaml")):
+        metrics = plan_path.with_name("metrics.jsonl")
+        if not metrics.is_file():
+            continue
+        plan = yaml.safe_load(plan_path.read_text())
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip().startswith("{")]
+        steps = [r for r in rows if isinstance(r.get("mfu"), (int, float))][1:]
+        if steps and plan.get("config"):
+            out.append(_run_from_plan(plan, steps, str(plan_path.parent)))
+    return out
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def _run_from_plan(plan: dict, steps: list[dict], source: str) -> MeasuredRun:
+    cfg, batch = plan["config"], plan["batch"]
+    arch = Arch.from_model(cfg["model"], int(plan["model"]["vocab_size"]))
+    degrees = {d: int(v) for d, v in plan["degrees"].items()}
+    lay = Layout.from_config(degrees, _ns(cfg["parallelism"]), _ns(batch), str(cfg["train"]["recompute"]))
+    tok = [r["tokens_per_s_per_device"] for r in steps if isinstance(r.get("tokens_per_s_per_device"), (int, float))]
+    return MeasuredRun(str(cfg["model"].get("name", "model")), arch, lay, int(plan["nodes"]), int(batch["seq_len"]),
+                       int(batch["global_batch"]), True, _median([r["mfu"] for r in steps]),
+                       _median(tok) if tok else None, None, source)
+
+
+class _ns(dict):
+    """A plain dict read like a config node (attribute access)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None

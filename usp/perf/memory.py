@@ -1,0 +1,590 @@
+"""Predicted memory per rank, per pipeline stage (docs/planner.md has the formulas and sources).
+
+Every rank of one pipeline stage holds the same amount (TP, CP and data-parallel ranks split
+work evenly), so the breakdown is per pp rank ("stage" below; with interleaved / V schedules a
+pp rank holds several virtual stages). Terms, in bytes (Ψ = parameters this rank holds after
+TP / EP slicing, N = ranks that shard them, P/G/K = bytes per param / grad / optimizer state:
+4/4/8 in fp32 and in usp's bf16 (fp32 parameters, bf16 copies C = 2), 2/2/12 for a recipe that
+stores bf16 parameters (usp.perf.specs.Precision)):
+
+  parameters   PΨ, or PΨ/N under ZeRO-3 (FSDP2 reshard_after_forward=true), PΨ/N + CΨ under ZeRO-2
+  gradients    GΨ, or GΨ/N under ZeRO-2/3 (but unsharded when grad_accum > 1: the engine turns
+               gradient sync off on inner micro batches and FSDP2 then keeps full gradients)
+  optimizer    KΨ, or KΨ/N under ZeRO-1/2/3
+  activations  values kept per token per layer between forward and backward, counted from what this
+               repo's Llama block keeps (measured on CPU with torch's MemTracker, docs/planner.md),
+               t = tp, kv = n_kv_heads·head_dim, f = ffn_dim:
+                 each RMSNorm: its input and x·rstd, 2h/t (sequence-sharded under TP + SP);
+                 each norm's output, the input of the projections: h (DTensor's ColwiseParallel
+                 keeps the input all-gathered over the sequence, so not divided by t);
+                 attention: q, k, v after RoPE (h + 2kv)/t and the SDPA output h/t;
+                 SwiGLU: w1 and w3 outputs, silu output, their product: 4f/t;
+                 MoE MLP: router probabilities (E) + per routed copy (top_k) the token, the
+                 expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert
+                 (not divided by t: the MoE layer runs replicated over the TP ranks).
+               Dense: (6h + 2kv + 4f)/t + 2h values (Megatron's GPT count is 17h); bytes = values x
+               the activation dtype's size (prec.act); + 5·a·s²·b/t only when attention materialises
+               the scores (never with SDPA / flash); CP's ring attention keeps K, V expanded to all
+               heads (kv = h) and its output in fp32. Full recompute keeps the block input (h/t);
+               selective (the engine's policy: keep matmul and attention outputs) keeps the input,
+               q/k/v, the SDPA output, the MLP's matmul outputs and the two row-parallel outputs (h
+               each: partial sums over the whole sequence under TP). CP divides s by c. Times the
+               layers of the stage, times the micro batches in flight; the stage with the LM head
+               also keeps the final norm's (2h/t + h).
+  in flight    pp = 1: 1; afab: m; 1f1b: min(m, p - r) on pp rank r; interleaved (v virtual
+               stages): min(m·v, 2(p-1-r) + (v-1)p + 1) chunks of L/(pv) layers (Megatron);
+               zbv: min(m, p) (ZB-V's peak equals 1F1B's).
+  logits       the loss on the rank that holds the last stage, in fp32, vocab-parallel under TP:
+               the log-probabilities kept for backward, 4·s·b·V/t bytes (afab: all m micro
+               batches'), and, while the loss is differentiated, 2 more such buffers (the gradients
+               of the log-probabilities and of the logits), 3 with TP (loss_parallel's backward also
+               materialises exp(log-probs)). With pp > 1, torch.distributed.pipelining also keeps
+               each micro batch's stage output until its backward: the logits (s·b·V/t values)
+               on the last stage, the hidden states (s·b·h/t) on the others (under activations).
+  gathered     ZeRO-3, during backward: the root unit (embedding + final norm + head, whose
+               backward spans the whole backward) unsharded (P + G bytes) + two transformer blocks'
+               parameters (the one computing and the prefetched next, P bytes each; with a
+               zero-bubble schedule all the rank's blocks: the engine unshards a whole stage for its
+               split backward) + one block's unsharded gradient before the reduce-scatter (G
+               bytes). ZeRO-2 keeps the sharded parameters (P·Ψ/N, updated by the optimizer) and
+               the all-gathered ones (P·Ψ) from the forward until backward.
+  copies       bf16 under autocast (usp's engine without FSDP2's bf16 policy: P/G/K = 4/4/8, fp32
+               parameters): the bf16 copy of each weight a matmul reads, 2 bytes, where alive
+               (_autocast_copies: every layer's without recompute, else the LM head's; compiled
+               blocks or FP8 blocks none). Adds the "loss forward" peak: the copies + bf16 logits and
+               their fp32 copy (6 bytes per logit) beside the kept log-probs. train.fp8: the blocks'
+               linears cast their fp32 (or gathered bf16) weights to FP8 themselves, 1 byte + fp32
+               scales (one per tensor, or per row and per column: rowwise), one layer's during a
+               layer's backward (_fp8_copies); FSDP gathers them as without FP8.
+  comm buffers DDP / ZeRO-1: a flat copy of the gradients in buckets (PyTorch's default
+               gradient_as_bucket_view=False).
+  peak         the terms above are not all alive at once. Parameters, optimizer states, buckets and
+               the kept activations / log-probs are; on top of them the peak holds the larger of
+                 loss backward: the loss's 2 (3) extra buffers (+ the gradients when grad_accum > 1:
+                   earlier micro batches' gradients; with m = 1 none exist yet, the engine zeroes
+                   them with set_to_none), on the stage with the LM head;
+                 layer backward: the gradients + the ZeRO-3 gathered units + the layer being
+                   recomputed (full / selective recompute: its full set minus what was kept).
+               `peak_phase` names the winner; the terms of the other phase are 0 in the breakdown.
+  overhead     a fixed allowance (CUDA/XPU context, NCCL and cuBLAS workspaces: 1 GiB; CPU:
+               Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
+               Not tensor memory: the engine's memory probe (usp/engine/observe/memory_probe.py) compares
+               the total WITHOUT it with the measured tensor peak.
+
+All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.perf.profile:
+nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
+norm, sequence-sharded norm outputs, its loss, its layer split, no overhead, a measured extra per
+token when a whole-model rank accumulates gradients, and its peak moment: at tp = 1 the bf16
+gradients live one micro batch's backward only, so the peak is the start of one (every micro batch
+in flight, no bf16 gradient) or its end (one less, all of them) (docs/planner.md, Profiles).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from usp.perf.layout import bf16_by_fsdp_policy
+from usp.perf.profile import Profile
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache
+
+FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
+DEFAULT_FIXED_OVERHEAD_GIB = 1.0
+FRAGMENTATION = 0.05
+LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
+VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum
+SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
+FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
+
+LOSS_FORWARD_EXTRA_BYTES = 6  # per logit at the loss forward, besides the kept fp32 log-probs: bf16 logits + fp32 copy
+# train.compile: the kept activations of a compiled block (no recompute) / the eager count (inductor recomputes
+# norms and SwiGLU's pointwise ops in backward instead of keeping them). Fitted to one GPU run: Llama-3.2 1B,
+# micro batch 8 x seq 2048 on an H200, 59.4 GiB measured compiled where the eager count predicted 62.5
+# (docs/planner.md "Compile and FP8"). To refine from scripts/bench/gpu_session.py's rows.
+COMPILED_ACTIVATIONS = 0.876
+
+TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "copies", "comm_buffers",
+         "overhead")
+TERM_LABELS = {
+    "parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer states",
+    "activations": "activations", "logits": "logits + loss", "gathered": "FSDP all-gathered params",
+    "copies": "bf16 weight copies (autocast)",
+    "comm_buffers": "comm buffers (DDP buckets)", "overhead": "framework overhead",
+}
+
+
+@dataclass
+class StageMemory:
+    stage: int  # pp rank
+    first_rank: int
+    n_ranks: int  # ranks of this pp rank (all with the same memory)
+    virtual_stages: list[int]
+    layers: int
+    holds_embedding: bool
+    holds_head: bool
+    params: int  # parameters on one rank of this stage (after TP / EP slicing, before data-parallel sharding)
+    in_flight: float  # micro batches alive at the peak (units of this rank's layers)
+    activation_per_layer: float  # bytes, one layer, one micro batch (stored between forward and backward)
+    peak_phase: str = ""  # "loss backward" | "layer backward": the moment of the peak (module docstring)
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    gathered: float = 0.0
+    copies: float = 0.0
+    comm_buffers: float = 0.0
+    overhead: float = 0.0
+    total: float = 0.0
+
+    def top(self, n: int = 3) -> list[tuple[str, float]]:
+        terms = sorted(((TERM_LABELS[t], getattr(self, t)) for t in TERMS), key=lambda kv: -kv[1])
+        return terms[:n]
+
+    def key(self) -> tuple:
+        return tuple(round(getattr(self, t)) for t in TERMS)
+
+
+@dataclass
+class MemoryPlan:
+    dtype: str
+    dp_kind: str
+    zero_stage: int
+    shard_degree: int
+    recompute: str
+    capacity_gib: float
+    device_name: str
+    stages: list[StageMemory]
+    peak_stage: int
+    peak_gib: float
+    fits: bool
+    activation_formula: str
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> StageMemory:
+        return self.stages[self.peak_stage]
+
+    def distinct_stages(self) -> list[StageMemory]:
+        """Stage 0, the peak and the last stage, without repeats (what the tables show)."""
+        picks = sorted({0, self.peak_stage, len(self.stages) - 1})
+        out, seen = [], set()
+        for i in picks:
+            key = self.stages[i].key()
+            if key not in seen:
+                seen.add(key)
+                out.append(self.stages[i])
+        return out
+
+
+# --- pipeline stages ---------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1024)
+def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None,
+                       split: str = "params") -> tuple:
+    """(layers per virtual stage, virtual stages per pp rank): usp.perf.pipeline_split's split, the
+    one the engine builds, or (split="matmul", a profile's) nanotron's matmul-cost split."""
+    from usp.perf.pipeline_split import arch_split, matmul_threshold_split, stage_ranks
+
+    if pp * virtual == 1:
+        return (arch.n_layers,), ((0,),)
+    if split == "matmul" and virtual == 1 and pp_layers is None:
+        return matmul_threshold_split(arch, pp), tuple((r,) for r in range(pp))
+    counts = tuple(len(s) for s in arch_split(arch, pp * virtual, pp_layers))
+    ranks = stage_ranks(pp, virtual, schedule if schedule in ("zbv",) else "1f1b")
+    return counts, tuple(tuple(r) for r in ranks)
+
+
+def in_flight(layout: Layout, r: int) -> float:
+    """Micro batches whose activations pp rank r holds at its peak, in units of its layers."""
+    p, m, v = layout.pp, layout.grad_accum, layout.virtual
+    if p == 1:
+        return 1.0
+    sched = layout.pp_schedule
+    if sched == "afab":
+        return float(m)
+    if sched in ("interleaved_1f1b", "interleaved_zb"):
+        return min(m * v, 2 * (p - 1 - r) + (v - 1) * p + 1) / v
+    if sched == "zbv":
+        return float(min(m, p))
+    return float(min(m, p - r))
+
+
+# --- the per-layer numbers ---------------------------------------------------------------------------
+
+def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[float, float]:
+    """(values kept per token per layer between forward and backward, values of one layer's full
+    set), for the Llama block of usp/models/llama.py as the engine runs it (module docstring), or as
+    the profile's recipe runs it (a fused norm, sequence-sharded norm outputs, a packed K/V copy)."""
+    h, kv, t, f = arch.dim, arch.kv_dim, layout.tp, arch.ffn_dim
+    if layout.cp > 1:  # the ring attention keeps K and V expanded to every query head (GQA)
+        kv = h
+    norm = (1 if profile.fused_norm else 2) * h / t  # RMSNorm input (and x·rstd), sequence-sharded under TP + SP
+    norm_out = h / t if profile.sp_norm_outputs_sharded else h  # the projections' input: all-gathered by DTensor
+    packed_kv = 2 * kv / t if profile.kv_packed_copy else 0
+    attention = norm + norm_out + (h + 2 * kv) / t + packed_kv + h / t  # + q/k/v after RoPE, SDPA out
+    if arch.moe:
+        fe = arch.moe_ffn_dim or arch.ffn_dim
+        # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
+        mlp = norm + norm_out + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fe if arch.shared_expert else 0)
+        mlp_matmuls: float = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fe + h) if arch.shared_expert else 0)
+    else:
+        mlp = norm + norm_out + 4 * f / t  # + w1, w3 outputs, silu, product
+        mlp_matmuls = 2 * f / t + h  # w1, w3 outputs; w2's (a partial sum over the whole sequence under TP)
+    full = attention + mlp
+    if layout.recompute == "full":
+        return h / t, full  # the block input
+    if layout.recompute == "selective":  # matmul / attention outputs: q, k, v, SDPA out, wo out + the MLP's
+        return h / t + (h + 2 * kv) / t + h / t + h + mlp_matmuls, full
+    return full, full
+
+
+def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precision,
+                         profile: Profile) -> tuple[float, float]:
+    """(bytes kept per layer per micro batch between forward and backward, bytes of one layer's
+    full activation set): activation_values x tokens of the micro batch x prec.act bytes (x the
+    profile's fitted activation_scale)."""
+    s, b, t = seq_len / layout.cp, layout.micro_batch, layout.tp
+    scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
+        if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
+    kept, full = activation_values(arch, layout, profile)
+    if prec.compiled and layout.recompute == "none":
+        kept *= COMPILED_ACTIVATIONS
+    ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
+    kept_ring = ring if layout.recompute != "full" else 0
+    scale = profile.activation_scale
+    return (s * b * kept * prec.act + scores + kept_ring) * scale, (s * b * full * prec.act + scores + ring) * scale
+
+
+def activation_formula(layout: Layout) -> str:
+    t = "" if layout.tp == 1 else "/t"
+    s = "(s/c)" if layout.cp > 1 else "s"
+    full = f"(6h + 2kv + 4f){t} + 2h" if t else "8h + 2kv + 4f"
+    if layout.recompute == "full":
+        return f"full recompute: {s}·b·h{t} values per layer + one layer's {s}·b·({full}) while recomputed"
+    if layout.recompute == "selective":
+        return f"selective recompute: {s}·b·(matmul + attention outputs) values per layer (docs/planner.md)"
+    return f"{s}·b·({full}) values per layer (Llama block as the engine runs it; SDPA keeps no a·s² scores)"
+
+
+# --- the breakdown ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Held:
+    """What one rank of pp rank r holds: layers and parameters (after TP / EP slicing)."""
+
+    held: tuple
+    layers: int
+    holds_emb: bool
+    holds_head: bool
+    vocab_pad: int
+    dense_layer: float  # one layer's parameters that are not routed experts
+    expert_layer: float  # one layer's routed experts on this rank
+    emb: float
+    head: float
+    dense: float
+    experts: float
+
+    @property
+    def params(self) -> float:
+        return self.dense + self.experts
+
+
+def _held(arch: Arch, layout: Layout, r: int, profile: Profile) -> _Held:
+    return _held_by_shape(arch, layout.tp, layout.ep, layout.pp, layout.virtual, layout.schedule, layout.pp_layers,
+                          profile.pp_split, r)
+
+
+@lru_cache(maxsize=8192)  # a search asks the same stage of many data-parallel flavours and micro batches
+def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, schedule: str, pp_layers: tuple | None,
+                   split: str, r: int) -> _Held:
+    t, ep = tp, max(1, ep_degree) if arch.moe else 1
+    counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers, split)
+    held = ranks[r]
+    layers = sum(counts[i] for i in held)
+    holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
+    vocab_pad = -(-arch.vocab_size // t) * t
+    # a MoE layer is not TP-sliced (router, experts and shared expert replicated over tp); EP slices the experts
+    dense_layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
+        + arch.norm_params
+    expert_layer = arch.expert_params / ep
+    emb = vocab_pad * arch.dim / t if holds_emb else 0
+    head: float = 0
+    if holds_head:  # tied: the head is the embedding itself only without pp; a pipeline's last stage holds a copy
+        tied_here = arch.tie_embeddings and pp == 1
+        head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
+    return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
+                 layers * dense_layer + emb + head, layers * expert_layer)
+
+
+def zero_sharding(layout: Layout, profile: Profile) -> tuple[int, int]:
+    """(ZeRO stage, ranks sharding the model states) as the profile's recipe builds the layout:
+    usp's data_parallel_kind, or nanotron's ZeRO-1 (optimizer states only, over dp, also with TP/PP)."""
+    if profile.data_parallel == "nanotron" and layout.dp_kind in ("zero1", "zero1_fsdp"):
+        return 1, layout.dp_replicate
+    return layout.zero_stage, layout.shard_degree
+
+
+def ddp_buckets(layout: Layout, profile: Profile) -> bool:
+    """Is the data parallelism DDP, with its bucket copy of the gradients? usp: DDP and ZeRO-1 without
+    TP/PP; nanotron: any dp_replicate > 1 without ZeRO-1 (its ZeRO-1 runs without DDP)."""
+    if profile.data_parallel == "nanotron":
+        return layout.dp_kind in ("ddp", "replicate")
+    return layout.dp_kind in ("ddp", "zero1")
+
+
+def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: StageMemory, profile: Profile) -> float:
+    """Parameters and optimizer states into st (ZeRO-2 keeps its sharded parameters next to the
+    all-gathered ones); returns the gradients' bytes (where they are alive: the peak decides), with
+    the profile's fp32 gradient-accumulation buffer (every parameter, 4 bytes, never sharded)."""
+    ep = max(1, layout.ep) if arch.moe else 1
+    zero, n = zero_sharding(layout, profile)
+    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    sharded = h.dense / n + h.experts / n_exp  # params after data-parallel sharding
+    st.parameters = prec.param * (sharded if zero == 3 else h.params)
+    if zero == 2 and n > 1:  # the all-gathered parameters too, in the dtype the matmuls read
+        st.parameters = prec.param * sharded + prec.gathered * h.params
+    grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
+    st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
+    return prec.grad * (sharded if grads_sharded else h.params) + (4 * h.params if profile.fp32_grad_accum else 0)
+
+
+def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory,
+                 profile: Profile) -> tuple[float, float]:
+    """Kept activations into st (+ the profile's full-sequence buffers under TP + SP: the all-gather
+    buffer, a layer backward's unsharded input gradient; + its measured extra per token when a rank
+    holding the whole model accumulates gradients); returns (the bytes of the layer being
+    recomputed: its full set minus what was kept, the bytes one micro batch keeps on this rank).
+    Where the profile's peak follows the micro batches (grads_freed_per_micro_batch), the backward
+    transients (activation_scale) belong to the one micro batch being differentiated, not to every
+    micro batch in flight."""
+    kept, full_set = activation_per_layer(arch, layout, seq_len, prec, profile)
+    st.activation_per_layer = kept
+    tokens = (seq_len / layout.cp) * layout.micro_batch
+    final_norm = tokens * (2 * arch.dim / layout.tp + arch.dim) * prec.act if h.holds_head else 0
+    stage_output = tokens * arch.dim / layout.tp * prec.act if layout.pp > 1 and not h.holds_head else 0
+    one = kept * h.layers + final_norm + stage_output  # torch.distributed.pipelining keeps each stage output
+    st.activations = one * st.in_flight
+    if grads_freed_per_micro_batch(layout, profile):  # the backward transients: one micro batch's only
+        st.activations -= kept * h.layers * (1 - 1 / profile.activation_scale) * (st.in_flight - 1)
+    if layout.tp > 1:
+        st.activations += profile.sp_full_buffers * tokens * arch.dim * prec.act
+    if layout.pp == 1 and layout.grad_accum > 1:  # measured on nanotron (docs/planner.md): 0 for usp's engine
+        st.activations += profile.accum_bytes_per_token_h * tokens * arch.dim
+    return (full_set - kept if layout.recompute != "none" and h.layers else 0), one
+
+
+def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory, profile: Profile) -> float:
+    """Kept log-probabilities (+ the stage output under pp) into st; returns the loss backward's
+    extra buffers. A profile with loss_forward_bytes: that many bytes per logit at the loss forward
+    (nanotron: the bf16 logits, their fp32 copy and its max-shifted copy), nothing extra after."""
+    if not h.holds_head:
+        return 0.0
+    t = layout.tp
+    tokens = (seq_len / layout.cp) * layout.micro_batch
+    if profile.loss_forward_bytes:
+        st.logits = profile.loss_forward_bytes * tokens * h.vocab_pad / t
+        return 0.0
+    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
+    n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
+    st.logits = one * n_logits  # log-probabilities kept for backward
+    if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
+        st.logits += tokens * h.vocab_pad / t * prec.act * n_logits
+    return one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
+
+
+def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
+    """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient.
+    Zero-bubble schedules: the engine unshards a whole stage for its input- and weight-gradient
+    passes (usp/engine/parallel/pipeline.py), so all the rank's blocks' parameters instead of two."""
+    if layout.zero_stage != 3:
+        return 0.0
+    unit, root, b = h.dense_layer + h.expert_layer, h.emb + h.head, prec.gathered
+    if not h.layers:
+        return 2 * b * root
+    blocks = h.layers if layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE else 2
+    return 2 * b * root + (blocks * b + b) * unit
+
+
+def fp8_layer_params(arch: Arch, layout: Layout) -> float:
+    """Weights of one layer on one rank that train.fp8 converts: every linear of a dense block
+    (attention and SwiGLU; usp/engine/parallel/fp8.py), none of a MoE layer's (refused)."""
+    return 0.0 if arch.moe else (arch.attn_params + arch.dense_mlp_params) / layout.tp
+
+
+def _fp8_copies(arch: Arch, layout: Layout, prec: Precision) -> float:
+    """train.fp8: one layer's FP8 weight copies (1 byte each) and their fp32 scales, alive while the
+    layer computes: one scale per tensor (tensorwise), or one per row and one per column (rowwise:
+    the forward and the backward scale along different dims)."""
+    if prec.fp8 == "off" or arch.moe:
+        return 0.0
+    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
+    rows_and_cols = (2 * h + 2 * (h + kv) + 2 * h) / t + 3 * (h + f) / t  # wq, wk, wv, wo; w1, w3, w2
+    scales = 4 * rows_and_cols if prec.fp8 == "rowwise" else 4 * 7
+    return fp8_layer_params(arch, layout) + scales
+
+
+def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> tuple[float, float, float]:
+    """The bf16 copies autocast makes of the fp32 weights it feeds to matmuls, in bytes, alive at
+    (the loss forward, the loss backward, a layer's backward). Each linear saves its copy for
+    backward; without recompute autocast also caches it (usp.perf.specs.autocast_weight_cache), so
+    a pipeline's in-flight micro batches share one copy, held for the whole step. A recomputed
+    layer's copy lives within its own forward or backward: one layer's during a layer's backward.
+    Compiled blocks (train.compile) cast inside their graph, FP8 blocks (train.fp8) cast to FP8 themselves
+    (_fp8_copies): only the eager LM head's copy counts. 0 where nothing is copied: fp32, bf16-stored
+    parameters, or FSDP2's bf16 policy (gathered)."""
+    b = prec.copy_bytes
+    if not b or bf16_by_fsdp_policy(layout.dp_kind, layout.pp, layout.ep if arch.moe else 1):
+        return 0.0, 0.0, 0.0
+    tied_head = arch.tie_embeddings and layout.pp == 1 and h.holds_head  # the head casts the embedding
+    head = b * (h.emb if tied_head else max(0.0, h.head - arch.dim))  # its weight, not the final norm's
+    if prec.compiled or prec.fp8 != "off":
+        return head, head, 0.0
+    layer = b * (h.dense_layer + h.expert_layer)
+    if not autocast_weight_cache(layout.recompute):
+        return head, head, layer
+    every = head + h.layers * layer
+    return every, every, (every if layout.pp > 1 else 0.0)
+
+
+def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int,
+                 profile: Profile) -> StageMemory:
+    """One rank of pp rank r: the terms of the module docstring, at the peak, as the profile's recipe
+    holds them."""
+    h = _held(arch, layout, r, profile)
+    st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
+                     virtual_stages=list(h.held), layers=h.layers, holds_embedding=h.holds_emb,
+                     holds_head=h.holds_head, params=int(h.params), in_flight=in_flight(layout, r),
+                     activation_per_layer=0.0)
+    grads = _model_states(arch, layout, prec, h, st, profile)
+    recompute, one_micro_batch = _activations(arch, layout, seq_len, prec, h, st, profile)
+    loss_extra = _logits(layout, seq_len, prec, h, st, profile)
+    gathered = _gathered(layout, prec, h)
+    copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h)
+    copies_layer += _fp8_copies(arch, layout, prec) if h.layers else 0.0
+    # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some), a
+    # layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer) or, under autocast,
+    # the loss forward (every cached weight copy), whichever is largest.
+    earlier_grads = grads if layout.grad_accum > 1 else 0
+    loss_phase = loss_extra + copies_loss + earlier_grads
+    # autocast: at the loss forward every cached copy and the bf16 logits + their fp32 copy are alive
+    fwd_extra = LOSS_FORWARD_EXTRA_BYTES * (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    fwd_phase = copies_fwd + fwd_extra + earlier_grads if copies_fwd and h.holds_head else 0.0
+    if grads_freed_per_micro_batch(layout, profile):
+        # the low-precision gradients live only within one micro batch's backward: its start holds
+        # every micro batch in flight and no such gradient, its end one micro batch less and all of them
+        half = prec.grad * h.params
+        st.gradients, st.gathered = grads - half, gathered
+        if half > one_micro_batch + st.logits + loss_extra:
+            st.peak_phase = "end of a micro batch's backward"
+            st.gradients += half
+            st.activations -= one_micro_batch
+            st.logits = 0.0
+        else:
+            st.peak_phase = "start of a micro batch's backward"
+            st.logits += loss_extra
+    elif profile.grads_at_peak:  # the recipe's peak sits in a backward: everything at once
+        st.peak_phase = "backward"
+        st.logits += loss_extra
+        st.gradients, st.gathered = grads, gathered
+        st.activations += recompute
+    elif fwd_phase > max(loss_phase, grads + gathered + recompute + copies_layer):
+        st.peak_phase = "loss forward"
+        st.logits += fwd_extra
+        st.gradients, st.copies = earlier_grads, copies_fwd
+    elif h.holds_head and loss_phase > grads + gathered + recompute + copies_layer:
+        st.peak_phase = "loss backward"
+        st.logits += loss_extra
+        st.gradients, st.copies = earlier_grads, copies_loss
+    else:
+        st.peak_phase = "layer backward"
+        st.gradients, st.gathered, st.copies = grads, gathered, copies_layer
+        st.activations += recompute
+    if ddp_buckets(layout, profile):
+        st.comm_buffers = prec.grad * h.params
+    subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
+    st.overhead = fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal
+    st.total = subtotal + st.overhead
+    return st
+
+
+def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
+    """Does the profile's recipe free the low-precision gradients after each micro batch's backward
+    at this layout (nanotron: once added into its fp32 accumulation buffer), so that they never meet
+    all the micro batches in flight? Measured to hold up to the profile's grads_freed_max_tp."""
+    return layout.tp <= profile.grads_freed_max_tp
+
+
+def fixed_overhead_gib(hw: Hardware, profile: Profile) -> float:
+    """The fixed allowance (not tensor memory): the profile's, else the device's."""
+    if profile.fixed_overhead_gib is not None:
+        return profile.fixed_overhead_gib
+    return FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB)
+
+
+def candidate_stages(arch: Arch, layout: Layout, profile: Profile) -> list[int]:
+    """The pp ranks that can hold the peak: the last one (LM head, logits) and, for each
+    distinct layer count, the first rank with it (in-flight micro batches never grow with the
+    pp rank, and rank 0 also holds the embedding)."""
+    if layout.pp == 1:
+        return [0]
+    return list(_candidates(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, profile.pp_split))
+
+
+@lru_cache(maxsize=1024)
+def _candidates(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None, split: str) -> tuple:
+    counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers, split)
+    firsts: dict[int, int] = {}
+    for r, held in enumerate(ranks):
+        firsts.setdefault(sum(counts[i] for i in held), r)
+    return tuple(sorted(set(firsts.values()) | {pp - 1}))
+
+
+def peak_bytes(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+               profile: Profile) -> tuple[float, int]:
+    """(largest stage total, its pp rank), for the search: only the candidate stages."""
+    best = (-1.0, 0)
+    for r in candidate_stages(arch, layout, profile):
+        total = stage_memory(arch, layout, seq_len, hw, prec, r, profile).total
+        if total > best[0]:
+            best = (total, r)
+    return best
+
+
+def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+                profile: Profile) -> MemoryPlan:
+    stages = [stage_memory(arch, layout, seq_len, hw, prec, r, profile) for r in range(layout.pp)]
+    zero, shards = zero_sharding(layout, profile)
+    peak = max(range(len(stages)), key=lambda i: stages[i].total)
+    peak_gib = stages[peak].total / GIB
+    assumptions = [
+        f"profile {profile.name}: {profile.description}",
+        f"{prec.name}: {prec.param} B/param, {prec.grad} B/grad, {prec.optim} B/param of AdamW state"
+        + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)")
+        + (", + a 4 B/param fp32 gradient-accumulation buffer (unsharded)" if profile.fp32_grad_accum else ""),
+        f"data parallel: {layout.dp_label() if profile.data_parallel == 'usp' else profile.data_parallel}, "
+        f"ZeRO-{zero} sharded over {shards} rank(s)",
+        f"activations: {activation_formula(layout)}" + (
+            "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)"),
+        f"logits: {profile.loss_forward_bytes:g} bytes per logit at the loss forward" if profile.loss_forward_bytes
+        else f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
+        f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
+        f"peak at the {stages[peak].peak_phase}: the low-precision gradients are freed after each micro batch's "
+        "backward, so they meet one micro batch less than are in flight" if grads_freed_per_micro_batch(layout, profile)
+        else "peak in a backward: gradients, kept activations and the loss's buffers at once" if profile.grads_at_peak
+        else f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer "
+        "backward's gradients + gathered units + recomputed layer",
+        f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
+        "(not tensor memory)",
+    ]
+    if profile.accum_bytes_per_token_h and layout.pp == 1 and layout.grad_accum > 1:
+        assumptions.append(f"gradient accumulation on the whole model: + {profile.accum_bytes_per_token_h:g} bytes "
+                           "per token per hidden unit (measured on the profile's runs, not divided by tp)")
+    if layout.zero_stage >= 2 and FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1:
+        assumptions.append("FSDP with grad_accum > 1: gradients unsharded between micro batches (no reduce-scatter "
+                           "on inner micro batches)")
+    return MemoryPlan(dtype=prec.name, dp_kind=layout.dp_kind, zero_stage=zero,
+                      shard_degree=shards, recompute=layout.recompute, capacity_gib=hw.memory_gib,
+                      device_name=hw.device_name, stages=stages, peak_stage=peak, peak_gib=peak_gib,
+                      fits=peak_gib <= hw.memory_gib, activation_formula=activation_formula(layout),
+                      assumptions=assumptions)

@@ -1,0 +1,434 @@
+"""Inputs of the planner's memory and time model, as small frozen dataclasses: the model's
+shape (`Arch`), the hardware (`Hardware`), the numeric precision (`Precision`) and one
+parallel layout (`Layout`). Built once from a composed config (or by the layout search), then
+handed to usp.perf.memory and usp.perf.timing. Pure Python: never imports torch."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
+
+from usp.perf.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
+from usp.perf.nodes import getter as _getter
+from usp.perf.time_constants import TimeConstants
+
+GIB = 1024 ** 3
+RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPES = ("auto", "fp32", "bf16")
+FP8_RECIPES = ("off", "tensorwise", "rowwise")  # train.fp8: torchao.float8's recipe names (usp/engine/parallel/fp8.py)
+COMPILE_CHOICES = ("auto", "true", "false")  # train.compile
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Model shape with its closed-form parameter and FLOP counts (the Llama / MoE model of
+    usp.models, per layer and unsharded where it says so). Pure Python: the planner sizes runs
+    before torch is loaded."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    tie_embeddings: bool
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_dim: int = 0
+    shared_expert: bool = False
+    attention: str = "sdpa"
+    expert_load_imbalance: float = 1.0  # measured max / mean tokens per expert (1 = balanced)
+
+    @classmethod
+    def from_model(cls, m, vocab_size: int | None = None) -> Arch:
+        g = _getter(m)
+        return cls(name=str(g("name", "model")), dim=int(g("dim")), n_layers=int(g("n_layers")),
+                   n_heads=int(g("n_heads")),
+                   n_kv_heads=int(g("n_heads") if g("n_kv_heads") is None else g("n_kv_heads")),
+                   ffn_dim=int(g("ffn_dim")), vocab_size=int(vocab_size or g("vocab_size")),
+                   tie_embeddings=bool(g("tie_embeddings", True)), n_experts=int(g("n_experts", 0) or 0),
+                   top_k=int(g("top_k", 2) or 2), moe_ffn_dim=int(g("moe_ffn_dim", 0) or 0),
+                   shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")),
+                   expert_load_imbalance=float(g("expert_load_imbalance", 1.0) or 1.0))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def parts(self) -> dict:
+        return _parts(self)
+
+    @property
+    def attn_params(self) -> int:  # per layer, matmul weights
+        return self.parts["attention"]
+
+    @property
+    def expert_params(self) -> int:  # per layer, all routed experts (0 for a dense model)
+        return self.parts.get("experts", 0)
+
+    @property
+    def dense_mlp_params(self) -> int:  # per layer, MLP weights that are not routed experts
+        p = self.parts
+        return p["mlp"] - p.get("experts", 0) - p.get("router", 0)
+
+    @property
+    def router_params(self) -> int:
+        return self.parts.get("router", 0)
+
+    @property
+    def norm_params(self) -> int:  # per layer
+        return 2 * self.dim
+
+    @property
+    def layer_params(self) -> int:
+        p = self.parts
+        return p["attention"] + p["mlp"] + p["norms"]
+
+    @property
+    def active_layer_matmul_params(self) -> int:
+        """Matmul weights one token goes through in one layer (top_k experts for MoE)."""
+        p = self.parts
+        return p["attention"] + p.get("active_mlp", p["mlp"])
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def head_params(self) -> int:
+        """Final norm + LM head (0 for the head when it shares the embedding matrix)."""
+        return self.dim + (0 if self.tie_embeddings else self.embed_params)
+
+    @property
+    def total_params(self) -> int:
+        """Exact number of (unique) parameters, what `sum(p.numel() for p in model.parameters())` gives
+        (for a MoE model: all experts, on one process before expert parallelism slices them)."""
+        return self.embed_params + self.n_layers * self.layer_params + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: like total_params but with only top_k routed experts (plus the
+        router and the shared expert) per MoE layer; embedding and LM head included (the convention
+        behind Mixtral-8x7B's "12.9B active"). Equals total_params for a dense model."""
+        p = self.parts
+        per_layer = p["attention"] + p.get("active_mlp", p["mlp"]) + p["norms"]
+        return self.embed_params + self.n_layers * per_layer + self.head_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls: all block projections plus the LM head (counted
+        even when tied, since the v x h matmul still runs). The embedding lookup and the norm weights
+        do no matmul. For MoE, a token's matmuls: router + top_k experts + shared expert."""
+        return self.n_layers * self.active_layer_matmul_params + self.vocab_size * self.dim
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), Ultra-Scale Playbook convention:
+
+            FLOPs/token = 6 * N + 12 * L * h * s
+
+        N = matmul_params (projections + LM head, no embedding lookup, no norms); 6 = 2 FLOPs per
+        multiply-add x (1 forward + 2 backward). The second term is the attention score/value
+        matmuls (QK^T and AV): 2 matmuls x 2 FLOPs x 3 passes x h x s per layer, counted without the
+        causal-mask halving, as in the playbook/PaLM MFU formula. For MoE, N counts the active
+        experts only (top_k + shared) plus the router."""
+        return 6 * self.matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+
+@lru_cache(maxsize=256)
+def _parts(a: Arch) -> dict:
+    """Parameter counts by part. `attention`, `mlp` and `norms` are PER LAYER.
+
+    attention: wq (h x h) + wk, wv (h x h_kv*head_dim) + wo (h x h), no biases
+    mlp:       SwiGLU w1, w3 (h x ffn) + w2 (ffn x h)
+    norms:     attention_norm + ffn_norm (h each)
+    lm_head:   v x h when untied, 0 when it shares the embedding matrix
+
+    MoE (n_experts > 0, usp.models.moe): `mlp` is the whole MoE layer = router + experts +
+    shared_expert, and these extra PER LAYER keys are added: expert (one SwiGLU expert, hidden =
+    moe_ffn_dim or ffn_dim), experts (all E of them), router (h x E), shared_expert (one
+    expert-sized SwiGLU, or 0), active_mlp (what one token uses: router + top_k experts +
+    shared_expert)."""
+    dim, h_kv = a.dim, a.n_kv_heads
+    if dim % a.n_heads or a.n_heads % h_kv:
+        raise ValueError(f"dim={dim}, n_heads={a.n_heads}, n_kv_heads={h_kv} do not divide evenly")
+    kv_dim = h_kv * (dim // a.n_heads)
+    out = {"embedding": a.vocab_size * dim, "attention": 2 * dim * dim + 2 * dim * kv_dim, "mlp": 3 * dim * a.ffn_dim,
+           "norms": 2 * dim, "final_norm": dim, "lm_head": 0 if a.tie_embeddings else a.vocab_size * dim}
+    if a.n_experts > 0:
+        if not 0 < a.top_k <= a.n_experts:
+            raise ValueError(f"top_k={a.top_k} must be in [1, n_experts={a.n_experts}]")
+        expert = 3 * dim * (a.moe_ffn_dim or a.ffn_dim)
+        shared = expert if a.shared_expert else 0
+        out.update(expert=expert, experts=a.n_experts * expert, router=dim * a.n_experts, shared_expert=shared,
+                   mlp=a.n_experts * expert + dim * a.n_experts + shared,
+                   active_mlp=a.top_k * expert + dim * a.n_experts + shared)
+    return out
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One cluster's devices and links (ClusterConfig's hardware fields)."""
+
+    device: str
+    device_name: str
+    memory_gib: float
+    peak_tflops_bf16: float
+    peak_tflops_fp32: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    price_per_device_hour: float
+    nodes: int
+    procs_per_node: int
+    timing: TimeConstants = TimeConstants()  # fitted by `usp calibrate` (usp/perf/time_constants.py)
+    peak_tflops_fp8: float = 0.0  # 0: no FP8 matmul units
+
+    @classmethod
+    def from_cluster(cls, c) -> Hardware:
+        g = _getter(c)
+        return cls(device=str(g("device", "cpu")), device_name=str(g("device_name", "cpu")),
+                   memory_gib=float(g("device_memory_gb", 24.0)), peak_tflops_bf16=float(g("peak_tflops_bf16", 0.15)),
+                   peak_tflops_fp32=float(g("peak_tflops_fp32", 0.15)),
+                   intra_node_gbps=float(g("intra_node_gbps", 5.0)), inter_node_gbps=float(g("inter_node_gbps", 1.25)),
+                   price_per_device_hour=float(g("price_per_device_hour", 0.0)),
+                   nodes=int(g("nodes", 1)), procs_per_node=int(g("procs_per_node", 1)),
+                   timing=TimeConstants.from_config(g("timing")), peak_tflops_fp8=float(g("peak_tflops_fp8", 0.0)))
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    def peak_flops(self, precision: Precision) -> float:
+        return 1e12 * (self.peak_tflops_bf16 if precision.name == "bf16" else self.peak_tflops_fp32)
+
+    def with_nodes(self, nodes: int) -> Hardware:
+        return replace(self, nodes=nodes)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per value. fp32 = plain fp32 training (4 + 4 + 8). bf16 as a recipe stores it: bf16
+    parameters and gradients with fp32 master weights + Adam m, v in the optimizer (the playbook's
+    2 + 2 + 12: Megatron, nanotron), or fp32 parameters and gradients (4 + 4 + 8) that the matmuls
+    read as bf16 copies (usp's engine: autocast, or FSDP2's bf16 all-gathers)."""
+
+    name: str  # bf16 | fp32
+    param: int  # a stored parameter
+    grad: int
+    optim: int
+    act: int
+    compute: int = 0  # the copy of a parameter the matmuls read (0: the stored one, `param` bytes)
+    compiled: bool = False  # train.compile (resolved): the blocks cast their weights inside the compiled graph
+    fp8: str = "off"  # train.fp8: the blocks' linears compute in FP8 (torchao.float8), their casts are FP8 copies
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of a parameter's low-precision working copy; 0 when the matmuls read the stored one."""
+        return self.compute if self.compute and self.compute < self.param else 0
+
+    @property
+    def gathered(self) -> int:
+        """Bytes of an all-gathered (unsharded) parameter or its gradient under FSDP."""
+        return self.compute or self.param
+
+    @classmethod
+    def resolve(cls, dtype: str, device: str, fp32_params: bool = False, compiled: bool = False,
+                fp8: str = "off") -> Precision:
+        if dtype not in DTYPES:
+            from usp.errors import PlanError
+
+            raise PlanError(f"unknown dtype; choose one of {', '.join(DTYPES)}", key="train.dtype", value=dtype,
+                            fix="train.dtype=auto")
+        fp8 = fp8 if fp8 in FP8_RECIPES else "off"  # an unknown recipe is the rules' to refuse
+        if not uses_bf16(dtype, device):
+            return cls("fp32", 4, 4, 8, 4, compiled=compiled, fp8=fp8)
+        if fp32_params:
+            return cls("bf16", 4, 4, 8, 2, compute=2, compiled=compiled, fp8=fp8)
+        return cls("bf16", 2, 2, 12, 2, compiled=compiled, fp8=fp8)
+
+
+ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.py installs them)
+
+
+def uses_bf16(dtype: str, device: str) -> bool:
+    """train.dtype=auto means bf16 on an accelerator, fp32 on CPU (the planner and the engine)."""
+    return dtype == "bf16" or (dtype == "auto" and device != "cpu")
+
+
+def compile_choice(value) -> str | None:
+    """train.compile as one of COMPILE_CHOICES ("auto", "true", "false"), or None for anything else
+    (YAML and the command line give booleans; a string works too)."""
+    text = str(value).lower()
+    return text if text in COMPILE_CHOICES else None
+
+
+def uses_compile(value, device: str) -> bool:
+    """train.compile: per-block torch.compile, or eager. auto is on for CUDA, where it measured faster
+    (Llama-3.2 1B on an H200: 49.0 % MFU compiled, 40.8 % eager, docs/benchmarks.md), and off elsewhere:
+    on CPU inductor's C++ build costs more than a short run gains, XPU was never measured. The one
+    place the setting is resolved (the planner and the engine)."""
+    choice = compile_choice(value)
+    return choice == "true" or (choice == "auto" and device == "cuda")
+
+
+def autocast_weight_cache(recompute: str) -> bool:
+    """Does the trainer's autocast keep its cache of bf16 weight copies (each weight cast once per
+    forward, the copy held until the context exits)? Only without recompute: a recomputed layer
+    casts again anyway, and a cache would hold every layer's copy through the loss (a pipeline's
+    context: the whole step). Without recompute each linear saves its copy for backward anyway,
+    and a pipeline's in-flight micro batches share the cached one."""
+    return recompute == "none"
+
+
+def uses_deterministic(configured: bool | None, device: str) -> bool:
+    """train.deterministic, or by default: on for CPU (exact parity, resume), off on an accelerator
+    (its deterministic kernels are slower). The engine sets the flag, the launcher its environment."""
+    return device == "cpu" if configured is None else bool(configured)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout: degrees, data-parallel flavour, pipeline schedule, batch split, recompute."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    zero1: bool = False
+    reshard_after_forward: bool = True
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_layers: tuple | None = None
+    micro_batch: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    ddp_bucket_mb: int = 25
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def from_config(cls, degrees: dict, par, batch, recompute: str) -> Layout:
+        g = _getter(par)
+        pp_layers = g("pp_layers", None)
+        return cls(pp=int(degrees["pp"]), dp_replicate=int(degrees["dp_replicate"]), dp_shard=int(degrees["dp_shard"]),
+                   cp=int(degrees["cp"]), tp=int(degrees["tp"]), ep=int(g("ep", 1)), zero1=bool(g("zero1", False)),
+                   reshard_after_forward=bool(g("reshard_after_forward", True)),
+                   pp_schedule=str(g("pp_schedule", "1f1b")), pp_virtual_stages=int(g("pp_virtual_stages", 1)),
+                   pp_layers=tuple(int(x) for x in pp_layers) if pp_layers is not None else None,
+                   micro_batch=int(batch.micro_batch), grad_accum=int(batch.grad_accum), recompute=str(recompute),
+                   ddp_bucket_mb=int(g("ddp_bucket_mb", 25)))
+
+    @cached_property
+    def degrees(self) -> dict:
+        return {d: getattr(self, d) for d in MESH_DIMS}
+
+    @cached_property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def virtual(self) -> int:
+        return self.pp_virtual_stages if self.pp > 1 else 1
+
+    @property
+    def schedule(self) -> str:
+        return self.pp_schedule if self.pp > 1 else "none"
+
+    @cached_property
+    def dp_kind(self) -> str:
+        return data_parallel_kind(self.degrees, self.zero1)
+
+    @cached_property
+    def zero_stage(self) -> int:
+        """0 = DDP/replicated, 1 = ZeRO-1, 2 = ZeRO-2, 3 = ZeRO-3 (FSDP2 reshard_after_forward).
+        zero1 with TP/PP is built as FSDP2 without resharding after forward: it holds ZeRO-2's memory."""
+        kind = self.dp_kind
+        if kind in ("fsdp", "hsdp"):
+            return 3 if self.reshard_after_forward else 2
+        return {"zero1": 1, "zero1_fsdp": 2}.get(kind, 0)
+
+    @cached_property
+    def shard_degree(self) -> int:
+        """Ranks that split the parameters / grads / optimizer states of one model replica."""
+        kind = self.dp_kind
+        if kind in ("fsdp", "hsdp"):
+            return self.dp_shard * self.cp
+        if kind == "zero1":
+            return self.dp_replicate * self.cp
+        if kind == "zero1_fsdp":
+            return self.dp_replicate  # cp = dp_shard = 1 here (else the kind is fsdp / hsdp)
+        return 1
+
+    @cached_property
+    def data_group(self) -> int:
+        """Ranks holding the same weights (their gradients are averaged): dp_replicate x dp_shard x cp."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    def label(self) -> str:
+        names = (("pp", "pp"), ("dp_replicate", "dp"), ("dp_shard", "fsdp"), ("cp", "cp"), ("tp", "tp"), ("ep", "ep"))
+        parts = [f"{n}{getattr(self, d)}" for d, n in names if getattr(self, d) > 1]
+        return "-".join(parts) or "single"
+
+    def dp_label(self) -> str:
+        kind = self.dp_kind
+        if kind in ("fsdp", "hsdp"):
+            return f"{kind.upper()} ZeRO-{self.zero_stage}"
+        return {"ddp": "DDP", "zero1": "DDP + ZeRO-1", "replicate": "replicated (FSDP2, 1-rank shards)",
+                "zero1_fsdp": "ZeRO-1 with TP/PP (FSDP2 over dp_replicate, gradients sharded too: ZeRO-2)",
+                "none": "no data parallel"}[kind]
+
+    def overrides(self) -> list[str]:
+        """Config overrides that reproduce this layout."""
+        out = [f"parallelism.{d}={getattr(self, d)}" for d in ("dp_replicate", "dp_shard", "tp", "pp", "cp")]
+        if self.ep > 1:
+            out.append(f"parallelism.ep={self.ep}")
+        if self.dp_kind in ("fsdp", "hsdp"):
+            out.append(f"parallelism.reshard_after_forward={str(self.reshard_after_forward).lower()}")
+        if self.dp_kind in ("ddp", "zero1", "replicate", "zero1_fsdp"):
+            out.append(f"parallelism.zero1={str(self.zero1).lower()}")
+        if self.pp > 1:
+            out += [f"parallelism.pp_schedule={self.pp_schedule}",
+                    f"parallelism.pp_virtual_stages={self.pp_virtual_stages}"]
+        out += [f"train.micro_batch={self.micro_batch}", f"train.recompute={self.recompute}"]
+        return out
+
+
+def group_crosses_nodes(degrees: dict, procs_per_node: int, dims: tuple) -> bool:
+    """Does any process group along `dims` hold ranks of different nodes? Exactly the rank
+    table's placement (usp.perf.layout.rank_table: row-major over MESH_DIMS, node = rank //
+    procs_per_node), computed per group (first and last rank) instead of per rank."""
+    idx = tuple(sorted(MESH_DIMS.index(d) for d in dims))
+    return _crosses(tuple(degrees[d] for d in MESH_DIMS), procs_per_node, idx)
+
+
+@lru_cache(maxsize=65536)
+def _crosses(shape: tuple, per_node: int, idx: tuple) -> bool:
+    if not idx or all(shape[i] == 1 for i in idx):
+        return False
+    world = math.prod(shape)
+    if world <= per_node:
+        return False
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    span = sum((shape[i] - 1) * strides[i] for i in idx)
+    if span >= per_node:
+        return True
+    # every group base: coordinates 0 along idx, anything along the other dims
+    others = [i for i in range(len(shape)) if i not in idx]
+    bases = [0]
+    for i in others:
+        bases = [b + c * strides[i] for b in bases for c in range(shape[i])]
+    return any(b // per_node != (b + span) // per_node for b in bases)

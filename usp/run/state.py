@@ -1,0 +1,115 @@
+"""What state a run is in, read from its run directory alone (no torch): `usp status`, `usp train`'s
+failure summary, sweeps and `usp report` all ask here.
+
+State: running (a live run lock, usp/run/lock.py: its process is alive, or its heartbeat is
+fresh), else completed (summary.json, no failure after it), failed (logs/failure_rank<R>.json
+files of the latest launch, not followed by a restart), else stopped (killed, interrupted or
+preempted: nothing runs, and it didn't finish). A dead run is never "running". For a failed run
+the root cause is the earliest failure that is not a "lost peer" (a rank that lost its
+connection only because another one died); ranks of the plan that left no failure file died
+without a Python traceback (a signal: the OOM killer, SIGKILL, or torchrun stopping them)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from usp.errors import LaunchError
+from usp.run.files import FAILURE_GLOB, LOST_PEER, events_path, logs_dir, plan_path, read_jsonl, summary_path
+from usp.run.lock import LockInfo
+
+RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"
+
+
+@dataclass
+class FailureReport:
+    root: dict | None = None  # the failure that started it (None: only silent ranks / lost peers)
+    secondary: list[dict] = field(default_factory=list)  # failures caused by the root one
+    silent: list[dict] = field(default_factory=list)  # plan rank entries with no failure file
+    earlier: list[dict] = field(default_factory=list)  # failures before the latest launch or restart
+    lost_peer_seen: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.root is not None or bool(self.secondary)
+
+
+def resolve_run_dir(arg: str | None, runs_dir: str | Path = "runs") -> Path:
+    """RUN_DIR, or the most recently modified directory under ./runs."""
+    if arg:
+        path = Path(arg)
+        if not path.is_dir():
+            raise LaunchError(f"no run directory {path}", key="RUN_DIR", fix="usp status runs/<name>")
+        return path
+    runs = Path(runs_dir)
+    candidates = [p for p in runs.iterdir() if p.is_dir()] if runs.is_dir() else []
+    if not candidates:
+        raise LaunchError(f"no run directory given and {runs}/ has none", key="RUN_DIR",
+                          fix="usp status <run dir> (e.g. runs/<name>)")
+    return max(candidates, key=lambda p: p.stat().st_mtime)
+
+
+def _mtime(path: Path) -> float | None:
+    return path.stat().st_mtime if path.is_file() else None
+
+
+def launched_at(run_dir: Path) -> float:
+    """When the latest launch wrote plan.yaml (0.0 without one)."""
+    return _mtime(plan_path(run_dir)) or 0.0
+
+
+def read_failures(run_dir: Path) -> list[dict]:
+    out = []
+    for path in sorted(logs_dir(run_dir).glob(FAILURE_GLOB)):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        record["_path"] = str(path)
+        record.setdefault("unix_time", path.stat().st_mtime)
+        out.append(record)
+    return out
+
+
+def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
+    """Sort the failure files of the latest launch (and attempt) into root cause and consequences."""
+    failures = read_failures(run_dir)
+    since = launched_at(run_dir)
+    restarts = [e for e in read_jsonl(events_path(run_dir)) if e.get("event") == "restart"]
+    if restarts:
+        since = max(since, max(float(e.get("time", 0)) for e in restarts))
+    report = FailureReport()
+    active: list[dict] = []
+    for f in failures:
+        (active if float(f["unix_time"]) >= since - 1.0 else report.earlier).append(f)
+    active.sort(key=lambda f: float(f["unix_time"]))
+    report.lost_peer_seen = any(f.get("error_class") == LOST_PEER for f in active)
+    primary = [f for f in active if f.get("error_class") != LOST_PEER]
+    report.root = (primary or active)[0] if active else None
+    report.secondary = [f for f in active if f is not report.root]
+    if active and plan:
+        reported = {int(f.get("rank", -1)) for f in active}
+        report.silent = [r for r in plan.get("ranks", []) if int(r["rank"]) not in reported]
+    return report
+
+
+def run_state(run_dir: Path, report: FailureReport, lock: LockInfo | None) -> str:
+    """RUNNING (a live run lock), COMPLETED (summary.json of this launch, no failure after it),
+    FAILED or STOPPED. `lock`: read_lock(run_dir) as the caller read it, so a caller that also
+    shows the lock shows the one that decided the state."""
+    if lock is not None and lock.live:
+        return RUNNING
+    latest_failure = max((float(f["unix_time"]) for f in [report.root, *report.secondary] if f), default=0.0)
+    done = _mtime(summary_path(run_dir))  # of this launch, not an earlier one
+    if done is not None and done >= launched_at(run_dir) - 1.0 and latest_failure <= done:
+        return COMPLETED
+    return FAILED if report.failed else STOPPED
+
+
+def preempted_since(run_dir: Path, since: float) -> bool:
+    """The last event of logs/events.jsonl is a preemption at or after `since` (unix time)."""
+    events = events_path(run_dir)
+    if not events.exists():
+        return False
+    lines = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return bool(lines) and lines[-1]["event"] == "preempted" and lines[-1]["time"] >= since
