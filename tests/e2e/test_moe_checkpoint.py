@@ -1,9 +1,9 @@
 """Expert-parallel checkpoints for real (docs/moe.md): the experts are saved as whole
 (n_experts, ...) tensors, so a run saved under ep 2 continues under ep 4, on one process, or
 after a kill -9 with the uninterrupted run's losses; a pipelined EP run with aux-loss-free
-balancing continues without the pipeline (its router biases in the checkpoint); and the
-ep2 x dp_shard2 run exports to a MixtralForCausalLM with usp's logits. The default moe_tiny:
-load-balancing loss on."""
+balancing on as well continues without the pipeline (its router biases in the checkpoint); and a
+Mixtral-shaped tiny model (untied head, grouped-query attention) trained under ep2 x dp_shard2
+exports to a MixtralForCausalLM with usp's logits. The default moe_tiny: load-balancing loss on."""
 from __future__ import annotations
 
 import json
@@ -81,10 +81,11 @@ def test_kill9_of_an_ep_rank_restarts_and_resumes_exactly(tmp_path, ep2_run):
 
 @pytest.mark.distributed
 def test_pipelined_ep_with_router_bias_resumes_without_the_pipeline(tmp_path, shakespeare):
-    """pp 2 x ep 2 x dp_shard 2 (4 processes) with aux-loss-free balancing, the aux loss off:
-    saved at step 4, continued by ep 2 x dp_shard 2 alone (the same micro-batch steps); the
-    biases travel in the checkpoint and end where the pipelined run's do."""
-    common = ["model=moe_tiny", "model.n_layers=4", "model.tie_embeddings=false", "model.aux_loss_coef=0",
+    """pp 2 x ep 2 x dp_shard 2 (4 processes), the default load-balancing loss and aux-loss-free
+    balancing both on: saved at step 4, continued by ep 2 x dp_shard 2 alone (the same
+    micro-batch steps, so the same balancing statistics); the biases travel in the checkpoint
+    and end where the pipelined run's do."""
+    common = ["model=moe_tiny", "model.n_layers=4", "model.tie_embeddings=false",
               "model.router_bias_update_rate=0.001", "train.steps=8", "checkpoint.interval=4",
               "train.global_batch=8", "train.micro_batch=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1",
               "parallelism.ep=2"]
@@ -94,32 +95,34 @@ def test_pipelined_ep_with_router_bias_resumes_without_the_pipeline(tmp_path, sh
     train(tmp_path, *common, "cluster.procs_per_node=2", "train.name=pp1",
           f"checkpoint.resume={_step(tmp_path / 'pp2', 4)}")
     _same(losses(tmp_path / "pp2"), losses(tmp_path / "pp1"), range(5, 9))
-    ends = [_model_tensor(_step(tmp_path / run, 8), bias.removeprefix("model.")) for run in ("pp2", "pp1")]
+    ends = [_model_tensors(_step(tmp_path / run, 8))[bias.removeprefix("model.")] for run in ("pp2", "pp1")]
     assert ends[0].abs().max() > 0 and torch.equal(ends[0], ends[1])
 
 
-def _model_tensor(ckpt: Path, key: str) -> torch.Tensor:
-    from usp.engine.export import load_model_state
-
-    return load_model_state(ckpt)[key]
+# Mixtral's shape at a tiny size: an untied LM head, grouped-query attention, Mixtral's RoPE base
+MIXTRAL_TINY = ["model=moe_tiny", "model.tie_embeddings=false", "model.n_kv_heads=2", "model.rope_theta=1e6"]
 
 
 @pytest.mark.distributed
-def test_ep_run_exports_to_mixtral_with_usp_logits(tmp_path, ep2_run):
+def test_ep_run_exports_to_mixtral_with_usp_logits(tmp_path, shakespeare):
     from transformers import AutoModelForCausalLM
 
     from usp.models.llama import Llama, LlamaArgs
 
-    out = tmp_path / "hf"
-    proc = usp_cli("export", str(ep2_run), "--format", "hf", "--out", str(out), cwd=tmp_path)
+    train(tmp_path, *MIXTRAL_TINY, "train.steps=4", "checkpoint.interval=4", "train.global_batch=8",
+          "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1", "parallelism.ep=2",
+          "train.name=mixtral")
+    run_dir, out = tmp_path / "mixtral", tmp_path / "hf"
+    proc = usp_cli("export", str(run_dir), "--format", "hf", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     hf = AutoModelForCausalLM.from_pretrained(out)
-    assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.num_local_experts == 4
-    plan = read_plan(ep2_run / "plan.yaml")
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    assert (hf.config.num_local_experts, hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == (4, 2, False)
+    plan = read_plan(run_dir / "plan.yaml")
     model_cfg = {**plan["config"]["model"], "vocab_size": int(plan["model"]["vocab_size"])}
     args = LlamaArgs(**{k: v for k, v in model_cfg.items() if k in LlamaArgs.__dataclass_fields__})
     model = Llama(args, max_seq_len=64)
-    model.load_state_dict(_model_state(_step(ep2_run, STEPS)), strict=False)  # a tied head is stored once
+    model.load_state_dict(_model_tensors(_step(run_dir, 4)))
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
@@ -127,7 +130,7 @@ def test_ep_run_exports_to_mixtral_with_usp_logits(tmp_path, ep2_run):
     assert torch.allclose(ours, theirs, rtol=0, atol=TOL), (ours - theirs).abs().max()
 
 
-def _model_state(ckpt: Path) -> dict:
+def _model_tensors(ckpt: Path) -> dict:
     from usp.engine.export import load_model_state
 
     return load_model_state(ckpt)
