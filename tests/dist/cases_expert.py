@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.nn.functional as dist_nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
@@ -232,11 +231,13 @@ def balance_loss_collectives() -> dict:
     its router-weight gradient, averaged over the ranks as data parallelism does.
       counts:  usp's (MoE.balance_loss): the counts summed by a plain all_reduce (no gradient
                flows through f), P this rank's mean; no collective in the backward;
-      dist_nn: P summed with torch.distributed.nn.functional.all_reduce (autograd: its backward
-               all-reduces the gradient).
+      autograd: P summed with an all-reduce whose backward all-reduces the gradient
+               (_AllReduceSum, what torch.distributed.nn.functional.all_reduce does: that one
+               crashed 1 of 4 launches at process exit on gloo, "terminate called without an
+               active exception", as noted in usp/engine/parallel/expert.py).
     (torch.distributed._functional_collectives.all_reduce, autograd registered in torch 2.13, is
     as exact, measured, but its first call took 10 s on gloo: left out.)
-    Also the loss values: the mean over ranks (counts) or the reduced value (dist_nn)."""
+    Also the loss values: the mean over ranks (counts) or the reduced value (autograd)."""
     E, k, dim, tokens = 8, 2, 16, 64
     x = torch.randn(tokens * WORLD, dim, generator=torch.Generator().manual_seed(4))
     args = type("A", (), dict(dim=dim, n_experts=E, top_k=k, ffn_dim=8, moe_ffn_dim=0, shared_expert=False,
@@ -248,7 +249,7 @@ def balance_loss_collectives() -> dict:
     ref.aux_loss.backward()
     mine = x[RANK * tokens:(RANK + 1) * tokens]
     out = {}
-    for name in ("counts", "dist_nn"):
+    for name in ("counts", "autograd"):
         m = copy.deepcopy(template)
         m.reduce_stats = functools.partial(_all_reduce_sum, group=EP)
         m.route(mine)
@@ -257,7 +258,7 @@ def balance_loss_collectives() -> dict:
             probs = F.softmax(m.router(mine).float(), dim=-1)
             counts = torch.bincount(probs.topk(k, dim=-1).indices.flatten(), minlength=E)
             dist.all_reduce(counts)
-            p_sum = dist_nn.all_reduce(probs.sum(0))
+            p_sum = _AllReduceSum.apply(probs.sum(0))
             aux = E * (counts.float() / counts.sum() * p_sum / (tokens * WORLD)).sum()
         aux.backward()
         grad, value = m.router.weight.grad.clone(), aux.detach().clone()
@@ -267,6 +268,19 @@ def balance_loss_collectives() -> dict:
                                         abs(value.item() / WORLD - ref.aux_loss.item()))
         out[name] = {"grad_err": grad_err, "value_err": value_err}
     return {**out, "grad_size": ref.router.weight.grad.abs().max().item()}
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the ranks; the backward sums the gradients over the ranks (each rank's loss
+    depends on every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return _all_reduce_sum(t, None)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce_sum(grad, None)
 
 
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
