@@ -1,6 +1,7 @@
 """Expert-parallel checkpoints for real (docs/moe.md): the experts are saved as whole
-(n_experts, ...) tensors, so a run saved under ep 2 continues under ep 4, on one process, or
-after a kill -9 with the uninterrupted run's losses; a pipelined EP run with aux-loss-free
+(n_experts, ...) tensors, so a run saved under ep 2 continues under ep 4, on one process, under
+ep 2 x tp 2 (and saves there the same tensors), or after a kill -9 with the uninterrupted run's
+losses; a pipelined EP run with aux-loss-free
 balancing on as well continues without the pipeline (its router biases in the checkpoint); and a
 Mixtral-shaped tiny model (untied head, grouped-query attention) trained under ep2 x dp_shard2
 exports to a MixtralForCausalLM with usp's logits. The default moe_tiny: load-balancing loss on."""
@@ -17,6 +18,10 @@ import torch
 from tests.e2e.test_checkpoint import assert_same, spawn, train, wait_for_step, worker_pids
 from tests.helpers import losses, usp_cli
 from usp.run.files import read_plan
+
+# Each test trains 2 to 4 runs of 2 or 4 processes: the first (with the module's ep2 run) took 152 s,
+# the file ~6 min, on the shared 2-core machine at load average ~12 (measured).
+pytestmark = pytest.mark.timeout(900)
 
 STEPS = 12  # resumed layouts continue 4 steps: further on, a near-tie in the top-k routing may flip (see docs/moe.md)
 EP2 = ["model=moe_tiny", f"train.steps={STEPS}", "checkpoint.interval=4", "checkpoint.keep_last=0",
@@ -49,7 +54,7 @@ def ep2_run(tmp_path_factory, shakespeare) -> Path:
 
 
 @pytest.mark.distributed
-def test_ep_checkpoint_holds_whole_experts_and_resumes_under_ep4_and_one_process(tmp_path, ep2_run):
+def test_ep_checkpoint_holds_whole_experts_and_resumes_under_ep4_one_process_and_tp(tmp_path, ep2_run):
     meta = _ckpt_keys(_step(ep2_run, 8))
     for key in ("model.layers.0.feed_forward.experts.w1", "optim.state.layers.1.feed_forward.experts.w2.exp_avg_sq"):
         assert tuple(meta[key].size)[0] == 4 and len(meta[key].chunks) == 2, key  # 4 experts, one chunk per EP rank
@@ -59,9 +64,16 @@ def test_ep_checkpoint_holds_whole_experts_and_resumes_under_ep4_and_one_process
     proc = train(tmp_path, *ep4, "train.name=ep4", resume)
     assert "saved under dp_shard=2, now dp_shard=4" in proc.stdout
     train(tmp_path, *EP2[:5], "train.name=one_process", resume)
-    for name in ("ep4", "one_process"):
+    train(tmp_path, *EP2, "cluster.procs_per_node=4", "parallelism.tp=2", "train.name=ep2_tp2", resume)
+    for name in ("ep4", "one_process", "ep2_tp2"):
         assert sorted(losses(tmp_path / name)) == list(range(9, STEPS + 1))
         _same(losses(ep2_run), losses(tmp_path / name), range(9, STEPS + 1))
+    # saved under tp 2 (the experts replicated over tp): the same whole tensors as the ep2 run's
+    ours, tp2 = _model_tensors(_step(ep2_run, STEPS)), _model_tensors(_step(tmp_path / "ep2_tp2", STEPS))
+    assert ours.keys() == tp2.keys()
+    worst = max(float((ours[k] - tp2[k]).abs().max()) for k in ours)
+    print("max |parameter difference| after resuming under tp 2", worst)
+    assert worst < 1e-4
 
 
 @pytest.mark.distributed
