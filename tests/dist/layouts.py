@@ -103,6 +103,9 @@ LAYOUTS = {
                           "parallelism.tp=2"],
         "ep_x_pp": MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
                                "parallelism.pp=2", "train.micro_batch=4"],
+        # aux-loss-free under a pipeline: torch's shape inference forward must not count in the step's load
+        "ep_aux_free_x_pp": MOE + AUX_FREE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                                  "parallelism.ep=2", "parallelism.pp=2", "train.micro_batch=4"],
         "zero2_x_pp_interleaved_zb": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
                                           "train.micro_batch=2", "parallelism.pp_schedule=interleaved_zb",
                                           "parallelism.reshard_after_forward=false",
