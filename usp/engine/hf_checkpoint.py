@@ -3,9 +3,9 @@
 Out: a directory that transformers.AutoModelForCausalLM.from_pretrained loads (LlamaForCausalLM, or
 MixtralForCausalLM for a MoE model): config.json (usp/plan/hf_config.py), safetensors shards with
 model.safetensors.index.json, and the dataset's tokenizer files when it has an HF tokenizer. Names
-and the RoPE row order are converted in usp/models/hf_convert.py. usp/engine/export.py writes it
-into a temporary directory beside the target and swaps it into place: a crash never leaves half an
-export.
+are converted in usp/models/hf_convert.py (the tensors themselves are HF's: same RoPE layout).
+usp/engine/export.py writes it into a temporary directory beside the target and swaps it into
+place: a crash never leaves half an export.
 
 In: every rank reads the full HF tensors (safetensors, memory-mapped: only the tensors asked for are
 read) into the full model it has just built, before any parallelism is applied; tensor parallelism,
@@ -64,8 +64,7 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: 
     tied = bool(model_cfg.get("tie_embeddings"))
     if tied:
         state.pop("output.weight", None)  # stored once, as the embedding (transformers re-ties it)
-    n_kv = int(model_cfg.get("n_kv_heads") or model_cfg["n_heads"])
-    hf_state = to_hf(state, int(model_cfg["n_heads"]), n_kv)
+    hf_state = to_hf(state)
     dtype = str(next(iter(hf_state.values())).dtype).replace("torch.", "")
     config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
     out.mkdir(parents=True)
@@ -169,7 +168,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     The architecture was checked at plan time (usp/plan/hf_config.py); the shapes are checked here.
     Rows beyond the checkpoint's vocabulary (tensor parallelism's padding) keep their init."""
     args = model.args
-    usp_state = from_hf(read_hf_tensors(path), args.n_heads, args.n_kv_heads)
+    usp_state = from_hf(read_hf_tensors(path))
     if args.tie_embeddings:
         usp_state.pop("output.weight", None)  # a tied checkpoint may still carry lm_head.weight
     params = dict(model.named_parameters())  # the tied head appears once, as tok_embeddings.weight
