@@ -1,8 +1,10 @@
 """Hugging Face checkpoints in (`model.init_from`) and out (`usp export --format hf`), against the real
 `transformers`: tiny random Llama / Mixtral models made on the fly with save_pretrained (nothing
-downloaded). Logits must equal transformers' within 1e-5; an import trained under FSDP2 x TP2
-(4 processes) follows a single process; a tied model keeps its tie both ways; a config.json that
-doesn't match the model group is refused before launch."""
+downloaded). Logits must equal transformers' within 1e-5, with and without Llama 3's RoPE scaling;
+`model.init_from=<dir>` alone takes the model's shape from config.json; an import trained under
+FSDP2 x TP2 (4 processes) follows a single process; a tied model keeps its tie both ways; a key set
+on the command line, in a recipe or by a picked model group that disagrees with config.json is
+refused before launch; the catalogue's Llama 3.1 / 3.2 groups are Meta's published config.json."""
 from __future__ import annotations
 
 import json
@@ -23,17 +25,27 @@ USP_DIMS = ["model.dim=64", "model.ffn_dim=96", "model.n_layers=2", "model.n_hea
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
          "checkpoint.enabled=true", "train.steps=3", "train.global_batch=8", "train.seq_len=64"]
 TOL = 1e-5
+# Llama 3's RoPE scaling with a short original context: at head_dim 16 its wavelengths fall in all three
+# bands (kept, interpolated, divided by the factor), so the scaling shows in the logits.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+USP_LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                  rope_original_max_positions=32)
 
 
-def make_hf(directory: Path, kind: str, vocab: int, tied: bool) -> Path:
-    """A random tiny LlamaForCausalLM or MixtralForCausalLM saved with save_pretrained."""
+def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
+    """A random tiny LlamaForCausalLM (kind "llama", or "llama3": with Llama 3's RoPE scaling) or
+    MixtralForCausalLM saved with save_pretrained; `dims` replace DIMS' values."""
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**DIMS, vocab_size=vocab, tie_word_embeddings=tied))
+    dims = {**DIMS, **dims}
+    if kind == "llama3":
+        dims["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": dims.pop("rope_theta")}
+    if kind in ("llama", "llama3"):
+        model = LlamaForCausalLM(LlamaConfig(**dims, vocab_size=vocab, tie_word_embeddings=tied))
     else:
-        model = MixtralForCausalLM(MixtralConfig(**DIMS, vocab_size=vocab, tie_word_embeddings=tied,
+        model = MixtralForCausalLM(MixtralConfig(**dims, vocab_size=vocab, tie_word_embeddings=tied,
                                                  num_local_experts=4, num_experts_per_tok=2))
     model.save_pretrained(directory)
     return directory
@@ -42,9 +54,9 @@ def make_hf(directory: Path, kind: str, vocab: int, tied: bool) -> Path:
 def usp_model(kind: str, vocab: int, tied: bool):
     from usp.models.llama import Llama, LlamaArgs
 
-    moe = dict(n_experts=4, top_k=2) if kind == "mixtral" else {}
+    extra = dict(n_experts=4, top_k=2) if kind == "mixtral" else USP_LLAMA3 if kind == "llama3" else {}
     return Llama(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=vocab,
-                           tie_embeddings=tied, **moe), max_seq_len=64)
+                           tie_embeddings=tied, **extra), max_seq_len=64)
 
 
 def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -55,10 +67,11 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("mixtral", False)])
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama3", False), ("mixtral", False)])
 def test_import_matches_transformers_logits(tmp_path, kind, tied):
-    """An HF checkpoint loaded into usp's model gives transformers' logits (the RoPE rows of q/k
-    permuted, experts stacked and transposed), and usp's own export of it loads back identically."""
+    """An HF checkpoint loaded into usp's model gives transformers' logits (q/k as they are: the same
+    RoPE layout; Llama 3's frequency scaling; experts stacked and transposed), and usp's own export of
+    it loads back identically."""
     from usp.engine.hf_checkpoint import load_hf_weights, read_hf_tensors, write_hf
 
     src = make_hf(tmp_path / "hf", kind, 100, tied)
@@ -76,7 +89,7 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     plan = {"batch": {"seq_len": 64}, "dataset_dir": str(tmp_path / "no-dataset")}
     cfg = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "vocab_size": 100,
            "tie_embeddings": tied, "rope_theta": 10000.0, "norm_eps": 1e-5, "n_experts": 4 if kind == "mixtral" else 0,
-           "top_k": 2, "moe_ffn_dim": 0}
+           "top_k": 2, "moe_ffn_dim": 0, **(USP_LLAMA3 if kind == "llama3" else {})}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     write_hf(state, cfg, plan, tmp_path / "ckpt", 0, tmp_path / "back", max_shard_mb=0.1)
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
@@ -85,6 +98,13 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     assert set(back) == set(index["weight_map"]) == set(original) - ({"lm_head.weight"} if tied else set())
     assert all(torch.equal(original[k], back[k]) for k in back)
     assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)
+    if kind == "llama3":  # the scaling is in the export's config.json, and it matters
+        assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == \
+            {**LLAMA3_ROPE, "rope_theta": 10000.0}
+        plain = usp_model("llama", 100, tied)
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (plain(tokens) - expected).abs().max() > 100 * TOL
 
 
 def test_config_mismatch_is_refused_before_launch(tmp_path):
@@ -110,12 +130,115 @@ def test_config_mismatch_is_refused_before_launch(tmp_path):
             assert "model.init_from=" in out and field in out and fix in out, (extra, out)
     assert not (tmp_path / "runs").exists()  # nothing launched, nothing written
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3",
-                                                                               "rope_theta": 10000.0}}))
-    proc = usp_cli("plan", *base, cwd=tmp_path)
-    assert proc.returncode == 2 and "rope_parameters.rope_type='llama3'" in proc.stdout + proc.stderr
+    for rope, says in [({"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
+                       ({"rope_type": "llama3", "factor": 8.0}, "rope_parameters.low_freq_factor=None")]:
+        (src / "config.json").write_text(json.dumps({**config, "rope_parameters": {**rope, "rope_theta": 10000.0}}))
+        proc = usp_cli("plan", *base, cwd=tmp_path)
+        assert proc.returncode == 2 and says in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     proc = usp_cli("plan", *base[:-1], f"model.init_from={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and "no config.json" in proc.stdout + proc.stderr
+
+
+# A checkpoint whose every shape value differs from the default model group's (tiny: dim 128, 2 layers,
+# MHA, ffn 384, tied, rope_theta 1e4, norm_eps 1e-5): what `model.init_from` alone must take from it.
+OWN_SHAPE = dict(num_hidden_layers=3, rms_norm_eps=1e-6, rope_theta=500000.0)
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama3", True), ("mixtral", False)])
+def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare, kind, tied):
+    """`usp train model.init_from=<dir>` and no other model key: the run has the checkpoint's shape
+    (dims, layers, heads, kv heads, ffn, vocab, tie, rope theta and scaling, norm eps, experts), its
+    first loss is transformers' on the same batch, and usp's model built from the run's plan gives
+    transformers' logits within 1e-5."""
+    from transformers import AutoConfig
+
+    from usp.engine.hf_checkpoint import load_hf_weights
+    from usp.models.llama import Llama, LlamaArgs
+
+    vocab = int(shakespeare[1]["vocab_size"])
+    src = make_hf(tmp_path / f"hf_{kind}", kind, vocab, tied, **OWN_SHAPE)
+    run = _train(tmp_path, "run", f"model.init_from={src}")
+    model = read_plan(run / "plan.yaml")["config"]["model"]
+    hf = AutoConfig.from_pretrained(src)
+    rope = hf.rope_parameters
+    assert (model["name"], model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"], model["ffn_dim"],
+            model["vocab_size"], model["tie_embeddings"], model["rope_theta"], model["norm_eps"], model["rope_type"]) \
+        == (f"hf_{kind}", hf.hidden_size, 3, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size,
+            vocab, tied, 500000.0, 1e-6, rope["rope_type"])
+    assert (model["n_experts"], model["top_k"]) == ((4, 2) if kind == "mixtral" else (0, 2))
+    if kind == "llama3":
+        assert [model[f"rope_{k}"] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                            "original_max_positions")] == [8.0, 1.0, 4.0, 32]
+    first = _first_batch_loss(run, src)
+    assert abs(_losses(run)[0] - first) <= TOL * first, (_losses(run), first)
+    ours = Llama(LlamaArgs.from_config(_Attrs(model), vocab), max_seq_len=64)
+    load_hf_weights(ours, src)
+    tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = ours(tokens)
+    expected = hf_logits(src, tokens)
+    assert logits.abs().max() > 0.1 and torch.allclose(logits, expected, rtol=0, atol=TOL), \
+        (logits - expected).abs().max()
+
+
+def test_an_explicit_key_that_disagrees_is_refused(tmp_path):
+    """With model.init_from, a model key the command line or a recipe sets, or a model group either
+    picks, must agree with config.json: `usp train` refuses it before launch, naming the field and the
+    key; the same keys unset plan with config.json's values."""
+    src = make_hf(tmp_path / "hf", "llama3", 512, False, **OWN_SHAPE)
+    base = ["data.tokenizer=bytes", f"model.init_from={src}", f"train.runs_dir={tmp_path / 'runs'}"]
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - config\n  - _self_\nmodel:\n  norm_eps: 1.0e-5\n")
+    picked = tmp_path / "picks.yaml"
+    picked.write_text("defaults:\n  - config\n  - override model: llama3_2_1b\n  - _self_\n")
+    cases = [(["model.n_layers=2"], "num_hidden_layers=3", "model.n_layers"),
+             (["model.rope_factor=32"], "rope_parameters.factor=8.0", "model.rope_factor"),
+             (["model.rope_type=default"], "rope_parameters.rope_type='llama3'", "model.rope_type"),
+             ([f"conf={recipe}"], "rms_norm_eps=1e-06", "model.norm_eps"),
+             (["model=moe_tiny"], "model_type='llama'", "model.n_experts"),
+             ([f"conf={picked}"], "hidden_size=64", "model.dim")]
+    for extra, field, key in cases:
+        proc = usp_cli("train", *base, *extra, cwd=tmp_path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and field in out and key in out and "config.json" in out, (extra, out)
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+    agreeing = ["model.n_layers=3", "model.rope_factor=8.0", "model.norm_eps=1e-6", "model.n_kv_heads=2"]
+    proc = usp_cli("plan", "--save", *base, *agreeing, "train.name=ok", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model = read_plan(tmp_path / "runs" / "ok" / "plan.yaml")["config"]["model"]
+    assert (model["dim"], model["n_layers"], model["tie_embeddings"], model["vocab_size"]) == (64, 3, False, 512)
+
+
+# Meta's published config.json of Llama 3.1 8B and Llama 3.2 1B (the fields usp reads, as released).
+META = {"llama3_1_8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+        "llama3_2_1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)}
+META_COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", attention_bias=False,
+                   mlp_bias=False, max_position_embeddings=131072, rms_norm_eps=1e-05, rope_theta=500000.0)
+META_SCALING = {"llama3_1_8b": 8.0, "llama3_2_1b": 32.0}
+
+
+@pytest.mark.parametrize("group", sorted(META))
+def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
+    """The catalogue's Llama 3.1 / 3.2 groups agree with Meta's config.json, RoPE scaling included: an
+    import of the real checkpoint under the group plans, and without it takes the group's values."""
+    from usp.config.compose import compose_config
+    from usp.config.init_from import CHECKPOINT_KEYS
+    from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
+
+    rope_scaling = {"factor": META_SCALING[group], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    (tmp_path / "config.json").write_text(json.dumps({**META_COMMON, **META[group], "rope_scaling": rope_scaling}))
+    config = read_hf_config(tmp_path)
+    explicit, _ = compose_config(None, [f"model={group}", f"model.init_from={tmp_path}"])
+    # the group sets every key but the MoE ones (a dense Llama: no experts)
+    assert adopt_hf_shape(explicit.model) == {"n_experts": 0, "top_k": 2, "moe_ffn_dim": 0, "shared_expert": False}
+    check_hf_config(config, explicit.model, 128256, str(tmp_path))  # raises on any disagreement
+    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
+    adopt_hf_shape(alone.model)
+    assert {k: alone.model[k] for k in CHECKPOINT_KEYS if k != "name"} == \
+        {k: explicit.model[k] for k in CHECKPOINT_KEYS if k != "name"}
 
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> Path:
