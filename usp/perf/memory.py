@@ -84,8 +84,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from usp.perf.layout import bf16_by_fsdp_policy
-from usp.perf.profile import Profile
-from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache
+from usp.perf.profile import PROFILES, Profile
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache, optimizer_state_label
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
 DEFAULT_FIXED_OVERHEAD_GIB = 1.0
@@ -114,6 +114,17 @@ TERM_LABELS = {
 
 
 @dataclass
+class LocalBytes:
+    """What one rank allocates for its model states, each whole, whatever the peak phase: what
+    `usp plan --build-check` measures on the engine's real (meta) build."""
+
+    params: float  # elements of its parameters: its shards under FSDP2 (ZeRO-2/3, HSDP), else whole tensors
+    parameters: float  # bytes
+    gradients: float  # bytes of their gradients after the step's reduction (each shaped as its parameter)
+    optimizer: float  # bytes of the optimizer's states (sharded under ZeRO-1/2/3)
+
+
+@dataclass
 class StageMemory:
     stage: int  # pp rank
     first_rank: int
@@ -136,13 +147,15 @@ class StageMemory:
     comm_buffers: float = 0.0
     overhead: float = 0.0
     total: float = 0.0
+    build: BuildMemory | None = None  # while the engine builds (and loads) this rank's part: memory_plan
+    local: LocalBytes | None = None  # its model states as allocated (the build check's comparison)
 
     def top(self, n: int = 3) -> list[tuple[str, float]]:
         terms = sorted(((TERM_LABELS[t], getattr(self, t)) for t in TERMS), key=lambda kv: -kv[1])
         return terms[:n]
 
     def key(self) -> tuple:
-        return tuple(round(getattr(self, t)) for t in TERMS)
+        return (*(round(getattr(self, t)) for t in TERMS), round(self.build.total) if self.build else 0)
 
 
 @dataclass
@@ -160,6 +173,9 @@ class MemoryPlan:
     fits: bool
     activation_formula: str
     assumptions: list[str] = field(default_factory=list)
+    build_peak_stage: int = 0  # the pp rank whose build needs the most (StageMemory.build)
+    build_peak_gib: float = 0.0
+    build_fits: bool = True
 
     @property
     def peak(self) -> StageMemory:
@@ -284,6 +300,8 @@ class _Held:
     head: float
     dense: float
     experts: float
+    # each parameter as the rank holds it after TP / EP: (dim-0 rows, values per row, how many, routed experts?)
+    tensors: tuple = ()
 
     @property
     def params(self) -> float:
@@ -314,7 +332,28 @@ def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, s
         tied_here = arch.tie_embeddings and pp == 1
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
     return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
-                 layers * dense_layer + emb + head, layers * expert_layer)
+                 layers * dense_layer + emb + head, layers * expert_layer,
+                 _tensors(arch, t, ep, layers, holds_emb, head > arch.dim, holds_head, vocab_pad))
+
+
+def _tensors(arch: Arch, t: int, ep: int, layers: int, emb: bool, head: bool, norm: bool, vocab_pad: int) -> tuple:
+    """(dim-0 rows, values per row, count, routed experts?) of every parameter a rank holds, as
+    usp/engine/parallel/tensor.py shards them over tp (embedding rows, LM head and wq/wk/wv/w1/w3
+    rows: Shard(0); wo, w2: Shard(1); norms replicated; a MoE layer not at all) and expert.py slices
+    the experts over ep: what FSDP2 then cuts along dim 0 (sharded_params)."""
+    h, kv, f = arch.dim, arch.kv_dim, arch.ffn_dim
+    up = lambda x: -(-x // t)  # noqa: E731 - DTensor's Shard: torch.chunk pieces, the first ones the longest
+    out = [(h, 1, 2 * layers, False), (up(h), h, layers, False), (up(kv), h, 2 * layers, False),
+           (h, up(h), layers, False)]  # the two norms, wq, wk + wv, wo
+    if arch.moe:
+        fe = arch.moe_ffn_dim or arch.ffn_dim
+        out += [(arch.n_experts, h, layers, False), (arch.n_experts // ep, h * fe, 3 * layers, True)]
+        if arch.shared_expert:
+            out += [(fe, h, 2 * layers, False), (h, fe, layers, False)]
+    else:
+        out += [(up(f), h, 2 * layers, False), (h, up(f), layers, False)]  # w1 + w3, w2
+    out += [(vocab_pad // t, h, int(emb) + int(head), False), (h, 1, int(norm), False)]  # embedding, LM head; norm
+    return tuple(x for x in out if x[2] and x[0] * x[1])
 
 
 def zero_sharding(layout: Layout, profile: Profile) -> tuple[int, int]:
@@ -337,15 +376,15 @@ def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: Sta
     """Parameters and optimizer states into st (ZeRO-2 keeps its sharded parameters next to the
     all-gathered ones); returns the gradients' bytes (where they are alive: the peak decides), with
     the profile's fp32 gradient-accumulation buffer (every parameter, 4 bytes, never sharded)."""
-    ep = max(1, layout.ep) if arch.moe else 1
     zero, n = zero_sharding(layout, profile)
-    n_exp = max(1, n // ep) if n % ep == 0 else 1
-    sharded = h.dense / n + h.experts / n_exp  # params after data-parallel sharding
+    # params after data-parallel sharding: FSDP2's padded dim-0 shards; ZeRO-1's optimizer splits whole tensors
+    sharded = sharded_params(arch, layout, h, n) if zero >= 2 else h.params / n
     st.parameters = prec.param * (sharded if zero == 3 else h.params)
     if zero == 2 and n > 1:  # the all-gathered parameters too, in the dtype the matmuls read
         st.parameters = prec.param * sharded + prec.gathered * h.params
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
     st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
+    st.local = local_bytes(arch, layout, prec, st.stage, 0, profile)
     return prec.grad * (sharded if grads_sharded else h.params) + (4 * h.params if profile.fp32_grad_accum else 0)
 
 
@@ -508,6 +547,123 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     return st
 
 
+# --- the build (and model.init_from's load) ----------------------------------------------------------
+
+# usp's engine builds fp32 parameters (usp/models/llama.py initial_value), whatever the profile
+BUILD_PARAM_BYTES = 4
+# A sharded (DTensor) parameter's whole fp32 value, made on the host, plus what torch's
+# distribute_tensor(src_data_rank=None) copies while cutting this rank's part out of it: measured on
+# CPU (VmHWM growth over the value alone, MALLOC_MMAP_THRESHOLD_=131072): Shard(0) over 8 ranks 1.25x
+# the value, Shard x Shard over 2 x 2 1.75x, Replicate 2.0x. A plain parameter takes the value in place: 1x.
+DTENSOR_TRANSIENT = 2.0
+
+
+@dataclass
+class BuildMemory:
+    """One rank of a pp rank while the engine builds its part (usp/engine/parallel/materialize.py:
+    its shards allocated, then every parameter's whole value made and cut one at a time), or loads
+    model.init_from the same way (usp/engine/hf_checkpoint.py)."""
+
+    params: float  # elements this rank allocates: its shards (FSDP2 kinds), else its stages whole
+    parameters: float  # their bytes (fp32)
+    largest: str  # the largest parameter the rank holds, by name (its whole tensor is made at once)
+    largest_params: int  # that whole tensor's elements
+    read_buffer: float  # model.init_from: that parameter's checkpoint tensor(s) as read (stacked experts: twice)
+    transient: float  # bytes alive besides the parameters: the whole fp32 value (x DTENSOR_TRANSIENT) + read_buffer
+    overhead: float
+    total: float
+
+
+def largest_parameter(arch: Arch, h: _Held) -> tuple[str, int]:
+    """(name, elements of its whole tensor) of the largest parameter a rank of this stage holds. The
+    init draws a parameter's whole tensor (TP's padded vocabulary included) before the rank keeps its
+    part; stacked experts are drawn whole under expert parallelism too."""
+    sizes: dict[str, int] = {}
+    if h.holds_emb:
+        sizes["tok_embeddings.weight"] = h.vocab_pad * arch.dim
+    if h.head > arch.dim:  # an LM head matrix: untied, or a pipeline's last stage's copy of the tied embedding
+        sizes["output.weight"] = h.vocab_pad * arch.dim
+    if h.layers:
+        sizes["layers.<i>.attention.wq.weight"] = arch.dim * arch.dim
+        if arch.moe:
+            fe = arch.moe_ffn_dim or arch.ffn_dim
+            sizes["layers.<i>.feed_forward.experts.w1"] = arch.n_experts * fe * arch.dim
+            sizes["layers.<i>.feed_forward.router.weight"] = arch.n_experts * arch.dim
+        else:
+            sizes["layers.<i>.feed_forward.w1.weight"] = arch.ffn_dim * arch.dim
+    if not sizes:
+        return "", 0
+    name = max(sizes, key=lambda k: sizes[k])
+    return name, sizes[name]
+
+
+def sharded_params(arch: Arch, layout: Layout, h: _Held, n: int) -> float:
+    """Elements of one rank's shards when FSDP2 splits the stage's parameters over n data-parallel
+    ranks (experts over n / ep: the other ep ranks hold other experts). FSDP2 cuts each parameter along
+    dim 0 as torch.chunk does and stores every rank's shard padded to the first one's rows: ceil(rows /
+    n) rows each (one expert over 2 ranks: the whole expert on both, the second's as padding)."""
+    ep = max(1, layout.ep) if arch.moe else 1
+    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    return float(sum(-(-rows // (n_exp if expert else n)) * cols * count for rows, cols, count, expert in h.tensors))
+
+
+def _chunk_rows(rows: int, n: int, i: int) -> int:
+    """Rows of torch.chunk(rows, n)'s i-th piece along dim 0 (the last ones may be short or empty)."""
+    c = -(-rows // n)
+    return max(0, min(c, rows - i * c))
+
+
+def local_bytes(arch: Arch, layout: Layout, prec: Precision, r: int, index: int = 0,
+                profile: Profile = PROFILES["usp"]) -> LocalBytes:
+    """One rank's model states as allocated: the rank of pp rank r whose FSDP2 shard is the index-th
+    of its shard group (index 0 holds the most: memory_plan's figure). Parameters and their reduced
+    gradients occupy FSDP2's padded shards (sharded_params) on every rank; the optimizer creates its
+    states for the real rows only, so a short last shard holds fewer. ZeRO-1 (DDP + ZeRO's optimizer)
+    counts an even split of the states. `index` of the experts' shard group: index // ep."""
+    h = _held(arch, layout, r, profile)
+    zero, n = zero_sharding(layout, profile)
+    if zero < 2:
+        optimizer = prec.optim * (h.params / n if zero == 1 else h.params)
+        return LocalBytes(h.params, prec.param * h.params, prec.grad * h.params, optimizer)
+    ep = max(1, layout.ep) if arch.moe else 1
+    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    real = sum(_chunk_rows(rows, n_exp if expert else n, index // ep if expert else index) * cols * count
+               for rows, cols, count, expert in h.tensors)
+    padded = sharded_params(arch, layout, h, n)
+    return LocalBytes(padded, prec.param * padded, prec.grad * padded, prec.optim * real)
+
+
+def uses_dtensors(layout: Layout) -> bool:
+    """Does the engine hold DTensor parameters (TP, or any FSDP2 flavour), whose parts it cuts with
+    distribute_tensor? DDP and ZeRO-1 hold plain ones."""
+    return layout.tp > 1 or layout.dp_kind in ("fsdp", "hsdp", "replicate", "zero1_fsdp")
+
+
+def build_memory(arch: Arch, layout: Layout, hw: Hardware, r: int, load_bytes: int = 0) -> BuildMemory:
+    """What one rank of pp rank r holds while it builds (module docstring of BuildMemory): its
+    parameters as allocated (sharded where FSDP2 shards them: ZeRO-2/3, HSDP, ZeRO-1 over TP/PP;
+    whole under DDP, DDP + ZeRO-1 and a single process) + the largest parameter's whole fp32 value
+    while it is cut (x DTENSOR_TRANSIENT for a DTensor) + under model.init_from the checkpoint's
+    tensor(s) of that parameter (load_bytes per value, 0: no load) + the fixed overhead and
+    fragmentation of the training peak's. The engine's build, whatever the planner's profile."""
+    h = _held(arch, layout, r, PROFILES["usp"])
+    params = sharded_params(arch, layout, h, layout.shard_degree) if layout.zero_stage >= 2 else h.params
+    name, largest = largest_parameter(arch, h)
+    read = load_bytes * largest * (2 if name.endswith("experts.w1") else 1)  # the experts' tensors + their stack
+    value = BUILD_PARAM_BYTES * largest * (DTENSOR_TRANSIENT if uses_dtensors(layout) else 1.0)
+    parameters, transient = BUILD_PARAM_BYTES * params, value + read
+    overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * (
+        parameters + transient)
+    return BuildMemory(params, parameters, name, largest, read, transient, overhead, parameters + transient + overhead)
+
+
+@lru_cache(maxsize=4096)  # the search asks it once per layout shape
+def build_peak(arch: Arch, layout: Layout, hw: Hardware, load_bytes: int = 0) -> BuildMemory:
+    """The fullest pp rank's build (the rules and the search ask only this)."""
+    ranks = candidate_stages(arch, layout, PROFILES["usp"])
+    return max((build_memory(arch, layout, hw, r, load_bytes) for r in ranks), key=lambda b: b.total)
+
+
 def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
     """Does the profile's recipe free the low-precision gradients after each micro batch's backward
     at this layout (nanotron: once added into its fp32 accumulation buffer), so that they never meet
@@ -552,15 +708,19 @@ def peak_bytes(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pre
 
 
 def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
-                profile: Profile) -> MemoryPlan:
+                profile: Profile, load_bytes: int = 0) -> MemoryPlan:
+    """Every pp rank's training peak and build (load_bytes: model.init_from's bytes per value, 0 = none)."""
     stages = [stage_memory(arch, layout, seq_len, hw, prec, r, profile) for r in range(layout.pp)]
+    for st in stages:
+        st.build = build_memory(arch, layout, hw, st.stage, load_bytes)
+    build = max(range(len(stages)), key=lambda i: stages[i].build.total)  # type: ignore[union-attr]
+    build_gib = stages[build].build.total / GIB  # type: ignore[union-attr]
     zero, shards = zero_sharding(layout, profile)
     peak = max(range(len(stages)), key=lambda i: stages[i].total)
     peak_gib = stages[peak].total / GIB
     assumptions = [
         f"profile {profile.name}: {profile.description}",
-        f"{prec.name}: {prec.param} B/param, {prec.grad} B/grad, {prec.optim} B/param of AdamW state"
-        + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)")
+        f"{prec.name}: {prec.param} B/param, {prec.grad} B/grad, {optimizer_state_label(prec)}"
         + (", + a 4 B/param fp32 gradient-accumulation buffer (unsharded)" if profile.fp32_grad_accum else ""),
         f"data parallel: {layout.dp_label() if profile.data_parallel == 'usp' else profile.data_parallel}, "
         f"ZeRO-{zero} sharded over {shards} rank(s)",
@@ -576,6 +736,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         "backward's gradients + gathered units + recomputed layer",
         f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
         "(not tensor memory)",
+        f"build: the rank's parameters as allocated (fp32; its shards under FSDP2) + the largest one's whole fp32 "
+        f"value while its part is cut ({DTENSOR_TRANSIENT:g}x for a sharded DTensor)"
+        + (f" + its checkpoint tensor as model.init_from reads it ({load_bytes} B/value)" if load_bytes else ""),
     ]
     if profile.accum_bytes_per_token_h and layout.pp == 1 and layout.grad_accum > 1:
         assumptions.append(f"gradient accumulation on the whole model: + {profile.accum_bytes_per_token_h:g} bytes "
@@ -587,4 +750,5 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
                       shard_degree=shards, recompute=layout.recompute, capacity_gib=hw.memory_gib,
                       device_name=hw.device_name, stages=stages, peak_stage=peak, peak_gib=peak_gib,
                       fits=peak_gib <= hw.memory_gib, activation_formula=activation_formula(layout),
-                      assumptions=assumptions)
+                      assumptions=assumptions, build_peak_stage=build, build_peak_gib=build_gib,
+                      build_fits=build_gib <= hw.memory_gib)

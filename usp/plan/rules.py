@@ -18,8 +18,9 @@ Rules checked elsewhere, because the Subject can't be built without them: degree
 sizes and launcher, the tokenizer's vocabulary, a Hugging Face model.init_from's config.json
 (usp.plan.plan._subject, usp.plan.hf_config), train.dtype (usp.perf.specs.Precision.resolve);
 logging / profile settings (usp.plan.validate.check_observability); the run's name (one directory
-name, usp.run.names) and train.steps >= 1 (usp.plan.validate.check_run); predicted OOM
-(usp.plan.validate.analyse: it needs the memory model).
+name, usp.run.names) and train.steps >= 1 (usp.plan.validate.check_run); predicted OOM, in training
+and while the model is built (usp.plan.validate.analyse: they need the memory model, and --force
+plans them anyway; the layout search keeps only layouts where both fit).
 
 To add a rule: append a Rule to RULES (kind, key, broken, why, fix; `batch=True` when it reads
 micro_batch / grad_accum, which the search varies last) and a test; the three callers pick it up."""
@@ -66,6 +67,7 @@ class Settings:
     rdzv_endpoint: str | None = None
     compile: Any = "auto"  # train.compile as configured (usp.perf.specs.uses_compile resolves it)
     fp8: str = "off"  # train.fp8
+    checkpoint_bytes: int = 0  # model.init_from: bytes per value of its tensors, 0 = no load (usp.plan.context)
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
