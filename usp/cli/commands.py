@@ -93,6 +93,45 @@ def handles_errors(command):
     return wrapper
 
 
+BUILD_CHECK_HELP = ("build the parallel model of the ranks among the arguments (integers; default: the first rank "
+                    "of each pipeline stage and the last) for real, on the meta device under a fake process group: "
+                    "no GPU, no data, nothing allocated; print each rank's parameter, gradient and optimizer-state "
+                    "bytes next to the plan's (needs torch here)")
+
+
+def _split_ranks(overrides: list[str] | None) -> tuple[list[int], list[str]]:
+    """--build-check's ranks (the bare integers: no override is one) and the overrides."""
+    items = overrides or []
+    return [int(x) for x in items if x.isdigit()], [x for x in items if not x.isdigit()]
+
+
+def _build_check(run_plan, ranks: list[int], failures: list) -> None:
+    """usp plan --build-check: one line per rank as the engine builds it, then the table."""
+    from rich.console import Console
+
+    from usp.errors import LaunchError
+    from usp.launch.build_check import check_ranks, run_build_check
+    from usp.plan.context import planned_local_bytes
+    from usp.plan.render import build_check_summary, build_check_table, render_refusals
+
+    console = Console()
+    ranks = check_ranks(run_plan, ranks)
+    planned = planned_local_bytes(run_plan, ranks)
+    console.print(f"building rank(s) {', '.join(map(str, ranks))} of {run_plan.world_size} on the meta device ...")
+    results = run_build_check(run_plan, ranks, on_result=lambda r: console.print(
+        f"  rank {r['rank']}: {'built' if 'error' not in r else 'FAILED'} in {r['seconds']:.1f} s", highlight=False))
+    console.print(build_check_table(run_plan, results, planned))
+    render_refusals(failures)
+    console.print(build_check_summary(results, planned), highlight=False)
+    failed = [r for r in results if "error" in r]
+    if failed:
+        first = failed[0]
+        raise LaunchError(f"the engine can't build this layout (rank {first['rank']} of {len(failed)} failed): "
+                          f"{first['error']}\n{first.get('trace', '')}", key="parallelism",
+                          value=" x ".join(f"{d}={v}" for d, v in run_plan.degrees.items() if v > 1) or "single",
+                          fix="a layout the engine builds (this one passed the planner's rules: please report it)")
+
+
 @app.command()
 @handles_errors
 def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
@@ -100,11 +139,13 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          strict: bool = typer.Option(False, "--strict", help="a TP group spanning nodes is an error, not a warning"),
          force: bool = typer.Option(False, "--force", help="plan even if the layout is predicted not to fit"),
          search: bool = typer.Option(False, "--search", help="rank the layouts that fit by predicted throughput"),
-         top: int = typer.Option(5, "--top", help="with --search: how many layouts to show")) -> None:
+         top: int = typer.Option(5, "--top", help="with --search: how many layouts to show"),
+         build_check: bool = typer.Option(False, "--build-check", help=BUILD_CHECK_HELP)) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
     from usp.plan.plan import plan_with_failures
     from usp.plan.render import render_plan, render_refusals
 
+    ranks, overrides = _split_ranks(overrides) if build_check else ([], overrides)
     composed, choices = _compose(overrides)
     if cfg:
         return _print_cfg(composed, cfg)
@@ -118,6 +159,8 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         for error in failures[:-1]:
             typer.echo(f"error: {error}", err=True)
         _fail(failures[-1])
+    if build_check:
+        return _build_check(run_plan, ranks, failures)
     render_plan(run_plan)
     render_refusals(failures)
     if save:
