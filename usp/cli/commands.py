@@ -126,10 +126,12 @@ def _build_check(run_plan, ranks: list[int], failures: list) -> None:
     failed = [r for r in results if "error" in r]
     if failed:
         first = failed[0]
-        raise LaunchError(f"the engine can't build this layout (rank {first['rank']} of {len(failed)} failed): "
-                          f"{first['error']}\n{first.get('trace', '')}", key="parallelism",
+        raise LaunchError(f"the plan passed every rule, but the engine can't build it: {len(failed)} of "
+                          f"{len(results)} rank(s) failed; rank {first['rank']}: {first['error']}\n"
+                          f"{first.get('trace', '')}", key="parallelism",
                           value=" x ".join(f"{d}={v}" for d, v in run_plan.degrees.items() if v > 1) or "single",
-                          fix="a layout the engine builds (this one passed the planner's rules: please report it)")
+                          fix="what the error names; if it is the engine's own, a rule is missing: please report "
+                              "the layout")
 
 
 @app.command()
