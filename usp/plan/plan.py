@@ -106,7 +106,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
 def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     """The checks the rule subject needs first (cluster sizes, launcher, degrees, batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
-    from usp.plan.context import rule_subject, tokenizer_vocab
+    from usp.plan.context import rule_subject
     from usp.plan.validate import derive_batch
 
     cluster = cfg.cluster
@@ -119,8 +119,8 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
                         value=cluster.launcher, fix="cluster.launcher=local, or cluster=local_slurm")
     degrees = resolve_degrees(cfg.parallelism, nodes * per_node)
     batch = derive_batch(cfg.train, degrees)
-    token_vocab = tokenizer_vocab(cfg.data)
     model_vocab = int(cfg.model.vocab_size)
+    token_vocab = _tokenizer_vocab_here(cfg.data, model_vocab)
     if 0 < model_vocab < token_vocab:  # every token id needs an embedding row
         raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the model's embedding", key="model.vocab_size",
                         value=model_vocab, fix=f"model.vocab_size=-1 (take it from the tokenizer) or >= {token_vocab}")
@@ -131,6 +131,21 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
 
         check_hf_config(read_hf_config(init_from), cfg.model, vocab, str(init_from))
     return rule_subject(cfg, degrees, batch, vocab), degrees, batch
+
+
+def _tokenizer_vocab_here(data, model_vocab: int) -> int:
+    """The tokenizer's vocabulary; 0 when its file is not on this machine and the model names its own
+    vocabulary (a recipe planned on a laptop for a cluster: `usp prepare-data` and `usp train` read
+    the tokenizer and check it where the run trains; the plan warns that the data was not checked)."""
+    from usp.data.errors import DataError
+    from usp.plan.context import tokenizer_vocab
+
+    try:
+        return tokenizer_vocab(data)
+    except DataError:
+        if model_vocab > 0:
+            return 0
+        raise
 
 
 def _planned_dataset_dir(data, warnings: list[str]) -> str:
