@@ -329,13 +329,15 @@ def prepare_data(overrides: list[str] | None = Overrides,
                                             "of this dataset, unused shards and tokenizers, temp dirs")) -> None:
     """Tokenize the data group's corpus once (tokenizer + uint16/uint32 train/val token files)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from usp.data.prepare import ensure_dataset
 
     composed, _ = _compose(overrides)
     console = Console()
     path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"),
-                                show_progress=console.is_terminal)
+                                show_progress=console.is_terminal,
+                                warn=lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}", highlight=False))
     console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
                   f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}, {meta['dtype']}")
     if clean and composed.data.source != "token_files":

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir, check_resume
@@ -67,8 +68,11 @@ def _prepare(plan, cfg, run_dir: Path, console: Console, prepare_data: bool):
         return plan, write_plan(plan, node_plan_path(run_dir, plan))
     from usp.data.prepare import ensure_dataset
 
+    def warn(message: str) -> None:  # stays on the console: the status line is replaced
+        console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+
     with console.status("preparing data") as status:
-        path, meta = ensure_dataset(cfg.data, progress=lambda msg: status.update(f"data: {msg}"))
+        path, meta = ensure_dataset(cfg.data, progress=lambda msg: status.update(f"data: {msg}"), warn=warn)
     if meta.get("vocab_size", 0) > plan.model.vocab_size:
         raise LaunchError(f"the tokenizer has {meta['vocab_size']} tokens but the model only "
                           f"{plan.model.vocab_size}", key="model.vocab_size", value=plan.model.vocab_size,
