@@ -115,3 +115,13 @@ def test_control_bytes_make_a_file_binary_without_nul(tmp_path):
     path.write_bytes(b"a form feed \x0c and an escape \x1b[1m are text\n" * 100)
     assert file_problem(path) is None
 
+
+def test_a_train_refused_for_its_data_leaves_no_run_directory(tmp_path):
+    """`usp train` stops at the data stage: no runs/<name>/ (nor an empty checkpoints/ in it) that
+    `usp status` would list as a stopped run."""
+    _corpus(tmp_path)
+    r = usp_cli("train", "model=tiny", "data=text_files", f"data.paths=[{tmp_path / 'data'}]",
+                "data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}", f"train.runs_dir={tmp_path / 'runs'}",
+                "train.name=bad_data", cwd=tmp_path)
+    assert r.returncode == 2 and "are not UTF-8 text" in " ".join(r.stderr.split()), r.stdout + r.stderr
+    assert not (tmp_path / "runs" / "bad_data").exists()

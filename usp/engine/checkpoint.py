@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,6 +40,16 @@ from usp.run.files import (
 )
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@contextlib.contextmanager
+def single_process_is_intended():
+    """DCP warns on every save and load without a process group ("torch.distributed is disabled,
+    unavailable or uninitialized, assuming the intent is to save in a single process"): one rank
+    runs without one on purpose, so that warning only is kept off the console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class Checkpointer:
@@ -86,9 +97,11 @@ class Checkpointer:
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
-                self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
+                with single_process_is_intended():
+                    self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
             else:
-                dcp.save(self._state(), checkpoint_id=str(tmp))
+                with single_process_is_intended():
+                    dcp.save(self._state(), checkpoint_id=str(tmp))
                 self._publish(tmp, step, started)
         self.last_saved = step
 
@@ -179,7 +192,8 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        with single_process_is_intended():
+            dcp.load(state, checkpoint_id=str(path))
         for module, optimizer in zip(self.parts.modules, self.optimizers):
             model_sd, optim_sd = state["model"], state["optim"]
             if is_head_copy(module, self.tie):  # a last stage's copy of the tied embedding

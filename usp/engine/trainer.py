@@ -34,6 +34,7 @@ from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
+from usp.errors import UspError
 from usp.perf.layout import data_parallel_kind
 from usp.run.files import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
 
@@ -137,7 +138,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         self.checkpointer.save(self.last_completed_step, blocking=True)
         raise NonFiniteLoss(f"{message}; stopped with a checkpoint of step {self.last_completed_step} "
-                            "(train.nan_policy=stop; lower optimizer.lr or set train.nan_policy=skip)")
+                            "(train.nan_policy=stop)", fix="lower optimizer.lr, or train.nan_policy=skip")
 
     def _accumulate(self, step: int) -> torch.Tensor:
         """Mean loss of this rank's micro batches (before the all-reduce over data-parallel ranks),
@@ -346,8 +347,8 @@ class Preempted(Exception):
         self.step = step
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
+class NonFiniteLoss(UspError):
+    """train.nan_policy=stop met a NaN/inf: one message and its fix, never a traceback."""
 
 
 def finite_or_null(summary: dict) -> dict:

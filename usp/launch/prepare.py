@@ -2,6 +2,7 @@
 the run directory and take its lock, make sure the tokenized data exists, write plan.yaml."""
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         from usp.data.prepare import dataset_dir  # (the plan found its directory unless the data was missing)
 
         dataset_dir(cfg.data)
+    made_run_dir = not Path(plan.run_dir).exists()
     run_dir = check_run_dir(Path(plan.run_dir))
     if not hold_lock:  # a Slurm job takes the lock when it starts; a live run here is refused now
         refuse_if_locked(run_dir, "submit")
@@ -51,6 +53,9 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         return _prepare(plan, cfg, run_dir, console, prepare_data)
     except BaseException:
         runlock.release(run_dir)
+        if made_run_dir:  # e.g. the data failed: no empty run directory that `usp status` would list
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
         raise
 
 

@@ -61,6 +61,12 @@ def _first_line(text: str | None, limit: int = 300) -> str:
     return escape(line if len(line) <= limit else line[:limit] + "…")
 
 
+def _fix(text: str | None) -> str | None:
+    """The fix of a UspError's message ("<message>\n  fix: <fix>"), if it has one."""
+    _, found, fix = (text or "").partition("\n  fix: ")
+    return escape(" ".join(fix.split())) if found else None
+
+
 def _last_log_line(run_dir: Path, rank: int) -> str:
     path = rank_log(run_dir, rank)
     if not path.is_file():
@@ -92,6 +98,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
                 ("error class", str(root.get("error_class"))),
                 ("exception", str(root.get("exception_type"))),
                 ("message", _first_line(root.get("message"))),
+                *([("fix", _fix(root.get("message")))] if _fix(root.get("message")) else []),
                 ("last completed step", "-" if step is None else str(step)),
                 ("time", _when(root.get("unix_time"))),
                 ("details", escape(f"{root['_path']} (traceback), {rank_log(run_dir, int(root.get('rank', 0)))}"))]
