@@ -79,7 +79,8 @@ def _nothing_to_do():
 def handles_errors(command):
     """The one error wrapper of every command: a problem the user can fix (a UspError) is printed
     as one red line (with its fix) and exits 2, never as a stack trace. A run that is already at
-    train.steps says so and exits 0."""
+    train.steps says so and exits 0. Ctrl-C before any rank runs (planning, preparing data, importing
+    torch) is one line and exit code 130 (once ranks run, usp/launch/stop_signals.py handles it)."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
@@ -89,6 +90,11 @@ def handles_errors(command):
         except _nothing_to_do() as done:
             typer.echo(str(done))
             raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            from usp.run.files import EXIT_INTERRUPTED
+
+            typer.echo("usp: interrupted (SIGINT)", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
 
@@ -219,9 +225,10 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         code = 1
     finally:
         release(run_plan.run_dir)
-    if code:
+    from usp.run.files import STOP_CODES, logs_dir
+
+    if code and code not in STOP_CODES:  # a stop on a signal: the ranks or the launcher said so
         from usp.launch.status import print_failure_summary
-        from usp.run.files import logs_dir
 
         print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
         typer.echo(f"usp: training exited with code {code}; per-rank logs in {logs_dir(run_plan.run_dir)}", err=True)

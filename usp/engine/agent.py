@@ -1,25 +1,31 @@
-"""The torchrun agent as `usp train` starts it: `python -m usp.engine.agent <torchrun options>`
-runs `python -m torch.distributed.run` unchanged, except that a stop signal (Ctrl-C, or the
-launcher's SIGTERM) ends it with one line and 128 + the signal's number instead of a traceback.
-torchrun has already stopped the ranks by then (it passes the signal on, then waits)."""
+"""The torchrun agent as usp starts it: `python -m usp.engine.agent <torchrun options>` runs
+`python -m torch.distributed.run` unchanged, except that a stop signal it passes on to its ranks
+ends it quietly with 128 + the signal's number instead of a traceback, and without torchrun's log
+lines about it: the ranks and the launcher say what happened (usp/engine/signals.py,
+usp/launch/local.py, the Slurm batch script)."""
 from __future__ import annotations
 
-import os
-import signal
+import logging
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun_main
 
+# torchrun's log lines that usp says better: (logger, the start of the message).
+_NOISE = (("torch.distributed.elastic.agent.server.api", "Received %s death signal"),
+          ("torch.distributed.elastic.multiprocessing.api", "Sending process %s closing signal"))
+
+
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not any(record.name == name and str(record.msg).startswith(start) for name, start in _NOISE)
+
 
 def main(argv: list[str] | None = None) -> None:
+    for name in {name for name, _ in _NOISE}:
+        logging.getLogger(name).addFilter(_not_noise)
     try:
         torchrun_main(argv)
     except SignalException as exc:
-        name = signal.Signals(exc.sigval).name
-        what = "interrupted (Ctrl-C)" if exc.sigval == signal.SIGINT else f"stopped by {name}"
-        print(f"usp: torchrun agent (node {os.environ.get('USP_NODE_RANK', '0')}) {what}; its ranks are stopped",
-              file=sys.stderr, flush=True)
         sys.exit(128 + int(exc.sigval))
 
 

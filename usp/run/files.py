@@ -36,6 +36,10 @@ VERIFY = "verify.json"
 SWEEP = "sweep.json"
 LOGS = "logs"
 EVENTS = "events.jsonl"
+# events.jsonl: one JSON line per run-level event. A stop signal's line: {"event": "stopped", "time",
+# "step", "signal" (SIGINT, SIGTERM, SIGUSR1), "checkpoint" (the state after that step is saved)}.
+# "preempted" (no signal) is the same, written by earlier versions for SIGTERM and SIGUSR1.
+STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
 PROFILE = "profile"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -49,8 +53,8 @@ PROFILE_SUMMARY_RE = r"summary_rank_(\d+)\.txt"
 
 # -- exit codes shared by the worker, the launchers, the batch script and sweeps ---------------
 EXIT_OK = 0
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; "try again later" (requeue)
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after a checkpoint; "try again later" (requeue)
+EXIT_INTERRUPTED = 130  # stopped by SIGINT (128 + SIGINT), at a step boundary or, on a second one, at once
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
 
 # -- failure classes written by the engine's failure summary, read by `usp status` -------------
