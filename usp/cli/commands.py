@@ -213,26 +213,35 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     require_torch("train")
     run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
 
+    failure = None
     try:
         code = launch_local(run_plan, plan_path)
-    except Exception as exc:  # one rank runs in-process: show its traceback, then the same summary as torchrun's
-        import traceback
-
-        if isinstance(exc, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
-            typer.echo(f"error: {exc}", err=True)
-        else:
-            traceback.print_exc()
-        code = 1
+    except Exception as exc:  # one rank runs in-process: the same summary as torchrun's below
+        failure, code = exc, 1
     finally:
         release(run_plan.run_dir)
+    if code:
+        _say_why(run_plan.run_dir, code, failure)
+    raise typer.Exit(code)
+
+
+def _say_why(run_dir, code: int, failure: Exception | None) -> None:
+    """After a failed run: the root cause from logs/failure_rank*.json first, then one line saying
+    where the tracebacks are (the ranks' own stay in the logs). Without a failure record, the
+    in-process rank's error as it is. A stop on a signal: the ranks or the launcher said so."""
+    from usp.launch.status import print_failure_summary
     from usp.run.files import STOP_CODES, logs_dir
 
-    if code and code not in STOP_CODES:  # a stop on a signal: the ranks or the launcher said so
-        from usp.launch.status import print_failure_summary
+    if code in STOP_CODES:
+        return
+    if not print_failure_summary(run_dir) and failure is not None:
+        if isinstance(failure, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
+            typer.echo(f"error: {failure}", err=True)
+        else:
+            import traceback
 
-        print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
-        typer.echo(f"usp: training exited with code {code}; per-rank logs in {logs_dir(run_plan.run_dir)}", err=True)
-    raise typer.Exit(code)
+            traceback.print_exception(failure)
+    typer.echo(f"usp: training exited with code {code}; tracebacks and per-rank logs in {logs_dir(run_dir)}", err=True)
 
 
 @app.command()

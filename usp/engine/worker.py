@@ -17,7 +17,7 @@ from usp.data.errors import DataError
 from usp.data.prepare import plan_data_meta
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
-from usp.engine.observe.failure import record_failures
+from usp.engine.observe.failure import record_failures, recorded
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Stopped, Trainer
 from usp.errors import UspError
@@ -28,6 +28,7 @@ from usp.run.files import (
     METRICS,
     SAMPLE,
     STOP_EVENT,
+    SUMMARY_BY_LAUNCHER_ENV,
     events_path,
     read_plan,
 )
@@ -172,8 +173,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         sys.exit(run_worker(path))
-    except UspError as exc:  # e.g. a full disk: recorded in logs/failure_rank<R>.json; one message, no traceback
-        print(f"usp: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        record = recorded(exc)  # logs/failure_rank<R>.json and the rank's log hold the traceback
+        if record is None and not isinstance(exc, UspError):
+            raise
+        if os.environ.get(SUMMARY_BY_LAUNCHER_ENV) != "1":  # else `usp train` shows the root cause after
+            where = f" (traceback: {record})" if record and not isinstance(exc, UspError) else ""
+            print(f"usp: error on rank {os.environ.get('RANK', '0')}: {exc}{where}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -22,6 +22,7 @@ from usp.perf.specs import uses_deterministic
 from usp.run.files import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
+    SUMMARY_BY_LAUNCHER_ENV,
     checkpoint_dir,
     list_checkpoints,
     summary_path,
@@ -30,7 +31,7 @@ from usp.run.lock import TOKEN_ENV, held_token
 from usp.run.state import stopped_since
 
 WORKER_MODULE = "usp.engine.worker"
-AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, without a traceback on a stop signal
+AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, without its tracebacks on a stop signal or a failure
 # How long torchrun waits for its ranks after passing on a stop signal, before it kills them: a step
 # and a blocking checkpoint. A second signal to usp doesn't wait (usp/launch/stop_signals.py).
 SHUTDOWN_TIMEOUT_S = 1800
@@ -55,6 +56,7 @@ def worker_env(plan) -> dict[str, str]:
     env.update({str(k): str(v) for k, v in plan.config["cluster"]["env"].items()})
     env.setdefault("OMP_NUM_THREADS", str(plan.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
+    env[SUMMARY_BY_LAUNCHER_ENV] = "1"  # `usp train` prints the root cause: ranks and agent keep theirs in the logs
     # The ranks share torchrun's own store (its agent holds the port from the start: nothing to race
     # for). With restarts (train.max_restarts) each attempt gets a store of its own instead: the agent's
     # store has no per-attempt prefix, so a restarted rank could read its dead peer's gloo address and

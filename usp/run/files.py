@@ -60,6 +60,9 @@ STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; runni
 # -- failure classes written by the engine's failure summary, read by `usp status` -------------
 OOM, TIMEOUT, LOST_PEER, PYTHON = "OOM", "collective timeout", "lost peer", "Python error"
 DISK_FULL = "disk full"  # ENOSPC / EDQUOT while writing (usp.engine.diskfull)
+# Set by `usp train`'s local launcher, which prints the failure summary itself: the ranks and the
+# torchrun agent keep their tracebacks in the logs then, instead of printing them before it.
+SUMMARY_BY_LAUNCHER_ENV = "USP_SUMMARY_BY_LAUNCHER"
 
 # -- profiler span names: the trainer records them, `usp report` reads them ---------------------
 SPAN_PREFIX = "usp_"  # every span the engine records starts with it
