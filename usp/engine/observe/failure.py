@@ -54,7 +54,7 @@ def classify(exc: BaseException) -> str:
 
 
 def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step: int | None) -> Path:
-    """Write logs/failure_rank<rank>.json atomically and append a one-liner and the whole traceback
+    """Write logs/failure_rank<rank>.json atomically and append the whole traceback and a one-liner
     to logs/rank_<rank>.log."""
     from usp.run.files import write_text_atomic
 
@@ -77,8 +77,8 @@ def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step
     }
     path = failure_path(run_dir, rank)
     write_text_atomic(path, json.dumps(record, indent=2) + "\n")
-    with open(rank_log(run_dir, rank), "a") as log:
-        log.write(failure_line(record) + "\n" + tb)
+    with open(rank_log(run_dir, rank), "a") as log:  # the one-line summary last: `tail -1` reads it
+        log.write(tb + failure_line(record) + "\n")
     return path
 
 
