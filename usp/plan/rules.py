@@ -51,6 +51,26 @@ KINDS = ("plan", "engine", "warn")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
 
 
+ROPE_TYPES = ("default", "llama3")  # what usp/models/layers.py rope_inv_freq implements
+ROPE_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions")  # model.rope_<k>
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """model.rope_type and its scaling values (model.rope_factor, ...): they change no shape, only the
+    rotation's frequencies."""
+
+    type: str = "default"
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_positions: int | None = None
+
+    @classmethod
+    def from_model(cls, model) -> RopeSettings:
+        return cls(str(_get(model, "rope_type", "default")), *(_get(model, f"rope_{k}") for k in ROPE_SCALING))
+
+
 @dataclass(frozen=True)
 class Settings:
     """The config values a few rules need besides the shape, the layout and the hardware."""
@@ -66,6 +86,7 @@ class Settings:
     rdzv_endpoint: str | None = None
     compile: Any = "auto"  # train.compile as configured (usp.perf.specs.uses_compile resolves it)
     fp8: str = "off"  # train.fp8
+    rope: RopeSettings = RopeSettings()
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -77,7 +98,8 @@ class Settings:
                    optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
                    tokenizer=str(g("data", "tokenizer", "bpe")),
                    node_rank=g("cluster", "node_rank"), rdzv_endpoint=g("cluster", "rdzv_endpoint"),
-                   compile=g("train", "compile", "auto"), fp8=str(g("train", "fp8", "off")))
+                   compile=g("train", "compile", "auto"), fp8=str(g("train", "fp8", "off")),
+                   rope=RopeSettings.from_model(_get(cfg, "model", {})))
 
 
 def _get(obj, key: str, default=None):
@@ -160,6 +182,34 @@ def _wsd_overlap(o: OptimSettings) -> bool:
     return o.schedule == "wsd" and o.steps >= 1 and o.warmup_steps + o.decay_steps > o.steps
 
 
+def _llama3(key: str, broken: Callable[[Any, RopeSettings], bool], why: str, fix: str) -> Rule:
+    """A rule on one of the values model.rope_type=llama3 needs."""
+    return Rule(f"rope_{key}", "plan", f"model.rope_{key}",
+                lambda s: s.settings.rope.type == "llama3" and broken(getattr(s.settings.rope, key), s.settings.rope),
+                f"model.rope_type=llama3 needs {why}", f"model.rope_{key}={fix}",
+                lambda s: getattr(s.settings.rope, key))
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+ROPE_RULES = [
+    Rule("rope_type_known", "plan", "model.rope_type", lambda s: s.settings.rope.type not in ROPE_TYPES,
+         f"usp implements the RoPE types {' and '.join(ROPE_TYPES)} (transformers' rope_type names); other "
+         "scalings (linear, dynamic, yarn, longrope, ...) are not implemented",
+         "model.rope_type=default, or llama3 with its model.rope_* values", lambda s: s.settings.rope.type),
+    _llama3("factor", lambda x, r: not _number(x) or x < 1, "a factor >= 1 (the long wavelengths are divided by it)",
+            "8.0 (Llama 3.1; 32.0 for Llama 3.2)"),
+    _llama3("low_freq_factor", lambda x, r: not _number(x) or x <= 0, "a low_freq_factor > 0", "1.0 (Llama 3)"),
+    _llama3("high_freq_factor", lambda x, r: not _number(x) or (_number(r.low_freq_factor) and x <= r.low_freq_factor),
+            "a high_freq_factor > model.rope_low_freq_factor", "4.0 (Llama 3)"),
+    _llama3("original_max_positions", lambda x, r: not isinstance(x, int) or isinstance(x, bool) or x < 1,
+            "the context length the model was pre-trained with (original_max_position_embeddings), an integer >= 1",
+            "8192 (Llama 3)"),
+]
+
+
 def _fp8(s: Subject) -> bool:
     return s.settings.fp8 in FP8_RECIPES and s.settings.fp8 != "off"
 
@@ -224,6 +274,7 @@ CONFIG_RULES = [
                    f"FP8 needs {FP8_GPUS}",
          "train.fp8=off; or, if this GPU has FP8 units, cluster.peak_tflops_fp8=<its dense FP8 TFLOP/s>",
          lambda s: s.settings.fp8),
+    *ROPE_RULES,
 ]
 
 
@@ -446,7 +497,18 @@ def _tp_across_nodes(s: Subject) -> str:
             f"link instead of {hw.intra_node_gbps:g} GB/s")
 
 
+def _unused_rope_scaling(s: Subject) -> str | None:
+    """The first scaling value (model.rope_<it>) set while model.rope_type=default ignores it."""
+    rope = s.settings.rope
+    return next((k for k in ROPE_SCALING if getattr(rope, k) is not None), None) if rope.type == "default" else None
+
+
 WARN_RULES = [
+    Rule("rope_scaling_unused", "warn", lambda s: f"model.rope_{_unused_rope_scaling(s)}",
+         lambda s: _unused_rope_scaling(s) is not None,
+         "model.rope_type=default scales no frequency: the value is ignored",
+         "model.rope_type=llama3 to scale them, or drop the value",
+         lambda s: getattr(s.settings.rope, _unused_rope_scaling(s) or "factor")),
     Rule("fp8_compiled", "warn", "train.compile",
          lambda s: _fp8(s) and compile_choice(s.settings.compile) is not None
          and not uses_compile(s.settings.compile, s.hw.device),
