@@ -2,8 +2,9 @@
 
 Top level: the entry points (worker.py, verify_worker.py, and agent.py: torchrun's own entry,
 without its tracebacks on a stop signal or a failed rank), the training loop (trainer.py with
-optim.py, grad_norm.py, signals.py, sample.py and accel.py's device/dtype choices) and checkpointing (checkpoint.py, export.py; diskfull.py says
-when the disk filled up). parallel/ turns a model into a parallel one; observe/
-is what a run shows and records (console, metrics, trackers, profiler, memory probe, failures).
+optim.py, grad_norm.py, signals.py, sample.py and accel.py's device/dtype choices) and
+checkpointing (checkpoint.py, export.py; diskfull.py says when the disk filled up). parallel/ turns
+a model into a parallel one; observe/ is what a run shows and records (console, metrics, trackers,
+profiler, memory probe, failures).
 The engine imports usp.run, usp.plan, usp.perf, usp.data, usp.models and usp.errors, never
 usp.launch or usp.report."""
