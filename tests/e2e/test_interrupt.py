@@ -116,6 +116,40 @@ def test_the_same_command_resumes_after_a_stop(tmp_path, procs):
     assert "completed" in run_usp("status", str(run_dir)).stdout
 
 
+def catching(pid: int, sig: signal.Signals) -> bool:
+    """The process has a handler for `sig` (Python has one for SIGINT from its start, not for SIGTERM)."""
+    try:
+        mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask.split()[1], 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_a_signal_while_the_ranks_load_torch_stops_them_before_the_first_step(tmp_path):
+    """SIGTERM to usp as soon as the ranks catch it, before they have loaded torch (usp/engine/__init__.py
+    catches it first): no traceback, nothing trained or saved, and the run says so."""
+    proc = start(tmp_path, "early", 2)
+    run_dir, deadline = tmp_path / "early", time.time() + 120
+    while not (len(ranks := worker_pids(run_dir / "plan.yaml")) == 2
+               and all(catching(pid, signal.SIGTERM) for pid in ranks.values())):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.01)
+    loaded = [pid for pid in ranks.values() if "libtorch" in Path(f"/proc/{pid}/maps").read_text()]
+    send(proc, signal.SIGTERM, "usp")
+    assert not loaded, "the ranks had loaded torch already: this test is about the seconds before"
+    out = proc.communicate(timeout=300)[0]
+
+    assert proc.returncode == 75, out[-3000:]
+    assert_quiet(out)
+    assert "usp: stopped by SIGTERM before the first step: nothing to save; the same command starts the run" in out
+    stop = read_jsonl(run_dir / "logs" / "events.jsonl")[-1]
+    assert (stop["event"], stop["step"], stop["checkpoint"]) == ("stopped", 0, False)
+    assert losses(run_dir) == {} and not list((run_dir / "checkpoints").glob("step_*"))
+    assert "stopped by SIGTERM before the first step" in " ".join(run_usp("status", str(run_dir)).stdout.split())
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("procs", [2, 1])

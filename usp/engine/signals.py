@@ -70,6 +70,14 @@ def _on_stop_signal(signum, frame) -> None:
         raise KeyboardInterrupt(name)
 
 
+def catch_from_start() -> None:
+    """A rank that torchrun started (`python -m usp.engine.worker`, usp/engine/__init__.py calls
+    this before anything else is imported): a stop signal that comes while torch loads (seconds)
+    asks for a stop too, instead of ending the rank with a KeyboardInterrupt traceback or silently."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+
+
 def handles_stop_signals(worker):
     """Decorator for the worker entry `worker(plan_path)`: the stop signals ask for a stop at the
     next step boundary while it runs (the previous handlers come back after it); a second signal
@@ -77,8 +85,9 @@ def handles_stop_signals(worker):
     and EXIT_INTERRUPTED instead of a traceback."""
     @functools.wraps(worker)
     def wrapper(plan_path, *args, **kwargs):
-        _requested["signal"] = 0
-        _interrupted.clear()
+        if not under_torchrun():  # a process may run several (a sweep's points); a rank runs one
+            _requested["signal"] = 0
+            _interrupted.clear()
         in_main = threading.current_thread() is threading.main_thread()
         previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS} if in_main else {}
         try:

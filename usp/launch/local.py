@@ -22,9 +22,11 @@ from usp.perf.specs import uses_deterministic
 from usp.run.files import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
+    FAILURE_GLOB,
     SUMMARY_BY_LAUNCHER_ENV,
     checkpoint_dir,
     list_checkpoints,
+    logs_dir,
     summary_path,
 )
 from usp.run.lock import TOKEN_ENV, held_token
@@ -134,16 +136,24 @@ def _outcome(plan, code: int, started: float, stops: StopForwarder) -> int:
     stop = stopped_since(run_dir, started)
     if stop is not None:
         return EXIT_INTERRUPTED if stop.get("signal") == "SIGINT" else EXIT_PREEMPTED
-    if stops.first is None:
-        return code
-    summary = summary_path(run_dir)
-    if summary.is_file() and summary.stat().st_mtime >= started - 1.0:
+    if stops.first is None or _since(logs_dir(run_dir).glob(FAILURE_GLOB), started):
+        return code  # a failure, even after a stop signal: `usp train` shows its root cause
+    if _since([summary_path(run_dir)], started):
         print(f"usp: {stops.first} came as the run finished: it completed", file=sys.stderr, flush=True)
         return 0
-    how = f"by a second {stops.second}" if stops.second else f"after {stops.first} (they did not stop in time)"
-    print(f"usp: every rank was stopped at once {how}, without a checkpoint of the steps since the last one; "
-          f"the same command resumes from {_last_checkpoint(plan)}", file=sys.stderr, flush=True)
+    if stops.second:
+        what = f"every rank was stopped at once by a second {stops.second}"
+    else:  # torchrun got the signal before its ranks started training, or killed them after its wait
+        what = (f"the ranks ended on {stops.first} without stopping at a step boundary (before training "
+                f"started, or killed after {SHUTDOWN_TIMEOUT_S} s)")
+    print(f"usp: {what}, without a checkpoint of the steps since the last one; the same command resumes from "
+          f"{_last_checkpoint(plan)}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
+
+
+def _since(paths, started: float) -> bool:
+    """Any of `paths` written by this launch."""
+    return any(p.is_file() and p.stat().st_mtime >= started - 1.0 for p in paths)
 
 
 def _last_checkpoint(plan) -> str:

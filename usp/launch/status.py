@@ -200,7 +200,8 @@ def _stop_text(stop: dict, slurm: bool) -> str:
         how = "its Slurm job requeues and resumes by itself"
     else:
         how = "resume by running the same command"
-    return f"{what} after step {stop.get('step')}{kept}; {how}"
+    when = "before the first step" if stop.get("step") == 0 else f"after step {stop.get('step')}{kept}"
+    return f"{what} {when}; {how}"
 
 
 def _run_table(run_dir: Path, plan: dict | None, state: str, report: FailureReport, events: list[dict]) -> Table:
