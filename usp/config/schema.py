@@ -208,6 +208,9 @@ class DataConfig:
     vocab_size: int = 4096  # bpe: the vocabulary to train; token_files: the ids' vocabulary
     val_fraction: float = 0.05
     cache_dir: str | None = None  # None = $USP_CACHE_DIR or ~/.cache/usp
+    # files of data.paths that aren't UTF-8 text (binary, invalid UTF-8): strict (refuse, naming them)
+    # | skip (leave them out, with a warning) | off (no check: invalid bytes become U+FFFD)
+    text_check: str = "strict"
 
 
 @dataclass

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,6 +43,16 @@ from usp.run.files import (
 )
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@contextlib.contextmanager
+def single_process_is_intended():
+    """DCP warns on every save and load without a process group ("torch.distributed is disabled,
+    unavailable or uninitialized, assuming the intent is to save in a single process"): one rank
+    runs without one on purpose, so that warning only is kept off the console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class Checkpointer:
@@ -95,10 +106,12 @@ class Checkpointer:
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
-                self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp)), tmp,
-                                 step, started)
+                with single_process_is_intended():
+                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp)), tmp,
+                                     step, started)
             else:
-                dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
+                with single_process_is_intended():
+                    dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
                 self._publish(tmp, step, started)
         self.last_saved = step
 
@@ -191,7 +204,8 @@ class Checkpointer:
     def _load(self, path: Path) -> int:
         state = self._state()
         loaded = _present(self._saved_state(state), path)
-        dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
+        with single_process_is_intended():
+            dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
         state = _with_loaded_values(state, loaded)
         if checkpoint_rope_layout(path) != ROPE_LAYOUT:  # written before usp's RoPE layout change
             converted = upgrade_rope_rows(state["model"], self.plan["config"]["model"])
