@@ -35,8 +35,10 @@ CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') 
 
 def _fail(exc: Exception) -> NoReturn:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    # escaped: a value such as [10, 12] or a fix's [...] is text, not rich markup
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(2)
 
 

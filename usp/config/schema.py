@@ -3,6 +3,7 @@ wrong type is an error at compose time rather than a silent default."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import cache
 from typing import Any
 
@@ -297,3 +298,49 @@ def register() -> None:
 def schema_fields(section: Any) -> dict[str, Any]:
     """Field name -> type annotation of a schema dataclass (used for 'did you mean')."""
     return dict(section.__dataclass_fields__)
+
+
+def schema_field(dotted: str) -> Any:
+    """The dataclasses.Field of a dotted schema key (train.seed, cluster.slurm.time), or None."""
+    import typing
+    from dataclasses import is_dataclass
+
+    cls: Any = UspConfig
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        found = cls.__dataclass_fields__.get(part)
+        if found is None or i == len(parts) - 1:
+            return found
+        cls = typing.get_type_hints(cls)[part]
+        if not is_dataclass(cls):
+            return None
+    return None
+
+
+def default_of(dotted: str) -> Any:
+    """The schema's default of a dotted key (an Enum default as its string), or None."""
+    from dataclasses import MISSING
+
+    found = schema_field(dotted)
+    if found is None:
+        return None
+    value = found.default_factory() if found.default is MISSING and found.default_factory is not MISSING \
+        else found.default
+    return str(value) if isinstance(value, StrEnum) else value
+
+
+def schema_keys(cls: Any = None, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of the schema (dotted; a list of dataclasses as `key[].field`) -> its type."""
+    import typing
+    from dataclasses import is_dataclass
+
+    out: dict[str, Any] = {}
+    for name, hint in typing.get_type_hints(cls or UspConfig).items():
+        inner = typing.get_args(hint)
+        if is_dataclass(hint):
+            out.update(schema_keys(hint, f"{prefix}{name}."))
+        elif typing.get_origin(hint) is list and inner and is_dataclass(inner[0]):
+            out.update(schema_keys(inner[0], f"{prefix}{name}[]."))
+        else:
+            out[f"{prefix}{name}"] = hint
+    return out
