@@ -85,6 +85,8 @@ RECIPE_MISTAKES = [  # (the recipe's last lines, the key named, what the message
      "did you mean key 'cluster.slurm.partition'? keys of cluster.slurm:"),
     ("train:\n  steps: seven\n", "train.steps", "train.steps='seven': not an integer, set at {file}:5",
      "train.steps expects int, e.g. train.steps=150"),
+    ("train:\n  nan_policy: ignore\n", "train.nan_policy", "not one of stop, skip, set at {file}:5",
+     "train.nan_policy=stop"),
     ("profile:\n  steps: 3\n", "profile.steps", "expects a list, set at {file}:5", "profile.steps expects list"),
     ("train:\n  steps: 7\n  seed: 1\n  steps: 8\n", "train.steps", "set twice in {file}, at lines 5 and 7",
      "keep one of lines 5 and 7 of mine.yaml"),
