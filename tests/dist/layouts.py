@@ -4,7 +4,15 @@ APPROXIMATE = {"ddp_fp16_compression": 1e-3, "ddp_powersgd": 1e-2}
 # Final-parameter tolerance where the default (1e-4) is too tight for a stated reason.
 # (The expert-parallel layouts needed 5e-4 while EP was carved out of dp_replicate with a hand-written
 # gradient reduction: 1.85e-4 measured. On the FSDP ranks they meet the default: max 2.3e-5 measured.)
-PARAM_ATOL: dict[str, float] = {}
+# The pipeline layouts below: with the rotate-half RoPE (same init, another function) a few
+# tok_embeddings elements get a gradient of pure rounding noise (1e-10; the reference's Adam sqrt(v)
+# of 4e-10 to 5e-9, below eps = 1e-8, so the update is lr * g / eps): another summation order moves
+# them by up to 1.45e-4 in 3 steps (measured: tp_x_pp 1.17e-4, cp_x_pp 1.45e-4, fsdp_x_tp_x_pp
+# 1.26e-4, all in such elements; elements with a real gradient within 2.3e-5; losses match to 1e-7).
+# Measured again on the sharded build (meta device, per-parameter init): the same four maxima
+# (cp_x_pp_interleaved_1f1b = cp_x_pp, 1.45e-4), so 1e-4 is still too tight for them.
+PARAM_ATOL: dict[str, float] = {"tp_x_pp": 2e-4, "cp_x_pp": 2e-4, "cp_x_pp_interleaved_1f1b": 2e-4,
+                                "fsdp_x_tp_x_pp": 2e-4}
 PP = ["model.tie_embeddings=false", "model.n_layers=4"]
 MOE = ["model=moe_tiny", "model.aux_loss_coef=0"]
 TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4"]  # embedding on the first stage, its copy on the last

@@ -138,3 +138,25 @@ def test_moe_with_tp_plans_with_a_warning_not_a_refusal():
                          "parallelism.tp=2", "checkpoint.enabled=false")
     assert plan is not None and errors == []
     assert any("parallelism.tp=2: MoE layers are not tensor-parallel" in w for w in plan.warnings)
+
+
+def test_rope_types_other_than_default_and_llama3_are_refused_by_name():
+    """model.rope_type: default and llama3 plan; the others transformers knows are refused by name;
+    llama3 needs its four values, each checked; a scaling value with rope_type=default is a warning."""
+    for rope_type in ("linear", "dynamic", "yarn", "longrope"):
+        plan, errors = _plan(f"model.rope_type={rope_type}", "model.rope_factor=4")
+        assert plan is None and errors[0].key == "model.rope_type" and errors[0].value == rope_type
+        assert "default and llama3" in str(errors[0]) and "model.rope_type=default" in errors[0].fix
+    llama3 = ["model.rope_type=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+              "model.rope_high_freq_factor=4", "model.rope_original_max_positions=8192"]
+    plan, errors = _plan(*llama3)
+    assert plan is not None and errors == [] and plan.config["model"]["rope_type"] == "llama3"
+    for bad, key in [("model.rope_factor=null", "model.rope_factor"), ("model.rope_factor=0.5", "model.rope_factor"),
+                     ("model.rope_low_freq_factor=0", "model.rope_low_freq_factor"),
+                     ("model.rope_high_freq_factor=1", "model.rope_high_freq_factor"),
+                     ("model.rope_original_max_positions=null", "model.rope_original_max_positions")]:
+        plan, errors = _plan(*llama3, bad)
+        assert plan is None and [e.key for e in errors] == [key], (bad, errors)
+    plan, errors = _plan("model.rope_factor=8")
+    assert plan is not None and errors == []
+    assert any(w.startswith("model.rope_factor=8.0: model.rope_type=default") for w in plan.warnings), plan.warnings

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from usp.config import schema
 from usp.config.hydra_errors import suggest, translate
+from usp.config.init_from import leave_to_checkpoint
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.config.recipe import check_group_file, check_recipe_file, hydra_primary
 from usp.errors import ConfigError
@@ -66,11 +67,14 @@ def check_catalogue() -> None:
 
 def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ...] = ()):
     """Return (cfg, choices): the composed, validated config and the option picked per group (a group
-    given as a YAML file, cluster=path/to/mine.yaml: the file's path)."""
+    given as a YAML file, cluster=path/to/mine.yaml: the file's path). With model.init_from, the model
+    keys neither the recipe nor the command line set are MISSING: the planner takes them from the
+    checkpoint's config.json (usp/config/init_from.py)."""
     check_catalogue()
     directory, name, suffix = resolve_recipe(conf)
     check_recipe_file(directory / f"{name}{suffix}")
-    return _compose_with_hydra(directory, name, suffix, overrides)
+    cfg, choices = _compose_with_hydra(directory, name, suffix, overrides)
+    return leave_to_checkpoint(cfg, directory / f"{name}{suffix}", overrides, choices.get("model")), choices
 
 
 FILE_OPTION = "_file_"  # the option name a group file given by path is linked under (no catalogue option has it)

@@ -68,6 +68,13 @@ class ModelConfig:
     vocab_size: int = -1  # -1 = take it from the data group's tokenizer
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    # RoPE frequency scaling, transformers' rope_type: default (none) | llama3 (Llama 3.1 / 3.2: the
+    # four values below, as in config.json's rope_scaling; usp/models/layers.py rope_inv_freq)
+    rope_type: str = "default"
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_positions: int | None = None  # original_max_position_embeddings
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention: str = "sdpa"  # sdpa | flash_attn (GPU extra)
@@ -79,7 +86,9 @@ class ModelConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss weight
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
     # A Hugging Face checkpoint directory (Llama / Mixtral, config.json + safetensors) whose weights
-    # replace the initialisation; checked against this group at plan time (usp/plan/hf_config.py).
+    # replace the initialisation. Its config.json gives the model's shape (the keys of
+    # usp/config/init_from.py) unless a recipe or the command line sets them; a value set there must
+    # agree with it (usp/plan/hf_config.py).
     init_from: str | None = None
 
 

@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
+from usp.engine.rope_upgrade import LAYOUT_KEY, checkpoint_rope_layout, upgrade_rope_rows
 from usp.errors import PlanError, UspError
+from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
     MANIFEST,
     PLAN,
@@ -126,7 +128,8 @@ class Checkpointer:
         self._barrier()  # every rank's files are written
         if self.ctx.is_main:
             state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
-                     "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time()}
+                     "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time(),
+                     LAYOUT_KEY: ROPE_LAYOUT}  # the q/k row order (usp/models/rope_layout.py)
             (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
             if plan_path(self.plan["run_dir"]).exists():
                 shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
@@ -184,6 +187,11 @@ class Checkpointer:
     def _load(self, path: Path) -> int:
         state = self._state()
         dcp.load(state, checkpoint_id=str(path))
+        if checkpoint_rope_layout(path) != ROPE_LAYOUT:  # written before usp's RoPE layout change
+            converted = upgrade_rope_rows(state["model"], self.plan["config"]["model"])
+            converted += upgrade_rope_rows(state["optim"], self.plan["config"]["model"])
+            self._say(f"{path.name} predates usp's RoPE layout change: {len(converted)} q/k tensors "
+                      "(weights and optimizer states) converted to the rotate-half layout")
         for module, optimizer in zip(self.parts.modules, self.optimizers):
             model_sd, optim_sd = state["model"], state["optim"]
             if is_head_copy(module, self.tie):  # a last stage's copy of the tied embedding

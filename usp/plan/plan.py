@@ -106,8 +106,10 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     """The checks the rule subject needs first (every field rule, the degrees, the batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
     from usp.plan.context import rule_subject, tokenizer_vocab
+    from usp.plan.hf_config import adopt_hf_shape
     from usp.plan.validate import derive_batch
 
+    adopt_hf_shape(cfg.model)  # model.init_from: the keys no one set come from its config.json
     found = rules.field_failures(cfg)  # each value on its own first: what follows derives from them
     if found:
         raise found[0]
@@ -117,6 +119,11 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     token_vocab = tokenizer_vocab(cfg.data)
     model_vocab = int(cfg.model.vocab_size)
     if 0 < model_vocab < token_vocab:  # every token id needs an embedding row
+        if getattr(cfg.model, "init_from", None):
+            raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the checkpoint's embedding of "
+                            f"{model_vocab:,} rows (its config.json's vocab_size)", key="data.tokenizer",
+                            value=cfg.data.tokenizer, fix="the checkpoint's own tokenizer: data.tokenizer=hf "
+                            f"data.tokenizer_path={cfg.model.init_from}")
         raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the model's embedding", key="model.vocab_size",
                         value=model_vocab, fix=f"model.vocab_size=-1 (take it from the tokenizer) or >= {token_vocab}")
     vocab = model_vocab if model_vocab > 0 else token_vocab  # as data_vocab, without reading the tokenizer again
@@ -164,6 +171,12 @@ def plan_with_failures(cfg, choices: dict | None = None, *, force: bool = False,
     """`usp plan`: the plan (None when it can't be built) and every failing rule, plan and engine
     kinds, in table order; when the plan fails for another reason (a degree, the batch, predicted
     OOM, --strict), that error comes first."""
+    from usp.plan.hf_config import adopt_hf_shape
+
+    try:
+        adopt_hf_shape(cfg.model)  # model.init_from: the values no one set, from its config.json
+    except PlanError as exc:
+        return None, [exc]
     found = rules.field_failures(cfg)
     if found:  # the rest derives from these values: listed once they are fixed
         return None, found

@@ -14,6 +14,12 @@ def human(n: float, unit: str = "") -> str:
     return f"{n:.3g} {unit}".strip()
 
 
+def _imported(plan) -> str:
+    """Where an imported model's weights (and the keys no one set) come from."""
+    source = plan.config["model"].get("init_from")
+    return f", imported from {source} (shape: its config.json)" if source else ""
+
+
 def render_plan(plan, console: Console | None = None) -> None:
     console = console or Console()
     b, m = plan.batch, plan.model
@@ -24,7 +30,7 @@ def render_plan(plan, console: Console | None = None) -> None:
     rows = [
         ("run dir", plan.run_dir),
         ("config", ", ".join(f"{g}={o}" for g, o in plan.choices.items() if o)),
-        ("model", f"{m.name}: {human(m.params)} parameters, vocab {m.vocab_size}"),
+        ("model", f"{m.name}: {human(m.params)} parameters, vocab {m.vocab_size}" + _imported(plan)),
         ("world", f"{plan.world_size} = {plan.nodes} node(s) x {plan.procs_per_node} process(es), "
                   f"{plan.device}/{plan.backend}, {plan.threads_per_proc} thread(s) each"),
         ("layout", layout),

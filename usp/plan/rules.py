@@ -63,6 +63,26 @@ KINDS = ("plan", "engine", "warn")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
 
 
+ROPE_TYPES = ("default", "llama3")  # what usp/models/layers.py rope_inv_freq implements
+ROPE_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions")  # model.rope_<k>
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """model.rope_type and its scaling values (model.rope_factor, ...): they change no shape, only the
+    rotation's frequencies."""
+
+    type: str = "default"
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_positions: int | None = None
+
+    @classmethod
+    def from_model(cls, model) -> RopeSettings:
+        return cls(str(_get(model, "rope_type", "default")), *(_get(model, f"rope_{k}") for k in ROPE_SCALING))
+
+
 @dataclass(frozen=True)
 class Settings:
     """The config values a few rules need besides the shape, the layout and the hardware."""
@@ -78,6 +98,7 @@ class Settings:
     rdzv_endpoint: str | None = None
     compile: Any = "auto"  # train.compile as configured (usp.perf.specs.uses_compile resolves it)
     fp8: str = "off"  # train.fp8
+    rope: RopeSettings = RopeSettings()
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -89,7 +110,8 @@ class Settings:
                    optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
                    tokenizer=str(g("data", "tokenizer", "bpe")),
                    node_rank=g("cluster", "node_rank"), rdzv_endpoint=g("cluster", "rdzv_endpoint"),
-                   compile=g("train", "compile", "auto"), fp8=str(g("train", "fp8", "off")))
+                   compile=g("train", "compile", "auto"), fp8=str(g("train", "fp8", "off")),
+                   rope=RopeSettings.from_model(_get(cfg, "model", {})))
 
 
 def _get(obj, key: str, default=None):
@@ -173,6 +195,34 @@ def _wsd_overlap(o: OptimSettings) -> bool:
     return o.schedule == "wsd" and o.steps >= 1 and o.warmup_steps + o.decay_steps > o.steps
 
 
+def _llama3(key: str, broken: Callable[[Any, RopeSettings], bool], why: str, fix: str) -> Rule:
+    """A rule on one of the values model.rope_type=llama3 needs."""
+    return Rule(f"rope_{key}", "plan", f"model.rope_{key}",
+                lambda s: s.settings.rope.type == "llama3" and broken(getattr(s.settings.rope, key), s.settings.rope),
+                f"model.rope_type=llama3 needs {why}", f"model.rope_{key}={fix}",
+                lambda s: getattr(s.settings.rope, key))
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+ROPE_RULES = [
+    Rule("rope_type_known", "plan", "model.rope_type", lambda s: s.settings.rope.type not in ROPE_TYPES,
+         f"usp implements the RoPE types {' and '.join(ROPE_TYPES)} (transformers' rope_type names); other "
+         "scalings (linear, dynamic, yarn, longrope, ...) are not implemented",
+         "model.rope_type=default, or llama3 with its model.rope_* values", lambda s: s.settings.rope.type),
+    _llama3("factor", lambda x, r: not _number(x) or x < 1, "a factor >= 1 (the long wavelengths are divided by it)",
+            "8.0 (Llama 3.1; 32.0 for Llama 3.2)"),
+    _llama3("low_freq_factor", lambda x, r: not _number(x) or x <= 0, "a low_freq_factor > 0", "1.0 (Llama 3)"),
+    _llama3("high_freq_factor", lambda x, r: not _number(x) or (_number(r.low_freq_factor) and x <= r.low_freq_factor),
+            "a high_freq_factor > model.rope_low_freq_factor", "4.0 (Llama 3)"),
+    _llama3("original_max_positions", lambda x, r: not isinstance(x, int) or isinstance(x, bool) or x < 1,
+            "the context length the model was pre-trained with (original_max_position_embeddings), an integer >= 1",
+            "8192 (Llama 3)"),
+]
+
+
 def _fp8(s: Subject) -> bool:
     return s.settings.fp8 in FP8_RECIPES and s.settings.fp8 != "off"
 
@@ -237,6 +287,7 @@ CONFIG_RULES = [
                    f"FP8 needs {FP8_GPUS}",
          "train.fp8=off; or, if this GPU has FP8 units, cluster.peak_tflops_fp8=<its dense FP8 TFLOP/s>",
          lambda s: s.settings.fp8),
+    *ROPE_RULES,
 ]
 
 
@@ -461,7 +512,18 @@ def _tp_across_nodes(s: Subject) -> str:
             f"link instead of {hw.intra_node_gbps:g} GB/s")
 
 
+def _unused_rope_scaling(s: Subject) -> str | None:
+    """The first scaling value (model.rope_<it>) set while model.rope_type=default ignores it."""
+    rope = s.settings.rope
+    return next((k for k in ROPE_SCALING if getattr(rope, k) is not None), None) if rope.type == "default" else None
+
+
 WARN_RULES = [
+    Rule("rope_scaling_unused", "warn", lambda s: f"model.rope_{_unused_rope_scaling(s)}",
+         lambda s: _unused_rope_scaling(s) is not None,
+         "model.rope_type=default scales no frequency: the value is ignored",
+         "model.rope_type=llama3 to scale them, or drop the value",
+         lambda s: getattr(s.settings.rope, _unused_rope_scaling(s) or "factor")),
     Rule("fp8_compiled", "warn", "train.compile",
          lambda s: _fp8(s) and compile_choice(s.settings.compile) is not None
          and not uses_compile(s.settings.compile, s.hw.device),
@@ -527,7 +589,7 @@ def _at_least(key: str, lo: int, meaning: str = "", fix: str | None = None, **kw
     return _field(key, _ints(lo), f"must be at least {lo}{meaning}", fix, **kw)
 
 
-def _number(key: str, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False,
+def _real(key: str, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False,
             meaning: str = "", fix: str | None = None, **kw) -> Rule:
     """A finite number in a range; its message says the range ("> 0", "in (0, 1]")."""
     if hi == math.inf:
@@ -649,7 +711,7 @@ MODEL_FIELD_RULES = [
     _one_of("model.family", MODEL_FAMILIES, "model family (usp builds the Llama decoder; MoE with model.n_experts)"),
     _field("model.vocab_size", lambda x: x == 0 or x < -1, "must be -1 (take it from the tokenizer) or a positive "
            "vocabulary size"),
-    *(_number(f"model.{k}", 0, lo_open=True) for k in ("rope_theta", "norm_eps", "init_std")),
+    *(_real(f"model.{k}", 0, lo_open=True) for k in ("rope_theta", "norm_eps", "init_std")),
     _at_least("model.n_experts", 0, " (0 = a dense model)"),
     _field("model.top_k", lambda x: not 1 <= x, "a token goes to at least one expert", when=_moe),
     Rule("model.top_k<=n_experts", "plan", "model.top_k",
@@ -657,8 +719,8 @@ MODEL_FIELD_RULES = [
          lambda v: f"a token can't go to more experts than model.n_experts={v['model.n_experts']}",
          lambda v: f"model.top_k<={v['model.n_experts']} (Mixtral: 2)", lambda v: v["model.top_k"]),
     _at_least("model.moe_ffn_dim", 0, " (0 = model.ffn_dim)"),
-    _number("model.aux_loss_coef", 0),
-    _number("model.capacity_factor", 0, meaning=" (0 = dropless)"),
+    _real("model.aux_loss_coef", 0),
+    _real("model.capacity_factor", 0, meaning=" (0 = dropless)"),
 ]
 PARALLEL_FIELD_RULES = [
     _at_least("parallelism.ddp_bucket_mb", 1),
@@ -671,21 +733,21 @@ CLUSTER_FIELD_RULES = [
          lambda v: _backend_problem(v), "cluster.backend=auto (gloo on cpu, nccl on cuda, xccl on xpu)",
          lambda v: v["cluster.backend"]),
     _at_least("cluster.threads_per_proc", 0, " (0 = OMP_NUM_THREADS, else the cores split over the processes)"),
-    _number("cluster.device_memory_gb", 0, lo_open=True, fix="cluster.device_memory_gb=<GiB per device, e.g. 80>"),
-    *(_number(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<the device's dense peak, e.g. 989 for an H100>")
+    _real("cluster.device_memory_gb", 0, lo_open=True, fix="cluster.device_memory_gb=<GiB per device, e.g. 80>"),
+    *(_real(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<the device's dense peak, e.g. 989 for an H100>")
       for k in ("peak_tflops_bf16", "peak_tflops_fp32")),
-    _number("cluster.peak_tflops_fp8", 0, meaning=" (0 = no FP8 units)"),
-    *(_number(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<GB/s per device, one direction>")
+    _real("cluster.peak_tflops_fp8", 0, meaning=" (0 = no FP8 units)"),
+    *(_real(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<GB/s per device, one direction>")
       for k in ("intra_node_gbps", "inter_node_gbps")),
-    _number("cluster.price_per_device_hour", 0, meaning=" (0 = unknown)"),
-    _number(f"{TIMING}kernel_efficiency", 0, 1, lo_open=True, meaning=" (a share of the peak)"),
-    *(_number(f"{TIMING}{k}", 0) for k in (
+    _real("cluster.price_per_device_hour", 0, meaning=" (0 = unknown)"),
+    _real(f"{TIMING}kernel_efficiency", 0, 1, lo_open=True, meaning=" (a share of the peak)"),
+    *(_real(f"{TIMING}{k}", 0) for k in (
         "kernel_half_tokens", "kernel_half_dim", "intra_hop_us", "inter_hop_us", "call_overhead_us", "p2p_us",
         "layer_overhead_us", "step_overhead_ms", "p2p_stall_ms", "optimizer_gbps", "loss_ps_per_logit",
         "eager_overhead")),
-    *(_number(f"{TIMING}{k}", 0, lo_open=True) for k in (
+    *(_real(f"{TIMING}{k}", 0, lo_open=True) for k in (
         "p2p_stall_nodes", "p2p_stall_headroom", "p2p_stall_exp", "fp8_efficiency")),
-    _number(f"{TIMING}calibrated.ratio_p10", 0, lo_open=True, meaning=" (predicted / measured MFU)"),
+    _real(f"{TIMING}calibrated.ratio_p10", 0, lo_open=True, meaning=" (predicted / measured MFU)"),
     _field(f"{TIMING}calibrated.ratio_p90", lambda x: not x < math.inf, "must be a finite number",
            "run `usp calibrate` again, or delete cluster.timing.calibrated"),
     Rule("calibrated.ratio_p10<=p90", "plan", f"{TIMING}calibrated.ratio_p90",
@@ -736,7 +798,7 @@ DATA_FIELD_RULES = [
            f"byte-level BPE needs more than the {BYTE_VOCAB} byte tokens and at most {MAX_VOCAB} (uint32 ids)",
            "data.vocab_size=4096, or data.tokenizer=bytes", when=_bpe, name="data.vocab_size(bpe)"),
     _at_least("data.vocab_size", 1, when=_token_files, name="data.vocab_size(ids)"),
-    _number("data.val_fraction", 0, 1, lo_open=True, hi_open=True, meaning=" (the share held out for validation)"),
+    _real("data.val_fraction", 0, 1, lo_open=True, hi_open=True, meaning=" (the share held out for validation)"),
 ]
 TRAIN_FIELD_RULES = [
     _field("train.tokens", lambda x: not (math.isfinite(x) and x > 0), "a token budget is a finite number > 0",
@@ -762,7 +824,7 @@ CHECKPOINT_FIELD_RULES = [
          "checkpoint.resume=auto (this run's newest checkpoint), never, or <run_dir>/checkpoints/step_<N> "
          "(`usp status <run_dir>` lists them)", lambda v: v["checkpoint.resume"]),
 ]
-LOGGING_FIELD_RULES = [_number("logging.wandb_init_timeout_s", 0, lo_open=True)]
+LOGGING_FIELD_RULES = [_real("logging.wandb_init_timeout_s", 0, lo_open=True)]
 
 
 def _enum_rules() -> list[Rule]:
