@@ -29,7 +29,6 @@ To add a rule: append a Rule to FIELD_RULES (a value) or RULES (kind, key, broke
 callers pick it up."""
 from __future__ import annotations
 
-import enum
 import math
 import re
 import typing
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from usp.config.schema import default_of, schema_keys
+from usp.config.schema import default_of, enum_keys, schema_keys
 from usp.data.corpus import TEXT_SOURCES
 from usp.data.tokenizer import BYTE_VOCAB, MAX_VOCAB
 from usp.data.tokenizer import KINDS as TOKENIZERS
@@ -57,7 +56,6 @@ from usp.perf.specs import (
     uses_compile,
 )
 from usp.plan.optimizer import OPTIMIZERS, REFUSED_OPTIMIZERS, SCHEDULES, OptimSettings
-from usp.run.files import check_manifest
 
 KINDS = ("plan", "engine", "warn")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
@@ -576,8 +574,8 @@ def _field(key: str, broken: Callable[[Any], bool], why: str, fix: str | None = 
         value = v[key]
         return value is not None and (when is None or when(v)) and bool(broken(value))
 
-    return Rule(name or key, "plan", key, is_broken, why, fix or f"{key}={default_of(key)} (the default)",
-                lambda v: v[key])
+    return Rule(name or key, "plan", key, is_broken, why, fix or (lambda v: f"{key}={default_of(key)} (the default)"),
+                lambda v: v[key])  # the default looked up only when the rule fails (it reads the type hints)
 
 
 def _ints(lo: int, hi: float = math.inf) -> Callable[[Any], bool]:
@@ -635,6 +633,8 @@ def _resume_problem(value) -> str | None:
         return "no such checkpoint directory (checkpoint.resume is auto, never, or a run's checkpoints/step_<N>)"
     if not re.fullmatch(r"step_\d+", path.name):
         return "not a checkpoint directory: a run's checkpoints/step_<N>"
+    from usp.run.files import check_manifest  # only for a path (usp plan doesn't import run/files otherwise)
+
     problem = check_manifest(path)
     return None if problem is None else f"not a complete checkpoint: {problem}"
 
@@ -830,12 +830,7 @@ LOGGING_FIELD_RULES = [_real("logging.wandb_init_timeout_s", 0, lo_open=True)]
 def _enum_rules() -> list[Rule]:
     """A rule per Enum-typed schema key: omegaconf already refuses other values when it composes, so
     these speak for a plain dict, e.g. the engine's plan.yaml (usp.engine.worker checks it again)."""
-    out = []
-    for key, hint in schema_keys().items():
-        for kind in typing.get_args(hint) or (hint,):
-            if isinstance(kind, type) and issubclass(kind, enum.Enum):
-                out.append(_one_of(key, [m.value for m in kind], "value"))
-    return out
+    return [_one_of(key, [m.value for m in kind], "value") for key, kind in enum_keys().items()]
 
 
 FIELD_RULES: list[Rule] = [*MODEL_FIELD_RULES, *PARALLEL_FIELD_RULES, *CLUSTER_FIELD_RULES, *SLURM_FIELD_RULES,
@@ -844,7 +839,12 @@ FIELD_RULES: list[Rule] = [*MODEL_FIELD_RULES, *PARALLEL_FIELD_RULES, *CLUSTER_F
 
 
 def field_failures(cfg) -> list[PlanError]:
-    """Every field rule a composed config (or a plain dict with some of its keys) fails, in table order."""
+    """Every field rule a composed config (or a plain dict with some of its keys) fails, in table order.
+    A DictConfig is read as a plain dict (its attribute access costs 3x the conversion)."""
+    if not isinstance(cfg, dict) and hasattr(cfg, "_metadata"):
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return failures(cast(Subject, Values(cfg)), ("plan",), FIELD_RULES)
 
 
