@@ -30,6 +30,7 @@ from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.engine.rope_upgrade import LAYOUT_KEY, checkpoint_rope_layout, upgrade_rope_rows
+from usp.errors import PlanError, UspError
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
     MANIFEST,
@@ -62,6 +63,9 @@ class Checkpointer:
         self.schedulers, self.sampler, self.log = schedulers, sampler, log
         self.enabled, self.interval = bool(cfg["enabled"]), int(cfg["interval"])
         self.keep_last, self.async_mode, self.resume_mode = int(cfg["keep_last"]), cfg["async_mode"], cfg["resume"]
+        if self.async_mode not in ("none", "async"):  # the plan refuses others (usp.plan.rules)
+            raise PlanError("choose none or async", key="checkpoint.async_mode", value=self.async_mode,
+                            fix="checkpoint.async_mode=none")
         self.dir = checkpoint_dir(plan)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
@@ -244,15 +248,16 @@ MISMATCH, CORRUPT, MISSING = "a shape/architecture mismatch", "corrupt", "missin
 _MISMATCH_TEXT = ("size mismatch", "missing key", "unexpected key", "shape mismatch")
 
 
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes."""
+class CheckpointLoadError(UspError):
+    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes. A
+    UspError: one message, no traceback (`usp train` refuses the missing and mismatched cases first)."""
 
     def __init__(self, path: Path, kind: str, detail: str):
         self.path, self.kind = path, kind
         fix = ("train.name=<a new name> (a new run), checkpoint.resume=never (train from scratch here), or the "
                "model settings it was saved with (its plan.yaml)" if kind == MISMATCH else
                "checkpoint.resume=never (train from scratch here), or checkpoint.resume=<an intact step_N directory>")
-        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}\n  fix: {fix}")
+        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}", fix=fix)
 
 
 def classify_load_error(exc: BaseException) -> tuple[str, str]:

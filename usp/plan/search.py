@@ -258,6 +258,12 @@ def _biggest_gap(best: TimingPlan, other: TimingPlan) -> str:
 
 def search_config(cfg, top_k: int = 5) -> SearchResult:
     """Search for a composed config: its model, seq_len, global batch, cluster and dtype."""
+    from usp.plan.hf_config import adopt_hf_shape
+
+    adopt_hf_shape(cfg.model)  # model.init_from: the values no one set, from its config.json
+    found = rules.field_failures(cfg)
+    if found:
+        raise found[0]
     ctx = planner_context(cfg)
     if ctx.hw.world < 1:
         raise PlanError("must be at least 1", key="cluster.nodes", value=ctx.hw.nodes, fix="cluster.nodes=1")
