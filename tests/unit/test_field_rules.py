@@ -61,6 +61,8 @@ BAD = [  # (overrides, the key named, words of the message); the issue's example
     (["data.source=ftp"], "data.source", "unknown data source"),
     (["data.vocab_size=100"], "data.vocab_size", "more than the 256 byte tokens"),
     (["data.workers=-2"], "data.workers", "at least 0"),
+    (["data.text_check=lenient"], "data.text_check", "unknown text check"),
+    (["model=moe_tiny", "model.router_bias_update_rate=-0.1"], "model.router_bias_update_rate", ">= 0"),
     (["train.eval_batches=0"], "train.eval_batches", "at least 1"),
     (["train.log_interval=0"], "train.log_interval", "at least 1"),
     (["train.sample_prompt=''"], "train.sample_prompt", "needs at least one character"),

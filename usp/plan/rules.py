@@ -722,7 +722,7 @@ MODEL_FIELD_RULES = [
     _at_least("model.moe_ffn_dim", 0, " (0 = model.ffn_dim)"),
     _real("model.aux_loss_coef", 0),
     _real("model.capacity_factor", 0, meaning=" (0 = dropless)"),
-    _real("model.router_bias_update_rate", 0, meaning=" (0 = no aux-loss-free balancing)"),
+    _real("model.router_bias_update_rate", 0, meaning=" (0 = off; > 0: aux-loss-free balancing, the bias step)"),
 ]
 PARALLEL_FIELD_RULES = [
     _at_least("parallelism.ddp_bucket_mb", 1),
@@ -795,8 +795,7 @@ DATA_FIELD_RULES = [
          "data.blend=[{paths: [...], weight: 0.7}, {paths: [...], weight: 0.3}]",
          lambda v: _get(v["data.blend"][_bad_weight(v)], "weight"), also=("data.blend[].weight",)),
     _at_least("data.workers", 0, " (0 = one per available core)"),
-    _one_of("data.text_check", TEXT_CHECKS, "text check", "data.text_check=strict (refuse files that aren't UTF-8 "
-            "text), skip (leave them out) or off"),
+    _one_of("data.text_check", TEXT_CHECKS, "text check", "data.text_check=strict (or skip, off)"),
     _one_of("data.token_dtype", ("auto", *TOKEN_DTYPES), "token dtype", when=_token_files),
     _field("data.vocab_size", lambda x: not BYTE_VOCAB < x <= MAX_VOCAB,
            f"byte-level BPE needs more than the {BYTE_VOCAB} byte tokens and at most {MAX_VOCAB} (uint32 ids)",
