@@ -75,6 +75,7 @@ RTOL_FP32, RTOL_BF16, RTOL_FP8 = 1e-4, 5e-3, 2e-2  # module docstring: why these
 ESTIMATE_S = {"process": 7.0, "build_per_b": 3.0, "compile": 40.0, "compile_fp8": 60.0, "compile_tiny": 20.0,
               "first_steps": 3.0, "margin": 1.2}
 SEQ, TINY_SEQ = 2048, 256
+LARGEST_ACCUM, ACCUM_1B = 4, 4  # micro batches per step: the largest model's cases, "1b compiled accum"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class Case:
     on_cpu: bool = False  # the CPU reference: planned on local_cpu, runs on the CPU
     micros: tuple = (8,)  # micro batches to try, largest first: one micro batch per step (no accumulation)
     window: int = 0  # compare only the last `window` losses (0: every step)
+    accum: int = 1  # micro batches per step (gradient accumulation)
+    recomputes: tuple = (None,)  # train.recompute to try, least first (None: the overrides' own)
 
     @property
     def compiled(self) -> bool:
@@ -105,16 +108,17 @@ def _tiny(name: str, ref: str | None, rtol: float, *extra: str, on_cpu: bool = F
 
 
 def _big(name: str, group: str, model: str, *extra: str, steps: int = LOSS_STEPS, ref: str | None = None,
-         rtol: float = 0.0) -> Case:
+         rtol: float = 0.0, accum: int = 1) -> Case:
     largest = model == "largest"
     # lr 3e-4 (Llama 3's scale) rather than the tiny model's 3e-3: a 50-step comparison needs no loss spikes
-    run = (f"train.seq_len={SEQ}", "optimizer.lr=3e-4", "train.measure_memory=false") + \
-        (("train.recompute=full",) if largest else ())
+    run = (f"train.seq_len={SEQ}", "optimizer.lr=3e-4", "train.measure_memory=false")
     models = tuple(mfu.LARGEST_CANDIDATES) if largest else (model,)
-    # one micro batch per step, the largest that fits of 8 (1B) or 4 sequences (largest: 50 steps of an 8B
-    # model at 8 x 2048 tokens would take the whole budget); 8,192+ tokens per matmul still fill the GPU
+    # 1B: one micro batch per step (or `accum`), the largest that fits of 8 sequences. The largest model: the
+    # least recomputation that fits, then the largest micro batch of 4 (50 steps of an 8B model at 8 x 2048
+    # tokens would take the whole budget), 4 micro batches per step (16k+ tokens, as a user would train)
     return Case(name, group, run + extra, steps, models, ref, rtol, micros=(4, 2, 1) if largest else (8, 4, 2, 1),
-                window=LOSS_WINDOW if group == "fp8" else 0)
+                window=LOSS_WINDOW if group == "fp8" else 0, accum=LARGEST_ACCUM if largest else accum,
+                recomputes=("none", "selective", "full") if largest else (None,))
 
 
 def all_cases() -> list[Case]:
@@ -136,6 +140,8 @@ def all_cases() -> list[Case]:
         _big("largest eager", "mfu", "largest", *bf16, *off, steps=EAGER_STEPS),
         _big("1b fp8 rowwise compiled", "fp8", "llama3_2_1b", *bf16, *on, "train.fp8=rowwise",
              ref="1b compiled", rtol=RTOL_FP8),
+        _big(f"1b compiled accum {ACCUM_1B}", "mfu", "llama3_2_1b", *bf16, *on, steps=EAGER_STEPS * 2,
+             accum=ACCUM_1B),
     ]
 
 
@@ -177,7 +183,7 @@ def plan_case(case: Case, gpu: tuple[str, float] | None, runs: str) -> dict | No
     run = [f"train.steps={case.steps}", "train.log_interval=1", "train.eval_batches=1",
            f"train.name={case.name.replace(' ', '_')}"]
     return mfu.fitting_plan(run + list(case.overrides) + hardware(case, gpu), list(case.models), runs,
-                            case.micros, global_batch=None)
+                            case.micros, global_batch=None, accum=case.accum, recomputes=case.recomputes)
 
 
 def estimate_s(case: Case, plan: dict) -> float:

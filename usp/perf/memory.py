@@ -96,6 +96,10 @@ SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
+# train.compile (no TP): the compiled loss (usp/engine/loss.py) keeps the logits in the activation dtype and writes
+# their gradient in that dtype, one buffer; no fp32 log-probabilities, no fp32 copy at the loss forward.
+# Inductor's fused cross entropy as read from its graph; to be checked against scripts/bench/gpu_session.py's rows.
+COMPILED_LOSS_BACKWARD_BUFFERS = 1
 LOSS_FORWARD_EXTRA_BYTES = 6  # per logit at the loss forward, besides the kept fp32 log-probs: bf16 logits + fp32 copy
 # train.compile: the kept activations of a compiled block (no recompute) / the eager count (inductor recomputes
 # norms and SwiGLU's pointwise ops in backward instead of keeping them). Fitted to one GPU run: Llama-3.2 1B,
@@ -385,12 +389,22 @@ def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMe
     if profile.loss_forward_bytes:
         st.logits = profile.loss_forward_bytes * tokens * h.vocab_pad / t
         return 0.0
-    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
     n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
+    if compiled_loss(layout, prec):  # the logits (under pp: the stage output) kept, their gradient one more
+        one = prec.act * tokens * h.vocab_pad
+        st.logits = one * n_logits
+        return one * COMPILED_LOSS_BACKWARD_BUFFERS
+    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
     st.logits = one * n_logits  # log-probabilities kept for backward
     if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
         st.logits += tokens * h.vocab_pad / t * prec.act * n_logits
     return one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
+
+
+def compiled_loss(layout: Layout, prec: Precision) -> bool:
+    """Does the engine compile the loss? With the blocks (train.compile), unless TP shards the vocabulary
+    (usp/engine/loss.py)."""
+    return prec.compiled and layout.tp == 1
 
 
 def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
@@ -468,7 +482,8 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
     earlier_grads = grads if layout.grad_accum > 1 else 0
     loss_phase = loss_extra + copies_loss + earlier_grads
     # autocast: at the loss forward every cached copy and the bf16 logits + their fp32 copy are alive
-    fwd_extra = LOSS_FORWARD_EXTRA_BYTES * (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    logits_here = (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    fwd_extra = 0.0 if compiled_loss(layout, prec) else LOSS_FORWARD_EXTRA_BYTES * logits_here
     fwd_phase = copies_fwd + fwd_extra + earlier_grads if copies_fwd and h.holds_head else 0.0
     if grads_freed_per_micro_batch(layout, profile):
         # the low-precision gradients live only within one micro batch's backward: its start holds
@@ -567,6 +582,8 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         f"activations: {activation_formula(layout)}" + (
             "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)"),
         f"logits: {profile.loss_forward_bytes:g} bytes per logit at the loss forward" if profile.loss_forward_bytes
+        else f"logits: compiled loss, the logits kept in {prec.act:g}-byte values, + {COMPILED_LOSS_BACKWARD_BUFFERS} "
+        "such buffer (their gradient) while the loss is differentiated" if compiled_loss(layout, prec)
         else f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
         f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
         f"peak at the {stages[peak].peak_phase}: the low-precision gradients are freed after each micro batch's "
