@@ -108,7 +108,7 @@ def _tiny(name: str, ref: str | None, rtol: float, *extra: str, on_cpu: bool = F
 
 
 def _big(name: str, group: str, model: str, *extra: str, steps: int = LOSS_STEPS, ref: str | None = None,
-         rtol: float = 0.0, accum: int = 1) -> Case:
+         rtol: float = 0.0, accum: int | None = None, micros: tuple | None = None) -> Case:
     largest = model == "largest"
     # lr 3e-4 (Llama 3's scale) rather than the tiny model's 3e-3: a 50-step comparison needs no loss spikes
     run = (f"train.seq_len={SEQ}", "optimizer.lr=3e-4", "train.measure_memory=false")
@@ -116,8 +116,10 @@ def _big(name: str, group: str, model: str, *extra: str, steps: int = LOSS_STEPS
     # 1B: one micro batch per step (or `accum`), the largest that fits of 8 sequences. The largest model: the
     # least recomputation that fits, then the largest micro batch of 4 (50 steps of an 8B model at 8 x 2048
     # tokens would take the whole budget), 4 micro batches per step (16k+ tokens, as a user would train)
-    return Case(name, group, run + extra, steps, models, ref, rtol, micros=(4, 2, 1) if largest else (8, 4, 2, 1),
-                window=LOSS_WINDOW if group == "fp8" else 0, accum=LARGEST_ACCUM if largest else accum,
+    micros = micros or ((4, 2, 1) if largest else (8, 4, 2, 1))
+    accum = accum or (LARGEST_ACCUM if largest else 1)
+    return Case(name, group, run + extra, steps, models, ref, rtol, micros=micros,
+                window=LOSS_WINDOW if group == "fp8" else 0, accum=accum,
                 recomputes=("none", "selective", "full") if largest else (None,))
 
 
@@ -142,6 +144,9 @@ def all_cases() -> list[Case]:
              ref="1b compiled", rtol=RTOL_FP8),
         _big(f"1b compiled accum {ACCUM_1B}", "mfu", "llama3_2_1b", *bf16, *on, steps=EAGER_STEPS * 2,
              accum=ACCUM_1B),
+        # the memory model's checks: the largest model without accumulation, and at one sequence per micro batch
+        _big("largest compiled accum 1", "mfu", "largest", *bf16, *on, steps=EAGER_STEPS * 2, accum=1, micros=(2,)),
+        _big("largest compiled micro 1", "mfu", "largest", *bf16, *on, steps=EAGER_STEPS * 2, micros=(1,)),
     ]
 
 
