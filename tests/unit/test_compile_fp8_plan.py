@@ -42,8 +42,8 @@ def test_compile_auto_is_on_for_cuda_only(value, device, on):
 def test_compile_defaults_to_auto_and_a_bad_value_is_refused_naming_the_key():
     cfg, _ = compose_config(None, [])
     assert cfg.train.compile == "auto" and compile_choice(cfg.train.compile) == "auto"
-    assert plan_for("cluster=local_gpu").memory.stages[0].copies < \
-        plan_for("cluster=local_gpu", "train.compile=false").memory.stages[0].copies  # compiled: head copy only
+    auto, eager = (plan_for("cluster=local_gpu", *c).memory.stages[0] for c in ((), ("train.compile=false",)))
+    assert auto.activation_per_layer < eager.activation_per_layer  # compiled on CUDA: the compiled block's count
     with pytest.raises(PlanError) as err:
         plan_for("train.compile=maybe")
     assert (err.value.key, err.value.value) == ("train.compile", "maybe") and "train.compile=auto" in err.value.fix
