@@ -63,6 +63,7 @@ def gpu_overrides(name: str, mem_gib: float) -> list[str]:
             f"cluster.peak_tflops_bf16={c.peak_tflops_bf16}", f"cluster.peak_tflops_fp32={c.peak_tflops_fp32}",
             f"cluster.peak_tflops_fp8={c.peak_tflops_fp8}", f"cluster.intra_node_gbps={c.intra_node_gbps}",
             f"cluster.device_memory_gb={mem_gib:.1f}", f"cluster.timing.eager_overhead={c.timing.eager_overhead}",
+            f"cluster.timing.eager_loss_ps_per_logit={c.timing.eager_loss_ps_per_logit}",
             f"cluster.timing.fp8_efficiency={c.timing.fp8_efficiency}"]
 
 
