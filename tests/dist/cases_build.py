@@ -7,8 +7,10 @@ meta device, parallelize, allocate this rank's shards, initialise) from a real p
   model's bytes and this rank's share;
 - values: every parameter this rank holds, made whole (DTensor.full_tensor(), a collective),
   equals a single-process eager build of the same model (torch.equal, bit for bit); expert-parallel
-  slices equal their rows; the ranks together cover every parameter of the model. The same for a
-  Hugging Face checkpoint loaded into the shards (model.init_from) against one process's load."""
+  slices equal their rows; the ranks together cover every parameter of the model; the RoPE tables
+  (buffers, computed when the shards are allocated) equal the ones the model's args give, Llama 3's
+  frequency scaling included. The same for a Hugging Face checkpoint loaded into the shards
+  (model.init_from) against one process's load."""
 from __future__ import annotations
 
 import gc
@@ -38,6 +40,10 @@ MEMORY_MODEL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.f
 PP = ["model.tie_embeddings=false", "model.n_layers=4", "train.micro_batch=4"]
 TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4", "train.micro_batch=4"]
 MOE = ["model=moe_tiny"]
+# Llama 3's RoPE scaling with a short original context: at head_dim 16 (or 64) its wavelengths fall in all
+# three bands, so tables computed without it differ
+LLAMA3 = ["model.rope_type=llama3", "model.rope_factor=8.0", "model.rope_low_freq_factor=1.0",
+          "model.rope_high_freq_factor=4.0", "model.rope_original_max_positions=32"]
 ONE = ["parallelism.dp_replicate=1"]
 LAYOUTS = {
     "fsdp": ONE + ["parallelism.dp_shard=4"],
@@ -55,6 +61,7 @@ LAYOUTS = {
                                "parallelism.pp_virtual_stages=2"],
     "tied_pp_x_tp": TIED_PP + ONE + ["parallelism.pp=2", "parallelism.tp=2"],
     "ep_x_pp": MOE + PP + ONE + ["parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.ep=2"],
+    "llama3_rope_pp_x_tp": LLAMA3 + PP + ONE + ["parallelism.pp=2", "parallelism.tp=2"],
 }
 # FP8 (first in parallelize's order: the blocks' linears become torchao Float8Linear on the meta
 # model); train.fp8 set in the plan after planning, as tests/engine/test_fp8_engine.py does (CPU _scaled_mm)
@@ -69,6 +76,8 @@ HF_LAYOUTS = {
                               "train.micro_batch=4"],
     "hf_mixtral_ep_x_fsdp": ONE + ["model=moe_tiny", "model.tie_embeddings=false", "parallelism.dp_shard=4",
                                    "parallelism.ep=2"],
+    # no model.rope_* key: the scaling comes from the checkpoint's config.json
+    "hf_llama3_fsdp_x_tp": ONE + ["model.tie_embeddings=true", "parallelism.dp_shard=2", "parallelism.tp=2"],
 }
 
 
@@ -126,10 +135,15 @@ def compare(overrides: list[str], tmp: str, init_from: str | None = None, train:
     plan = planned(overrides + ([f"model.init_from={init_from}"] if init_from else []), tmp, train)
     ctx = make_context(plan)
     parts = build_model(plan, ctx)
-    ref = dict(reference(plan, ctx, init_from).named_parameters())
+    reference_model = reference(plan, ctx, init_from)
+    ref = dict(reference_model.named_parameters())
+    tables = reference_model.args.rope_tables(reference_model.max_seq_len)  # straight from the args
     names, unequal, meta = set(), [], 0
     for module in parts.stage_modules:
         bare = getattr(module, "module", module)  # DDP wraps; FSDP2 and TP work in place
+        for table, expected in zip(("rope_cos", "rope_sin"), tables, strict=True):
+            if not torch.equal(getattr(bare, table), expected):
+                unequal.append(table)
         for name, p, _, rows in bare.full_parameters():
             meta += p.is_meta or _local(p).is_meta
             whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -141,7 +155,7 @@ def compare(overrides: list[str], tmp: str, init_from: str | None = None, train:
     covered = set().union(*(set(n) for n, _, _ in everyone))
     return {"unequal": sorted({n for _, u, _ in everyone for n in u}), "meta_params": sum(m for *_, m in everyone),
             "missing": sorted(set(ref) - covered), "compared": len(covered), "n_ref": len(ref),
-            "local_names_rank0": len(names)}
+            "local_names_rank0": len(names), "rope_type": plan["config"]["model"]["rope_type"]}
 
 
 def make_hf(tmp: str, kind: str) -> str:
@@ -154,7 +168,11 @@ def make_hf(tmp: str, kind: str) -> str:
         dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1,
                     vocab_size=511)
-        if kind == "llama":
+        if kind == "llama3":  # Llama 3's RoPE scaling, as LLAMA3 above
+            dims["rope_parameters"] = {"rope_type": "llama3", "rope_theta": dims.pop("rope_theta"), "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 32}
+        if kind in ("llama", "llama3"):
             model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=True))
         else:
             model = MixtralForCausalLM(MixtralConfig(**dims, tie_word_embeddings=False, num_local_experts=4,
@@ -174,7 +192,7 @@ def main() -> None:
     fp8 = {"fp8": "tensorwise"}
     cases.update({name: (lambda ov=ov: compare(ov, tmp, train=fp8)) for name, ov in FP8_LAYOUTS.items()})
     for name, ov in HF_LAYOUTS.items():
-        kind = "mixtral" if "mixtral" in name else "llama"
+        kind = "mixtral" if "mixtral" in name else "llama3" if "llama3" in name else "llama"
         cases[name] = lambda ov=HF_DIMS + ov, kind=kind: compare(ov, tmp, make_hf(tmp, kind))
     run_cases(cases)
 

@@ -40,9 +40,11 @@ def test_a_rank_allocates_its_shards_not_the_whole_model(results):
 @pytest.mark.parametrize("layout", [*LAYOUTS, *FP8_LAYOUTS, *HF_LAYOUTS])
 def test_sharded_build_equals_one_process_bit_for_bit(results, layout):
     """Every parameter a rank holds, made whole, equals one process's build (init, or the HF
-    checkpoint's load) with torch.equal; the ranks together hold every parameter; nothing is left
-    on the meta device."""
+    checkpoint's load) with torch.equal, and so do the RoPE tables (Llama 3's scaling: set, or taken
+    from the checkpoint's config.json); the ranks together hold every parameter; nothing is left on
+    the meta device."""
     r = _ok(results, layout)
+    assert r["rope_type"] == ("llama3" if "llama3" in layout else "default"), r
     assert r["unequal"] == [], r
     assert r["missing"] == [] and r["compared"] == r["n_ref"] > 0, r
     assert r["meta_params"] == 0, r

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.test_checkpoint import _no_nan
 from tests.helpers import USP, losses, run_usp, usp_env
@@ -101,8 +102,9 @@ def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, uninter
     summary = json.loads((run_dir / "summary.json").read_text())  # of the resumed attempt: its own steps only
     assert summary["resumed_from_step"] == stopped_at and summary["steps"] == STEPS
     assert summary["tokens_per_s"] * summary["time_s"] == pytest.approx((STEPS - stopped_at) * 16 * 128)
-    events = [json.loads(line)["event"] for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
-    assert "preempted" in events
+    events = [json.loads(line) for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
+    assert {"event": "stopped", "step": stopped_at, "signal": "SIGUSR1", "checkpoint": True}.items() <= \
+        [e for e in events if e["event"] == "stopped"][0].items()
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     assert_same(uninterrupted, losses(run_dir), range(1, STEPS + 1), 1e-6)
 
@@ -141,6 +143,88 @@ def test_resharding_across_layouts(tmp_path, shakespeare):
                  "train.name=fsdp2_to_tp2", f"checkpoint.resume={tmp_path / 'fsdp2' / 'checkpoints' / 'step_00000003'}")
     assert "saved under dp_shard=2, now tp=2" in proc.stdout
     assert_same(losses(tmp_path / "fsdp2"), losses(tmp_path / "fsdp2_to_tp2"), range(4, 7), 1e-5)
+
+
+def _halves_to_interleaved(w, n_heads: int):
+    """usp's former RoPE row order of q/k (interleaved pairs), from today's (usp/models/rope_layout.py)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).clone()
+
+
+def _as_written_before_the_rope_change(ckpt: Path, out: Path, n_heads: int, n_kv_heads: int) -> int:
+    """A copy of checkpoint `ckpt` as usp wrote it before the RoPE layout change: q/k rows (weights and
+    Adam's moments) in the interleaved order, no rope_layout in trainer_state.json. Returns how many
+    tensors it permuted."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from usp.models.rope_layout import qk_heads
+    from usp.run.files import MANIFEST, TRAINER_STATE
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: intended
+        state = _load_state_dict_from_keys(checkpoint_id=str(ckpt))
+        permuted = 0
+        for section in ("model", "optim"):
+            for key, t in _flat(state[section]):
+                heads = qk_heads(key, n_heads, n_kv_heads)
+                if heads is not None and t.dim() == 2:
+                    t.copy_(_halves_to_interleaved(t, heads))
+                    permuted += 1
+        out.mkdir(parents=True)
+        dcp.save(state, checkpoint_id=str(out))
+    for f in ckpt.iterdir():
+        if not (out / f.name).exists():
+            shutil.copyfile(f, out / f.name)  # plan.yaml, rng_rank*.pt, trainer_state.json, manifest.json
+    trainer = json.loads((out / TRAINER_STATE).read_text())
+    del trainer["rope_layout"]
+    (out / TRAINER_STATE).write_text(json.dumps(trainer))
+    files = {f.name: f.stat().st_size for f in sorted(out.iterdir()) if f.name != MANIFEST}
+    (out / MANIFEST).write_text(json.dumps({"step": trainer["step"], "files": files}))
+    return permuted
+
+
+def _flat(node, prefix: str = ""):
+    """(dotted key, tensor) of a nested state dict."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        elif hasattr(value, "dim"):
+            yield f"{prefix}{key}", value
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_from_before_the_rope_layout_change_resumes_and_exports(tmp_path, shakespeare):
+    """A checkpoint written by usp before it switched RoPE to the rotate-half layout (made here from
+    a new one: q/k rows and their Adam moments permuted back, no rope_layout record) resumes under
+    FSDP2 (dp_shard=2, whose shards of wk cut through its one head) with the losses of the run that
+    wrote the original, and exports the original's tensors."""
+    # init_std 0.3: attention far from uniform, so q/k rows left unconverted change step 3's loss by ~1 %
+    base = ["model.n_kv_heads=1", "model.init_std=0.3", "train.steps=4", "checkpoint.interval=2",
+            "train.global_batch=8", "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1"]
+    train(tmp_path, *base, "train.name=new")
+    original = tmp_path / "new" / "checkpoints" / "step_00000002"
+    legacy = tmp_path / "legacy" / "step_00000002"
+    assert _as_written_before_the_rope_change(original, legacy, n_heads=4, n_kv_heads=1) == 12  # 2 layers x wq, wk
+    proc = train(tmp_path, *base, "train.name=from_legacy", f"checkpoint.resume={legacy}")
+    assert "predates usp's RoPE layout change: 12 q/k tensors" in proc.stdout  # x (weight, exp_avg, exp_avg_sq)
+    assert_same(losses(tmp_path / "new"), losses(tmp_path / "from_legacy"), range(3, 5), 1e-5)
+    assert json.loads((tmp_path / "from_legacy" / "checkpoints" / "step_00000004" / "trainer_state.json")
+                      .read_text())["rope_layout"] == "rotate_half"  # what it writes is today's layout
+
+    from usp.engine.export import export_model, load_model_state
+
+    exported = {}
+    for name, ckpt in (("original", original), ("legacy", legacy)):
+        export_model(ckpt, fmt="torch", out=tmp_path / f"export_{name}")
+        exported[name] = torch.load(tmp_path / f"export_{name}" / "model.pt", weights_only=True)
+    wk = "layers.0.attention.wk.weight"
+    assert not torch.equal(load_model_state(legacy)[wk], load_model_state(original)[wk])  # the copy differs
+    assert exported["legacy"].keys() == exported["original"].keys()
+    assert all(torch.equal(exported["legacy"][k], v) for k, v in exported["original"].items())
 
 
 @pytest.mark.distributed

@@ -1,7 +1,8 @@
-"""Hugging Face checkpoints through real runs, against the real `transformers`: an HF Llama imported
-(`model.init_from`) and trained under FSDP2 x TP2 (4 processes) follows a single process and exports
+"""Hugging Face checkpoints through real runs, against the real `transformers`: `model.init_from=<dir>`
+alone takes the model's shape from config.json (a Llama, one with Llama 3's RoPE scaling, a Mixtral);
+an HF Llama imported and trained under FSDP2 x TP2 (4 processes) follows a single process and exports
 (`usp export --format hf`) keeping its tie; an HF Mixtral likewise on one process; a tiktoken run
-exports the tokenizer transformers loads (loading and the config check in this process:
+exports the tokenizer transformers loads (loading and the config checks in this process:
 tests/engine/test_hf_checkpoint.py)."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.data_builders import WORDS, trained_tiktoken_file, word_corpus
-from tests.engine.test_hf_checkpoint import TOL, USP_DIMS, make_hf
+from tests.engine.test_hf_checkpoint import OWN_SHAPE, TOL, USP_DIMS, hf_logits, make_hf
 from tests.helpers import losses, run_usp, usp_cli
 from usp.run.files import read_plan
 
@@ -85,6 +86,43 @@ def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
     plan = read_plan(run_dir / "plan.yaml")
     text = "To be, or not to be: that is the question."
     assert AutoTokenizer.from_pretrained(out).encode(text) == load_tokenizer(plan["dataset_dir"]).encode(text)
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama3", True), ("mixtral", False)])
+def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare, kind, tied):
+    """`usp train model.init_from=<dir>` and no other model key: the run has the checkpoint's shape
+    (dims, layers, heads, kv heads, ffn, vocab, tie, rope theta and scaling, norm eps, experts), its
+    first loss is transformers' on the same batch, and usp's model built from the run's plan gives
+    transformers' logits within 1e-5."""
+    from transformers import AutoConfig
+
+    from usp.engine.hf_checkpoint import load_hf_weights
+    from usp.models.llama import Llama, LlamaArgs
+
+    vocab = int(shakespeare[1]["vocab_size"])
+    src = make_hf(tmp_path / f"hf_{kind}", kind, vocab, tied, **OWN_SHAPE)
+    run = _train(tmp_path, "run", f"model.init_from={src}")
+    model = read_plan(run / "plan.yaml")["config"]["model"]
+    hf = AutoConfig.from_pretrained(src)
+    rope = hf.rope_parameters
+    assert (model["name"], model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"], model["ffn_dim"],
+            model["vocab_size"], model["tie_embeddings"], model["rope_theta"], model["norm_eps"], model["rope_type"]) \
+        == (f"hf_{kind}", hf.hidden_size, 3, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size,
+            vocab, tied, 500000.0, 1e-6, rope["rope_type"])
+    assert (model["n_experts"], model["top_k"]) == ((4, 2) if kind == "mixtral" else (0, 2))
+    if kind == "llama3":
+        assert [model[f"rope_{k}"] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                            "original_max_positions")] == [8.0, 1.0, 4.0, 32]
+    first = _first_batch_loss(run, src)
+    assert abs(losses(run)[1] - first) <= TOL * first, (losses(run), first)
+    ours = Llama(LlamaArgs.from_config(_Attrs(model), vocab), max_seq_len=64)
+    load_hf_weights(ours, src)
+    tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = ours(tokens)
+    expected = hf_logits(src, tokens)
+    assert logits.abs().max() > 0.1 and torch.allclose(logits, expected, rtol=0, atol=TOL), \
+        (logits - expected).abs().max()
 
 
 @pytest.mark.distributed

@@ -1,7 +1,9 @@
 """Hugging Face checkpoints against the real `transformers`, in this process: tiny random Llama /
 Mixtral models made on the fly with save_pretrained (nothing downloaded) load with logits equal
-within 1e-5 and export back; a config.json that doesn't match the model group is refused before
-launch (training on an import and exporting it: tests/e2e/test_hf_checkpoint.py)."""
+within 1e-5, with and without Llama 3's RoPE scaling, and export back; a config.json that doesn't
+match the model group, or a key set on the command line, in a recipe or by a picked model group
+that disagrees with it, is refused before launch (training on an import, `model.init_from` alone
+taking the shape from config.json, and exporting: tests/e2e/test_hf_checkpoint.py)."""
 from __future__ import annotations
 
 import json
@@ -15,23 +17,29 @@ from usp.run.files import read_plan
 
 DIMS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1)
-
-
 USP_DIMS = ["model.dim=64", "model.ffn_dim=96", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
-
-
 TOL = 1e-5
+# Llama 3's RoPE scaling with a short original context: at head_dim 16 its wavelengths fall in all three
+# bands (kept, interpolated, divided by the factor), so the scaling shows in the logits.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+USP_LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                  rope_original_max_positions=32)
 
 
-def make_hf(directory: Path, kind: str, vocab: int, tied: bool) -> Path:
-    """A random tiny LlamaForCausalLM or MixtralForCausalLM saved with save_pretrained."""
+def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
+    """A random tiny LlamaForCausalLM (kind "llama", or "llama3": with Llama 3's RoPE scaling) or
+    MixtralForCausalLM saved with save_pretrained; `dims` replace DIMS' values."""
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**DIMS, vocab_size=vocab, tie_word_embeddings=tied))
+    dims = {**DIMS, **dims}
+    if kind == "llama3":
+        dims["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": dims.pop("rope_theta")}
+    if kind in ("llama", "llama3"):
+        model = LlamaForCausalLM(LlamaConfig(**dims, vocab_size=vocab, tie_word_embeddings=tied))
     else:
-        model = MixtralForCausalLM(MixtralConfig(**DIMS, vocab_size=vocab, tie_word_embeddings=tied,
+        model = MixtralForCausalLM(MixtralConfig(**dims, vocab_size=vocab, tie_word_embeddings=tied,
                                                  num_local_experts=4, num_experts_per_tok=2))
     model.save_pretrained(directory)
     return directory
@@ -40,9 +48,9 @@ def make_hf(directory: Path, kind: str, vocab: int, tied: bool) -> Path:
 def usp_model(kind: str, vocab: int, tied: bool):
     from usp.models.llama import Llama, LlamaArgs
 
-    moe = dict(n_experts=4, top_k=2) if kind == "mixtral" else {}
+    extra = dict(n_experts=4, top_k=2) if kind == "mixtral" else USP_LLAMA3 if kind == "llama3" else {}
     return Llama(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=vocab,
-                           tie_embeddings=tied, **moe), max_seq_len=64)
+                           tie_embeddings=tied, **extra), max_seq_len=64)
 
 
 def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -53,10 +61,11 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("mixtral", False)])
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama3", False), ("mixtral", False)])
 def test_import_matches_transformers_logits(tmp_path, kind, tied):
-    """An HF checkpoint loaded into usp's model gives transformers' logits (the RoPE rows of q/k
-    permuted, experts stacked and transposed), and usp's own export of it loads back identically."""
+    """An HF checkpoint loaded into usp's model gives transformers' logits (q/k as they are: the same
+    RoPE layout; Llama 3's frequency scaling; experts stacked and transposed), and usp's own export of
+    it loads back identically."""
     from usp.engine.hf_checkpoint import load_hf_weights, read_hf_tensors, write_hf
 
     src = make_hf(tmp_path / "hf", kind, 100, tied)
@@ -74,7 +83,7 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     plan = {"batch": {"seq_len": 64}, "dataset_dir": str(tmp_path / "no-dataset")}
     cfg = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "vocab_size": 100,
            "tie_embeddings": tied, "rope_theta": 10000.0, "norm_eps": 1e-5, "n_experts": 4 if kind == "mixtral" else 0,
-           "top_k": 2, "moe_ffn_dim": 0}
+           "top_k": 2, "moe_ffn_dim": 0, **(USP_LLAMA3 if kind == "llama3" else {})}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     write_hf(state, cfg, plan, tmp_path / "ckpt", 0, tmp_path / "back", max_shard_mb=0.1)
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
@@ -83,6 +92,13 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     assert set(back) == set(index["weight_map"]) == set(original) - ({"lm_head.weight"} if tied else set())
     assert all(torch.equal(original[k], back[k]) for k in back)
     assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)
+    if kind == "llama3":  # the scaling is in the export's config.json, and it matters
+        assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == \
+            {**LLAMA3_ROPE, "rope_theta": 10000.0}
+        plain = usp_model("llama", 100, tied)
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (plain(tokens) - expected).abs().max() > 100 * TOL
 
 
 def test_config_mismatch_is_refused_before_launch(tmp_path):
@@ -108,9 +124,43 @@ def test_config_mismatch_is_refused_before_launch(tmp_path):
             assert "model.init_from=" in out and field in out and fix in out, (extra, out)
     assert not (tmp_path / "runs").exists()  # nothing launched, nothing written
     config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3",
-                                                                               "rope_theta": 10000.0}}))
-    proc = usp_cli("plan", *base, cwd=tmp_path)
-    assert proc.returncode == 2 and "rope_parameters.rope_type='llama3'" in proc.stdout + proc.stderr
+    for rope, says in [({"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
+                       ({"rope_type": "llama3", "factor": 8.0}, "rope_parameters.low_freq_factor=None")]:
+        (src / "config.json").write_text(json.dumps({**config, "rope_parameters": {**rope, "rope_theta": 10000.0}}))
+        proc = usp_cli("plan", *base, cwd=tmp_path)
+        assert proc.returncode == 2 and says in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     proc = usp_cli("plan", *base[:-1], f"model.init_from={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 2 and "no config.json" in proc.stdout + proc.stderr
+
+
+# A checkpoint whose every shape value differs from the default model group's (tiny: dim 128, 2 layers,
+# MHA, ffn 384, tied, rope_theta 1e4, norm_eps 1e-5): what `model.init_from` alone must take from it.
+OWN_SHAPE = dict(num_hidden_layers=3, rms_norm_eps=1e-6, rope_theta=500000.0)
+
+
+def test_an_explicit_key_that_disagrees_is_refused(tmp_path):
+    """With model.init_from, a model key the command line or a recipe sets, or a model group either
+    picks, must agree with config.json: `usp train` refuses it before launch, naming the field and the
+    key; the same keys unset plan with config.json's values."""
+    src = make_hf(tmp_path / "hf", "llama3", 512, False, **OWN_SHAPE)
+    base = ["data.tokenizer=bytes", f"model.init_from={src}", f"train.runs_dir={tmp_path / 'runs'}"]
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - config\n  - _self_\nmodel:\n  norm_eps: 1.0e-5\n")
+    picked = tmp_path / "picks.yaml"
+    picked.write_text("defaults:\n  - config\n  - override model: llama3_2_1b\n  - _self_\n")
+    cases = [(["model.n_layers=2"], "num_hidden_layers=3", "model.n_layers"),
+             (["model.rope_factor=32"], "rope_parameters.factor=8.0", "model.rope_factor"),
+             (["model.rope_type=default"], "rope_parameters.rope_type='llama3'", "model.rope_type"),
+             ([f"conf={recipe}"], "rms_norm_eps=1e-06", "model.norm_eps"),
+             (["model=moe_tiny"], "model_type='llama'", "model.n_experts"),
+             ([f"conf={picked}"], "hidden_size=64", "model.dim")]
+    for extra, field, key in cases:
+        proc = usp_cli("train", *base, *extra, cwd=tmp_path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and field in out and key in out and "config.json" in out, (extra, out)
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+    agreeing = ["model.n_layers=3", "model.rope_factor=8.0", "model.norm_eps=1e-6", "model.n_kv_heads=2"]
+    proc = usp_cli("plan", "--save", *base, *agreeing, "train.name=ok", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    model = read_plan(tmp_path / "runs" / "ok" / "plan.yaml")["config"]["model"]
+    assert (model["dim"], model["n_layers"], model["tie_embeddings"], model["vocab_size"]) == (64, 3, False, 512)

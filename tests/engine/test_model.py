@@ -14,8 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from usp.engine.parallel.recompute import apply_recompute
-from usp.models.layers import apply_rope, precompute_rope
+from usp.models.layers import apply_rope, precompute_rope, rope_inv_freq
 from usp.models.llama import Llama, LlamaArgs
+from usp.models.rope_layout import interleaved_to_halves
 from usp.perf.specs import Arch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +155,7 @@ def test_initial_loss_near_uniform(tie):
 
 def test_rope_split_positions_match_full():
     hd, s = 16, 12
-    cos, sin = precompute_rope(hd, 64, 10000.0)
+    cos, sin = precompute_rope(rope_inv_freq(hd), 64)
     x = torch.randn(2, s, 3, hd)
     full = apply_rope(x, cos[:s], sin[:s])
     pos1, pos2 = torch.arange(0, s // 2), torch.arange(s // 2, s)
@@ -164,6 +165,72 @@ def test_rope_split_positions_match_full():
     # Position 0 is the identity; rotation preserves norms.
     torch.testing.assert_close(full[:, 0], x[:, 0])
     torch.testing.assert_close(full.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_rope_rotates_halves_as_transformers_does():
+    """usp's RoPE is transformers' Llama RoPE (rotate_half, the same tables) on the same q/k values:
+    an HF q_proj / k_proj weight works in usp unchanged."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    hd, s = 16, 12
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=10000.0, max_position_embeddings=64)
+    q, k = torch.randn(2, s, 4, hd), torch.randn(2, s, 2, hd)
+    positions = torch.arange(s)[None]
+    hf_cos, hf_sin = LlamaRotaryEmbedding(config)(q, positions)
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, hf_cos, hf_sin, unsqueeze_dim=2)
+    cos, sin = LlamaArgs(dim=64, n_heads=4).rope_tables(64)
+    torch.testing.assert_close(apply_rope(q, cos[:s], sin[:s]), hf_q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(apply_rope(k, cos[:s], sin[:s]), hf_k, rtol=0, atol=1e-6)
+
+
+# Meta's published Llama 3.1 / 3.2 scaling (config.json rope_scaling), and a tiny one whose wavelengths
+# fall in all three of llama3's bands (kept, interpolated, divided by factor) at head_dim 16.
+LLAMA3_SCALINGS = [(128, 500000.0, 8.0, 1.0, 4.0, 8192), (64, 500000.0, 32.0, 1.0, 4.0, 8192),
+                   (16, 10000.0, 8.0, 1.0, 4.0, 32)]
+
+
+@pytest.mark.parametrize("hd,theta,factor,low,high,original", LLAMA3_SCALINGS)
+def test_llama3_frequencies_are_transformers(hd, theta, factor, low, high, original):
+    """rope_type llama3: the inverse frequencies transformers computes, bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=hd * 4, num_attention_heads=4, rope_parameters={
+        "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+        "high_freq_factor": high, "original_max_position_embeddings": original})
+    expected, scaling = ROPE_INIT_FUNCTIONS["llama3"](config)
+    ours = rope_inv_freq(hd, theta, "llama3", factor, low, high, original)
+    assert scaling == 1.0 and ours.dtype == expected.dtype and torch.equal(ours, expected)
+    plain = rope_inv_freq(hd, theta)
+    assert (ours < plain).any() and (ours == plain).any()  # scaled somewhere, kept somewhere
+    with pytest.raises(ValueError, match="yarn"):
+        rope_inv_freq(hd, theta, "yarn", factor)
+
+
+def test_legacy_interleaved_rows_convert_to_the_same_attention():
+    """q/k rows written for usp's former RoPE (interleaved pairs), converted with
+    interleaved_to_halves, give today's model the attention scores the former one computed."""
+    hd, s, heads = 8, 10, 3
+    x = torch.randn(2, s, 24)
+    wq = torch.randn(heads * hd, 24)
+    angles = torch.outer(torch.arange(s, dtype=torch.float32), rope_inv_freq(hd))
+    cos, sin = angles.cos(), angles.sin()
+
+    def interleaved(t):  # the former apply_rope: pairs (x[2j], x[2j+1])
+        t1, t2 = t[..., 0::2], t[..., 1::2]
+        c, si = cos[None, :, None, :], sin[None, :, None, :]
+        return torch.stack((t1 * c - t2 * si, t1 * si + t2 * c), dim=-1).flatten(-2)
+
+    def scores(q):  # q . q over positions, per head (k permuted as q is)
+        q = q.transpose(1, 2)
+        return q @ q.transpose(-1, -2)
+
+    old = scores(interleaved((x @ wq.T).view(2, s, heads, hd)))
+    converted = scores(apply_rope((x @ interleaved_to_halves(wq, heads).T).view(2, s, heads, hd), cos, sin))
+    torch.testing.assert_close(converted, old, rtol=1e-5, atol=1e-4)
+    unconverted = scores(apply_rope((x @ wq.T).view(2, s, heads, hd), cos, sin))
+    assert not torch.allclose(unconverted, old, atol=1e-2)  # the rows must be converted
 
 
 def test_model_positions_default_is_arange():

@@ -35,8 +35,10 @@ CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') 
 
 def _fail(exc: Exception) -> NoReturn:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    # escaped: a value such as [10, 12] or a fix's [...] is text, not rich markup
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(2)
 
 
@@ -79,7 +81,8 @@ def _nothing_to_do():
 def handles_errors(command):
     """The one error wrapper of every command: a problem the user can fix (a UspError) is printed
     as one red line (with its fix) and exits 2, never as a stack trace. A run that is already at
-    train.steps says so and exits 0."""
+    train.steps says so and exits 0. Ctrl-C before any rank runs (planning, preparing data, importing
+    torch) is one line and exit code 130 (once ranks run, usp/launch/stop_signals.py handles it)."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
@@ -89,6 +92,11 @@ def handles_errors(command):
         except _nothing_to_do() as done:
             typer.echo(str(done))
             raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            from usp.run.files import EXIT_INTERRUPTED
+
+            typer.echo("usp: interrupted (SIGINT)", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
 
@@ -162,11 +170,28 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
     for line in report(result):
         typer.echo(line)
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
     if out:
         write_text_atomic(Path(out), result.yaml)
-        typer.echo(f"cluster group written to {out} (use it with cluster={Path(out).stem} or commit it)")
+        typer.echo(f"cluster group written to {out}; use it: usp plan {cluster_override(out)} (or usp train, "
+                   "usp estimate; any command that takes cluster=)")
     else:
         typer.echo(result.yaml)
+
+
+def cluster_override(out: str) -> str:
+    """The cluster= override that selects a written cluster group: its name inside conf/cluster, else
+    its path (with ./ where the path alone would read as a name)."""
+    from pathlib import Path
+
+    from usp.config.paths import conf_dir
+
+    path = Path(out).expanduser()
+    if path.resolve().parent == conf_dir() / "cluster" and path.suffix == ".yaml":
+        return f"cluster={path.stem}"
+    shown = str(path) if "/" in str(path) or path.suffix in (".yaml", ".yml") else f"./{path}"
+    return f"cluster={shown}"
 
 
 @app.command()
@@ -207,25 +232,35 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     require_torch("train")
     run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
 
+    failure = None
     try:
         code = launch_local(run_plan, plan_path)
-    except Exception as exc:  # one rank runs in-process: show its traceback, then the same summary as torchrun's
-        import traceback
-
-        if isinstance(exc, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
-            typer.echo(f"error: {exc}", err=True)
-        else:
-            traceback.print_exc()
-        code = 1
+    except Exception as exc:  # one rank runs in-process: the same summary as torchrun's below
+        failure, code = exc, 1
     finally:
         release(run_plan.run_dir)
     if code:
-        from usp.launch.status import print_failure_summary
-        from usp.run.files import logs_dir
-
-        print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
-        typer.echo(f"usp: training exited with code {code}; per-rank logs in {logs_dir(run_plan.run_dir)}", err=True)
+        _say_why(run_plan.run_dir, code, failure)
     raise typer.Exit(code)
+
+
+def _say_why(run_dir, code: int, failure: Exception | None) -> None:
+    """After a failed run: the root cause from logs/failure_rank*.json first, then one line saying
+    where the tracebacks are (the ranks' own stay in the logs). Without a failure record, the
+    in-process rank's error as it is. A stop on a signal: the ranks or the launcher said so."""
+    from usp.launch.status import print_failure_summary
+    from usp.run.files import STOP_CODES, logs_dir
+
+    if code in STOP_CODES:
+        return
+    if not print_failure_summary(run_dir) and failure is not None:
+        if isinstance(failure, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
+            typer.echo(f"error: {failure}", err=True)
+        else:
+            import traceback
+
+            traceback.print_exception(failure)
+    typer.echo(f"usp: training exited with code {code}; tracebacks and per-rank logs in {logs_dir(run_dir)}", err=True)
 
 
 @app.command()
@@ -329,13 +364,15 @@ def prepare_data(overrides: list[str] | None = Overrides,
                                             "of this dataset, unused shards and tokenizers, temp dirs")) -> None:
     """Tokenize the data group's corpus once (tokenizer + uint16/uint32 train/val token files)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from usp.data.prepare import ensure_dataset
 
     composed, _ = _compose(overrides)
     console = Console()
     path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"),
-                                show_progress=console.is_terminal)
+                                show_progress=console.is_terminal,
+                                warn=lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}", highlight=False))
     console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
                   f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}, {meta['dtype']}")
     if clean and composed.data.source != "token_files":

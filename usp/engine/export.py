@@ -3,9 +3,11 @@
 Reads the model part of a torch.distributed.checkpoint (DCP) save in a single process with
 DCP's own loader (`_load_state_dict_from_keys`: full, unsharded tensors whatever layout saved
 them), and writes {FQN: tensor} with torch.save (or safetensors) plus config.json with the
-architecture. Tied weights are stored once (torch: two keys share one storage; safetensors:
-the duplicate key is dropped) and listed under "tied_weights" in config.json. --format hf writes a
-Hugging Face directory instead (usp/engine/hf_checkpoint.py).
+architecture. Tied weights are stored once (torch: two keys share one storage; safetensors: the
+duplicate key is dropped) and listed under "tied_weights" in config.json. A checkpoint written
+before usp's RoPE layout change has its q/k rows converted (usp/engine/rope_upgrade.py): every
+export is in today's layout. --format hf writes a Hugging Face directory instead
+(usp/engine/hf_checkpoint.py).
 
 Every format writes one directory the export owns (model.pt or model.safetensors + config.json,
 or the HF files): a torch file has no room for the architecture without changing what torch.load
@@ -22,7 +24,9 @@ from pathlib import Path
 import torch
 
 from usp.engine.hf_checkpoint import DEFAULT_SHARD_MB, HFExportResult, write_hf
+from usp.engine.rope_upgrade import checkpoint_rope_layout, upgrade_rope_rows
 from usp.errors import UspError
+from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
     CHECKPOINTS,
     MANIFEST,
@@ -108,8 +112,12 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))
     state = load_model_state(ckpt)
     model_cfg = _model_config(plan)
+    if checkpoint_rope_layout(ckpt) != ROPE_LAYOUT:  # written before usp's RoPE layout change
+        upgrade_rope_rows(state, model_cfg)
     padding = _strip_vocab_padding(state, int(model_cfg["vocab_size"]))
     target = Path(out) if out else run_dir / "export" / f"{fmt}_step{ckpt_step:08d}"
+    if fmt == "hf":
+        _check_hf_exportable(state)
     with staged(target) as tmp:  # swapped into place as the block ends (a return included)
         if fmt == "hf":
             return replace(write_hf(state, model_cfg, plan, ckpt, ckpt_step, tmp, max_shard_mb or DEFAULT_SHARD_MB),
@@ -144,6 +152,7 @@ def _write_portable(state: dict, model_cfg: dict, plan: dict, ckpt: Path, ckpt_s
         "weights": WEIGHTS[fmt], "weights_format": fmt, "tied_weights": tied,
         "vocab_padding_removed": padding, "n_params": sum(t.numel() for t in unique.values()), "step": ckpt_step,
         "source_checkpoint": str(ckpt), "run": plan.get("name"), "model_name": plan["config"]["model"].get("name"),
+        "rope_layout": ROPE_LAYOUT,  # q/k rows as usp.models.llama.Llama rotates them (usp/models/rope_layout.py)
     }
     (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return config
@@ -159,6 +168,16 @@ def _check_format(fmt: str) -> None:
         except ImportError:
             raise ExportError("the safetensors package is not installed", key="--format", value=fmt,
                               fix="pip install safetensors (or --format torch)") from None
+
+
+def _check_hf_exportable(state: dict) -> None:
+    """Mixtral routes by its gate's top-k alone: a model trained with aux-loss-free balancing picks
+    its experts with a bias (usp.models.moe) that MixtralForCausalLM has no place for."""
+    biased = [k for k in state if k.endswith("expert_bias")]
+    if biased:
+        raise ExportError(f"the checkpoint has router biases ({biased[0]}, model.router_bias_update_rate > 0): "
+                          "Mixtral has no router bias, so transformers would route other experts", key="--format",
+                          value="hf", fix="--format safetensors or --format torch (usp's own model keeps the bias)")
 
 
 def _strip_vocab_padding(state: dict, vocab: int) -> int:

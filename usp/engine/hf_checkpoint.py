@@ -3,9 +3,9 @@
 Out: a directory that transformers.AutoModelForCausalLM.from_pretrained loads (LlamaForCausalLM, or
 MixtralForCausalLM for a MoE model): config.json (usp/plan/hf_config.py), safetensors shards with
 model.safetensors.index.json, and the dataset's tokenizer files when it has an HF tokenizer. Names
-and the RoPE row order are converted in usp/models/hf_convert.py. usp/engine/export.py writes it
-into a temporary directory beside the target and swaps it into place: a crash never leaves half an
-export.
+are converted in usp/models/hf_convert.py (the tensors themselves are HF's: same RoPE layout).
+usp/engine/export.py writes it into a temporary directory beside the target and swaps it into
+place: a crash never leaves half an export.
 
 In: the model (or pipeline stage) is built on the meta device, parallelized and allocated (this rank's
 shards only, usp/engine/parallel/materialize.py); then `load_hf_weights` goes through its parameters
@@ -67,8 +67,7 @@ def write_hf(state: dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: 
     tied = bool(model_cfg.get("tie_embeddings"))
     if tied:
         state.pop("output.weight", None)  # stored once, as the embedding (transformers re-ties it)
-    n_kv = int(model_cfg.get("n_kv_heads") or model_cfg["n_heads"])
-    hf_state = to_hf(state, int(model_cfg["n_heads"]), n_kv)
+    hf_state = to_hf(state)
     dtype = str(next(iter(hf_state.values())).dtype).replace("torch.", "")
     config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
     out.mkdir(parents=True)
@@ -188,7 +187,7 @@ def load_hf_weights(model: nn.Module, path: str | Path, place: Place | None = No
     with _hf_reader(path) as (available, get):
         _check_names(type(model), args, available, path)
         for name, p, shape, rows in model.full_parameters():
-            src = from_hf({n: get(n) for n in hf_names(name, args.n_experts)}, args.n_heads, args.n_kv_heads)[name]
+            src = from_hf({n: get(n) for n in hf_names(name, args.n_experts)})[name]
             (place or copy_whole)(p, _fitted(model, name, src, shape, seed, path)[rows])
 
 

@@ -4,7 +4,7 @@ Names (usp -> HF; `layers.{i}` -> `model.layers.{i}`):
 
   tok_embeddings.weight                   model.embed_tokens.weight
   layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
-  layers.{i}.attention.wq/wk/wv/wo        model.layers.{i}.self_attn.q_proj/k_proj/v_proj/o_proj  (wq, wk permuted)
+  layers.{i}.attention.wq/wk/wv/wo        model.layers.{i}.self_attn.q_proj/k_proj/v_proj/o_proj
   layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
   layers.{i}.feed_forward.w1/w3/w2        model.layers.{i}.mlp.gate_proj/up_proj/down_proj          (dense)
   layers.{i}.feed_forward.router.weight   model.layers.{i}.block_sparse_moe.gate.weight             (Mixtral)
@@ -14,11 +14,10 @@ Names (usp -> HF; `layers.{i}` -> `model.layers.{i}`):
   norm.weight                             model.norm.weight
   output.weight                           lm_head.weight    (absent when tied: tie_word_embeddings)
 
-RoPE layout: usp rotates interleaved pairs (x[2j], x[2j+1]) as Meta's Llama does; HF rotates
-halves (x[j], x[j + head_dim/2]) (`rotate_half`). The same model therefore has the rows of every
-head of wq and wk in another order: HF row j of a head is usp row 2j, HF row j + head_dim/2 is usp
-row 2j + 1 (the permutation of transformers' convert_llama_weights_to_hf.py). q . k is unchanged
-because both q and k are permuted alike; v and o are not rotated and keep their order.
+RoPE: usp rotates channel j with channel j + head_dim/2, as transformers' `rotate_half` does, so
+q_proj and k_proj are usp's wq and wk row for row (no permutation: each tensor converts on its own,
+and any shard of it is the same shard of HF's). usp checkpoints written before that layout change
+(interleaved pairs) are converted on load: usp/models/rope_layout.py.
 
 usp's stacked experts are (E, dim, hidden) for x @ w; HF's per-expert nn.Linear weights are
 (hidden, dim) for x @ w.T: each expert's matrix is transposed. Pure tensor shuffling: no engine
@@ -42,19 +41,7 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
 _EXPERTS = ("w1", "w2", "w3")
 
 
-def interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of wq/wk (n_heads * head_dim, dim) from usp's interleaved RoPE pairs to HF's halves."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of interleaved_to_halves."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def to_hf(state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """usp FQN -> tensor (full tensors, vocabulary padding removed) to HF name -> tensor."""
     out = {}
     for name, t in state.items():
@@ -68,17 +55,13 @@ def to_hf(state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict
             for e in range(t.shape[0]):
                 out[f"{prefix}block_sparse_moe.experts.{e}.{which}.weight"] = t[e].t().contiguous()
         elif rest in _DENSE:
-            if rest == "attention.wq.weight":
-                t = interleaved_to_halves(t, n_heads)
-            elif rest == "attention.wk.weight":
-                t = interleaved_to_halves(t, n_kv_heads)
             out[prefix + _DENSE[rest]] = t.contiguous()
         else:
             raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
     return out
 
 
-def from_hf(hf: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+def from_hf(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF name -> tensor to usp FQN -> tensor (the inverse of to_hf; experts stacked again)."""
     top = {v: k for k, v in _TOP.items()}
     dense = {v: k for k, v in _DENSE.items()}
@@ -93,12 +76,7 @@ def from_hf(hf: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int) -> dict[
         if m:
             experts.setdefault((layer, m.group(2)), {})[int(m.group(1))] = t.t()
         elif rest in dense:
-            usp_name = dense[rest]
-            if usp_name == "attention.wq.weight":
-                t = halves_to_interleaved(t, n_heads)
-            elif usp_name == "attention.wk.weight":
-                t = halves_to_interleaved(t, n_kv_heads)
-            out[f"layers.{layer}.{usp_name}"] = t
+            out[f"layers.{layer}.{dense[rest]}"] = t
         elif rest.endswith("rotary_emb.inv_freq"):
             continue  # derived from rope_theta (old checkpoints saved it)
         else:

@@ -3,17 +3,48 @@
 PyTorch's own nn.RMSNorm."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 # ---------------------------------------------------------------------------- RoPE
 
-def precompute_rope(head_dim: int, max_seq_len: int, theta: float = 10000.0,
-                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim // 2), in float32."""
+ROPE_TYPES = ("default", "llama3")  # what precompute_rope implements (transformers' rope_type names)
+
+
+def rope_inv_freq(head_dim: int, theta: float = 10000.0, rope_type: str = "default", factor: float | None = None,
+                  low_freq_factor: float | None = None, high_freq_factor: float | None = None,
+                  original_max_positions: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,) in float32: theta^(-2j / head_dim), and for rope_type
+    "llama3" Llama 3.1's scaling, as transformers' `_compute_llama3_parameters` computes it (same
+    operations in the same order, so the tables are bit-identical): wavelengths longer than
+    original_max_positions / low_freq_factor are divided by `factor`, shorter than
+    original_max_positions / high_freq_factor kept, those between interpolated smoothly. Written
+    here rather than imported: transformers is an optional extra (usp[hf]) that usp/models never
+    imports, and `import transformers.modeling_rope_utils` alone costs 1.5 s (measured, CPU)."""
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r}: usp implements {', '.join(ROPE_TYPES)}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    if rope_type == "default":
+        return inv_freq
+    if None in (factor, low_freq_factor, high_freq_factor, original_max_positions):
+        raise ValueError("rope_type='llama3' needs factor, low_freq_factor, high_freq_factor and "
+                         "original_max_positions")
+    low_freq_wavelen = original_max_positions / low_freq_factor
+    high_freq_wavelen = original_max_positions / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def precompute_rope(inv_freq: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_seq_len, head_dim // 2), in float32 (on inv_freq's device)."""
+    angles = torch.outer(torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -22,14 +53,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     `cos`/`sin` are (s, head_dim // 2): the tables already indexed at the tokens' absolute
     positions, so a shard of the sequence (context parallelism) rotates exactly like the
-    same tokens inside the full sequence. Pairs are interleaved (x[2i], x[2i+1]) as in Meta's
-    Llama. Computed in float32 and cast back.
+    same tokens inside the full sequence. Channel j is paired with channel j + head_dim/2
+    ("rotate half"), as in Hugging Face's Llama: usp's q/k projection weights are transformers'
+    row for row. Computed in float32 and cast back.
     """
-    xf = x.float().unflatten(-1, (-1, 2))
-    x1, x2 = xf[..., 0], xf[..., 1]
+    x1, x2 = x.float().chunk(2, dim=-1)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return out.flatten(-2).type_as(x)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).type_as(x)
 
 
 # ------------------------------------------------------------------ feed-forward

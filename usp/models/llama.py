@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usp.models.layers import FeedForward, apply_rope, precompute_rope
+from usp.models.layers import FeedForward, apply_rope, precompute_rope, rope_inv_freq
 from usp.models.moe import GroupedExperts, MoE
 
 # How a parameter receives its whole-model value (initialisation, an imported checkpoint):
@@ -44,6 +44,12 @@ class LlamaArgs:
     vocab_size: int = 4096
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    # RoPE frequency scaling (usp.models.layers.rope_inv_freq): "default" (none) or "llama3"
+    rope_type: str = "default"
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_positions: int | None = None
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # Mixture of experts (usp.models.moe): n_experts > 0 replaces every block's MLP.
@@ -52,6 +58,7 @@ class LlamaArgs:
     moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
     shared_expert: bool = False
     capacity_factor: float = 0.0  # 0 = dropless
+    router_bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (usp.models.moe)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -67,6 +74,13 @@ class LlamaArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def rope_tables(self, max_seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos/sin tables (max_seq_len, head_dim // 2), with this model's frequency scaling."""
+        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_type, self.rope_factor,
+                                 self.rope_low_freq_factor, self.rope_high_freq_factor,
+                                 self.rope_original_max_positions, device=device)
+        return precompute_rope(inv_freq, max_seq_len)
 
     @classmethod
     def from_config(cls, model_cfg: Any, vocab_size: int | None = None) -> LlamaArgs:
@@ -156,7 +170,7 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so they stay out of checkpoints.
-        cos, sin = precompute_rope(args.head_dim, max_seq_len, args.rope_theta)
+        cos, sin = args.rope_tables(max_seq_len)
         self.sequence_shards = 1  # > 1 when hidden states are sequence-sharded (tensor + sequence parallel)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -259,9 +273,12 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """The RoPE tables (non-persistent buffers, derived from args)."""
-        cos, sin = precompute_rope(self.args.head_dim, self.max_seq_len, self.args.rope_theta,
-                                   device=self.rope_cos.device)
+        """The RoPE tables (non-persistent buffers, derived from args) and the aux-loss-free
+        balancing biases (zero: balancing starts unbiased)."""
+        for m in self.modules():
+            if isinstance(m, MoE) and m.expert_bias is not None:
+                m.expert_bias.zero_()
+        cos, sin = self.args.rope_tables(self.max_seq_len, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

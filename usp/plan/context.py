@@ -40,6 +40,9 @@ def data_vocab(model, data) -> int:
 
 
 def planner_context(cfg, vocab: int | None = None) -> PlannerContext:
+    from usp.plan.hf_config import adopt_hf_shape
+
+    adopt_hf_shape(cfg.model)  # model.init_from: the keys no one set come from its config.json
     train = cfg.train
     seq = int(train.seq_len)
     gb = int(train.global_batch_tokens) // seq if train.global_batch_tokens is not None else int(train.global_batch)

@@ -1,8 +1,10 @@
 """Hugging Face `config.json` <-> usp's model group, in pure Python (no torch, no transformers).
 
-Used at plan time to check a `model.init_from` checkpoint against the model group (`usp plan` and
-`usp train` refuse the same mismatch, before launch), and by `usp export --format hf` to write
-the config.json that transformers reads. Two HF architectures map onto usp's Llama:
+Used at plan time to give a `model.init_from` run the checkpoint's shape (the model keys no recipe
+or command line set, left MISSING by usp/config/init_from.py, are filled from config.json) and to
+refuse a key that was set and disagrees (`usp plan` and `usp train` refuse it before launch), and by
+`usp export --format hf` to write the config.json that transformers reads. Two HF architectures map
+onto usp's Llama:
 
   model_type "llama"    LlamaForCausalLM     the dense model (model.n_experts = 0)
   model_type "mixtral"  MixtralForCausalLM   top-k routed SwiGLU experts (model.n_experts > 0)
@@ -11,20 +13,34 @@ Field by field (HF -> usp): hidden_size -> dim, num_hidden_layers -> n_layers,
 num_attention_heads -> n_heads, num_key_value_heads -> n_kv_heads, intermediate_size -> ffn_dim
 (Mixtral: the expert's hidden size, moe_ffn_dim or ffn_dim), vocab_size -> the model's
 vocabulary, tie_word_embeddings -> tie_embeddings, rope_theta (or rope_parameters.rope_theta) ->
-rope_theta, rms_norm_eps -> norm_eps, num_local_experts -> n_experts, num_experts_per_tok -> top_k.
-What usp's model can't express (biases, another activation, RoPE scaling, sliding windows, a
-shared expert) is refused by name."""
+rope_theta, rope_scaling / rope_parameters (rope_type, factor, low_freq_factor, high_freq_factor,
+original_max_position_embeddings) -> rope_type, rope_factor, rope_low_freq_factor,
+rope_high_freq_factor, rope_original_max_positions, rms_norm_eps -> norm_eps, num_local_experts ->
+n_experts, num_experts_per_tok -> top_k; a field config.json leaves out has transformers' default
+for that model type. What usp's model can't express (biases, another activation, a RoPE type other
+than default and llama3, sliding windows, a shared expert) is refused by name."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+from usp.config.init_from import CHECKPOINT_KEYS, is_missing
+from usp.config.schema import ModelConfig
 from usp.errors import PlanError
 from usp.perf.nodes import getter
+from usp.plan.rules import ROPE_TYPES
+from usp.run.names import name_problem
 
 CONFIG = "config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+# transformers' LlamaConfig / MixtralConfig defaults for the fields a config.json may leave out
+HF_DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+               "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}}
+# config.json's name of each RoPE scaling value (model.rope_<usp name>)
+HF_ROPE = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+           "original_max_positions": "original_max_position_embeddings"}
 
 
 def read_hf_config(path: str | Path, key: str = "model.init_from") -> dict:
@@ -42,10 +58,20 @@ def read_hf_config(path: str | Path, key: str = "model.init_from") -> dict:
     return config
 
 
-def hf_rope_theta(config: dict) -> float:
-    """rope_theta from transformers >= 5 (rope_parameters) or older (top level); Llama's default."""
-    params = config.get("rope_parameters") or {}
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+def hf_rope(config: dict) -> dict:
+    """RoPE as transformers reads a config.json: {"rope_type", "rope_theta"} and, for llama3, the four
+    scaling values under config.json's names. `rope_scaling` (transformers < 5, Meta's own files) wins
+    over `rope_parameters` (transformers >= 5); rope_theta may sit at the top level (older files); an
+    absent original_max_position_embeddings is the top-level one, else max_position_embeddings."""
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    default_theta = HF_DEFAULTS.get(str(config.get("model_type")), HF_DEFAULTS["llama"])["rope_theta"]
+    out = {"rope_type": params.get("rope_type", params.get("type", "default")),
+           "rope_theta": float(params.get("rope_theta", config.get("rope_theta", default_theta)))}
+    if out["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings",
+                                                                         config.get("max_position_embeddings")))
+        out.update({hf: params.get(hf) for hf in HF_ROPE.values()})
+    return out
 
 
 def usp_fields(model: Any, vocab: int) -> dict:
@@ -60,7 +86,10 @@ def usp_fields(model: Any, vocab: int) -> dict:
         "intermediate_size": int((get("moe_ffn_dim") or get("ffn_dim")) if n_experts else get("ffn_dim")),
         "vocab_size": int(vocab), "tie_word_embeddings": bool(get("tie_embeddings")),
         "rope_theta": float(get("rope_theta")), "rms_norm_eps": float(get("norm_eps")),
+        "rope_parameters.rope_type": str(get("rope_type") or "default"),
     }
+    if out["rope_parameters.rope_type"] == "llama3":
+        out.update({f"rope_parameters.{hf}": get(f"rope_{k}") for k, hf in HF_ROPE.items()})
     if n_experts:
         out.update(num_local_experts=n_experts, num_experts_per_tok=int(get("top_k")))
     return out
@@ -72,35 +101,48 @@ _USP_KEY = {"model_type": "model.n_experts", "hidden_size": "model.dim", "num_hi
             "head_dim": "model.dim", "intermediate_size": "model.ffn_dim", "vocab_size": "model.vocab_size",
             "tie_word_embeddings": "model.tie_embeddings", "rope_theta": "model.rope_theta",
             "rms_norm_eps": "model.norm_eps", "num_local_experts": "model.n_experts",
-            "num_experts_per_tok": "model.top_k"}
+            "num_experts_per_tok": "model.top_k", "rope_parameters.rope_type": "model.rope_type",
+            **{f"rope_parameters.{hf}": f"model.rope_{k}" for k, hf in HF_ROPE.items()}}
 
 
 def check_hf_config(config: dict, model: Any, vocab: int, path: str) -> None:
-    """Raise a PlanError naming the first config.json field that disagrees with the model group
-    (or that usp's model can't express)."""
-    _check_supported(config, model, path)
+    """Raise a PlanError naming the first config.json field that disagrees with the model (a key a
+    recipe or the command line set; the others were filled from config.json) or that usp's model
+    can't express."""
+    _check_supported(config, path)
+    if config.get("model_type") == "mixtral" and getter(model)("shared_expert"):
+        raise PlanError("Mixtral has no shared expert", key="model.shared_expert", value=True,
+                        fix="model.shared_expert=false")
     want = usp_fields(model, vocab)
-    hf = dict(config, rope_theta=hf_rope_theta(config))
+    rope = hf_rope(config)
+    hf = {**config, "rope_theta": rope.pop("rope_theta"), **{f"rope_parameters.{k}": v for k, v in rope.items()}}
     hf.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
     if hf.get("head_dim") is None:
         hf["head_dim"] = want["head_dim"]  # derived from hidden_size / num_attention_heads
     hf.setdefault("tie_word_embeddings", False)  # transformers' default for Llama and Mixtral
+    for field, default in HF_DEFAULTS[config["model_type"]].items():
+        hf.setdefault(field, default)
     for field, value in want.items():
         have = hf.get(field)
         same = (isinstance(value, float) and isinstance(have, int | float) and abs(have - value) <= 1e-9 * abs(value)) \
             or have == value
         if not same:
-            key = _USP_KEY[field]
-            if field == "intermediate_size" and want["model_type"] == "mixtral":
-                key = "model.moe_ffn_dim"
-            fix = f"{key}={have}" if field not in ("model_type", "head_dim") else \
-                "pick the model group that matches this checkpoint"
-            raise PlanError(f"the Hugging Face checkpoint's config.json has {field}={have!r}, the model group gives "
-                            f"{value!r}", key="model.init_from", value=path,
-                            fix=f"{fix} (or another checkpoint)")
+            raise _disagrees(field, have, value, want["model_type"], path)
 
 
-def _check_supported(config: dict, model: Any, path: str) -> None:
+def _disagrees(field: str, have: Any, value: Any, model_type: str, path: str) -> PlanError:
+    key = _USP_KEY[field]
+    if field == "intermediate_size" and model_type == "mixtral":
+        key = "model.moe_ffn_dim"
+    fix = f"{key}={have}" if field not in ("model_type", "head_dim") else \
+        "pick the model group that matches this checkpoint"
+    return PlanError(f"the Hugging Face checkpoint's config.json has {field}={have!r}, but the model has {value!r} "
+                     f"({key}, set by the command line, the recipe or the model group it picks)",
+                     key="model.init_from", value=path,
+                     fix=f"{fix}, or leave {key} unset and config.json gives it (or another checkpoint)")
+
+
+def _check_supported(config: dict, path: str) -> None:
     """Features of config.json that usp's Llama has no equivalent for."""
     def refuse(field: str, value: Any, why: str) -> PlanError:
         return PlanError(f"config.json has {field}={value!r}: {why}", key="model.init_from", value=path,
@@ -114,16 +156,60 @@ def _check_supported(config: dict, model: Any, path: str) -> None:
     for field in ("attention_bias", "mlp_bias"):
         if config.get(field):
             raise refuse(field, config[field], "usp's linear layers have no bias")
-    rope = config.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default" or config.get("rope_scaling"):
-        raise refuse("rope_parameters.rope_type", rope_type if rope_type != "default" else config["rope_scaling"],
-                     "usp's RoPE has no frequency scaling (e.g. Llama 3.1's 'llama3')")
+    rope = hf_rope(config)
+    if rope["rope_type"] not in ROPE_TYPES:
+        raise refuse("rope_parameters.rope_type", rope["rope_type"],
+                     f"usp implements the RoPE types {' and '.join(ROPE_TYPES)}")
+    for field in HF_ROPE.values() if rope["rope_type"] == "llama3" else ():
+        if rope[field] is None:
+            raise refuse(f"rope_parameters.{field}", None, "rope_type llama3 needs it")
     if config.get("sliding_window") is not None:
         raise refuse("sliding_window", config["sliding_window"], "usp's attention is full causal attention")
-    if model_type == "mixtral" and getter(model)("shared_expert"):
-        raise PlanError("Mixtral has no shared expert", key="model.shared_expert", value=True,
-                        fix="model.shared_expert=false")
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if not isinstance(config.get(field), int):
+            raise refuse(field, config.get(field), "usp reads the model's shape from it: an integer")
+
+
+def usp_values(config: dict, path: str) -> dict:
+    """The model keys config.json decides (usp/config/init_from.py CHECKPOINT_KEYS) as usp values,
+    transformers' defaults for the fields it leaves out; the model is named after its directory."""
+    _check_supported(config, path)
+    model_type = config["model_type"]
+    hf = {**HF_DEFAULTS[model_type], **config}
+    rope = hf_rope(config)
+    n_heads = int(hf["num_attention_heads"])
+    moe = model_type == "mixtral"
+    values = {"name": _model_name(path), "dim": int(hf["hidden_size"]), "n_layers": int(hf["num_hidden_layers"]),
+              "n_heads": n_heads, "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
+              "ffn_dim": int(hf["intermediate_size"]), "moe_ffn_dim": 0, "vocab_size": int(hf["vocab_size"]),
+              "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": rope["rope_theta"],
+              "rope_type": rope["rope_type"], "norm_eps": float(hf["rms_norm_eps"]),
+              "n_experts": int(hf["num_local_experts"]) if moe else 0,
+              "top_k": int(hf["num_experts_per_tok"]) if moe else ModelConfig.top_k, "shared_expert": False}
+    values.update({f"rope_{k}": rope.get(hf) for k, hf in HF_ROPE.items()})
+    assert set(values) == set(CHECKPOINT_KEYS), set(values) ^ set(CHECKPOINT_KEYS)
+    return values
+
+
+def _model_name(path: str) -> str:
+    """The checkpoint directory's name as model.name (a run directory is named after it), made a valid
+    name (usp.run.names) where it isn't one."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(path).expanduser().resolve().name).lstrip("._-")
+    return name if name_problem(name) is None else "hf_model"
+
+
+def adopt_hf_shape(model: Any) -> dict:
+    """Fill the model keys left MISSING for model.init_from's checkpoint (usp/config/init_from.py:
+    the keys no recipe or command line set) from its config.json, in place; returns what was filled.
+    Idempotent: nothing is missing the second time."""
+    missing = [k for k in CHECKPOINT_KEYS if is_missing(model, k)]
+    if not missing:
+        return {}
+    init_from = getter(model)("init_from")
+    values = usp_values(read_hf_config(init_from), str(init_from))
+    for key in missing:
+        model[key] = values[key]
+    return {key: values[key] for key in missing}
 
 
 def hf_config(model: dict, vocab: int, max_seq_len: int, dtype: str, extra: dict | None = None) -> dict:
@@ -131,11 +217,15 @@ def hf_config(model: dict, vocab: int, max_seq_len: int, dtype: str, extra: dict
     fields = usp_fields(model, vocab)
     model_type = fields["model_type"]
     theta = fields.pop("rope_theta")
+    rope = {k.split(".", 1)[1]: fields.pop(k) for k in list(fields) if k.startswith("rope_parameters.")}
     config = {"architectures": [ARCHITECTURES[model_type]], **fields, "hidden_act": "silu",
               "max_position_embeddings": int(max_seq_len),
-              # transformers >= 5 reads rope_parameters; older versions the top-level rope_theta
-              "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_theta": theta,
+              # transformers >= 5 reads rope_parameters; older versions the top-level rope_theta and
+              # rope_scaling (which transformers 5 also reads, and prefers)
+              "rope_parameters": {**rope, "rope_theta": theta}, "rope_theta": theta,
               "initializer_range": float(model.get("init_std", 0.02)), "dtype": dtype, "use_cache": True}
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = rope
     if model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     else:
