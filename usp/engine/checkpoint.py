@@ -71,6 +71,17 @@ class Checkpointer:
         self._pending = None  # (future, tmp dir, step) of an async save
         self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
         self.ep = int(plan["config"]["parallelism"].get("ep", 1) or 1)
+        self._async_group = self._background_group()
+
+    def _background_group(self):
+        """An async save's collectives (DCP's plan exchange) run in a background thread while
+        training goes on: on a process group of their own (as torchtitan), because a mesh dim that
+        spans every rank reuses the default group, and two threads' collectives on one gloo group
+        mix their messages (measured: 'Received data size doesn't match expected size', an abort at
+        the first async save of any 2-rank FSDP run). Every rank creates it, here (a collective)."""
+        if self.async_mode != "async" or not (self.enabled and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        return dist.new_group(backend="gloo")
 
     # -- what goes in ------------------------------------------------------------------
     def _state(self) -> dict:
@@ -111,8 +122,8 @@ class Checkpointer:
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
                 with single_process_is_intended():
-                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp)), tmp,
-                                     step, started)
+                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp),
+                                                    process_group=self._async_group), tmp, step, started)
             else:
                 with single_process_is_intended():
                     dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
