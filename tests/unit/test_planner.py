@@ -350,6 +350,25 @@ def test_mixtral_plans_with_ep_x_fsdp_x_tp_x_pp_on_h100():
     assert any("EP all-to-all" in c.name and c.group == 8 for c in plan.timing.comm)
 
 
+def test_measured_expert_imbalance_slows_ep_and_is_said():
+    """model.expert_load_imbalance (the measured max/mean tokens per expert): the busiest EP rank
+    receives and computes that much more; without EP nothing changes; the plan says which it assumed."""
+    cfg, _ = cfg_for("model=mixtral_8x7b")
+    hw, lay = h100(nodes=8), Layout(dp_shard=64, ep=8, micro_batch=1)
+    even, skewed = (timing_plan(replace(Arch.from_model(cfg.model), expert_load_imbalance=i), lay, 4096, 64, hw, BF16)
+                    for i in (1.0, 1.5))
+    a2a = [next(c for c in t.comm if c.name.startswith("EP")) for t in (even, skewed)]
+    assert a2a[1].bytes_per_step == pytest.approx(1.5 * a2a[0].bytes_per_step)
+    assert skewed.micro_batch_s > even.micro_batch_s and skewed.mfu < even.mfu
+    assert any("experts assumed balanced (model.expert_load_imbalance=1" in line for line in even.assumptions)
+    assert any("x 1.5 on the busiest rank" in line for line in skewed.assumptions)
+    no_ep = [timing_plan(replace(Arch.from_model(cfg.model), expert_load_imbalance=i), replace(lay, ep=1), 4096, 64,
+                         hw, BF16) for i in (1.0, 1.5)]
+    assert no_ep[0].step_s == no_ep[1].step_s and not any("imbalance" in line for line in no_ep[1].assumptions)
+    with pytest.raises(PlanError, match="model.expert_load_imbalance=0.9"):
+        build_plan(*compose_config(None, ["model=moe_tiny", "model.expert_load_imbalance=0.9"]))
+
+
 # --- time -------------------------------------------------------------------------------------------
 
 def test_flops_match_arch_and_hfu():

@@ -35,8 +35,10 @@ CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') 
 
 def _fail(exc: Exception) -> NoReturn:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    # escaped: a value such as [10, 12] or a fix's [...] is text, not rich markup
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(2)
 
 
@@ -168,11 +170,28 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
     for line in report(result):
         typer.echo(line)
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
     if out:
         write_text_atomic(Path(out), result.yaml)
-        typer.echo(f"cluster group written to {out} (use it with cluster={Path(out).stem} or commit it)")
+        typer.echo(f"cluster group written to {out}; use it: usp plan {cluster_override(out)} (or usp train, "
+                   "usp estimate; any command that takes cluster=)")
     else:
         typer.echo(result.yaml)
+
+
+def cluster_override(out: str) -> str:
+    """The cluster= override that selects a written cluster group: its name inside conf/cluster, else
+    its path (with ./ where the path alone would read as a name)."""
+    from pathlib import Path
+
+    from usp.config.paths import conf_dir
+
+    path = Path(out).expanduser()
+    if path.resolve().parent == conf_dir() / "cluster" and path.suffix == ".yaml":
+        return f"cluster={path.stem}"
+    shown = str(path) if "/" in str(path) or path.suffix in (".yaml", ".yml") else f"./{path}"
+    return f"cluster={shown}"
 
 
 @app.command()

@@ -27,8 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from usp.engine.diskfull import disk_full_error, is_disk_full
+from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.engine.rope_upgrade import LAYOUT_KEY, checkpoint_rope_layout, upgrade_rope_rows
+from usp.errors import PlanError, UspError
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
     MANIFEST,
@@ -61,10 +63,14 @@ class Checkpointer:
         self.schedulers, self.sampler, self.log = schedulers, sampler, log
         self.enabled, self.interval = bool(cfg["enabled"]), int(cfg["interval"])
         self.keep_last, self.async_mode, self.resume_mode = int(cfg["keep_last"]), cfg["async_mode"], cfg["resume"]
+        if self.async_mode not in ("none", "async"):  # the plan refuses others (usp.plan.rules)
+            raise PlanError("choose none or async", key="checkpoint.async_mode", value=self.async_mode,
+                            fix="checkpoint.async_mode=none")
         self.dir = checkpoint_dir(plan)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
         self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
+        self.ep = int(plan["config"]["parallelism"].get("ep", 1) or 1)
 
     # -- what goes in ------------------------------------------------------------------
     def _state(self) -> dict:
@@ -76,6 +82,11 @@ class Checkpointer:
             model.update(m)
             optim.update(o)
         return {"model": model, "optim": optim}
+
+    def _saved_state(self, state: dict) -> dict:
+        """`state` as DCP stores it: expert-parallel weights as the whole tensors they are slices
+        of (parallel/expert.py: global_expert_state), sharing the model's storage."""
+        return global_expert_state(state, self.ctx, self.ep)
 
     # -- save ----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -100,10 +111,11 @@ class Checkpointer:
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
                 with single_process_is_intended():
-                    self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
+                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp)), tmp,
+                                     step, started)
             else:
                 with single_process_is_intended():
-                    dcp.save(self._state(), checkpoint_id=str(tmp))
+                    dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
                 self._publish(tmp, step, started)
         self.last_saved = step
 
@@ -195,8 +207,10 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         state = self._state()
+        loaded = _present(self._saved_state(state), path)
         with single_process_is_intended():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
+        state = _with_loaded_values(state, loaded)
         if checkpoint_rope_layout(path) != ROPE_LAYOUT:  # written before usp's RoPE layout change
             converted = upgrade_rope_rows(state["model"], self.plan["config"]["model"])
             converted += upgrade_rope_rows(state["optim"], self.plan["config"]["model"])
@@ -234,15 +248,16 @@ MISMATCH, CORRUPT, MISSING = "a shape/architecture mismatch", "corrupt", "missin
 _MISMATCH_TEXT = ("size mismatch", "missing key", "unexpected key", "shape mismatch")
 
 
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes."""
+class CheckpointLoadError(UspError):
+    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes. A
+    UspError: one message, no traceback (`usp train` refuses the missing and mismatched cases first)."""
 
     def __init__(self, path: Path, kind: str, detail: str):
         self.path, self.kind = path, kind
         fix = ("train.name=<a new name> (a new run), checkpoint.resume=never (train from scratch here), or the "
                "model settings it was saved with (its plan.yaml)" if kind == MISMATCH else
                "checkpoint.resume=never (train from scratch here), or checkpoint.resume=<an intact step_N directory>")
-        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}\n  fix: {fix}")
+        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}", fix=fix)
 
 
 def classify_load_error(exc: BaseException) -> tuple[str, str]:
@@ -258,6 +273,21 @@ def classify_load_error(exc: BaseException) -> tuple[str, str]:
     if any(isinstance(c, FileNotFoundError) for c in causes):
         return MISSING, detail
     return CORRUPT, detail
+
+
+def _present(state: dict, path: Path) -> dict:
+    """`state` less the aux-loss-free balancing biases the checkpoint doesn't have (saved before
+    model.router_bias_update_rate was turned on): they keep their initial zeros."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = {k: v for k, v in state["model"].items() if not k.endswith("expert_bias") or f"model.{k}" in saved}
+    return {**state, "model": model}
+
+
+def _with_loaded_values(state: dict, loaded: dict) -> dict:
+    """`state` with the values DCP replaced rather than filled in place (the optimizer's lr,
+    betas, ...: not tensors) taken from `loaded`, a copy of it (_saved_state, _present)."""
+    return {part: {k: v if isinstance(v, torch.Tensor) else loaded[part].get(k, v) for k, v in sd.items()}
+            for part, sd in state.items()}
 
 
 def _layout(degrees: dict) -> str:

@@ -35,7 +35,7 @@ from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
-from usp.errors import UspError
+from usp.errors import PlanError, UspError
 from usp.perf.layout import data_parallel_kind
 from usp.run.files import (
     SPAN_BACKWARD,
@@ -78,6 +78,8 @@ class Trainer:
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
         self.experts = expert_clip_args(self.parts.modules, ctx, int(self.cfg.parallelism.ep))
+        self.moe = int(self.cfg.model.get("n_experts", 0) or 0) > 0
+        self.step_load: dict = {}  # MoE: the last step's tokens per expert of this rank's layers
         # One optimizer (and LR schedule) per model part: pipeline ranks may hold several stages,
         # and checkpoints map each optimizer's state to its part's parameter names.
         # plain-DDP ZeRO-1 (ZeroRedundancyOptimizer); with TP/PP, FSDP2 already shards the states
@@ -122,7 +124,15 @@ class Trainer:
             if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
                 return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
             self._optimizer_step()
+            self._finish_moe_step()
         return loss, grad_norm
+
+    def _finish_moe_step(self, update_bias: bool = True) -> None:
+        """MoE: the step's tokens per expert (for the metrics) and the aux-loss-free bias update."""
+        if self.moe:
+            from usp.engine.parallel.balance import finish_step
+
+            self.step_load = finish_step(self.parts.modules, update_bias)
 
     def _optimizer_step(self, apply: bool = True) -> None:
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
@@ -137,10 +147,15 @@ class Trainer:
         ranks), found before the optimizer step. train.nan_policy=skip drops the step; stop keeps
         the weights of the last good step, checkpoints them and stops."""
         message = f"non-finite {what} {value} at step {step + 1}"
-        if self.cfg.train.nan_policy == "skip":
+        policy = self.cfg.train.nan_policy
+        if policy not in ("skip", "stop"):  # the plan refuses others (usp.plan.rules); never acts as another
+            raise PlanError("unknown policy; choose stop or skip", key="train.nan_policy", value=policy,
+                            fix="train.nan_policy=stop")
+        if policy == "skip":
             self.log.info("%s: step skipped (train.nan_policy=skip)", message)
             self.console.print(f"usp: {message}: step skipped")
             self._optimizer_step(apply=False)
+            self._finish_moe_step(update_bias=False)
             return loss, float("nan")
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -160,8 +175,8 @@ class Trainer:
             with gradient_sync(model, i == len(micro_batches) - 1), self._loss_context():
                 with self.autocast, self._region(SPAN_FORWARD):
                     loss = self._loss(model(x, positions), y)
-                with self._region(SPAN_BACKWARD):
-                    (loss / self.accum + self._aux_loss()).backward()
+                with self._region(SPAN_BACKWARD):  # a MoE layer's aux loss joins through its output
+                    (loss / self.accum).backward()
             total = total + loss.detach().to(torch.float64)
         return total / len(micro_batches)
 
@@ -233,7 +248,8 @@ class Trainer:
                       "tokens": done * self.global_tokens, "step_time_s": dt,
                       "tokens_per_s": self.global_tokens / dt,
                       "tokens_per_s_per_device": self.global_tokens / dt / self.ctx.world_size,
-                      "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait)}
+                      "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait),
+                      **self._expert_load()}
             self._log_record(step, record)
         self.console.step(done, record)
         self.last_completed_step = done
@@ -318,6 +334,16 @@ class Trainer:
             out["slurm_restart_count"] = self.slurm_restart_count
         return out
 
+    def _expert_load(self) -> dict:
+        """MoE: {"expert_load": {layer: tokens per expert min / max / mean, imbalance}} of the
+        step just taken (every rank calls it: pipeline ranks gather their layers)."""
+        if not self.moe:
+            return {}
+        from usp.engine.parallel.balance import expert_load
+
+        load = expert_load(self.step_load, self.ctx, int(self.cfg.model.n_layers))
+        return {"expert_load": load} if load else {}
+
     def warn(self, message: str) -> None:
         """A warning for the user: rank log and rank 0's console."""
         self.log.warning("%s", message)
@@ -350,15 +376,6 @@ class Trainer:
     @staticmethod
     def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-
-    def _aux_loss(self):
-        """MoE load-balancing loss of the last forward (0 for dense models)."""
-        coef = float(self.cfg.model.get("aux_loss_coef", 0.0))
-        if int(self.cfg.model.get("n_experts", 0)) == 0 or coef == 0:
-            return 0.0
-        from usp.models.moe import moe_aux_loss
-
-        return coef * moe_aux_loss(self.parts.modules[0]) / self.accum
 
 
 class Stopped(Exception):

@@ -20,7 +20,8 @@ from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures, recorded
 from usp.engine.parallel import mesh as udist
 from usp.engine.trainer import Stopped, Trainer
-from usp.errors import UspError
+from usp.errors import PlanError, UspError
+from usp.plan.rules import field_failures
 from usp.run import lock as runlock
 from usp.run.files import (
     EXIT_INTERRUPTED,
@@ -40,6 +41,7 @@ from usp.run.files import (
 def run_worker(plan_path: str) -> int:
     """Train one rank; returns 0, or after a stop signal EXIT_INTERRUPTED (SIGINT) or EXIT_PREEMPTED."""
     plan = read_plan(Path(plan_path))
+    check_values(plan)
     cfg = plan["config"]["train"]
     torch.manual_seed(int(cfg["seed"]))
     apply_determinism(plan)
@@ -73,6 +75,17 @@ def run_worker(plan_path: str) -> int:
             lock.release()
         udist.teardown(clean)
     return code
+
+
+def check_values(plan: dict) -> None:
+    """The second line behind `usp plan`'s: plan.yaml's values against the field rules (a plan edited by
+    hand, or written by another usp version), refused as one PlanError naming the key, before torch works."""
+    found = field_failures(plan["config"])
+    if found:
+        raise found[0]
+    if int(plan["threads_per_proc"]) < 1:
+        raise PlanError("must be at least 1", key="threads_per_proc", value=plan["threads_per_proc"],
+                        fix="plan the run again (usp train): cluster.threads_per_proc=0 derives it")
 
 
 def _log_placement(ctx, plan: dict) -> None:

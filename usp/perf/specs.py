@@ -38,6 +38,7 @@ class Arch:
     moe_ffn_dim: int = 0
     shared_expert: bool = False
     attention: str = "sdpa"
+    expert_load_imbalance: float = 1.0  # measured max / mean tokens per expert (1 = balanced)
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
@@ -48,7 +49,8 @@ class Arch:
                    ffn_dim=int(g("ffn_dim")), vocab_size=int(vocab_size or g("vocab_size")),
                    tie_embeddings=bool(g("tie_embeddings", True)), n_experts=int(g("n_experts", 0) or 0),
                    top_k=int(g("top_k", 2) or 2), moe_ffn_dim=int(g("moe_ffn_dim", 0) or 0),
-                   shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")))
+                   shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")),
+                   expert_load_imbalance=float(g("expert_load_imbalance", 1.0) or 1.0))
 
     @property
     def head_dim(self) -> int:

@@ -244,11 +244,30 @@ def _layer_matmuls(arch: Arch, layout: Layout, seq_len: int) -> list[tuple[str, 
     t, h, kv = layout.tp, arch.dim, arch.kv_dim
     out = [("q/o", 6 * 2 * h * h / t, h / t), ("k/v", 6 * 2 * h * kv / t, kv / t),
            ("attention", 12 * h * seq_len / t, seq_len / layout.cp)]
-    if arch.moe:  # a MoE layer's work is repeated on every TP rank
-        out.append(("moe", 6 * arch.parts["active_mlp"], arch.moe_ffn_dim or arch.ffn_dim))
+    if arch.moe:  # a MoE layer's work is repeated on every TP rank; the busiest EP rank's experts get
+        extra = (_imbalance(arch, layout) - 1) * arch.top_k * arch.parts["expert"]  # imbalance x the mean
+        out.append(("moe", 6 * (arch.parts["active_mlp"] + extra), arch.moe_ffn_dim or arch.ffn_dim))
     else:
         out.append(("mlp", 6 * arch.dense_mlp_params / t, arch.ffn_dim / t))
     return out
+
+
+def _imbalance(arch: Arch, layout: Layout) -> float:
+    """Tokens on the busiest EP rank over the mean: model.expert_load_imbalance (measured max / mean
+    per expert: an upper bound for a rank holding several experts). Without EP every rank runs
+    every token's experts, whatever their balance."""
+    return arch.expert_load_imbalance if arch.moe and layout.ep > 1 else 1.0
+
+
+def ep_assumption(arch: Arch, layout: Layout) -> list[str]:
+    if not (arch.moe and layout.ep > 1):
+        return []
+    imbalance = _imbalance(arch, layout)
+    if imbalance == 1.0:
+        return ["EP all-to-all and expert compute: experts assumed balanced (model.expert_load_imbalance=1; "
+                "give the measured max/mean tokens per expert, metrics.jsonl expert_load)"]
+    return [f"EP all-to-all and expert compute x {imbalance:g} on the busiest rank: the measured "
+            f"model.expert_load_imbalance (max/mean tokens per expert)"]
 
 
 def _stage_matmuls(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[int, tuple, tuple]:
@@ -325,8 +344,9 @@ def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, layers_r
     """Expert parallel: dispatch + combine all-to-alls, forward and backward."""
     passes = 3 if layout.recompute == "full" else 2
     calls = 2 * passes * layers_r * layout.grad_accum
+    size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout)  # the busiest rank's
     return Comm("EP all-to-all (tokens)", "ep", "all_to_all", layout.ep, _ep_crosses_nodes(layout, hw),
-                min(layout.ep, hw.procs_per_node), calls, tokens_mb * arch.top_k * arch.dim * prec.act, path=True)
+                min(layout.ep, hw.procs_per_node), calls, size, path=True)
 
 
 def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
@@ -649,4 +669,5 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
         fixed_s=tm.fixed_s,
         step_s=step, tokens_per_s=tokens_step / step, tokens_per_s_per_device=tokens_step / step / world,
         mfu=mfu_value, hfu=hw_step / (step * world * peak), world=world, profile=profile.name,
-        mfu_band=band, calibration=notes, assumptions=_assumptions(layout, hw, prec, shape, tm, eff, profile))
+        mfu_band=band, calibration=notes,
+        assumptions=_assumptions(layout, hw, prec, shape, tm, eff, profile) + ep_assumption(arch, layout))

@@ -4,6 +4,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from usp.run.files import checkpoint_dir
+
 MAX_RANK_ROWS = 16
 
 
@@ -27,6 +29,9 @@ def render_plan(plan, console: Console | None = None) -> None:
     summary.add_column(style="bold cyan")
     summary.add_column()
     layout = " x ".join(f"{d}={v}" for d, v in plan.degrees.items() if v > 1) or "single process"
+    ep = int(plan.config["parallelism"].get("ep", 1) or 1)
+    if ep > 1:
+        layout += f", ep={ep} (experts over the dp_shard x cp ranks)"
     rows = [
         ("run dir", plan.run_dir),
         ("config", ", ".join(f"{g}={o}" for g, o in plan.choices.items() if o)),
@@ -40,6 +45,8 @@ def render_plan(plan, console: Console | None = None) -> None:
         ("compute", f"{human(m.flops_per_token, 'FLOP')}/token (6N + 12·L·h·s), "
                     f"{human(m.flops_per_step, 'FLOP')}/step"),
         ("data", plan.dataset_dir or "not prepared (its source is not on this machine)"),
+        ("checkpoints", checkpoint_summary(plan)),
+        *([("moe", moe_summary(plan.config["model"]))] if plan.config["model"].get("n_experts") else []),
     ]
     for key, value in rows:
         summary.add_row(key, value)
@@ -75,6 +82,26 @@ def pipeline_table(pipe: dict) -> Table:
         span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
         table.add_row(str(stage), str(owner[stage]), f"{span} ({len(layers)})", extra)
     return table
+
+
+def checkpoint_summary(plan) -> str:
+    ckpt = plan.config["checkpoint"]
+    if not ckpt.get("enabled"):
+        return "off (checkpoint.enabled=false): the run can't resume"
+    interval = int(ckpt.get("interval") or 0)
+    when = f"every {interval} steps and at the end" if interval > 0 else "at the end"
+    return (f"{when}, keep {ckpt.get('keep_last')}, {ckpt.get('async_mode')} -> {checkpoint_dir(plan)} "
+            f"(resume: {ckpt.get('resume')})")
+
+
+def moe_summary(model: dict) -> str:
+    """A MoE model's routing and load balancing (docs/moe.md)."""
+    rate, coef = float(model.get("router_bias_update_rate") or 0.0), float(model.get("aux_loss_coef") or 0.0)
+    balance = [f"aux loss x {coef:g} over the global batch"] if coef > 0 else []
+    balance += [f"aux-loss-free bias, rate {rate:g}"] if rate > 0 else []
+    shared = ", 1 shared expert" if model.get("shared_expert") else ""
+    return (f"{model['n_experts']} experts, top-{model['top_k']}{shared}; balancing: "
+            f"{' + '.join(balance) or 'none'}")
 
 
 def rank_table(plan) -> Table:

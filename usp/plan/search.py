@@ -133,7 +133,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
            recomputes=("none", "full"), settings: Settings | None = None,
            profile: Profile = PROFILES["usp"]) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
-    (default: Settings(seq_len): any launcher, auto dtype, no checkpoints, no DDP hook); profile:
+    (default: Settings(seq_len): any launcher, auto dtype, no DDP hook); profile:
     whose recipe's memory decides what fits (usp.perf.profile)."""
     start = time.perf_counter()
     cap = hw.memory_gib * GIB
@@ -258,6 +258,12 @@ def _biggest_gap(best: TimingPlan, other: TimingPlan) -> str:
 
 def search_config(cfg, top_k: int = 5) -> SearchResult:
     """Search for a composed config: its model, seq_len, global batch, cluster and dtype."""
+    from usp.plan.hf_config import adopt_hf_shape
+
+    adopt_hf_shape(cfg.model)  # model.init_from: the values no one set, from its config.json
+    found = rules.field_failures(cfg)
+    if found:
+        raise found[0]
     ctx = planner_context(cfg)
     if ctx.hw.world < 1:
         raise PlanError("must be at least 1", key="cluster.nodes", value=ctx.hw.nodes, fix="cluster.nodes=1")

@@ -54,6 +54,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from usp.models.moe import moe_layers
+
 if TYPE_CHECKING:  # parallel/build.py builds the parts with build_pipeline (below)
     from usp.engine.parallel.build import ModelParts
     from usp.engine.parallel.mesh import DistContext
@@ -106,6 +108,17 @@ class _Stage(PipelineStage):
     learn (8.7 % loss error after 5 steps on torch 2.13). Unsharding the stage (FSDP2's own
     `unshard()`) before I and W makes both see the graph's parameters; FSDP2 reshards them at
     the next forward and after the step."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """torch 2.13 runs a stage once before its first micro batch to learn the shapes it sends
+        (on the first micro batch's inputs, or on empty tensors). Not a training forward: the MoE
+        layers' expert load of the step (and so the aux-loss-free bias update) leaves it out."""
+        saved = [(m, m.step_tokens) for m in moe_layers(self.submod)]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for m, tokens in saved:
+                m.step_tokens = tokens
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type in ("input", "weight"):
