@@ -39,6 +39,7 @@ from typing import Any, cast
 
 from usp.config.schema import default_of, enum_keys, schema_keys
 from usp.data.corpus import TEXT_SOURCES
+from usp.data.text_check import TEXT_CHECKS
 from usp.data.tokenizer import BYTE_VOCAB, MAX_VOCAB
 from usp.data.tokenizer import KINDS as TOKENIZERS
 from usp.data.tokens import ITEMSIZE as TOKEN_DTYPES
@@ -794,6 +795,8 @@ DATA_FIELD_RULES = [
          lambda v: _get(v["data.blend"][_bad_weight(v)], "weight"), also=("data.blend[].weight",)),
     _at_least("data.workers", 0, " (0 = one per available core)"),
     _one_of("data.token_dtype", ("auto", *TOKEN_DTYPES), "token dtype", when=_token_files),
+    _one_of("data.text_check", TEXT_CHECKS, "text check (what a file that isn't UTF-8 text does)",
+            "data.text_check=strict (refuse it), skip (leave it out) or off (read it anyway)"),
     _field("data.vocab_size", lambda x: not BYTE_VOCAB < x <= MAX_VOCAB,
            f"byte-level BPE needs more than the {BYTE_VOCAB} byte tokens and at most {MAX_VOCAB} (uint32 ids)",
            "data.vocab_size=4096, or data.tokenizer=bytes", when=_bpe, name="data.vocab_size(bpe)"),
