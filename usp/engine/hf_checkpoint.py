@@ -9,9 +9,8 @@ place: a crash never leaves half an export.
 
 In: the model (or pipeline stage) is built on the meta device, parallelized and allocated (this rank's
 shards only, usp/engine/parallel/materialize.py); then `load_hf_weights` goes through its parameters
-one at a time: it reads that parameter's whole HF tensor (safetensors, memory-mapped: only the tensors
-asked for are read), converts it, and keeps this rank's part, exactly as usp's own initialisation
-does. Transformers is not imported."""
+one at a time and reads, of each one's HF tensor(s), only the part this rank holds (safetensors
+slices of the memory-mapped files), straight into the rank's shard. Transformers is not imported."""
 from __future__ import annotations
 
 import contextlib
@@ -24,9 +23,9 @@ import torch
 from torch import nn
 
 from usp.data.tiktoken_file import TIKTOKEN_FILE, TIKTOKEN_META, hf_tokenizer_json, read_ranks
+from usp.engine.parallel.local_part import local_index, local_tensor
 from usp.errors import UspError
-from usp.models.hf_convert import from_hf, hf_names, to_hf
-from usp.models.llama import Place, copy_whole
+from usp.models.hf_convert import hf_names, read_part, to_hf, usp_shape
 from usp.plan.hf_config import hf_config
 
 INDEX = "model.safetensors.index.json"
@@ -176,19 +175,74 @@ def read_hf_tensors(path: str | Path, names: set[str] | None = None) -> dict[str
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | Path, place: Place | None = None, seed: int = 0) -> None:
+def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
     """Copy an HF Llama / Mixtral checkpoint into `model`, a usp Llama or pipeline stage (plain, or
-    already parallelized and allocated), one parameter at a time: read its HF tensor(s), convert them
-    (usp/models/hf_convert.py) and `place` it (default: copy it whole; the engine keeps this rank's
-    part, usp/engine/parallel/materialize.py). The architecture was checked at plan time
-    (usp/plan/hf_config.py); names and shapes are checked here. Rows beyond the checkpoint's
-    vocabulary (tensor parallelism's padding) get the model's own initialisation (`seed`)."""
+    already parallelized and allocated: this rank's shards, usp/engine/parallel/materialize.py), one
+    parameter at a time, reading only the part of it this rank holds (`local_index`: a DTensor's
+    chunk, expert parallelism's experts, or the whole tensor) with safetensors' `get_slice`.
+
+    Why safetensors' slices and not DCP's `HuggingFaceStorageReader` + `dcp.load`: that reader does
+    the same (torch 2.13: `safe_open(...).get_slice(name)[chunk]` per read item), but it loads a
+    state dict that is HF's tensors one for one, which usp's model is not: Mixtral's experts are
+    stacked and transposed in usp (hf_convert.read_part reads each expert's part), tensor
+    parallelism pads the vocabulary with rows the checkpoint lacks (they keep the model's own
+    initialisation, `seed`), and dcp.load is a collective over every rank, where each rank's read
+    here is its own. Each parameter opens the files it needs and closes them before the next: pages
+    of a memory-mapped file count in the process's resident memory while it stays mapped.
+
+    The architecture was checked at plan time (usp/plan/hf_config.py); names and shapes are checked
+    here, before any value is read."""
     args, path = model.args, Path(path).expanduser()
-    with _hf_reader(path) as (available, get):
-        _check_names(type(model), args, available, path)
-        for name, p, shape, rows in model.full_parameters():
-            src = from_hf({n: get(n) for n in hf_names(name, args.n_experts)})[name]
-            (place or copy_whole)(p, _fitted(model, name, src, shape, seed, path)[rows])
+    files = _HFFiles(path)
+    _check_names(type(model), args, set(files.shapes), path)
+    for name, p, shape, rows in model.full_parameters():
+        stored = usp_shape(name, [files.shapes[n] for n in hf_names(name, args.n_experts)])
+        _check_shape(name, stored, shape, path)
+        dest, index = local_tensor(p), local_index(p, rows)
+        if _vocab_row(name) and index[0].stop > stored[0]:  # rows beyond the checkpoint: TP's vocabulary padding
+            dest, index = _init_padding(model, name, shape, seed, dest, index, stored[0])
+        if dest.numel():
+            files.read_into(dest, name, index, args.n_experts)
+
+
+class _HFFiles:
+    """An HF checkpoint directory: which file holds each tensor, every tensor's shape (from the files'
+    headers: no tensor read), and a part of one usp parameter read into a destination."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path, self.weight_map = path, _weight_map(path)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(self.weight_map.values())):
+            with safe_open(str(path / file), framework="pt") as f:
+                self.shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+
+    def read_into(self, dest: torch.Tensor, name: str, index: tuple[slice, ...], n_experts: int) -> None:
+        """dest <- part `index` of usp parameter `name` (the dtype converted by the copy); only those
+        bytes of the files are read (a column slice: each row's columns)."""
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
+            opened: dict[str, object] = {}
+
+            def read(hf_name: str, hf_index: tuple[slice, ...]) -> torch.Tensor:
+                file = self.weight_map[hf_name]
+                if file not in opened:
+                    opened[file] = stack.enter_context(safe_open(str(self.path / file), framework="pt"))
+                return opened[file].get_slice(hf_name)[hf_index]  # type: ignore[attr-defined]
+
+            dest.copy_(read_part(name, index, n_experts, read))
+
+
+def _init_padding(model: nn.Module, name: str, shape: tuple[int, ...], seed: int, dest: torch.Tensor,
+                  index: tuple[slice, ...], stored_rows: int) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """Fill the rows of `dest` (at `index` of the whole tensor) past the checkpoint's `stored_rows`
+    with the model's initialisation; returns what is left to read from the checkpoint."""
+    first = index[0].start
+    keep = max(stored_rows - first, 0)  # rows of dest the checkpoint has
+    dest[keep:].copy_(model.initial_value(name, shape, seed)[index][keep:])
+    return dest[:keep], (slice(first, first + keep), *index[1:])
 
 
 def _check_names(model_cls: type, args, available: set[str], path: Path) -> None:
@@ -205,18 +259,14 @@ def _check_names(model_cls: type, args, available: set[str], path: Path) -> None
                           key="model.init_from", value=str(path))
 
 
-def _fitted(model: nn.Module, name: str, src: torch.Tensor, shape: tuple[int, ...], seed: int,
-            path: Path) -> torch.Tensor:
-    """The checkpoint's tensor as the whole parameter: vocabulary rows it lacks (padding) keep the init."""
-    rows = src.shape[0]
-    if tuple(src.shape[1:]) != tuple(shape[1:]) or rows > shape[0] or (rows < shape[0] and not _vocab_row(name)):
-        raise HFLoadError(f"{name}: the checkpoint's shape {tuple(src.shape)} does not fit the model's "
-                          f"{tuple(shape)}", key="model.init_from", value=str(path))
-    if rows == shape[0]:
-        return src
-    value = model.initial_value(name, shape, seed)
-    value[:rows] = src
-    return value
+def _check_shape(name: str, stored: tuple[int, ...] | None, shape: tuple[int, ...], path: Path) -> None:
+    """The checkpoint's tensor fits the whole parameter: the same shape, or fewer vocabulary rows
+    (the model's are padded)."""
+    fits = stored is not None and tuple(stored[1:]) == tuple(shape[1:]) and (
+        stored[0] == shape[0] or (stored[0] < shape[0] and _vocab_row(name)))
+    if not fits:
+        raise HFLoadError(f"{name}: the checkpoint's shape {stored} does not fit the model's {tuple(shape)}",
+                          key="model.init_from", value=str(path))
 
 
 def _vocab_row(name: str) -> bool:
