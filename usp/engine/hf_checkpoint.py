@@ -3,9 +3,10 @@
 Out: a directory that transformers.AutoModelForCausalLM.from_pretrained loads (LlamaForCausalLM, or
 MixtralForCausalLM for a MoE model): config.json (usp/plan/hf_config.py), safetensors shards with
 model.safetensors.index.json, and the dataset's tokenizer files when it has an HF tokenizer. Names
-are converted in usp/models/hf_convert.py (the tensors themselves are HF's: same RoPE layout).
-usp/engine/export.py writes it into a temporary directory beside the target and swaps it into
-place: a crash never leaves half an export.
+are converted in usp/models/hf_convert.py (the tensors themselves are HF's: same RoPE layout). The
+tensors come as a stream (usp/engine/tensor_stream.py): one usp tensor converted at a time, one
+shard in memory at a time. usp/engine/export.py writes it into a temporary directory beside the
+target and swaps it into place: a crash never leaves half an export.
 
 In: the model (or pipeline stage) is built on the meta device, parallelized and allocated (this rank's
 shards only, usp/engine/parallel/materialize.py); then `load_hf_weights` goes through its parameters
@@ -24,15 +25,17 @@ from torch import nn
 
 from usp.data.tiktoken_file import TIKTOKEN_FILE, TIKTOKEN_META, hf_tokenizer_json, read_ranks
 from usp.engine.parallel.local_part import local_index, local_tensor
+from usp.engine.tensor_stream import TensorStream, meta_like, write_shards
 from usp.errors import UspError
-from usp.models.hf_convert import hf_names, read_part, to_hf, usp_shape
+from usp.models.hf_convert import hf_names, hf_tensors, read_part, usp_shape
 from usp.plan.hf_config import hf_config
 
+PATTERN = "model{suffix}.safetensors"  # huggingface_hub's and transformers' file names
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Tokenizer files transformers' AutoTokenizer reads, copied from the dataset directory when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-DEFAULT_SHARD_MB = 5000  # transformers' own default max_shard_size ("5GB")
+DEFAULT_SHARD_MB = 5000  # huggingface_hub's default max_shard_size ("5GB"; transformers 5 saves 50 GB shards)
 
 
 @dataclass
@@ -59,49 +62,48 @@ class HFExportResult:
 
 # ------------------------------------------------------------------------------- out
 
-def write_hf(state: dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: Path, step: int, out: Path,
-             max_shard_mb: float = DEFAULT_SHARD_MB) -> HFExportResult:
-    """Write `state` (usp FQNs, full tensors, vocabulary padding removed) as the new HF directory `out`
-    (usp export writes it under a temporary name and swaps it into place)."""
-    tied = bool(model_cfg.get("tie_embeddings"))
-    if tied:
-        state.pop("output.weight", None)  # stored once, as the embedding (transformers re-ties it)
-    hf_state = to_hf(state)
-    dtype = str(next(iter(hf_state.values())).dtype).replace("torch.", "")
-    config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
-    out.mkdir(parents=True)
-    shards = _write_shards(hf_state, out, max_shard_mb)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copied = _copy_tokenizer(Path(plan.get("dataset_dir", "")), out)
-    n_params = sum(t.numel() for t in hf_state.values())
-    return HFExportResult(out, ckpt, step, shards, n_params, config["architectures"][0], tied, copied)
-
-
-def _write_shards(hf_state: dict[str, torch.Tensor], directory: Path, max_shard_mb: float) -> list[str]:
-    """Greedy shards of at most max_shard_mb (a bigger single tensor gets a shard of its own), and
-    the index transformers reads (weight_map: name -> shard file)."""
+def write_hf(tensors: TensorStream | dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: Path, step: int,
+             out: Path, max_shard_mb: float = DEFAULT_SHARD_MB) -> HFExportResult:
+    """Write `tensors` (usp FQNs, whole tensors, vocabulary padding removed: a stream read one tensor
+    at a time, or a dict) as the new HF directory `out` (usp export writes it under a temporary name
+    and swaps it into place): safetensors files of at most max_shard_mb MiB, always with the index."""
     from safetensors.torch import save_file
 
-    limit = max_shard_mb * 2 ** 20
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, t in hf_state.items():
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    n = len(groups)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else [SINGLE]
-    weight_map = {}
-    for file, group in zip(names, groups):
-        save_file({k: hf_state[k].contiguous() for k in group}, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(group, file))
-    total = sum(t.numel() * t.element_size() for t in hf_state.values())
-    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2) + "\n")
-    return names
+    stream = tensors if isinstance(tensors, TensorStream) else TensorStream.of(tensors)
+    tied = bool(model_cfg.get("tie_embeddings"))
+    if tied:  # stored once, as the embedding (transformers re-ties it)
+        stream = TensorStream({k: v for k, v in stream.shapes.items() if k != "output.weight"}, stream.read)
+    hf = hf_stream(stream)
+    dtype = str(next(iter(hf.shapes.values())).dtype).replace("torch.", "")
+    config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
+    out.mkdir(parents=True)
+    shards = write_shards(hf, out, PATTERN, max_shard_mb, always_index=True,
+                          save=lambda shard, path: save_file(shard, str(path), metadata={"format": "pt"}))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copied = _copy_tokenizer(Path(plan.get("dataset_dir", "")), out)
+    return HFExportResult(out, ckpt, step, shards, hf.numel(), config["architectures"][0], tied, copied)
+
+
+def hf_stream(stream: TensorStream) -> TensorStream:
+    """`stream` (usp names) as Hugging Face's tensors (usp/models/hf_convert.py `hf_tensors`: renamed;
+    stacked experts split per expert and transposed). A usp tensor is read when one of its HF tensors
+    is asked for, and its conversion kept until another's is: all of a layer's experts come from one
+    read (again for a file that starts in the middle of them)."""
+    shapes: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    for name, meta in stream.shapes.items():
+        for hf_name, t in hf_tensors(name, meta).items():
+            shapes[hf_name], source[hf_name] = meta_like(t), name
+    last: dict[str, dict[str, torch.Tensor]] = {}
+
+    def read(hf_name: str) -> torch.Tensor:
+        name = source[hf_name]
+        if name not in last:
+            last.clear()  # the previous conversion goes before the next tensor is read
+            last[name] = hf_tensors(name, stream.read(name))
+        return last[name][hf_name]
+
+    return TensorStream(shapes, read)
 
 
 def _copy_tokenizer(dataset_dir: Path, directory: Path) -> list[str]:

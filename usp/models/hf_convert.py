@@ -44,22 +44,23 @@ _EXPERTS = ("w1", "w2", "w3")
 
 def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """usp FQN -> tensor (full tensors, vocabulary padding removed) to HF name -> tensor."""
-    out = {}
-    for name, t in state.items():
-        if name in _TOP:
-            out[_TOP[name]] = t
-            continue
-        layer, rest = _split(name, _LAYER)
-        prefix = f"model.layers.{layer}."
-        if rest.startswith("feed_forward.experts."):
-            which = rest.rsplit(".", 1)[1]
-            for e in range(t.shape[0]):
-                out[f"{prefix}block_sparse_moe.experts.{e}.{which}.weight"] = t[e].t().contiguous()
-        elif rest in _DENSE:
-            out[prefix + _DENSE[rest]] = t.contiguous()
-        else:
-            raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
-    return out
+    return {hf: t for name, tensor in state.items() for hf, t in hf_tensors(name, tensor).items()}
+
+
+def hf_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The HF tensor(s) of one usp tensor (whole, vocabulary padding removed): one, or one per expert
+    for stacked experts (each transposed). Works on meta tensors too (names and shapes only)."""
+    if name in _TOP:
+        return {_TOP[name]: t}
+    layer, rest = _split(name, _LAYER)
+    prefix = f"model.layers.{layer}."
+    if rest.startswith("feed_forward.experts."):
+        which = rest.rsplit(".", 1)[1]
+        return {f"{prefix}block_sparse_moe.experts.{e}.{which}.weight": t[e].t().contiguous()
+                for e in range(t.shape[0])}
+    if rest in _DENSE:
+        return {prefix + _DENSE[rest]: t.contiguous()}
+    raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
 
 
 def from_hf(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
