@@ -800,8 +800,6 @@ DATA_FIELD_RULES = [
     _at_least("data.workers", 0, " (0 = one per available core)"),
     _one_of("data.text_check", TEXT_CHECKS, "text check", "data.text_check=strict (or skip, off)"),
     _one_of("data.token_dtype", ("auto", *TOKEN_DTYPES), "token dtype", when=_token_files),
-    _one_of("data.text_check", TEXT_CHECKS, "text check (what a file that isn't UTF-8 text does)",
-            "data.text_check=strict (refuse it), skip (leave it out) or off (read it anyway)"),
     _field("data.vocab_size", lambda x: not BYTE_VOCAB < x <= MAX_VOCAB,
            f"byte-level BPE needs more than the {BYTE_VOCAB} byte tokens and at most {MAX_VOCAB} (uint32 ids)",
            "data.vocab_size=4096, or data.tokenizer=bytes", when=_bpe, name="data.vocab_size(bpe)"),
