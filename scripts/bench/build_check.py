@@ -29,9 +29,9 @@ SUMMARY = re.compile(r"build check: (\d+) of (\d+) rank\(s\) built(?:; local byt
 
 
 def recipes() -> list[str]:
-    from usp.config.catalogue import list_recipes  # noqa: PLC0415 - the catalogue's own list
+    from usp.config.paths import recipe_names
 
-    return list_recipes()
+    return recipe_names()
 
 
 def world_size(recipe: str) -> int:

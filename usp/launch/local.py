@@ -75,9 +75,10 @@ def worker_env(plan) -> dict[str, str]:
 # glibc's malloc on a CPU rank (the device memory the plan promises is then the process's own): a fixed
 # threshold above which each allocation is its own mmap, given back to the kernel when freed. glibc's
 # default threshold grows to the largest block freed so far (up to 32 MiB), after which freed
-# full-parameter values, gathered FSDP units and gradients stay in the heap: measured 1.6x the plan per
-# rank against 0.80x with 4 MiB, for ~25 % more CPU time per step (docs/benchmarks.md, "Building the model").
-CPU_MMAP_THRESHOLD = 4 * 2 ** 20
+# full-parameter values, gathered FSDP units and gradients stay in the heap: measured 1.6-1.9x the plan
+# per rank; 4 MiB still kept 1.16x on pp2 x tp2 x dp_shard2 (0.5 B), 1 MiB 1.09x, for ~30 % more CPU
+# time per step than glibc's default (docs/benchmarks.md, "Building the model").
+CPU_MMAP_THRESHOLD = 2 ** 20
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
 
