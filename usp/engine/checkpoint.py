@@ -119,6 +119,8 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             self._barrier()
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+            if self.ctx.is_main:  # now, as the tensors: an async save publishes a step or more later
+                self._write_trainer_state(tmp, step)
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
                 with single_process_is_intended():
@@ -159,10 +161,6 @@ class Checkpointer:
     def _publish(self, tmp: Path, step: int, started: float) -> None:
         self._barrier()  # every rank's files are written
         if self.ctx.is_main:
-            state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
-                     "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time(),
-                     LAYOUT_KEY: ROPE_LAYOUT}  # the q/k row order (usp/models/rope_layout.py)
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
             if plan_path(self.plan["run_dir"]).exists():
                 shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -174,6 +172,16 @@ class Checkpointer:
             self._retain()
             self.log.info("checkpoint step %d saved to %s in %.2f s", step, final, time.perf_counter() - started)
         self._barrier()
+
+    def _write_trainer_state(self, tmp: Path, step: int) -> None:
+        """The step's LR schedule and data position, written when the save starts: an async save is
+        published at the next save or at the end, after the scheduler has moved on (measured: a
+        checkpoint of step 4 saved async every 2 steps recorded step 6's schedule, and a run resumed
+        from it trained at another learning rate)."""
+        state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
+                 "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time(),
+                 LAYOUT_KEY: ROPE_LAYOUT}  # the q/k row order (usp/models/rope_layout.py)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
 
     def _retain(self) -> None:
         complete = [c for c in list_checkpoints(self.dir) if c[2]]
