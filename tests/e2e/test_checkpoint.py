@@ -102,8 +102,9 @@ def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, uninter
     summary = json.loads((run_dir / "summary.json").read_text())  # of the resumed attempt: its own steps only
     assert summary["resumed_from_step"] == stopped_at and summary["steps"] == STEPS
     assert summary["tokens_per_s"] * summary["time_s"] == pytest.approx((STEPS - stopped_at) * 16 * 128)
-    events = [json.loads(line)["event"] for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
-    assert "preempted" in events
+    events = [json.loads(line) for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
+    assert {"event": "stopped", "step": stopped_at, "signal": "SIGUSR1", "checkpoint": True}.items() <= \
+        [e for e in events if e["event"] == "stopped"][0].items()
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     assert_same(uninterrupted, losses(run_dir), range(1, STEPS + 1), 1e-6)
 

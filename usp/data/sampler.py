@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from usp.data.errors import DataError
 from usp.data.tokens import LEGACY_DTYPE, check_file_size
 
 
@@ -69,7 +70,7 @@ class BatchSampler:
         if self.n_windows < 1:
             raise ValueError(f"{n_tokens} tokens hold no window of seq_len={seq_len} (+1 target)")
         if seed < 0:
-            raise ValueError(f"seed={seed} must be >= 0")
+            raise DataError("must be >= 0", key="train.seed", value=seed, fix="train.seed=1234")
         self.offset, self.per_rank = _rank_slice(global_batch, dp_rank, dp_size)
         if micro_batch < 1 or self.per_rank % micro_batch:
             raise ValueError(

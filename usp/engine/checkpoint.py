@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.engine.rope_upgrade import LAYOUT_KEY, checkpoint_rope_layout, upgrade_rope_rows
+from usp.errors import PlanError, UspError
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
     MANIFEST,
@@ -44,6 +46,16 @@ from usp.run.files import (
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+@contextlib.contextmanager
+def single_process_is_intended():
+    """DCP warns on every save and load without a process group ("torch.distributed is disabled,
+    unavailable or uninitialized, assuming the intent is to save in a single process"): one rank
+    runs without one on purpose, so that warning only is kept off the console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 class Checkpointer:
     def __init__(self, plan: dict, ctx, parts, optimizers: list, schedulers: list, sampler, log):
         cfg = plan["config"]["checkpoint"]
@@ -51,6 +63,9 @@ class Checkpointer:
         self.schedulers, self.sampler, self.log = schedulers, sampler, log
         self.enabled, self.interval = bool(cfg["enabled"]), int(cfg["interval"])
         self.keep_last, self.async_mode, self.resume_mode = int(cfg["keep_last"]), cfg["async_mode"], cfg["resume"]
+        if self.async_mode not in ("none", "async"):  # the plan refuses others (usp.plan.rules)
+            raise PlanError("choose none or async", key="checkpoint.async_mode", value=self.async_mode,
+                            fix="checkpoint.async_mode=none")
         self.dir = checkpoint_dir(plan)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
@@ -108,10 +123,12 @@ class Checkpointer:
                 self._write_trainer_state(tmp, step)
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
-                self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp),
-                                                process_group=self._async_group), tmp, step, started)
+                with single_process_is_intended():
+                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp),
+                                                    process_group=self._async_group), tmp, step, started)
             else:
-                dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
+                with single_process_is_intended():
+                    dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
                 self._publish(tmp, step, started)
         self.last_saved = step
 
@@ -210,7 +227,8 @@ class Checkpointer:
     def _load(self, path: Path) -> int:
         state = self._state()
         loaded = _present(self._saved_state(state), path)
-        dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
+        with single_process_is_intended():
+            dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
         state = _with_loaded_values(state, loaded)
         if checkpoint_rope_layout(path) != ROPE_LAYOUT:  # written before usp's RoPE layout change
             converted = upgrade_rope_rows(state["model"], self.plan["config"]["model"])
@@ -249,15 +267,16 @@ MISMATCH, CORRUPT, MISSING = "a shape/architecture mismatch", "corrupt", "missin
 _MISMATCH_TEXT = ("size mismatch", "missing key", "unexpected key", "shape mismatch")
 
 
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes."""
+class CheckpointLoadError(UspError):
+    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes. A
+    UspError: one message, no traceback (`usp train` refuses the missing and mismatched cases first)."""
 
     def __init__(self, path: Path, kind: str, detail: str):
         self.path, self.kind = path, kind
         fix = ("train.name=<a new name> (a new run), checkpoint.resume=never (train from scratch here), or the "
                "model settings it was saved with (its plan.yaml)" if kind == MISMATCH else
                "checkpoint.resume=never (train from scratch here), or checkpoint.resume=<an intact step_N directory>")
-        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}\n  fix: {fix}")
+        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}", fix=fix)
 
 
 def classify_load_error(exc: BaseException) -> tuple[str, str]:

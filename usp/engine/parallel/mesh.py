@@ -75,7 +75,8 @@ class DistContext:
                 raise RuntimeError("expert parallelism needs several ranks")
             d = self.degrees
             shape = (d["pp"], d["dp_replicate"], d["dp_shard"] * d["cp"] // ep, ep, d["tp"])
-            self._flat["ep"] = DeviceMesh(self.device.type, self.mesh.mesh.reshape(shape), mesh_dim_names=EXPERT_DIMS)
+            self._flat["ep"] = DeviceMesh(self.mesh.device_type, self.mesh.mesh.reshape(shape),
+                                          mesh_dim_names=EXPERT_DIMS)
         return self._flat["ep"]
 
     def expert_checkpoint_mesh(self, ep: int) -> DeviceMesh:

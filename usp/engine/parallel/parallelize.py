@@ -5,7 +5,9 @@ file beside this one in usp/engine/parallel/ (fp8.py, tensor.py, context.py, exp
 recompute.py, data.py, materialize.py; the FSDP2 policy in precision.py); build.py calls this once
 per model or pipeline stage, built on the meta device: every step up to FSDP works on shapes, then
 each rank allocates only its own shards. DDP (and plain-DDP ZeRO-1) wraps real parameters: those
-layouts replicate the whole model on every rank anyway, so it is allocated whole just before the wrap."""
+layouts replicate the whole model on every rank anyway, so it is allocated whole just before the wrap.
+On the meta device (`usp plan --build-check`, usp/engine/build_check.py) nothing is allocated and DDP
+is left out."""
 from __future__ import annotations
 
 import torch
@@ -58,6 +60,6 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
         apply_fsdp(model, ctx, reshard_after_forward=reshard, mp_policy=fsdp_mp_policy(plan),
                    shard_replicas=kind == "zero1_fsdp", ep=ep)  # mp_policy: bf16 compute on GPU, None on CPU
     materialize(model, plan, ctx)  # this rank's TP / FSDP2 shards; the whole model where it is replicated
-    if kind in ("ddp", "zero1"):
+    if kind in ("ddp", "zero1") and ctx.device.type != "meta":  # meta: the build check, DDP's wrap takes real tensors
         return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
     return model
