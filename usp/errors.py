@@ -6,7 +6,7 @@ class UspError(Exception):
     """A problem the user can fix: says which key, which value, why, and how to fix it."""
 
     def __init__(self, message: str, *, key: str | None = None, value: object = None, fix: str | None = None):
-        self.key, self.value, self.fix = key, value, fix
+        self.why, self.key, self.value, self.fix = message, key, value, fix
         parts = []
         if key is not None:
             parts.append(f"{key}={value!r}: " if value is not None else f"{key}: ")

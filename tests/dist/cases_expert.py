@@ -2,10 +2,12 @@
 
 Every rank feeds DIFFERENT data: rank r takes batch r of a fixed global batch. Each rank also
 builds the single-process reference itself (same seed, all experts) and compares; the
-reported errors are maximised over ranks."""
+reported errors are maximised over ranks. The load-balancing loss is the global batch's
+(usp/engine/parallel/balance.py): the reference computes it in one forward on the whole batch."""
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,9 +21,10 @@ from torch import nn  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
 
 from tests.dist.harness import run_cases  # noqa: E402
+from usp.engine.parallel.balance import apply_moe_balancing  # noqa: E402
 from usp.engine.parallel.expert import apply_expert_parallel  # noqa: E402
 from usp.models.llama import Llama, LlamaArgs  # noqa: E402
-from usp.models.moe import expert_params, moe_aux_loss  # noqa: E402
+from usp.models.moe import MoE, expert_params, moe_aux_loss, moe_layers  # noqa: E402
 
 dist.init_process_group("gloo")
 WORLD, RANK = dist.get_world_size(), dist.get_rank()
@@ -83,10 +86,20 @@ def _max_over(*vals: float) -> list:
 
 
 def _models(seed: int = 0, **kw):
+    """The one-process reference and its EP copy, which sums the routing statistics over the
+    ranks and attaches its aux loss (coef AUX_COEF) to each MoE layer's output, as the engine does."""
     ref = Llama(LlamaArgs(**{**TINY, **kw}), max_seq_len=SEQ)
     ref.init_weights(seed)
     ep = apply_expert_parallel(copy.deepcopy(ref), EP)
+    apply_moe_balancing(ep, EP, AUX_COEF, 1)
     return ref, ep
+
+
+def _ce_ep(model, x, y, with_aux: bool):
+    """The EP model's loss on this rank's batch: the attached aux loss trains whatever this returns."""
+    for m in moe_layers(model):
+        m.aux_loss_scale = AUX_COEF if with_aux else 0.0
+    return _ce(model, _local(x), _local(y))
 
 
 def _global_batch(seed: int = 1):
@@ -126,13 +139,18 @@ def layer_forward(capacity_factor: float, shared: bool) -> dict:
     xg = torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g)
     dyg = torch.randn(B_LOCAL * WORLD, SEQ, TINY["dim"], generator=g)
     x_ref, x_ep = _local(xg).clone().requires_grad_(), _local(xg).clone().requires_grad_()
+    m_ep.aux_loss_scale = 0.0
     y_ref, y_ep = m_ref(x_ref), m_ep(x_ep)
     dense = m_ref.dense_reference(x_ref.detach())
     y_ref.backward(_local(dyg))
     y_ep.backward(_local(dyg))
+    with torch.no_grad():
+        m_ref(xg)  # the global batch's aux loss
+    aux_mean = m_ep.aux_loss.detach().clone()
+    dist.all_reduce(aux_mean)
     fwd, vs_dense, dx, aux = _max_over((y_ep - y_ref).abs().max().item(), (y_ep - dense).abs().max().item(),
                                        (x_ep.grad - x_ref.grad).abs().max().item(),
-                                       abs(m_ep.aux_loss.item() - m_ref.aux_loss.item()))
+                                       abs(aux_mean.item() / WORLD - m_ref.aux_loss.item()))
     dropped = torch.tensor([m_ep.tokens_dropped])
     dist.all_reduce(dropped)
     return {"fwd_err": fwd, "vs_dense_reference": vs_dense, "dx_err": dx, "aux_err": aux,
@@ -141,20 +159,17 @@ def layer_forward(capacity_factor: float, shared: bool) -> dict:
 
 def llama_grads(with_aux: bool) -> dict:
     """Full tiny MoE Llama: EP + reduce_gradients after backward of each rank's mean loss, vs one
-    process. CE only: the reference is ONE forward on the whole global batch. With the aux loss
-    (a per-batch statistic), the reference averages the per-rank-batch losses."""
+    process: ONE forward on the whole global batch, loss CE (+ AUX_COEF x the aux loss, added)."""
     ref, ep = _models()
     x, y = _global_batch()
+    loss_ref = _ce(ref, x, y)
     if with_aux:
-        loss_ref = sum(_ce(ref, _local_b(x, r), _local_b(y, r)) + AUX_COEF * moe_aux_loss(ref)
-                       for r in range(WORLD)) / WORLD
-        loss_ep = _ce(ep, _local(x), _local(y)) + AUX_COEF * moe_aux_loss(ep)
-    else:
-        loss_ref, loss_ep = _ce(ref, x, y), _ce(ep, _local(x), _local(y))
+        loss_ref = loss_ref + AUX_COEF * moe_aux_loss(ref)
+    loss_ep = _ce_ep(ep, x, y, with_aux)
     loss_ref.backward()
     loss_ep.backward()
     reduce_gradients(ep, dp_group=dist.group.WORLD, ep_group=EP, edp_group=None)
-    mean_loss = loss_ep.detach().clone()
+    mean_loss = (loss_ep.detach() + (AUX_COEF * moe_aux_loss(ep).detach() if with_aux else 0)).clone()
     dist.all_reduce(mean_loss)
     mean_loss /= WORLD
     errs = _grad_errors(ref, ep)
@@ -163,12 +178,8 @@ def llama_grads(with_aux: bool) -> dict:
             "n_params": errs["n"], "n_expert_params": len(expert_param_names(ep))}
 
 
-def _local_b(t: torch.Tensor, r: int) -> torch.Tensor:
-    return t[r * B_LOCAL:(r + 1) * B_LOCAL]
-
-
 def adamw_steps() -> dict:
-    """3 AdamW steps (loss = CE + aux): EP losses (averaged over ranks) vs one process."""
+    """3 AdamW steps (loss = CE + aux of the global batch): EP losses (averaged over ranks) vs one process."""
     ref, ep = _models()
     x, y = _global_batch(3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
@@ -177,13 +188,12 @@ def adamw_steps() -> dict:
     for _ in range(3):
         opt_ref.zero_grad()
         opt_ep.zero_grad()
-        loss_ref = sum(_ce(ref, _local_b(x, r), _local_b(y, r)) + AUX_COEF * moe_aux_loss(ref)
-                       for r in range(WORLD)) / WORLD
-        loss_ep = _ce(ep, _local(x), _local(y)) + AUX_COEF * moe_aux_loss(ep)
+        loss_ref = _ce(ref, x, y) + AUX_COEF * moe_aux_loss(ref)
+        loss_ep = _ce_ep(ep, x, y, True)
         loss_ref.backward()
         loss_ep.backward()
         reduce_gradients(ep, dist.group.WORLD, EP, None)
-        mean = loss_ep.detach().clone()
+        mean = loss_ep.detach() + AUX_COEF * moe_aux_loss(ep).detach()
         dist.all_reduce(mean)
         mean /= WORLD
         rels.append(abs(mean.item() - loss_ref.item()) / abs(loss_ref.item()))
@@ -216,6 +226,69 @@ def init_after_ep() -> dict:
     return {"err": err}
 
 
+def balance_loss_collectives() -> dict:
+    """The global-batch load-balancing loss three ways, each vs one process on the whole batch:
+    its router-weight gradient, averaged over the ranks as data parallelism does.
+      counts:  usp's (MoE.balance_loss): the counts summed by a plain all_reduce (no gradient
+               flows through f), P this rank's mean; no collective in the backward;
+      autograd: P summed with an all-reduce whose backward all-reduces the gradient
+               (_AllReduceSum, what torch.distributed.nn.functional.all_reduce does: that one
+               crashed 1 of 4 launches at process exit on gloo, "terminate called without an
+               active exception", as noted in usp/engine/parallel/expert.py).
+    (torch.distributed._functional_collectives.all_reduce, autograd registered in torch 2.13, is
+    as exact, measured, but its first call took 10 s on gloo: left out.)
+    Also the loss values: the mean over ranks (counts) or the reduced value (autograd)."""
+    E, k, dim, tokens = 8, 2, 16, 64
+    x = torch.randn(tokens * WORLD, dim, generator=torch.Generator().manual_seed(4))
+    args = type("A", (), dict(dim=dim, n_experts=E, top_k=k, ffn_dim=8, moe_ffn_dim=0, shared_expert=False,
+                              capacity_factor=0.0))
+    torch.manual_seed(0)
+    template = MoE(args)
+    ref = copy.deepcopy(template)
+    ref.route(x)
+    ref.aux_loss.backward()
+    mine = x[RANK * tokens:(RANK + 1) * tokens]
+    out = {}
+    for name in ("counts", "autograd"):
+        m = copy.deepcopy(template)
+        m.reduce_stats = functools.partial(_all_reduce_sum, group=EP)
+        m.route(mine)
+        aux = m.aux_loss
+        if name != "counts":  # rebuild the loss from P summed with an autograd all-reduce
+            probs = F.softmax(m.router(mine).float(), dim=-1)
+            counts = torch.bincount(probs.topk(k, dim=-1).indices.flatten(), minlength=E)
+            dist.all_reduce(counts)
+            p_sum = _AllReduceSum.apply(probs.sum(0))
+            aux = E * (counts.float() / counts.sum() * p_sum / (tokens * WORLD)).sum()
+        aux.backward()
+        grad, value = m.router.weight.grad.clone(), aux.detach().clone()
+        dist.all_reduce(grad)
+        dist.all_reduce(value)
+        grad_err, value_err = _max_over((grad / WORLD - ref.router.weight.grad).abs().max().item(),
+                                        abs(value.item() / WORLD - ref.aux_loss.item()))
+        out[name] = {"grad_err": grad_err, "value_err": value_err}
+    return {**out, "grad_size": ref.router.weight.grad.abs().max().item()}
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the ranks; the backward sums the gradients over the ranks (each rank's loss
+    depends on every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return _all_reduce_sum(t, None)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce_sum(grad, None)
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
 CASES = {
     "layer_dropless": lambda: layer_forward(0.0, False),
     "layer_capacity": lambda: layer_forward(1.0, False),
@@ -224,6 +297,7 @@ CASES = {
     "llama_grads_aux": lambda: llama_grads(True),
     "adamw_3_steps": adamw_steps,
     "init_after_ep": init_after_ep,
+    "balance_loss_collectives": balance_loss_collectives,
 }
 
 if __name__ == "__main__":

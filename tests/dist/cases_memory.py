@@ -40,7 +40,7 @@ EXTRA_LAYOUTS = {
     "single_V256": (1, SINGLE + BYTES),
     "recompute_full_V256": (1, SINGLE + BYTES + ["train.recompute=full"]),
     "recompute_selective_V256": (1, SINGLE + BYTES + ["train.recompute=selective"]),
-    "moe_single": (1, SINGLE + ["model=moe_tiny", "model.aux_loss_coef=0"]),
+    "moe_single": (1, SINGLE + ["model=moe_tiny"]),
     "ddp_grad_accum": (2, ["parallelism.dp_replicate=2", "train.micro_batch=4"]),
     "ddp_V256": (2, ["parallelism.dp_replicate=2"] + BYTES),
     "fsdp_zero3_V256": (2, ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"] + BYTES),

@@ -2,7 +2,7 @@
 
 No stage but the last sees the loss, so each MoE layer attaches its aux loss's gradient to its
 own output (usp.models.moe.AttachAuxLoss, scale = aux_loss_coef / n_microbatches, as
-usp/engine/parallel/build.py sets it). Each case runs one batch through a pipeline schedule and
+usp/engine/parallel/balance.py sets it). Each case runs one batch through a pipeline schedule and
 compares every stage's gradients with a single process that adds the aux loss to the loss of the
 same micro batches: sum_k (CE_k + coef * aux_k) / n. The aux loss is a per-micro-batch statistic
 (f_e and P_e are means over the micro batch's tokens), so the reference must use the same micro
@@ -21,10 +21,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tests.dist.harness import run_cases  # noqa: E402
+from usp.engine.loss import lm_loss  # noqa: E402
+from usp.engine.parallel.balance import apply_moe_balancing  # noqa: E402
 from usp.engine.parallel.build import ModelParts  # noqa: E402
-from usp.engine.parallel.pipeline import build_pipeline, lm_loss, pipeline_step  # noqa: E402
+from usp.engine.parallel.pipeline import build_pipeline, pipeline_step  # noqa: E402
 from usp.models.llama import Llama, LlamaArgs  # noqa: E402
-from usp.models.moe import moe_aux_loss, moe_layers  # noqa: E402
+from usp.models.moe import moe_aux_loss  # noqa: E402
 from usp.perf.pipeline_split import last_stage_rank, stage_ranks  # noqa: E402
 
 ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, ffn_dim=128, vocab_size=256, tie_embeddings=False, n_experts=4,
@@ -70,9 +72,8 @@ def aux_parity(schedule: str, n_mb: int, virtual: int) -> dict:
     split = SPLITS[virtual]
     mine = stage_ranks(pp, virtual, schedule)[rank]
     sched, modules = build_pipeline(factory, split, mine, pp_group(), torch.device("cpu"), n_mb, schedule, lm_loss)
-    for m in modules:
-        for moe in moe_layers(m):
-            moe.aux_loss_scale = COEF / n_mb  # what build_pipeline_parts sets
+    for m in modules:  # what the engine's parallelize does to every stage (pp only: no rank shares its batch)
+        apply_moe_balancing(m, None, COEF, n_mb)
     parts = ModelParts(modules=modules, raw=None, schedule=sched, is_first_stage=0 in mine,
                        is_last_stage=len(split) - 1 in mine, stage_modules=modules,
                        last_pp_rank=last_stage_rank(pp, virtual, schedule), stage_indices=list(mine))

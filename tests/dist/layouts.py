@@ -14,7 +14,9 @@ APPROXIMATE = {"ddp_fp16_compression": 1e-3, "ddp_powersgd": 1e-2}
 PARAM_ATOL: dict[str, float] = {"tp_x_pp": 2e-4, "cp_x_pp": 2e-4, "cp_x_pp_interleaved_1f1b": 2e-4,
                                 "fsdp_x_tp_x_pp": 2e-4}
 PP = ["model.tie_embeddings=false", "model.n_layers=4"]
-MOE = ["model=moe_tiny", "model.aux_loss_coef=0"]
+# moe_tiny as users run it: the load-balancing loss on (over the global batch; docs/moe.md)
+MOE = ["model=moe_tiny"]
+AUX_FREE = ["model.aux_loss_coef=0", "model.router_bias_update_rate=0.001"]  # DeepSeek-V3's balancing instead
 TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4"]  # embedding on the first stage, its copy on the last
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
 # MixedPrecisionPolicy(bf16 params, fp32 reduction), the others bf16 autocast; the reference is a
@@ -34,12 +36,20 @@ LAYOUTS = {
         "tp_sp_recompute_selective": ["parallelism.dp_replicate=1", "parallelism.tp=2", "train.recompute=selective"],
         "fsdp_recompute_full": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "train.recompute=full"],
         "cp": ["parallelism.dp_replicate=1", "parallelism.cp=2"],
-        # the load-balancing loss is a per-rank batch statistic: exact parity only without it.
         # EP ranks are FSDP ranks (dp_shard x cp): here ep = dp_shard, one copy of each expert
         "ep_x_fsdp": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2"],
-        "ep_x_cp": MOE + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.ep=2"],  # EP over cp ranks
+        # EP over cp ranks. Sequences of 128 (usp verify's default), not 64: at 64, one token of step 3
+        # has its 2nd and 3rd router probabilities 3e-8 apart, and ring attention's summation order
+        # moves probabilities by up to 1.4e-6 (measured), so it picks the other expert and the runs
+        # part (3.4e-3 in an embedding row after 3 steps; the check below names the step and layer).
+        "ep_x_cp": MOE + ["parallelism.dp_replicate=1", "parallelism.cp=2", "parallelism.ep=2", "train.seq_len=128"],
         "ep_grad_accum": MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
                                 "train.micro_batch=4"],
+        # aux-loss-free balancing: the router bias moves after each step by the step's global load
+        "ep_aux_free_grad_accum": MOE + AUX_FREE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                                   "parallelism.ep=2", "train.micro_batch=4"],
+        "ep_shared_expert": MOE + ["model.shared_expert=true", "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                   "parallelism.ep=2"],
         "ddp_fp16_compression": ["parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=fp16"],
         "ddp_powersgd": ["parallelism.dp_replicate=2", "parallelism.ddp_comm_hook=powersgd"],
         "pp_afab": PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=afab",
@@ -101,6 +111,9 @@ LAYOUTS = {
                           "parallelism.tp=2"],
         "ep_x_pp": MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
                                "parallelism.pp=2", "train.micro_batch=4"],
+        # aux-loss-free under a pipeline: torch's shape inference forward must not count in the step's load
+        "ep_aux_free_x_pp": MOE + AUX_FREE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                                  "parallelism.ep=2", "parallelism.pp=2", "train.micro_batch=4"],
         "zero2_x_pp_interleaved_zb": PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
                                           "train.micro_batch=2", "parallelism.pp_schedule=interleaved_zb",
                                           "parallelism.reshard_after_forward=false",

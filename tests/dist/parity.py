@@ -7,7 +7,7 @@ import tempfile
 
 import torch.distributed as dist
 
-from usp.config.reference import reference_overrides
+from usp.config.reference import reference_grad_accum, reference_overrides
 from usp.engine.verify_worker import train_reference, verify_against
 
 
@@ -38,14 +38,17 @@ def verify_case(overrides: list[str], world: int, train: dict | None = None) -> 
     """Plan a layout and its reference from overrides (tests), then verify them as `usp verify`
     does. Layouts of one launch share references (same model, data, dtype): each is trained once.
     `train`: plan_dict's train.* values, set in both."""
-    key = (*reference_overrides(overrides), *sorted((train or {}).items()))
     with tempfile.TemporaryDirectory() as tmp:
+        plan = _planned_once(overrides, world, tmp, train)
+        accum = reference_grad_accum(plan["config"]["model"], int(plan["batch"]["grad_accum"]))
+        ref_overrides = reference_overrides(overrides, accum)
+        key = (*ref_overrides, *sorted((train or {}).items()))
         ref = None
         if dist.get_rank() == 0:
             if key not in _REFERENCES:
-                _REFERENCES[key] = train_reference(plan_dict(reference_overrides(overrides), 1, tmp, train))
+                _REFERENCES[key] = train_reference(plan_dict(ref_overrides, 1, tmp, train))
             ref = _REFERENCES[key]
-        return verify_against(_planned_once(overrides, world, tmp, train), ref)
+        return verify_against(plan, ref)
 
 
 def _planned_once(overrides: list[str], world: int, runs_dir: str, train: dict | None = None) -> dict:

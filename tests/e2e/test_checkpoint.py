@@ -102,8 +102,9 @@ def test_resume_after_sigusr1_reproduces_the_uninterrupted_run(tmp_path, uninter
     summary = json.loads((run_dir / "summary.json").read_text())  # of the resumed attempt: its own steps only
     assert summary["resumed_from_step"] == stopped_at and summary["steps"] == STEPS
     assert summary["tokens_per_s"] * summary["time_s"] == pytest.approx((STEPS - stopped_at) * 16 * 128)
-    events = [json.loads(line)["event"] for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
-    assert "preempted" in events
+    events = [json.loads(line) for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
+    assert {"event": "stopped", "step": stopped_at, "signal": "SIGUSR1", "checkpoint": True}.items() <= \
+        [e for e in events if e["event"] == "stopped"][0].items()
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     assert_same(uninterrupted, losses(run_dir), range(1, STEPS + 1), 1e-6)
 
@@ -306,6 +307,9 @@ def test_async_save_and_retention(tmp_path, shakespeare):
     assert complete == [6, 8]
     manifest = json.loads((tmp_path / "async" / "checkpoints" / "step_00000008" / "manifest.json").read_text())
     assert manifest["step"] == 8 and ".metadata" in manifest["files"] and "trainer_state.json" in manifest["files"]
+    # step 6 was published after step 8's update: it still holds step 6's learning-rate schedule
+    state = json.loads((tmp_path / "async" / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["scheduler"]["last_epoch"] == 6, state["scheduler"]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -73,9 +74,37 @@ def test_train_that_fails_prints_the_root_cause(tmp_path):
     rec = json.loads((tmp_path / "boom" / "logs" / "failure_rank0.json").read_text())
     assert rec["error_class"] == PYTHON and rec["last_completed_step"] is not None
     assert "root cause" in proc.stderr and "failing rank" in proc.stderr and "usp status" in proc.stderr
-    assert "FAILED (Python error)" in (tmp_path / "boom" / "logs" / "rank_0.log").read_text()
+    log = (tmp_path / "boom" / "logs" / "rank_0.log").read_text()
+    assert "FAILED (Python error)" in log and "Traceback" in log  # the traceback stays in the log ...
+    assert_short_failure(proc.stdout + proc.stderr, tmp_path / "boom")  # ... not on the console
+    assert "lower optimizer.lr, or train.nan_policy=skip" in " ".join(proc.stderr.split())  # the fix, in the summary
     status = usp_cli("status", str(tmp_path / "boom"), cwd=tmp_path)
     assert status.returncode == 1 and rec["exception_type"] in status.stdout
+
+
+def assert_short_failure(out: str, run_dir: Path) -> None:
+    """usp's failure summary first, then one line saying where the tracebacks are; no rank's or
+    torchrun's traceback, torch log line or warning on the console."""
+    assert "Traceback" not in out and "[rank0]" not in out and "ChildFailedError" not in out, out[-5000:]
+    assert not re.search(r"^[IWE]\d{4} \d", out, re.MULTILINE) and "Warning" not in out, out[-5000:]
+    tail = out[out.index("root cause"):].strip().splitlines()
+    assert "usp: training exited with code 1; tracebacks and per-rank logs in" in " ".join(tail[-2:])
+    assert str(run_dir / "logs") in " ".join(" ".join(tail[-2:]).split())
+
+
+@pytest.mark.distributed
+def test_two_ranks_that_fail_print_the_root_cause_first_and_leave_tracebacks_in_the_logs(tmp_path):
+    """Both ranks of a DDP run stop on a NaN: the console has usp's summary, not ~60 lines of the
+    ranks' tracebacks and torchrun's report; each rank's log has its traceback."""
+    proc = run_usp("train", "conf=tiny_ddp", f"train.runs_dir={tmp_path}", "train.name=boom2", *FAST_TRAIN,
+                   "train.steps=6", "optimizer.lr=1e30", "optimizer.warmup_steps=0", "optimizer.grad_clip=0")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert_short_failure(out, tmp_path / "boom2")
+    assert re.search(r"then: rank [01]: Python error after step 1", out), out[-4000:]  # the other rank, one line
+    for rank in (0, 1):
+        log = (tmp_path / "boom2" / "logs" / f"rank_{rank}.log").read_text()
+        assert "Traceback" in log and "NonFiniteLoss" in log
 
 
 def _pids_with_env(marker: str, rank: int) -> list[int]:

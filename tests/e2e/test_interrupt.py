@@ -1,40 +1,174 @@
-"""Ctrl-C on a multi-rank run (usp/engine/signals.py, usp/engine/agent.py): every process of the
-terminal's process group gets SIGINT; the run ends with exit code 130, one line per rank and one
-for the torchrun agent, and no traceback anywhere."""
+"""Stop signals for real (docs/signals.md): SIGINT and SIGTERM sent to the `usp train` process alone
+(as a job controller or an IDE does) or to its process group (Ctrl-C in a terminal), on two ranks
+under torchrun and on one rank in-process. Every rank stops at the same step boundary with a
+checkpoint, usp says what happened, the run is "stopped" and the same command resumes. A second
+signal stops every rank at once. (From Slurm: tests/e2e/test_slurm.py.)"""
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import USP
+from tests.e2e.test_checkpoint import worker_pids
+from tests.helpers import USP, losses, run_usp, usp_env
+from usp.run.files import list_checkpoints, read_jsonl
+
+RUN = ["model=tiny", "train.steps=400", "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0",
+       "train.measure_memory=false", "logging.console=plain"]
+CODES = {signal.SIGINT: 130, signal.SIGTERM: 75}
+TORCH_LOG_LINE = re.compile(r"^[IWE]\d{4} \d", re.MULTILINE)  # torch's glog-style lines ("W1127 06:03:10 ...")
+
+
+def start(tmp_path: Path, name: str, procs: int, *extra: str) -> subprocess.Popen:
+    """`usp train` in a session of its own: its process group is a terminal's foreground job."""
+    return subprocess.Popen([USP, "train", *RUN, f"cluster.procs_per_node={procs}", f"train.name={name}",
+                             f"train.runs_dir={tmp_path}", *extra], env=usp_env(), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not any(r.get("step", 0) >= step for r in read_jsonl(run_dir / "metrics.jsonl")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+
+
+def send(proc: subprocess.Popen, sig: signal.Signals, target: str) -> None:
+    (os.kill if target == "usp" else os.killpg)(proc.pid, sig)
+
+
+def assert_gone(pids) -> None:
+    """Each rank process has exited (not merely been orphaned)."""
+    deadline = time.time() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "rank processes left behind"
+
+
+def assert_quiet(out: str) -> None:
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out and "SignalException" not in out, out[-5000:]
+    assert not TORCH_LOG_LINE.search(out) and "Warning" not in out, out[-5000:]
+
+
+CASES = [(signal.SIGINT, "usp", 2), (signal.SIGTERM, "usp", 2), (signal.SIGINT, "group", 2),
+         (signal.SIGTERM, "group", 2), (signal.SIGINT, "group", 1), (signal.SIGTERM, "usp", 1)]
 
 
 @pytest.mark.distributed
-def test_ctrl_c_on_two_ranks_exits_130_without_tracebacks(tmp_path):
-    run_dir = tmp_path / "runs" / "ctrlc"
-    cmd = [USP, "train", "model=tiny", "cluster.procs_per_node=2", "train.steps=500", "train.log_interval=1",
-           "train.eval_interval=0", "train.sample_tokens=0", "train.measure_memory=false", "logging.console=plain",
-           "train.name=ctrlc", f"train.runs_dir={tmp_path / 'runs'}"]
-    # its own session = its own process group, as a terminal's foreground job
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "COLUMNS": "200"}, start_new_session=True)
-    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig,target,procs", CASES, ids=[f"{s.name}-to-{t}-{p}rank" for s, t, p in CASES])
+def test_a_stop_signal_stops_every_rank_at_a_step_boundary_with_a_checkpoint(tmp_path, sig, target, procs):
+    name = f"{sig.name.lower()}_{target}_{procs}"
+    run_dir = tmp_path / name
+    proc = start(tmp_path, name, procs)
+    wait_for_step(run_dir, 2, proc)
+    ranks = worker_pids(run_dir / "plan.yaml") if procs > 1 else {0: proc.pid}
+    assert sorted(ranks) == list(range(procs)), ranks
+    send(proc, sig, target)
+    out = proc.communicate(timeout=300)[0]
+
+    assert proc.returncode == CODES[sig], out[-3000:]
+    assert_quiet(out)
+    stop = read_jsonl(run_dir / "logs" / "events.jsonl")[-1]
+    step = stop["step"]
+    assert (stop["event"], stop["signal"], stop["checkpoint"]) == ("stopped", sig.name, True) and 2 <= step < 400
+    assert out.count(f"usp: {sig.name}: ") == 1, out[-3000:]  # said at once: every rank stops after its step
+    checkpoint = run_dir / "checkpoints" / f"step_{step:08d}"
+    assert out.count(f"usp: stopped by {sig.name} after step {step}, kept in a checkpoint ({checkpoint}); "
+                     "the same command resumes from it") == 1, out[-3000:]
+    assert "exited with code" not in out and "root cause" not in out  # a stop, not a failure
+    # every rank stopped after the same step: the complete checkpoint of that step holds each rank's part
+    assert [c[0] for c in list_checkpoints(run_dir / "checkpoints") if c[2]][-1] == step
+    assert sorted(p.name for p in checkpoint.glob("rng_rank*.pt")) == [f"rng_rank{r}.pt" for r in range(procs)]
+    assert max(losses(run_dir)) == step
+    for rank in range(procs):
+        assert f"received {sig.name}: stopping after this step" in (run_dir / "logs" / f"rank_{rank}.log").read_text()
+    assert not list((run_dir / "logs").glob("failure_rank*.json"))
+    assert_gone(ranks.values())
+    status = " ".join(run_usp("status", str(run_dir)).stdout.split())
+    assert f"stopped by {sig.name} after step {step}; resume by running the same command" in status, status
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("procs", [2, 1])
+def test_the_same_command_resumes_after_a_stop(tmp_path, procs):
+    """Stopped by SIGINT to usp alone, then the same command (here with train.steps just past the
+    stop, to keep it short) continues from the checkpoint: no step trained twice or skipped."""
+    proc = start(tmp_path, "resumed", procs)
+    run_dir = tmp_path / "resumed"
+    wait_for_step(run_dir, 2, proc)
+    send(proc, signal.SIGINT, "usp")
+    assert proc.communicate(timeout=300)[0] and proc.returncode == 130
+    step = read_jsonl(run_dir / "logs" / "events.jsonl")[-1]["step"]
+    r = run_usp("train", *RUN, f"cluster.procs_per_node={procs}", "train.name=resumed", f"train.runs_dir={tmp_path}",
+                f"train.steps={step + 2}", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{step:08d}'}" in r.stdout
+    assert sorted(losses(run_dir)) == list(range(1, step + 3))
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == step
+    assert "completed" in run_usp("status", str(run_dir)).stdout
+
+
+def catching(pid: int, sig: signal.Signals) -> bool:
+    """The process has a handler for `sig` (Python has one for SIGINT from its start, not for SIGTERM)."""
+    try:
+        mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask.split()[1], 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_a_signal_while_the_ranks_load_torch_stops_them_before_the_first_step(tmp_path):
+    """SIGTERM to usp as soon as the ranks catch it, before they have loaded torch (usp/engine/__init__.py
+    catches it first): no traceback, nothing trained or saved, and the run says so."""
+    proc = start(tmp_path, "early", 2)
+    run_dir, deadline = tmp_path / "early", time.time() + 120
+    while not (len(ranks := worker_pids(run_dir / "plan.yaml")) == 2
+               and all(catching(pid, signal.SIGTERM) for pid in ranks.values())):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
-        time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        time.sleep(0.01)
+    loaded = [pid for pid in ranks.values() if "libtorch" in Path(f"/proc/{pid}/maps").read_text()]
+    send(proc, signal.SIGTERM, "usp")
+    assert not loaded, "the ranks had loaded torch already: this test is about the seconds before"
+    out = proc.communicate(timeout=300)[0]
+
+    assert proc.returncode == 75, out[-3000:]
+    assert_quiet(out)
+    assert "usp: stopped by SIGTERM before the first step: nothing to save; the same command starts the run" in out
+    stop = read_jsonl(run_dir / "logs" / "events.jsonl")[-1]
+    assert (stop["event"], stop["step"], stop["checkpoint"]) == ("stopped", 0, False)
+    assert losses(run_dir) == {} and not list((run_dir / "checkpoints").glob("step_*"))
+    assert "stopped by SIGTERM before the first step" in " ".join(run_usp("status", str(run_dir)).stdout.split())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("procs", [2, 1])
+def test_a_second_signal_stops_every_rank_at_once(tmp_path, procs):
+    """The first SIGINT asks for a stop at the step boundary; a second one, before the ranks got
+    there and wrote their checkpoint, stops them at once: one line, no traceback, no rank left."""
+    proc = start(tmp_path, "twice", procs)
+    run_dir = tmp_path / "twice"
+    wait_for_step(run_dir, 2, proc)
+    ranks = worker_pids(run_dir / "plan.yaml") if procs > 1 else {0: proc.pid}
+    send(proc, signal.SIGINT, "usp")
+    time.sleep(0.1)  # the first is handled; the step and its checkpoint take longer than this
+    send(proc, signal.SIGINT, "usp")
     out = proc.communicate(timeout=120)[0]
 
     assert proc.returncode == 130, out[-3000:]
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out and "SignalException" not in out, out[-5000:]
-    for rank in (0, 1):
-        assert out.count(f"usp: rank {rank} interrupted (Ctrl-C) after step ") == 1, out[-3000:]
-    assert "usp: torchrun agent (node 0) interrupted (Ctrl-C)" in out
+    assert_quiet(out)
+    assert "stopped at once by a second" in out and "without a checkpoint of the steps since the last one" in out
+    assert not [e for e in read_jsonl(run_dir / "logs" / "events.jsonl") if e["event"] == "stopped"]
     assert not list((run_dir / "logs").glob("failure_rank*.json"))  # an interruption is not a failure
-    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    assert 2 <= last < 500
+    assert_gone(ranks.values())
+    assert "stopped" in run_usp("status", str(run_dir)).stdout

@@ -57,6 +57,17 @@ def test_ep_init_weights_gives_the_owned_slice(ep_results):
     assert _ok(ep_results, "init_after_ep")["err"] == 0.0
 
 
+@pytest.mark.distributed
+def test_global_balance_loss_needs_no_collective_in_backward(ep_results):
+    """Summing the counts (no gradient) and keeping each rank's mean probability gives the
+    global-batch loss's gradient exactly, as an autograd all-reduce of the probabilities does."""
+    r = _ok(ep_results, "balance_loss_collectives")
+    print(r)
+    assert r["grad_size"] > 1e-3  # the loss moves the router
+    for way in ("counts", "autograd"):
+        assert r[way]["grad_err"] < 1e-7 and r[way]["value_err"] < 1e-6, way
+
+
 @pytest.fixture(scope="module")
 def pp_aux_results():
     return launch(Path(__file__).resolve().parents[1] / "dist" / "cases_moe_pipeline.py", 2)

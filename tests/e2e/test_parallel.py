@@ -48,7 +48,9 @@ def test_layout_matches_single_process(results, world, layout):
     assert result["max_rel_loss_diff"] <= rtol, result["rows"]
     if layout not in APPROXIMATE:
         atol = PARAM_ATOL_BY_LAYOUT.get(layout, PARAM_ATOL)
-        assert result["max_param_diff"] <= atol, (result["max_param_diff"], result["worst_param"])
+        assert result["max_param_diff"] <= atol, (result["max_param_diff"], result["worst_param"],
+                                                  result["routing_diverged_at"])
+        assert result["routing_diverged_at"] is None, result["routing_diverged_at"]  # MoE: the same tokens per expert
 
 
 def test_matrix_covers_the_required_compositions():
@@ -58,7 +60,7 @@ def test_matrix_covers_the_required_compositions():
                 "fsdp_x_tp_x_pp", "tp_sp_recompute_selective", "fsdp_recompute_full",
                 "bf16_ddp", "bf16_fsdp_mixed_precision", "bf16_tp_sp", "bf16_pp_1f1b", "bf16_fsdp_x_tp",
                 "zero1_x_tp", "zero1_x_pp", "cp_x_pp", "dp_x_cp_x_tp_x_pp", "ep_x_tp", "ep_x_pp",
-                "tied_dp_x_pp", "ep_x_fsdp_x_tp_x_pp"}
+                "tied_dp_x_pp", "ep_x_fsdp_x_tp_x_pp", "ep_aux_free_grad_accum", "ep_aux_free_x_pp", "ep_shared_expert"}
     assert required <= names, required - names
 
 

@@ -118,6 +118,7 @@ def test_run_plots_match_metrics(sweep_dir, tmp_path):
         assert shape[0] > 150 and shape[1] > 300 and plot.path.stat().st_size > 5000, plot.name
         assert f"({plot.path.name})" in md and plot.caption in md
     assert "No profile in these runs" in md
+    assert result.plot("expert_load") is None  # a dense model
 
 
 def test_two_runs_are_overlaid(sweep_dir, tmp_path):
@@ -316,3 +317,31 @@ def test_allocator_peak_is_the_measured_memory_without_the_probe(sweep_dir, tmp_
     result = write_report([str(run)])
     assert result.plot("memory").data["measured"]["y"] == [0.75]
     assert "| 0.750 (allocator) |" in result.markdown.read_text()
+
+
+@pytest.mark.distributed
+def test_moe_run_logs_and_plots_its_expert_load(tmp_path, shakespeare):
+    """A pipelined MoE run (pp 2: each rank routes half the layers): metrics.jsonl holds every
+    layer's tokens per expert over the global batch, the console an imbalance line per logged
+    step, and `usp report` the expert-load plot of those numbers."""
+    proc = run_usp("train", "model=moe_tiny", "model.n_layers=4", "model.tie_embeddings=false", *FAST,
+                   "cluster.procs_per_node=2", "parallelism.pp=2", "parallelism.dp_replicate=1",
+                   "train.micro_batch=4", f"train.runs_dir={tmp_path}", "train.name=moe")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "moe" / "metrics.jsonl")
+    plan = yaml.safe_load((tmp_path / "moe" / "plan.yaml").read_text())
+    assignments = plan["batch"]["global_batch"] * plan["batch"]["seq_len"] * 2  # top-2
+    for record in metrics:
+        load = record["expert_load"]
+        assert sorted(load) == ["0", "1", "2", "3"]
+        for layer in load.values():
+            assert layer["tokens_mean"] * 4 == assignments  # every token of the global batch, counted once
+            assert layer["tokens_min"] <= layer["tokens_mean"] <= layer["tokens_max"]
+            assert layer["imbalance"] == pytest.approx(layer["tokens_max"] / layer["tokens_mean"])
+        worst = max(load, key=lambda k: load[k]["imbalance"])
+        assert f"step {record['step']} moe load: imbalance max/mean {load[worst]['imbalance']:.2f} in layer {worst}" \
+            in proc.stdout
+    plot = write_report([str(tmp_path / "moe")]).plot("expert_load")
+    assert plot is not None and plot.path.stat().st_size > 5000
+    assert plot.data["layer 3"]["y"] == [r["expert_load"]["3"]["imbalance"] for r in metrics]
+    assert plot.data["layer 0"]["max"] == [r["expert_load"]["0"]["tokens_max"] for r in metrics]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, losses, run_usp
+from usp.run.files import list_checkpoints, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -195,6 +196,39 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_loss(slurm, runs, two
     assert_close(losses(run_dir), losses(two_rank_job[1]), rtol=1e-6)
 
 
+def wait_for_stop(run_dir: Path, signal: str, timeout: float = 90) -> int:
+    """The step after which the ranks stopped on `signal` with a checkpoint (logs/events.jsonl)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        stops = [e for e in read_jsonl(run_dir / "logs" / "events.jsonl") if e["event"] == "stopped"]
+        if stops:
+            assert (stops[-1]["signal"], stops[-1]["checkpoint"]) == (signal, True), stops
+            return int(stops[-1]["step"])
+        time.sleep(0.5)
+    raise AssertionError(f"the ranks recorded no stop on {signal} in {run_dir / 'logs' / 'events.jsonl'}")
+
+
+def test_int_to_the_batch_shell_stops_every_rank_with_a_checkpoint_and_no_requeue(slurm, runs):
+    """`scancel --signal=INT --batch`: the batch shell passes INT to the job step, where Slurm gives it
+    to torchrun and to each rank, and torchrun passes it on again: every rank stops once, after the
+    same step, with a checkpoint; the job is not requeued (only USR1 is)."""
+    job_id, run_dir = submit(runs, "interrupted", steps=100000)
+    out = run_dir / "logs" / f"slurm-{job_id}.out"
+    wait_for_line(out, "step 3/")
+    subprocess.run(["scancel", "--signal=INT", "--batch", job_id], check=True)
+    state = wait_for(job_id, timeout=180)
+    assert state["Restarts"] == "0" and state["ExitCode"] == "130:0", state
+    step = wait_for_stop(run_dir, "SIGINT")
+    text = out.read_text()
+    assert "usp: got INT: asking the ranks to checkpoint and stop" in text
+    assert "usp: step exited with code 130: stopped SIGINT" in text and "requeueing" not in text
+    checkpoint = run_dir / "checkpoints" / f"step_{step:08d}"
+    assert f"usp: stopped by SIGINT after step {step}, kept in a checkpoint ({checkpoint})" in text
+    assert sorted(p.name for p in checkpoint.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert "Traceback" not in text and "death signal" not in text
+    assert max(losses(run_dir)) == step
+
+
 def kill_node_ranks(node: str) -> int:
     """SIGKILL the torchrun agent that runs on Slurm node `node` and everything under it: on a
     real cluster, what a dying machine does to its ranks. Returns how many processes were killed."""
@@ -258,6 +292,9 @@ def test_cancel_stops_the_job(slurm, runs):
     r = run_usp("cancel", str(run_dir))
     assert r.returncode == 0 and f"cancelled Slurm job {job_id}" in r.stdout
     assert wait_for(job_id, timeout=60)["JobState"] == "CANCELLED"
+    # scancel's SIGTERM reached every rank (within Slurm's KillWait): they stopped after one step with a checkpoint
+    step = wait_for_stop(run_dir, "SIGTERM")
+    assert [c[0] for c in list_checkpoints(run_dir / "checkpoints") if c[2]][-1] == step
     r = run_usp("cancel", str(run_dir))
     assert r.returncode == 0 and "nothing to cancel" in r.stdout
 

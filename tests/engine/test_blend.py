@@ -102,9 +102,9 @@ def test_blend_gives_the_requested_token_shares(mix):
 def test_blend_is_layout_independent_and_resumes(mix):
     meta = mix[4]
 
-    def step_union(step: int, dp: int, sampler_kw: dict) -> np.ndarray:
-        return np.concatenate([np.concatenate(make_sampler(meta, dp_rank=r, dp_size=dp, **sampler_kw)
-                                              .micro_batches(step)) for r in range(dp)])
+    def step_union(step: int, dp: int, sampler_kw: dict) -> np.ndarray:  # micro-batch steps in order
+        ranks = [make_sampler(meta, dp_rank=r, dp_size=dp, **sampler_kw).micro_batches(step) for r in range(dp)]
+        return np.concatenate([micro[j] for j in range(len(ranks[0])) for micro in ranks])
 
     kw = dict(seq_len=64, global_batch=16, seed=5)
     for step in (0, 7, 300):  # 300: past the first block of 4,096 samples
@@ -120,7 +120,8 @@ def test_blend_is_layout_independent_and_resumes(mix):
     for half in halves:
         half.load_state_dict(state)  # another layout, another configured seed: the checkpoint's order wins
     for want in expected:
-        assert np.array_equal(np.concatenate([np.concatenate(h.next()) for h in halves]), want)
+        micro_steps = zip(*[h.next() for h in halves])  # each: the ranks' micro batches of one micro-batch step
+        assert np.array_equal(np.concatenate([m for step in micro_steps for m in step]), want)
     reweighted = {**meta, "blend": [{**p, "weight": 0.5} for p in meta["blend"]]}
     with pytest.raises(ValueError, match="blend"):
         make_sampler(reweighted, micro_batch=8, dp_rank=0, dp_size=1, **kw).load_state_dict(state)

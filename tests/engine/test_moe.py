@@ -22,7 +22,7 @@ MOE = ("n_experts", "top_k", "moe_ffn_dim", "shared_expert")
 
 def moe_layer(dim=32, n_experts=4, top_k=2, ffn_dim=48, seed=0, **kw) -> MoE:
     args = SimpleNamespace(dim=dim, n_experts=n_experts, top_k=top_k, ffn_dim=ffn_dim, moe_ffn_dim=0,
-                           shared_expert=False, capacity_factor=0.0)
+                           shared_expert=False, capacity_factor=0.0, router_bias_update_rate=0.0)
     for k, v in kw.items():
         setattr(args, k, v)
     torch.manual_seed(seed)
@@ -92,6 +92,50 @@ def test_aux_loss_formula_and_uniform_routing():
     # Everything on one expert pair: well above 1.
     m(x[:1].repeat(8, 1))
     assert m.aux_loss.item() > 1.5
+
+
+def test_expert_bias_picks_experts_but_not_gate_weights():
+    """Aux-loss-free balancing (DeepSeek-V3): the bias decides the top-k choice; the gate weights
+    stay the router probabilities of the chosen experts, renormalised."""
+    m = moe_layer(n_experts=4, top_k=1, router_bias_update_rate=0.1)
+    assert m.expert_bias is not None and "expert_bias" in m.state_dict()  # a buffer: checkpoints keep it
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+    _, chosen, probs = m.route(x)
+    with torch.no_grad():
+        m.expert_bias[0] = 10.0  # expert 0 beats any probability
+    w, e, probs2 = m.route(x)
+    assert (e == 0).all() and not (chosen == 0).all()
+    torch.testing.assert_close(probs2, probs)
+    torch.testing.assert_close(w, torch.ones_like(w))  # top-1: renormalised to 1 whatever the bias
+    y, ref = m(x), m.dense_reference(x)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-6)
+
+
+def test_expert_bias_update_follows_the_step_load():
+    """bias += rate * sign(mean load - load), centred; from the tokens counted in training forwards
+    of the step (eval forwards don't count), then cleared."""
+    m = moe_layer(n_experts=4, top_k=2, router_bias_update_rate=0.01)
+    assert moe_layer(n_experts=4).expert_bias is None  # off: no buffer, the state dict is unchanged
+    g = torch.Generator().manual_seed(6)
+    m(torch.randn(30, 32, generator=g))
+    m(torch.randn(10, 32, generator=g))
+    m.eval()
+    m(torch.randn(50, 32, generator=g))
+    tokens = m.take_step_tokens()
+    assert int(tokens.sum()) == (30 + 10) * 2 and m.take_step_tokens() is None
+    m.update_expert_bias(tokens)
+    sign = torch.sign(tokens.float().mean() - tokens.float())
+    torch.testing.assert_close(m.expert_bias, 0.01 * (sign - sign.mean()))
+    assert m.expert_bias.abs().sum() > 0
+
+
+def test_recompute_does_not_count_tokens_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    m = moe_layer(n_experts=4, top_k=2)
+    x = torch.randn(12, 32, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    checkpoint(m, x, use_reentrant=False).sum().backward()  # the forward runs again in the backward
+    assert int(m.take_step_tokens().sum()) == 12 * 2
 
 
 # ------------------------------------------------------------------- model + math
@@ -178,3 +222,16 @@ def test_attached_aux_loss_gives_the_added_aux_loss_gradients():
     router = "layers.0.feed_forward.router.weight"
     assert all(torch.allclose(grads[0][n], grads[1][n], rtol=0, atol=1e-12) for n in grads[0])
     assert grads[1][router].abs().max() > 0
+
+
+def test_verify_names_the_step_and_layer_where_routing_parts():
+    from usp.engine.verify_worker import routing_divergence
+
+    def rec(step, tokens):
+        return {"step": step, "expert_load": {"1": {"tokens": tokens}}}
+
+    ref = [rec(1, [3, 5]), rec(2, [4, 4]), rec(3, [2, 6])]
+    assert routing_divergence(ref, ref) is None
+    got = routing_divergence(ref, [rec(1, [3, 5]), rec(2, [5, 3]), rec(3, [2, 6])])
+    assert got == {"step": 2, "layer": "1", "reference": [4, 4], "layout": [5, 3]}
+    assert routing_divergence([{"step": 1, "loss": 1.0}], [{"step": 1, "loss": 1.0}]) is None  # a dense model

@@ -62,6 +62,17 @@ def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):
     assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
+def test_cpu_ranks_get_a_fixed_malloc_threshold(monkeypatch):
+    """A CPU rank's memory is the process's: glibc's mmap threshold is fixed (1 MiB) so that freed large
+    tensors go back to the kernel (docs/benchmarks.md, "Building the model"); the user's setting wins."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert worker_env(_env_plan("cpu"))["MALLOC_MMAP_THRESHOLD_"] == str(2 ** 20)
+    assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(_env_plan("cuda"))
+    assert worker_env(_env_plan("cpu", {"MALLOC_MMAP_THRESHOLD_": "33554432"}))["MALLOC_MMAP_THRESHOLD_"] == "33554432"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert worker_env(_env_plan("cpu"))["MALLOC_MMAP_THRESHOLD_"] == "131072"
+
+
 def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert worker_env(_env_plan("cuda", deterministic=True))["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"

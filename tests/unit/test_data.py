@@ -277,29 +277,35 @@ def test_a_changed_token_file_is_refused(tiny_cfg):
 
 # --- sampler --------------------------------------------------------------------------------
 
-def _step_samples(step: int, dp_size: int, **kw) -> list[np.ndarray]:
-    """Per rank, the concatenation of its micro batches for `step`."""
-    return [np.concatenate(BatchSampler(dp_rank=r, dp_size=dp_size, **kw).micro_batches(step))
-            for r in range(dp_size)]
+def _micro_steps(step: int, dp_size: int, **kw) -> list[np.ndarray]:
+    """Per micro-batch step, the concatenation over ranks (in rank order) of their micro batches."""
+    ranks = [BatchSampler(dp_rank=r, dp_size=dp_size, **kw).micro_batches(step) for r in range(dp_size)]
+    return [np.concatenate([micro[j] for micro in ranks]) for j in range(len(ranks[0]))]
 
 
 SAMPLER = dict(n_tokens=100_001, seq_len=100, global_batch=16, seed=7)
 
 
-@pytest.mark.parametrize("dp_size,micro_batch", [(2, 4), (4, 2), (4, 4), (8, 1), (16, 1)])
+@pytest.mark.parametrize("dp_size,micro_batch", [(2, 4), (4, 2), (4, 4), (8, 1), (16, 1), (2, 8)])
 def test_ranks_partition_the_single_process_step(dp_size, micro_batch):
+    """A step's samples don't depend on the layout, nor do a micro-batch step's: the ranks' j-th
+    micro batches together are the j-th micro batch of one process with the same grad_accum."""
+    accum = 16 // (dp_size * micro_batch)
     for step in (0, 5, 61):  # 1000 windows / 16 per step: step 61 crosses into epoch 1
-        single = np.concatenate(_step_samples(step, 1, micro_batch=16, **SAMPLER))
-        assert np.array_equal(np.concatenate(_step_samples(step, dp_size, micro_batch=micro_batch, **SAMPLER)),
-                              single)
+        whole = np.concatenate(_micro_steps(step, 1, micro_batch=16, **SAMPLER))
+        layout = _micro_steps(step, dp_size, micro_batch=micro_batch, **SAMPLER)
+        assert len(layout) == accum and np.array_equal(np.concatenate(layout), whole)
+        assert all(np.array_equal(a, b) for a, b in zip(layout, _micro_steps(step, 1, micro_batch=16 // accum,
+                                                                              **SAMPLER)))
 
 
-def test_micro_batches_split_the_rank_slice():
+def test_micro_batches_take_a_slice_of_each_micro_step():
     sampler = BatchSampler(micro_batch=2, dp_rank=1, dp_size=2, **SAMPLER)
     micro = sampler.micro_batches(3)
     assert sampler.grad_accum == 4 and len(micro) == 4 and all(len(m) == 2 for m in micro)
     single = np.concatenate(BatchSampler(micro_batch=16, **SAMPLER).micro_batches(3))
-    assert np.array_equal(np.concatenate(micro), single[8:16])
+    for j in range(4):  # micro-batch step j: samples 4j..4j+3 of the step; rank 1 takes the second half
+        assert np.array_equal(micro[j], single[4 * j + 2:4 * j + 4])
     assert all(s % 100 == 0 and s + 101 <= 100_001 for s in single)
 
 

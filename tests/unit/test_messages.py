@@ -1,4 +1,5 @@
-"""Messages for the user's mistakes: a broken recipe names its file and line, a `.yml` recipe works,
+"""Messages for the user's mistakes: a broken recipe names its file and line (a YAML syntax error, an
+unknown key, a wrong value, a key set twice: as on the command line, plus where), a `.yml` recipe works,
 a recipe without `defaults:` says what to add, and read-only output targets (`usp plan --save`,
 `usp config cp`; `usp export --out`: tests/engine/test_messages.py) are one clean error. Tests run
 as root, where chmod doesn't stop writes: the unwritable targets are a file where a directory is
@@ -7,12 +8,14 @@ not root."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import usp_cli
 
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = "defaults:\n  - config\n  - _self_\ntrain:\n  steps: 7\n  name: mine\n"
 
 
@@ -70,3 +73,60 @@ def test_config_cp_to_an_unwritable_destination(tmp_path):
         out = _flat(proc.stderr)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert says in out and "dest=" in out, out
+
+
+# --- a recipe's (or a group file's) mistakes, as good as the same mistake on the command line (issue 31) ---
+
+RECIPE_MISTAKES = [  # (the recipe's last lines, the key named, what the message says, what the fix says)
+    ("train:\n  steps: 7\n  sede: 3\n", "train.sede", "unknown key, set at {file}:6",
+     "did you mean key 'train.seed'? keys of train: name, runs_dir"),
+    ("optimzer:\n  lr: 1\n", "optimzer", "unknown key, set at {file}:4", "did you mean key 'optimizer'?"),
+    ("cluster:\n  slurm:\n    partitoin: gpu\n", "cluster.slurm.partitoin", "unknown key, set at {file}:6",
+     "did you mean key 'cluster.slurm.partition'? keys of cluster.slurm:"),
+    ("train:\n  steps: seven\n", "train.steps", "train.steps='seven': not an integer, set at {file}:5",
+     "train.steps expects int, e.g. train.steps=150"),
+    ("train:\n  nan_policy: ignore\n", "train.nan_policy", "not one of stop, skip, set at {file}:5",
+     "train.nan_policy=stop"),
+    ("profile:\n  steps: 3\n", "profile.steps", "expects a list, set at {file}:5", "profile.steps expects list"),
+    ("train:\n  steps: 7\n  seed: 1\n  steps: 8\n", "train.steps", "set twice in {file}, at lines 5 and 7",
+     "keep one of lines 5 and 7 of mine.yaml"),
+]
+
+
+@pytest.mark.parametrize("body,key,says,fix", RECIPE_MISTAKES)
+def test_a_recipe_mistake_names_file_line_key_and_fix(tmp_path, body, key, says, fix):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - config\n  - _self_\n" + body)
+    proc = usp_cli("plan", f"conf={recipe}", cwd=tmp_path, columns=400)
+    out = _flat(proc.stderr)
+    assert proc.returncode == 2 and "Traceback" not in out and "Exception" not in out, out
+    assert f"error: {key}" in out and says.format(file=recipe) in out and f"fix: {fix}" in out, out
+
+
+def test_the_same_mistake_on_the_command_line_says_the_same_without_a_file(tmp_path):
+    proc = usp_cli("plan", "train.sede=3", cwd=tmp_path, columns=400)
+    out = _flat(proc.stderr)
+    assert "error: train.sede: unknown key fix: did you mean key 'train.seed'? keys of train:" in out, out
+
+
+def test_a_group_file_mistake_names_it_with_the_groups_key_path(tmp_path):
+    """A cluster group given by path and a conf/ group file (a copy of the catalogue: USP_CONF_DIR) name
+    their own file and line, and the key under its group."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("name: mine\nnodez: 2\n")
+    out = _flat(usp_cli("plan", f"cluster={mine}", cwd=tmp_path, columns=400).stderr)
+    assert f"error: cluster.nodez: unknown key, set at {mine}:2" in out and "'cluster.nodes'" in out, out
+    mine.write_text("name: mine\nnodes: 1\nname: again\n")
+    out = _flat(usp_cli("plan", f"cluster={mine}", cwd=tmp_path, columns=400).stderr)
+    assert f"error: cluster.name: set twice in {mine}, at lines 1 and 3" in out, out
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    tiny = conf / "model" / "tiny.yaml"
+    tiny.write_text(tiny.read_text() + "dim: 64\n")
+    lines = tiny.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if line.startswith("dim:"))
+    out = _flat(usp_cli("plan", cwd=tmp_path, env={"USP_CONF_DIR": str(conf)}, columns=400).stderr)
+    assert f"error: model.dim: set twice in {tiny}, at lines {first} and {len(lines)}" in out, out
+    tiny.write_text("\n".join(lines[:-1]) + "\nffn_dm: 64\n")
+    out = _flat(usp_cli("plan", cwd=tmp_path, env={"USP_CONF_DIR": str(conf)}, columns=400).stderr)
+    assert f"error: model.ffn_dm: unknown key, set at {tiny}:{len(lines)}" in out and "'model.ffn_dim'" in out, out

@@ -376,17 +376,14 @@ PP4 = ["model.tie_embeddings=false", "model.n_layers=4", "cluster.procs_per_node
     (["cluster.procs_per_node=2", "parallelism.tp=2"], []),
     (["cluster.procs_per_node=2", "parallelism.dp_shard=2", "train.micro_batch=8"], []),
     (PP4 + ["parallelism.tp=2", "train.micro_batch=4"], []),
-    (["parallelism.ep=2"], ["parallelism.ep", "checkpoint.enabled"]),  # dense, and ep ∤ dp_shard 1: one EP rule
+    (["parallelism.ep=2"], ["parallelism.ep"]),  # dense, and ep ∤ dp_shard 1: one EP rule
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.ep=2", "train.micro_batch=8"],
-     ["parallelism.ep", "checkpoint.enabled"]),  # ep from dp_replicate: no longer (EP ranks are FSDP ranks)
+     ["parallelism.ep"]),  # ep from dp_replicate: no longer (EP ranks are FSDP ranks)
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.ep=2",
-      "train.micro_batch=8"], ["checkpoint.enabled"]),
-    (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.ep=2",
-      "train.micro_batch=8", "checkpoint.enabled=false"], []),
+      "train.micro_batch=8"], []),  # expert-parallel checkpoints: parallel/expert.py global_expert_state
     (["model=moe_tiny", "cluster.procs_per_node=2", "parallelism.tp=2"], []),  # MoE x TP: the MoE runs replicated
     (["model=moe_tiny", "model.tie_embeddings=false", "cluster.procs_per_node=8", "parallelism.dp_shard=2",
-      "parallelism.ep=2", "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=4",
-      "checkpoint.enabled=false"], []),
+      "parallelism.ep=2", "parallelism.tp=2", "parallelism.pp=2", "train.micro_batch=4"], []),
     (PP4 + ["parallelism.cp=2", "train.micro_batch=4"], []),  # context parallelism inside a pipeline
     (["cluster=local_cpu2", "parallelism.dp_shard=2", "parallelism.zero1=true"], ["parallelism.zero1"]),
     (["cluster=local_cpu2", "parallelism=ddp", "parallelism.ddp_comm_hook=bf16"], ["parallelism.ddp_comm_hook"]),

@@ -65,3 +65,5 @@ def test_recipe_plans_and_dry_run_submits(recipe, tmp_path):
     assert r.returncode == 0, r.stderr
     script = (tmp_path / recipe / "job.sbatch").read_text()
     assert re.search(rf"^#SBATCH --nodes={RECIPES[recipe]}$", script, re.M), script[:800]
+    # every recipe checkpoints (Mixtral's expert-parallel run included: experts saved whole)
+    assert plan.config["checkpoint"]["enabled"] and re.search(r"checkpoints\s*│ every \d+ steps", r.stdout), r.stdout

@@ -63,8 +63,7 @@ def test_plan_lists_every_failure_plan_and_engine_kinds():
     plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=2", "parallelism.cp=2", "train.seq_len=102",
                          "parallelism.pp_virtual_stages=0", "model.n_experts=4", "parallelism.ep=4")
     assert plan is None
-    assert [e.key for e in errors] == ["train.seq_len", "parallelism.pp_virtual_stages", "parallelism.ep",
-                                       "checkpoint.enabled"]
+    assert [e.key for e in errors] == ["train.seq_len", "parallelism.pp_virtual_stages", "parallelism.ep"]
     plan, errors = _plan("cluster.procs_per_node=4", "parallelism.tp=3")  # a degree error: before the rules
     assert plan is None and [e.key for e in errors] == ["parallelism"]
 
@@ -81,7 +80,7 @@ def test_zero1_composes_with_tp_and_pp_not_with_fsdp():
 def test_plan_builds_and_lists_engine_failures():
     plan, errors = _plan("model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2")
     assert plan is not None  # ep=2 needs dp_shard x cp >= 2; dp_replicate=2 doesn't count
-    assert [e.key for e in errors] == ["parallelism.ep", "checkpoint.enabled"]
+    assert [e.key for e in errors] == ["parallelism.ep"]
     assert "parallelism.dp_shard=2 parallelism.dp_replicate=1" in errors[0].fix
     assert [str(e) for e in errors] == [str(e) for e in engine_support_errors(plan)]
     cfg, choices = compose_config(None, ["model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2",
@@ -98,11 +97,11 @@ def test_usp_plan_cli_lists_all_failures(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "model.n_heads=4: 4 heads can't be split over parallelism.tp=3" in r.stderr
     assert "parallelism.ep=2: expert parallelism takes its ranks from the sharded data-parallel ranks" in r.stderr
-    assert r.stderr.count("fix:") == 3 and "Traceback" not in r.stderr  # + checkpoints of EP runs
+    assert r.stderr.count("fix:") == 2 and "Traceback" not in r.stderr
     r = usp_cli("plan", "model=moe_tiny", "cluster.procs_per_node=4", "parallelism.ep=2", "parallelism.tp=2",
                 cwd=tmp_path, columns=250)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("usp train would refuse:") == 2 and "memory per device" in r.stdout
+    assert r.stdout.count("usp train would refuse:") == 1 and "memory per device" in r.stdout
 
 
 def test_no_import_cycles_in_usp_plan():

@@ -2,7 +2,6 @@
 micro batch per layout really is the largest, and it is fast at 512 GPUs."""
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -99,32 +98,28 @@ def test_peak_candidates_match_all_stages():
             assert max(rank_params(ctx.arch, lay)) == pytest.approx(max(s.params for s in mem.stages), abs=1)
 
 
-def test_70b_on_512_gpus_is_fast():
+def test_70b_on_512_gpus_finds_a_layout_that_fits():
+    """How long this search takes is a benchmark (scripts/bench/planner_search.py, docs/benchmarks.md),
+    not a timed test: a wall-clock bound flakes on a loaded machine."""
     cfg, _ = compose_config(None, ["model=llama3_1_70b", "cluster=slurm_h100", "cluster.nodes=64",
                                    "train.seq_len=4096", "train.global_batch=1024"])
-    start = time.perf_counter()
     result = search_config(cfg, top_k=5)
-    assert time.perf_counter() - start < 10  # about 1 s on the dev VM (scripts/bench/planner_search.py)
     best = result.best
     assert best is not None and best.layout.world == 512 and best.peak_gib <= 80
     assert result.pure_dp is None and result.pure_dp_peak_gib > 80  # 70B does not fit with data parallel alone
     assert 0.2 < best.timing.mfu < 0.55
 
 
-def test_moe_search_uses_expert_parallel():
+@pytest.mark.parametrize("checkpoints", ["false", "true"])
+def test_moe_search_uses_expert_parallel(checkpoints):
+    """Checkpointing or not: expert-parallel checkpoints reshard (docs/moe.md), so no rule keeps
+    the search from proposing ep > 1 to a run that saves them."""
     cfg, _ = compose_config(None, ["model=tiny", "model.n_experts=8", "model.top_k=2", "cluster=slurm_h100",
-                                   "train.seq_len=1024", "train.global_batch=64", "checkpoint.enabled=false"])
+                                   "train.seq_len=1024", "train.global_batch=64", f"checkpoint.enabled={checkpoints}"])
     result = search_config(cfg, top_k=50)
     assert {c.layout.ep for c in result.top} > {1}
     ep = [c.layout for c in result.top if c.layout.ep > 1]  # as the engine runs it: on the FSDP ranks
     assert all(8 % lay.ep == 0 and (lay.dp_shard * lay.cp) % lay.ep == 0 for lay in ep)
-
-
-def test_moe_search_without_ep_when_checkpointing():
-    """Checkpoints of expert-parallel runs are refused by `usp train`, so the search does not propose ep > 1."""
-    cfg, _ = compose_config(None, ["model=tiny", "model.n_experts=8", "model.top_k=2", "cluster=slurm_h100",
-                                   "train.seq_len=1024", "train.global_batch=64", "checkpoint.enabled=true"])
-    assert {c.layout.ep for c in search_config(cfg, top_k=50).top} == {1}
 
 
 def test_nothing_fits_is_said():

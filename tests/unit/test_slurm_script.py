@@ -5,6 +5,7 @@ jobs, quoting of shell-special values, and errors before anything is written or 
 Refresh the golden files after an intended change: USP_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_script.py"""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -163,3 +164,23 @@ def test_array_script_gives_each_task_its_own_plan(tmp_path):
     assert "#SBATCH --array=0-1%1\n" in text and "slurm-%A_%a.out" in text
     assert re.search(r'PLANS=\(\n  \S+/p0/plan.yaml\n  \S+/p1/plan.yaml\n\)', text)
     assert 'export USP_PLAN="${PLANS[$SLURM_ARRAY_TASK_ID]}"' in text
+
+
+@pytest.mark.parametrize("events,want", [
+    ([{"event": "stopped", "step": 7, "signal": "SIGUSR1", "checkpoint": True}], "preempted"),
+    ([{"event": "stopped", "step": 7, "signal": "SIGINT", "checkpoint": True}], "stopped SIGINT"),
+    ([{"event": "stopped", "step": 7, "signal": "SIGTERM", "checkpoint": True}], "stopped SIGTERM"),
+    ([{"event": "preempted", "step": 7}], "preempted"),  # written by an earlier usp: requeued as before
+    ([{"event": "stopped", "step": 7, "signal": "SIGINT"}, {"event": "restart"}], "failed"),  # not the last event
+    ([], "failed"),
+])
+def test_the_batch_script_requeues_only_a_usr1_stop(tmp_path, events, want):
+    """What the batch script does after the job step (usp.launch.slurm_outcome): only a stop on
+    USR1 (a time limit or a preemption) is "preempted", which requeues; one on INT or TERM is not."""
+    from usp.launch.slurm_outcome import outcome
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "events.jsonl").write_text("".join(json.dumps({**e, "time": 100.0}) + "\n" for e in events))
+    assert outcome(tmp_path, since=50.0, code=1) == want
+    if events and want != "failed":
+        assert outcome(tmp_path, since=150.0, code=1) == "failed"  # a stop of an earlier attempt

@@ -35,8 +35,10 @@ CfgOption = typer.Option(None, "--cfg", help="print the composed config ('job') 
 
 def _fail(exc: Exception) -> NoReturn:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+    # escaped: a value such as [10, 12] or a fix's [...] is text, not rich markup
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(2)
 
 
@@ -79,7 +81,8 @@ def _nothing_to_do():
 def handles_errors(command):
     """The one error wrapper of every command: a problem the user can fix (a UspError) is printed
     as one red line (with its fix) and exits 2, never as a stack trace. A run that is already at
-    train.steps says so and exits 0."""
+    train.steps says so and exits 0. Ctrl-C before any rank runs (planning, preparing data, importing
+    torch) is one line and exit code 130 (once ranks run, usp/launch/stop_signals.py handles it)."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
@@ -89,8 +92,54 @@ def handles_errors(command):
         except _nothing_to_do() as done:
             typer.echo(str(done))
             raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            from usp.run.files import EXIT_INTERRUPTED
+
+            typer.echo("usp: interrupted (SIGINT)", err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
+
+
+BUILD_CHECK_HELP = ("build the parallel model of the ranks among the arguments (integers; default: the first rank "
+                    "of each pipeline stage and the last) for real, on the meta device under a fake process group: "
+                    "no GPU, no data, nothing allocated; print each rank's parameter, gradient and optimizer-state "
+                    "bytes next to the plan's (needs torch here)")
+
+
+def _split_ranks(overrides: list[str] | None) -> tuple[list[int], list[str]]:
+    """--build-check's ranks (the bare integers: no override is one) and the overrides."""
+    items = overrides or []
+    return [int(x) for x in items if x.isdigit()], [x for x in items if not x.isdigit()]
+
+
+def _build_check(run_plan, ranks: list[int], failures: list) -> None:
+    """usp plan --build-check: one line per rank as the engine builds it, then the table."""
+    from rich.console import Console
+
+    from usp.errors import LaunchError
+    from usp.launch.build_check import check_ranks, run_build_check
+    from usp.plan.context import planned_local_bytes
+    from usp.plan.render import build_check_summary, build_check_table, render_refusals
+
+    console = Console()
+    ranks = check_ranks(run_plan, ranks)
+    planned = planned_local_bytes(run_plan, ranks)
+    console.print(f"building rank(s) {', '.join(map(str, ranks))} of {run_plan.world_size} on the meta device ...")
+    results = run_build_check(run_plan, ranks, on_result=lambda r: console.print(
+        f"  rank {r['rank']}: {'built' if 'error' not in r else 'FAILED'} in {r['seconds']:.1f} s", highlight=False))
+    console.print(build_check_table(run_plan, results, planned))
+    render_refusals(failures)
+    console.print(build_check_summary(results, planned), highlight=False)
+    failed = [r for r in results if "error" in r]
+    if failed:
+        first = failed[0]
+        raise LaunchError(f"the plan passed every rule, but the engine can't build it: {len(failed)} of "
+                          f"{len(results)} rank(s) failed; rank {first['rank']}: {first['error']}\n"
+                          f"{first.get('trace', '')}", key="parallelism",
+                          value=" x ".join(f"{d}={v}" for d, v in run_plan.degrees.items() if v > 1) or "single",
+                          fix="what the error names; if it is the engine's own, a rule is missing: please report "
+                              "the layout")
 
 
 @app.command()
@@ -100,11 +149,13 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          strict: bool = typer.Option(False, "--strict", help="a TP group spanning nodes is an error, not a warning"),
          force: bool = typer.Option(False, "--force", help="plan even if the layout is predicted not to fit"),
          search: bool = typer.Option(False, "--search", help="rank the layouts that fit by predicted throughput"),
-         top: int = typer.Option(5, "--top", help="with --search: how many layouts to show")) -> None:
+         top: int = typer.Option(5, "--top", help="with --search: how many layouts to show"),
+         build_check: bool = typer.Option(False, "--build-check", help=BUILD_CHECK_HELP)) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
     from usp.plan.plan import plan_with_failures
     from usp.plan.render import render_plan, render_refusals
 
+    ranks, overrides = _split_ranks(overrides) if build_check else ([], overrides)
     composed, choices = _compose(overrides)
     if cfg:
         return _print_cfg(composed, cfg)
@@ -118,6 +169,8 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         for error in failures[:-1]:
             typer.echo(f"error: {error}", err=True)
         _fail(failures[-1])
+    if build_check:
+        return _build_check(run_plan, ranks, failures)
     render_plan(run_plan)
     render_refusals(failures)
     if save:
@@ -162,11 +215,28 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
     for line in report(result):
         typer.echo(line)
+    for warning in result.warnings:
+        typer.echo(f"warning: {warning}", err=True)
     if out:
         write_text_atomic(Path(out), result.yaml)
-        typer.echo(f"cluster group written to {out} (use it with cluster={Path(out).stem} or commit it)")
+        typer.echo(f"cluster group written to {out}; use it: usp plan {cluster_override(out)} (or usp train, "
+                   "usp estimate; any command that takes cluster=)")
     else:
         typer.echo(result.yaml)
+
+
+def cluster_override(out: str) -> str:
+    """The cluster= override that selects a written cluster group: its name inside conf/cluster, else
+    its path (with ./ where the path alone would read as a name)."""
+    from pathlib import Path
+
+    from usp.config.paths import conf_dir
+
+    path = Path(out).expanduser()
+    if path.resolve().parent == conf_dir() / "cluster" and path.suffix == ".yaml":
+        return f"cluster={path.stem}"
+    shown = str(path) if "/" in str(path) or path.suffix in (".yaml", ".yml") else f"./{path}"
+    return f"cluster={shown}"
 
 
 @app.command()
@@ -207,25 +277,35 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     require_torch("train")
     run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
 
+    failure = None
     try:
         code = launch_local(run_plan, plan_path)
-    except Exception as exc:  # one rank runs in-process: show its traceback, then the same summary as torchrun's
-        import traceback
-
-        if isinstance(exc, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
-            typer.echo(f"error: {exc}", err=True)
-        else:
-            traceback.print_exc()
-        code = 1
+    except Exception as exc:  # one rank runs in-process: the same summary as torchrun's below
+        failure, code = exc, 1
     finally:
         release(run_plan.run_dir)
     if code:
-        from usp.launch.status import print_failure_summary
-        from usp.run.files import logs_dir
-
-        print_failure_summary(run_plan.run_dir)  # root cause from logs/failure_rank*.json, if any
-        typer.echo(f"usp: training exited with code {code}; per-rank logs in {logs_dir(run_plan.run_dir)}", err=True)
+        _say_why(run_plan.run_dir, code, failure)
     raise typer.Exit(code)
+
+
+def _say_why(run_dir, code: int, failure: Exception | None) -> None:
+    """After a failed run: the root cause from logs/failure_rank*.json first, then one line saying
+    where the tracebacks are (the ranks' own stay in the logs). Without a failure record, the
+    in-process rank's error as it is. A stop on a signal: the ranks or the launcher said so."""
+    from usp.launch.status import print_failure_summary
+    from usp.run.files import STOP_CODES, logs_dir
+
+    if code in STOP_CODES:
+        return
+    if not print_failure_summary(run_dir) and failure is not None:
+        if isinstance(failure, _user_errors()):  # e.g. a full disk (usp.engine.diskfull): its message says it all
+            typer.echo(f"error: {failure}", err=True)
+        else:
+            import traceback
+
+            traceback.print_exception(failure)
+    typer.echo(f"usp: training exited with code {code}; tracebacks and per-rank logs in {logs_dir(run_dir)}", err=True)
 
 
 @app.command()
@@ -331,13 +411,15 @@ def prepare_data(overrides: list[str] | None = Overrides,
                                             "of this dataset, unused shards and tokenizers, temp dirs")) -> None:
     """Tokenize the data group's corpus once (tokenizer + uint16/uint32 train/val token files)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from usp.data.prepare import ensure_dataset
 
     composed, _ = _compose(overrides)
     console = Console()
     path, meta = ensure_dataset(composed.data, progress=lambda msg: console.print(f"[dim]data:[/] {msg}"),
-                                show_progress=console.is_terminal)
+                                show_progress=console.is_terminal,
+                                warn=lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}", highlight=False))
     console.print(f"dataset ready: {path}\n  {meta['n_train_tokens']:,} train tokens, "
                   f"{meta['n_val_tokens']:,} validation tokens, vocab {meta['vocab_size']}, {meta['dtype']}")
     if clean and composed.data.source != "token_files":

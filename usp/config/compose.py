@@ -5,17 +5,19 @@ Hydra is used as a library: it never touches argv, the working directory or logg
 and creates no outputs/ directory."""
 from __future__ import annotations
 
-import difflib
+import contextlib
 import os
-import re
+import tempfile
 import typing
+from collections.abc import Iterator
 from dataclasses import is_dataclass
 from pathlib import Path
 
 from usp.config import schema
+from usp.config.hydra_errors import suggest, translate
 from usp.config.init_from import leave_to_checkpoint
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
-from usp.config.recipe import check_recipe_file, hydra_primary
+from usp.config.recipe import check_group_file, check_recipe_file, hydra_primary
 from usp.errors import ConfigError
 
 
@@ -38,7 +40,7 @@ def resolve_recipe(conf: str | None) -> tuple[Path, str, str]:
                         path.with_suffix(".yaml"))
         if not path.is_file():
             raise ConfigError("no such recipe file", key="conf", value=conf,
-                              fix=_suggest(path.stem, recipe_names(), "recipe") + "list them with `usp config list`")
+                              fix=suggest(path.stem, recipe_names(), "recipe") + "list them with `usp config list`")
         if path.stem == "config" and path.resolve().parent != conf_dir():
             raise ConfigError("a recipe may not be named config.yaml (it would shadow conf/config.yaml, "
                               "which recipes extend)", key="conf", value=conf, fix="rename the file")
@@ -48,7 +50,7 @@ def resolve_recipe(conf: str | None) -> tuple[Path, str, str]:
             return directory, conf, ".yaml"
     names = ["config"] + recipe_names()
     raise ConfigError("no primary config or recipe of that name", key="conf", value=conf,
-                      fix=_suggest(conf, names, "name") + f"one of: {', '.join(names)}")
+                      fix=suggest(conf, names, "name") + f"one of: {', '.join(names)}")
 
 
 def check_catalogue() -> None:
@@ -64,9 +66,10 @@ def check_catalogue() -> None:
 
 
 def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ...] = ()):
-    """Return (cfg, choices): the composed, validated config and the option picked per group. With
-    model.init_from, the model keys neither the recipe nor the command line set are MISSING: the
-    planner takes them from the checkpoint's config.json (usp/config/init_from.py)."""
+    """Return (cfg, choices): the composed, validated config and the option picked per group (a group
+    given as a YAML file, cluster=path/to/mine.yaml: the file's path). With model.init_from, the model
+    keys neither the recipe nor the command line set are MISSING: the planner takes them from the
+    checkpoint's config.json (usp/config/init_from.py)."""
     check_catalogue()
     directory, name, suffix = resolve_recipe(conf)
     check_recipe_file(directory / f"{name}{suffix}")
@@ -74,29 +77,79 @@ def compose_config(conf: str | None = None, overrides: list[str] | tuple[str, ..
     return leave_to_checkpoint(cfg, directory / f"{name}{suffix}", overrides, choices.get("model")), choices
 
 
+FILE_OPTION = "_file_"  # the option name a group file given by path is linked under (no catalogue option has it)
+
+
+def _group_file(override: str) -> tuple[str, Path] | None:
+    """(group, file) of an override `group=path/to/file.yaml`, checked; None for any other override."""
+    group, eq, value = override.partition("=")
+    if not eq or group not in schema.GROUPS or not (value.endswith((".yaml", ".yml")) or "/" in value):
+        return None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        options = group_options(group)
+        raise ConfigError(f"no such {group} file, and no option of that name in config group '{group}'", key=group,
+                          value=value, fix=suggest(path.stem, options, "option")
+                          + f"a YAML file of the {group} group (e.g. one `usp calibrate --out` wrote), "
+                            f"or one of: {', '.join(options)}")
+    check_group_file(path.resolve(), group)
+    return group, path.resolve()
+
+
+@contextlib.contextmanager
+def _linked_groups(overrides) -> Iterator[tuple[list[str], Path | None, dict[str, Path]]]:
+    """Overrides with every `group=<file.yaml>` replaced by `group=_file_<stem>`, the option linked to the
+    file in a temporary config dir (searched first), and {group: file}."""
+    files = {g: f for g, f in filter(None, (_group_file(o) for o in overrides))}
+    if not files:
+        yield list(overrides), None, {}
+        return
+    with tempfile.TemporaryDirectory(prefix="usp-groups-") as tmp:
+        out = []
+        for override in overrides:
+            found = _group_file(override)
+            if found is None:
+                out.append(override)
+                continue
+            group, path = found
+            (Path(tmp) / group).mkdir(exist_ok=True)
+            (Path(tmp) / group / f"{FILE_OPTION}{path.stem}.yaml").symlink_to(path)
+            out.append(f"{group}={FILE_OPTION}{path.stem}")
+        yield out, Path(tmp), files
+
+
 def _compose_with_hydra(directory: Path, name: str, suffix: str, overrides: list[str] | tuple[str, ...]):
-    """Hydra's compose API; its errors become one ConfigError each (_translate)."""
+    """Hydra's compose API; its errors become one ConfigError each (usp.config.hydra_errors)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
 
     schema.register()
     GlobalHydra.instance().clear()
+    roots: list[Path] = []
     try:
-        with hydra_primary(directory, name, suffix) as (hydra_dir, extra), \
-                initialize_config_dir(config_dir=str(hydra_dir), version_base="1.3"):
-            search = f"hydra.searchpath=[{','.join(f'file://{d}' for d in [conf_dir(), *extra])}]"
-            cfg = compose(config_name=name, overrides=[*overrides, search], return_hydra_config=True)
-    except Exception as exc:  # Hydra raises several unrelated types; all become one clear message
-        raise _translate(exc) from None
+        with _linked_groups(overrides) as (linked, group_dir, files), hydra_primary(directory, name, suffix) as \
+                (hydra_dir, extra), initialize_config_dir(config_dir=str(hydra_dir), version_base="1.3"):
+            roots = [hydra_dir, *([group_dir] if group_dir else []), conf_dir(), *extra]
+            search = f"hydra.searchpath=[{','.join(f'file://{d}' for d in roots[1:])}]"
+            try:
+                cfg = compose(config_name=name, overrides=[*linked, search], return_hydra_config=True)
+            except Exception as exc:  # Hydra raises several unrelated types; all become one clear message
+                raise translate(exc, lambda config: _config_file(config, roots)) from None
     finally:
         GlobalHydra.instance().clear()
-    choices = {g: cfg.hydra.runtime.choices.get(g) for g in schema.GROUPS}
+    choices = {g: str(files[g]) if g in files else cfg.hydra.runtime.choices.get(g) for g in schema.GROUPS}
     with open_dict(cfg):
         del cfg["hydra"]
     # `+key` adds keys even to a typed section: refuse the ones the schema lacks.
     check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
     return cfg, choices
+
+
+def _config_file(config: str, roots: list[Path]) -> Path | None:
+    """The YAML file Hydra loaded for a config name ('my_recipe', 'model/tiny', 'cluster/_file_mine'),
+    symlinks followed to the user's own file."""
+    return next((p.resolve() for root in roots for p in [root / f"{config}.yaml"] if p.is_file()), None)
 
 
 def check_known_keys(node: dict, cls: type, prefix: str = "") -> None:
@@ -106,82 +159,7 @@ def check_known_keys(node: dict, cls: type, prefix: str = "") -> None:
     for key, value in node.items():
         full = f"{prefix}{key}"
         if key not in hints:
-            raise ConfigError("unknown key", key=full, fix=_suggest(key, list(hints), "key", prefix)
+            raise ConfigError("unknown key", key=full, fix=suggest(key, list(hints), "key", prefix)
                               + f"keys of {prefix.rstrip('.') or 'the config'}: {', '.join(hints)}")
         if is_dataclass(hints[key]) and isinstance(value, dict):
             check_known_keys(value, hints[key], f"{full}.")
-
-
-def _translate(exc: Exception) -> ConfigError:
-    cause = exc.__cause__ or exc
-    text = str(cause)
-    missing = re.search(r"Could not find '([\w/]+)/([^']+)'", str(exc))
-    if missing:
-        group, option = missing.group(1).split("/")[-1], missing.group(2)
-        options = group_options(group)
-        return ConfigError(f"no option '{option}' in config group '{group}'", key=group, value=option,
-                           fix=_suggest(option, options, "option") + f"available: {', '.join(options)}")
-    full_key = getattr(cause, "full_key", None) or _key_in_message(str(exc))
-    first_line = text.strip().splitlines()[0] if text.strip() else type(cause).__name__
-    if full_key:
-        parent, _, leaf = full_key.rpartition(".")
-        candidates = _schema_keys(parent)
-        if candidates and leaf not in candidates:
-            return ConfigError("unknown key", key=full_key,
-                               fix=_suggest(leaf, candidates, "key", f"{parent}." if parent else "")
-                               + f"keys of {parent or 'the config'}: {', '.join(candidates)}")
-        return ConfigError(first_line, key=full_key, fix=_known_fix(text) or _type_fix(full_key))
-    return ConfigError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
-                       + (f" ({first_line})" if cause is not exc else ""),
-                       fix=_known_fix(str(exc))
-                       or "check the override syntax: key=value, +key=value to add, ~key to delete")
-
-
-def _known_fix(message: str) -> str | None:
-    if "does not support deletion" in message:
-        return ("keys of a typed section can't be deleted, set a value instead "
-                "(~ deletes free-form keys such as cluster.env.NAME)")
-    if "An item is already at" in message:
-        return "the key exists already: drop the leading + (use key=value)"
-    if "To append to your config use" in message:
-        return "that key is new here: add it with a leading +, e.g. +" + message.split("use +", 1)[1].split()[0]
-    if "Ambiguous value" in message:
-        return "a comma list is a sweep: run it with `usp sweep`, or quote the value: key='a,b'"
-    if "Error parsing override" in message:
-        return "overrides are key=value, +key=value (add) or ~key (delete)"
-    return None
-
-
-def _key_in_message(message: str) -> str | None:
-    found = re.search(r"(?:override|Key) '([\w.]+)'", message)
-    return found.group(1) if found else None
-
-
-def _schema_keys(dotted: str) -> list[str]:
-    cls: typing.Any = schema.UspConfig
-    for part in filter(None, dotted.split(".")):
-        hint = typing.get_type_hints(cls).get(part)
-        if not is_dataclass(hint):
-            return []
-        cls = hint
-    return list(typing.get_type_hints(cls))
-
-
-def _type_fix(full_key: str) -> str | None:
-    parent, _, leaf = full_key.rpartition(".")
-    cls: typing.Any = schema.UspConfig
-    for part in filter(None, parent.split(".")):
-        cls = typing.get_type_hints(cls).get(part)
-        if not is_dataclass(cls):
-            return None
-    hint = typing.get_type_hints(cls).get(leaf)
-    return f"{full_key} expects {_type_name(hint)}" if hint is not None else None
-
-
-def _type_name(hint) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-
-
-def _suggest(word: str, candidates: list[str], what: str, prefix: str = "") -> str:
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f"did you mean {what} '{prefix}{close[0]}'? " if close else ""

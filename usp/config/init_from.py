@@ -50,8 +50,10 @@ def explicit_model_keys(recipe: Path, overrides: Sequence[str], model_option: st
         picked |= any(isinstance(entry, dict) and any(str(k).split()[-1] == "model" for k in entry)
                       for entry in content.get("defaults") or [])
     if picked and model_option:
-        group = next((d / "model" / f"{model_option}.yaml" for d in (recipe.parent, conf_dir())
-                      if (d / "model" / f"{model_option}.yaml").is_file()), None)
+        given = Path(model_option)  # model=path/to/mine.yaml: the choice is the file's absolute path
+        group = given if given.is_absolute() and given.is_file() else next(
+            (d / "model" / f"{model_option}.yaml" for d in (recipe.parent, conf_dir())
+             if (d / "model" / f"{model_option}.yaml").is_file()), None)
         keys |= set(_yaml(group)) if group is not None else set(CHECKPOINT_KEYS)
     return keys
 

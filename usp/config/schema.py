@@ -1,10 +1,59 @@
 """Typed schema of a usp config. Registered in Hydra's ConfigStore, so a misspelt key or a
-wrong type is an error at compose time rather than a silent default."""
+wrong type is an error at compose time rather than a silent default.
+
+A closed set of choices that nothing below the config layer lists is an Enum here (StrEnum: its
+members compare and print as their strings, and plan.yaml stores the strings), so omegaconf
+refuses any other value at compose time. Choices that usp.perf or usp.data own (train.recompute,
+train.fp8, data.tokenizer, ...) stay strings, checked by a rule in usp/plan/rules.py, which also
+holds every range and cross-field rule (FIELD_RULES)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import cache
-from typing import Any
+from typing import Any, cast
+
+
+class CommHook(StrEnum):
+    """parallelism.ddp_comm_hook: DDP gradient compression."""
+    none = "none"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    powersgd = "powersgd"
+
+
+class Launcher(StrEnum):
+    local = "local"
+    slurm = "slurm"
+
+
+class GpuRequest(StrEnum):
+    """cluster.slurm.gpu_request: how a Slurm job asks for GPUs."""
+    gpus_per_node = "gpus_per_node"
+    gres = "gres"
+    none = "none"
+
+
+class NanPolicy(StrEnum):
+    stop = "stop"  # checkpoint the last good step, exit
+    skip = "skip"  # drop the step
+
+
+# checkpoint.async_mode; "async" is a keyword, so the functional form
+AsyncMode = StrEnum("AsyncMode", [("none", "none"), ("async", "async")])  # type: ignore[misc]
+
+
+class ConsoleMode(StrEnum):
+    auto = "auto"  # rich on a TTY, plain otherwise
+    rich = "rich"
+    plain = "plain"
+    quiet = "quiet"
+
+
+class WandbMode(StrEnum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
 
 
 @dataclass
@@ -34,7 +83,11 @@ class ModelConfig:
     top_k: int = 2
     moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
     shared_expert: bool = False  # one always-on expert beside the routed ones
-    aux_loss_coef: float = 0.01  # load-balancing loss weight
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (over the global batch, docs/moe.md)
+    router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing (DeepSeek-V3), the bias step
+    # For the planner only: a measured max / mean tokens per expert (metrics.jsonl expert_load ...
+    # imbalance); the EP all-to-all and expert compute of the busiest rank scale by it. 1 = balanced.
+    expert_load_imbalance: float = 1.0
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
     # A Hugging Face checkpoint directory (Llama / Mixtral, config.json + safetensors) whose weights
     # replace the initialisation. Its config.json gives the model's shape (the keys of
@@ -59,7 +112,7 @@ class ParallelismConfig:
     zero1: bool = False
     reshard_after_forward: bool = True
     ddp_bucket_mb: int = 25
-    ddp_comm_hook: str = "none"  # none | bf16 | fp16 | powersgd (DDP gradient compression)
+    ddp_comm_hook: CommHook = CommHook.none  # none | bf16 | fp16 | powersgd (DDP gradient compression)
     powersgd_rank: int = 2
     # Pipeline parallel
     pp_schedule: str = "1f1b"  # afab | 1f1b | interleaved_1f1b | interleaved_zb | zbv
@@ -116,6 +169,7 @@ class ClusterTimingConfig:
     optimizer_gbps: float = 0.0  # memory bandwidth of the optimizer step; 0 = not modelled
     loss_ps_per_logit: float = 0.0  # the loss's cost per logit (token x vocabulary/tp) on the last stage; 0 = none
     eager_overhead: float = 0.0  # an eager (train.compile off) micro batch's extra time over a compiled one; 0 = none
+    eager_loss_ps_per_logit: float = 0.0  # an eager loss's (compile off, or TP) extra cost per logit; 0 = none
     fp8_efficiency: float = 1.0  # share of the FP8 peak a train.fp8 matmul reaches, relative to kernel_efficiency
     calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
 
@@ -130,7 +184,7 @@ class SlurmConfig:
     time: str = "01:00:00"  # time limit: [D-]HH:MM:SS or minutes
     cpus_per_task: int = 0  # the one task per node runs torchrun and all its ranks; 0 = procs x threads
     mem: str | None = None  # per node, e.g. 200G; "0" = all of it; None = the partition default
-    gpu_request: str = "gpus_per_node"  # gpus_per_node | gres | none (how GPUs are asked for)
+    gpu_request: GpuRequest = GpuRequest.gpus_per_node  # gpus_per_node | gres | none (how GPUs are asked for)
     constraint: str | None = None
     exclusive: bool = False
     sbatch_extra: list[str] = field(default_factory=list)  # more #SBATCH options, e.g. "--reservation=big"
@@ -150,7 +204,7 @@ class SlurmConfig:
 @dataclass
 class ClusterConfig:
     name: str = "local_cpu"
-    launcher: str = "local"  # local | slurm
+    launcher: Launcher = Launcher.local  # local | slurm
     device: str = "cpu"  # cpu | cuda | xpu
     backend: str = "auto"  # auto = gloo on cpu, nccl on cuda, xccl on xpu
     nodes: int = 1
@@ -204,6 +258,9 @@ class DataConfig:
     vocab_size: int = 4096  # bpe: the vocabulary to train; token_files: the ids' vocabulary
     val_fraction: float = 0.05
     cache_dir: str | None = None  # None = $USP_CACHE_DIR or ~/.cache/usp
+    # files of data.paths that aren't UTF-8 text (binary, invalid UTF-8): strict (refuse, naming them)
+    # | skip (leave them out, with a warning) | off (no check: invalid bytes become U+FFFD)
+    text_check: str = "strict"
 
 
 @dataclass
@@ -231,7 +288,7 @@ class TrainConfig:
     # off | tensorwise (one scale per tensor: fastest; FP8 all-gathers under FSDP) | rowwise (a scale per row)
     fp8: str = "off"
     max_restarts: int = 0  # torchrun restarts the whole job this often after a rank dies (resuming)
-    nan_policy: str = "stop"  # stop (checkpoint the last good step, exit) | skip (drop the step)
+    nan_policy: NanPolicy = NanPolicy.stop  # stop (checkpoint the last good step, exit) | skip (drop the step)
     # None = on for CPU (exact parity and resume), off on an accelerator (its deterministic kernels
     # are slower); true on CUDA also sets CUBLAS_WORKSPACE_CONFIG (usp/launch/local.py)
     deterministic: bool | None = None
@@ -242,20 +299,21 @@ class TrainConfig:
 class CheckpointConfig:
     enabled: bool = True
     interval: int = 0  # save every N optimizer steps; 0 = only at the end
-    keep_last: int = 2  # complete checkpoints kept (older ones are deleted)
-    async_mode: str = "none"  # none | async (torch.distributed.checkpoint.async_save: training goes on)
+    keep_last: int = 2  # complete checkpoints kept (older ones are deleted); 0 = every one
+    # none | async (torch.distributed.checkpoint.async_save: training goes on)
+    async_mode: AsyncMode = AsyncMode["none"]
     resume: str = "auto"  # auto (newest complete checkpoint of the run) | never | <path to a step_N dir>
     dir: str | None = None  # None = <run_dir>/checkpoints
 
 
 @dataclass
 class LoggingConfig:
-    console: str = "auto"  # auto (rich on a TTY, plain otherwise) | rich | plain | quiet
+    console: ConsoleMode = ConsoleMode.auto  # auto (rich on a TTY, plain otherwise) | rich | plain | quiet
     # metrics.jsonl is always written; these add backends (rank 0 only, see usp/engine/observe/tracking.py).
     wandb: bool = False
     # offline (<run_dir>/wandb, `wandb sync` later) | online | disabled; None = $WANDB_MODE, else
     # online if $WANDB_API_KEY is set, else offline (usp/engine/observe/tracking.py: wandb_mode)
-    wandb_mode: str | None = None
+    wandb_mode: WandbMode | None = None
     wandb_project: str = "usp"
     wandb_entity: str | None = None
     wandb_tags: list[str] = field(default_factory=list)
@@ -306,3 +364,69 @@ def register() -> None:
 def schema_fields(section: Any) -> dict[str, Any]:
     """Field name -> type annotation of a schema dataclass (used for 'did you mean')."""
     return dict(section.__dataclass_fields__)
+
+
+def schema_field(dotted: str) -> Any:
+    """The dataclasses.Field of a dotted schema key (train.seed, cluster.slurm.time), or None."""
+    import typing
+    from dataclasses import is_dataclass
+
+    cls: Any = UspConfig
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        found = cls.__dataclass_fields__.get(part)
+        if found is None or i == len(parts) - 1:
+            return found
+        cls = typing.get_type_hints(cls)[part]
+        if not is_dataclass(cls):
+            return None
+    return None
+
+
+def default_of(dotted: str) -> Any:
+    """The schema's default of a dotted key (an Enum default as its string), or None."""
+    from dataclasses import MISSING
+
+    found = schema_field(dotted)
+    if found is None:
+        return None
+    value = found.default_factory() if found.default is MISSING and found.default_factory is not MISSING \
+        else found.default
+    return str(value) if isinstance(value, StrEnum) else value
+
+
+@cache
+def enum_keys(cls: Any = None, prefix: str = "") -> dict[str, type[StrEnum]]:
+    """Every Enum-typed key (dotted) -> its Enum; read from the fields' annotation strings, without
+    evaluating every annotation (schema_keys does, ~10 ms: this runs on every `usp plan`)."""
+    import re
+    from dataclasses import fields, is_dataclass
+
+    out: dict[str, type[StrEnum]] = {}
+    for f in fields(cls or UspConfig):
+        for name in re.findall(r"\w+", str(f.type)):
+            kind = globals().get(name)
+            if isinstance(kind, type) and issubclass(kind, StrEnum):
+                out[f"{prefix}{f.name}"] = kind
+            elif isinstance(kind, type) and is_dataclass(kind) and not str(f.type).startswith("list"):
+                out.update(enum_keys(cast(Any, kind), f"{prefix}{f.name}."))
+    return out
+
+
+@cache
+def schema_keys(cls: Any = None, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of the schema (dotted; a list of dataclasses as `key[].field`) -> its type (cached:
+    don't change the dict)."""
+    import typing
+    from dataclasses import is_dataclass
+
+    out: dict[str, Any] = {}
+    for name, hint in typing.get_type_hints(cls or UspConfig).items():
+        inner = typing.get_args(hint)
+        if is_dataclass(hint):
+            out.update(schema_keys(cast(Any, hint), f"{prefix}{name}."))
+        elif typing.get_origin(hint) is list and inner and is_dataclass(inner[0]):
+            out.update(schema_keys(cast(Any, inner[0]), f"{prefix}{name}[]."))
+        else:
+            out[f"{prefix}{name}"] = hint
+    return out

@@ -19,10 +19,11 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,9 @@ def fingerprint(data_cfg: Any) -> str:
         "val_fraction": float(getattr(data_cfg, "val_fraction", 0.05)),
         "format_version": FORMAT_VERSION,
     }
+    text_check = str(getattr(data_cfg, "text_check", "strict") or "strict")
+    if text_check != "strict":  # skip may leave files out, off may read garbage: not strict's dataset
+        key["text_check"] = text_check
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -155,9 +159,10 @@ def plan_data_meta(plan: dict) -> dict[str, Any]:
     return plan.get("data_meta") or prepared_meta(SimpleNamespace(**plan["config"]["data"]), plan["dataset_dir"])
 
 
-def ensure_dataset(data_cfg: Any, progress: Progress = None,
-                   show_progress: bool = False) -> tuple[Path, dict[str, Any]]:
-    """The ready dataset directory and its meta, preparing it on a cache miss.
+def ensure_dataset(data_cfg: Any, progress: Progress = None, show_progress: bool = False,
+                   warn: Progress = None) -> tuple[Path, dict[str, Any]]:
+    """The ready dataset directory and its meta, preparing it on a cache miss. `warn`: what the
+    user should read (files that aren't text: usp/data/text_check.py); default: stderr.
 
     Token files live wherever the user put them: meta["train_bin"] / meta["val_bin"] are paths
     relative to the returned directory (absolute for token_files), so `directory / meta[...]` works."""
@@ -166,7 +171,7 @@ def ensure_dataset(data_cfg: Any, progress: Progress = None,
     target = dataset_dir(data_cfg)
     meta = load_meta(target)
     if meta is None:
-        meta = prepare_dataset(data_cfg, progress, show_progress)
+        meta = prepare_dataset(data_cfg, progress, show_progress, warn)
     check_dataset_files(target, meta)
     return target, meta
 
@@ -178,15 +183,17 @@ def check_dataset_files(directory: Path, meta: dict[str, Any]) -> None:
         check_file_size(directory / meta[key], dtype, f"{directory / meta[key]} ({key})", meta.get(count))
 
 
-def prepare_dataset(data_cfg: Any, progress: Progress = None, show_progress: bool = False) -> dict[str, Any]:
+def prepare_dataset(data_cfg: Any, progress: Progress = None, show_progress: bool = False,
+                    warn: Progress = None) -> dict[str, Any]:
     """Build the dataset in a temp dir next to the target, then publish it atomically."""
     say = progress or (lambda message: None)
+    warn = warn or _warn_on_stderr
     fp = fingerprint(data_cfg)
     target = dataset_dir(data_cfg, fp)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        meta = {**_build(data_cfg, tmp, say, show_progress), "fingerprint": fp}
+        meta = {**_build(data_cfg, tmp, say, show_progress, warn), "fingerprint": fp}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")  # last: marks it ready
         return _publish(tmp, target, meta)
     finally:
@@ -201,7 +208,22 @@ def _workers(data_cfg: Any) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _build(data_cfg: Any, out: Path, say: Callable[[str], None], show_progress: bool) -> dict[str, Any]:
+def _warn_on_stderr(message: str) -> None:
+    print(f"usp: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _text_components(data_cfg: Any, warn: Callable[[str], None]) -> list[Component]:
+    """The components, each with its files checked to be text (usp/data/text_check.py)."""
+    from usp.data.text_check import check_units
+
+    comps = components(data_cfg)
+    blend = getattr(data_cfg, "source", None) == "blend"
+    return [replace(c, units=check_units(data_cfg, c.units, f"data.blend[{i}].paths" if blend else "data.paths", warn))
+            for i, c in enumerate(comps)]
+
+
+def _build(data_cfg: Any, out: Path, say: Callable[[str], None], show_progress: bool,
+           warn: Callable[[str], None]) -> dict[str, Any]:
     from usp.data.shards import shard_key, tokenize_units
     from usp.data.tokenizer_cache import resolve_tokenizer
 
@@ -209,7 +231,7 @@ def _build(data_cfg: Any, out: Path, say: Callable[[str], None], show_progress: 
     val_fraction = float(getattr(data_cfg, "val_fraction", 0.05))
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.05)")
-    comps = components(data_cfg)
+    comps = _text_components(data_cfg, warn)  # before the BPE is trained on them or anything is tokenized
     identity = _tokenizer_identity(data_cfg, comps)
     tokenizer = resolve_tokenizer(data_cfg, comps, identity, cache_base(data_cfg), say)
     tokenizer.save(out)  # the dataset keeps its tokenizer; the workers load it from here

@@ -2,9 +2,12 @@
 
 The token stream is cut into non-overlapping windows of seq_len + 1 tokens (input + shifted
 target). Global sample k is window perm_{k // n}[k % n], a fresh permutation per epoch. Step i
-consumes global samples [i*B, (i+1)*B); rank r takes the contiguous slice [r*B/D, (r+1)*B/D) and
-splits it into micro batches. The union over ranks of a step is therefore independent of the
-number of ranks D, which is what lets a DDP run match a single-process run exactly."""
+consumes global samples [i*B, (i+1)*B), cut into A = grad_accum contiguous micro-batch steps of
+B/A samples; rank r's micro batch j is the r-th slice of D of micro-batch step j. The union over
+ranks of a step is therefore independent of the number of ranks D, which is what lets a DDP run
+match a single-process run exactly; and so is the union of a micro-batch step, which the MoE
+load-balancing statistics (summed over the ranks per micro-batch step) need to match one
+process with the same grad_accum."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from usp.data.errors import DataError
 from usp.data.tokens import LEGACY_DTYPE, check_file_size
 
 
@@ -66,7 +70,7 @@ class BatchSampler:
         if self.n_windows < 1:
             raise ValueError(f"{n_tokens} tokens hold no window of seq_len={seq_len} (+1 target)")
         if seed < 0:
-            raise ValueError(f"seed={seed} must be >= 0")
+            raise DataError("must be >= 0", key="train.seed", value=seed, fix="train.seed=1234")
         self.offset, self.per_rank = _rank_slice(global_batch, dp_rank, dp_size)
         if micro_batch < 1 or self.per_rank % micro_batch:
             raise ValueError(
@@ -102,9 +106,11 @@ class BatchSampler:
         return self._windows(first, count) * self.seq_len
 
     def micro_batches(self, step: int) -> list[np.ndarray]:
-        """This rank's micro batches for optimizer step `step`, as window start offsets."""
-        starts = self._starts(step * self.global_batch + self.offset, self.per_rank)
-        return [starts[j * self.micro_batch : (j + 1) * self.micro_batch] for j in range(self.grad_accum)]
+        """This rank's micro batches for optimizer step `step`, as window start offsets: micro batch j
+        is this rank's slice of the step's j-th contiguous chunk of global_batch / grad_accum samples."""
+        chunk = self.global_batch // self.grad_accum  # one micro-batch step of every rank
+        first = step * self.global_batch + self.offset // self.grad_accum  # offset / A = rank x micro
+        return [self._starts(first + j * chunk, self.micro_batch) for j in range(self.grad_accum)]
 
     def next(self) -> list[np.ndarray]:
         batches = self.micro_batches(self.step)

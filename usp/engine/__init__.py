@@ -1,9 +1,25 @@
 """The engine: what runs on every rank, reading only plan.yaml (usp.run.files names its files).
 
 Top level: the entry points (worker.py, verify_worker.py, and agent.py: torchrun's own entry,
-quiet on Ctrl-C), the training loop (trainer.py with optim.py, grad_norm.py, signals.py, sample.py
-and accel.py's device/dtype choices) and checkpointing (checkpoint.py, export.py; diskfull.py says
-when the disk filled up). parallel/ turns a model into a parallel one; observe/
-is what a run shows and records (console, metrics, trackers, profiler, memory probe, failures).
+without its tracebacks on a stop signal or a failed rank), the training loop (trainer.py with
+optim.py, grad_norm.py, signals.py, sample.py and accel.py's device/dtype choices) and
+checkpointing (checkpoint.py, export.py; diskfull.py says when the disk filled up). parallel/ turns
+a model into a parallel one; observe/ is what a run shows and records (console, metrics, trackers,
+profiler, memory probe, failures).
 The engine imports usp.run, usp.plan, usp.perf, usp.data, usp.models and usp.errors, never
-usp.launch or usp.report."""
+usp.launch or usp.report.
+
+A rank that torchrun starts (`python -m usp.engine.worker`) catches the stop signals from here on,
+before torch loads: usp/engine/signals.py."""
+import sys
+
+
+def _started_as_a_rank() -> bool:
+    argv = sys.orig_argv
+    return "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["usp.engine.worker"]
+
+
+if _started_as_a_rank():
+    from usp.engine.signals import catch_from_start
+
+    catch_from_start()

@@ -1,26 +1,56 @@
-"""The torchrun agent as `usp train` starts it: `python -m usp.engine.agent <torchrun options>`
-runs `python -m torch.distributed.run` unchanged, except that a stop signal (Ctrl-C, or the
-launcher's SIGTERM) ends it with one line and 128 + the signal's number instead of a traceback.
-torchrun has already stopped the ranks by then (it passes the signal on, then waits)."""
+"""The torchrun agent as usp starts it: `python -m usp.engine.agent <torchrun options>` runs
+`python -m torch.distributed.run` unchanged, except for what it prints:
+
+- a stop signal it passes on to its ranks ends it quietly with 128 + the signal's number instead
+  of a traceback, and without torchrun's log lines about it: the ranks and the launcher say what
+  happened (usp/engine/signals.py, usp/launch/local.py, the Slurm batch script);
+- failed ranks end it with exit code 1 and one line (none under `usp train`, which prints the
+  root cause itself) instead of torchrun's report of every rank's traceback: the tracebacks are
+  in the run's logs (usp/engine/observe/failure.py), and `usp status` names the root cause."""
 from __future__ import annotations
 
+import logging
 import os
-import signal
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
+
+from usp.run.files import SUMMARY_BY_LAUNCHER_ENV, logs_dir
+
+# torchrun's log lines that usp says better: (logger, the start of the message).
+_NOISE = (("torch.distributed.elastic.agent.server.api", "Received %s death signal"),
+          ("torch.distributed.elastic.multiprocessing.api", "Sending process %s closing signal"),
+          ("torch.distributed.elastic.multiprocessing.api", "failed (exitcode: %s)"),
+          ("torch.distributed.elastic.multiprocessing.errors.error_handler", "no error file defined for parent"))
+
+
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not any(record.name == name and str(record.msg).startswith(start) for name, start in _NOISE)
 
 
 def main(argv: list[str] | None = None) -> None:
+    for name in {name for name, _ in _NOISE}:
+        logging.getLogger(name).addFilter(_not_noise)
     try:
         torchrun_main(argv)
     except SignalException as exc:
-        name = signal.Signals(exc.sigval).name
-        what = "interrupted (Ctrl-C)" if exc.sigval == signal.SIGINT else f"stopped by {name}"
-        print(f"usp: torchrun agent (node {os.environ.get('USP_NODE_RANK', '0')}) {what}; its ranks are stopped",
-              file=sys.stderr, flush=True)
         sys.exit(128 + int(exc.sigval))
+    except ChildFailedError as exc:
+        if os.environ.get(SUMMARY_BY_LAUNCHER_ENV) != "1":
+            print(_failed_line(exc, argv if argv is not None else sys.argv[1:]), file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _failed_line(exc: ChildFailedError, argv: list[str]) -> str:
+    rank, first = exc.get_first_failure()
+    others = sorted(r for r in exc.failures if r != rank)
+    also = f" (then rank(s) {', '.join(map(str, others))})" if others else ""
+    run_dir = Path(argv[argv.index("--plan") + 1]).parent if "--plan" in argv[:-1] else None
+    where = f"; tracebacks in {logs_dir(run_dir)}, root cause: usp status {run_dir}" if run_dir else ""
+    return f"usp: rank {rank} failed first, exit code {first.exitcode}{also}{where}"
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,8 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from usp.engine.diskfull import disk_full_error, is_disk_full
+from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.engine.rope_upgrade import LAYOUT_KEY, checkpoint_rope_layout, upgrade_rope_rows
+from usp.errors import PlanError, UspError
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
     MANIFEST,
@@ -43,6 +46,16 @@ from usp.run.files import (
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+@contextlib.contextmanager
+def single_process_is_intended():
+    """DCP warns on every save and load without a process group ("torch.distributed is disabled,
+    unavailable or uninitialized, assuming the intent is to save in a single process"): one rank
+    runs without one on purpose, so that warning only is kept off the console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 class Checkpointer:
     def __init__(self, plan: dict, ctx, parts, optimizers: list, schedulers: list, sampler, log):
         cfg = plan["config"]["checkpoint"]
@@ -50,10 +63,25 @@ class Checkpointer:
         self.schedulers, self.sampler, self.log = schedulers, sampler, log
         self.enabled, self.interval = bool(cfg["enabled"]), int(cfg["interval"])
         self.keep_last, self.async_mode, self.resume_mode = int(cfg["keep_last"]), cfg["async_mode"], cfg["resume"]
+        if self.async_mode not in ("none", "async"):  # the plan refuses others (usp.plan.rules)
+            raise PlanError("choose none or async", key="checkpoint.async_mode", value=self.async_mode,
+                            fix="checkpoint.async_mode=none")
         self.dir = checkpoint_dir(plan)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
         self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
+        self.ep = int(plan["config"]["parallelism"].get("ep", 1) or 1)
+        self._async_group = self._background_group()
+
+    def _background_group(self):
+        """An async save's collectives (DCP's plan exchange) run in a background thread while
+        training goes on: on a process group of their own (as torchtitan), because a mesh dim that
+        spans every rank reuses the default group, and two threads' collectives on one gloo group
+        mix their messages (measured: 'Received data size doesn't match expected size', an abort at
+        the first async save of any 2-rank FSDP run). Every rank creates it, here (a collective)."""
+        if self.async_mode != "async" or not (self.enabled and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        return dist.new_group(backend="gloo")
 
     # -- what goes in ------------------------------------------------------------------
     def _state(self) -> dict:
@@ -65,6 +93,11 @@ class Checkpointer:
             model.update(m)
             optim.update(o)
         return {"model": model, "optim": optim}
+
+    def _saved_state(self, state: dict) -> dict:
+        """`state` as DCP stores it: expert-parallel weights as the whole tensors they are slices
+        of (parallel/expert.py: global_expert_state), sharing the model's storage."""
+        return global_expert_state(state, self.ctx, self.ep)
 
     # -- save ----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -86,11 +119,16 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             self._barrier()
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+            if self.ctx.is_main:  # now, as the tensors: an async save publishes a step or more later
+                self._write_trainer_state(tmp, step)
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
-                self._pending = (dcp.async_save(self._state(), checkpoint_id=str(tmp)), tmp, step, started)
+                with single_process_is_intended():
+                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp),
+                                                    process_group=self._async_group), tmp, step, started)
             else:
-                dcp.save(self._state(), checkpoint_id=str(tmp))
+                with single_process_is_intended():
+                    dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
                 self._publish(tmp, step, started)
         self.last_saved = step
 
@@ -123,10 +161,6 @@ class Checkpointer:
     def _publish(self, tmp: Path, step: int, started: float) -> None:
         self._barrier()  # every rank's files are written
         if self.ctx.is_main:
-            state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
-                     "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time(),
-                     LAYOUT_KEY: ROPE_LAYOUT}  # the q/k row order (usp/models/rope_layout.py)
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
             if plan_path(self.plan["run_dir"]).exists():
                 shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -138,6 +172,16 @@ class Checkpointer:
             self._retain()
             self.log.info("checkpoint step %d saved to %s in %.2f s", step, final, time.perf_counter() - started)
         self._barrier()
+
+    def _write_trainer_state(self, tmp: Path, step: int) -> None:
+        """The step's LR schedule and data position, written when the save starts: an async save is
+        published at the next save or at the end, after the scheduler has moved on (measured: a
+        checkpoint of step 4 saved async every 2 steps recorded step 6's schedule, and a run resumed
+        from it trained at another learning rate)."""
+        state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
+                 "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time(),
+                 LAYOUT_KEY: ROPE_LAYOUT}  # the q/k row order (usp/models/rope_layout.py)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
 
     def _retain(self) -> None:
         complete = [c for c in list_checkpoints(self.dir) if c[2]]
@@ -182,7 +226,10 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        loaded = _present(self._saved_state(state), path)
+        with single_process_is_intended():
+            dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
+        state = _with_loaded_values(state, loaded)
         if checkpoint_rope_layout(path) != ROPE_LAYOUT:  # written before usp's RoPE layout change
             converted = upgrade_rope_rows(state["model"], self.plan["config"]["model"])
             converted += upgrade_rope_rows(state["optim"], self.plan["config"]["model"])
@@ -220,15 +267,16 @@ MISMATCH, CORRUPT, MISSING = "a shape/architecture mismatch", "corrupt", "missin
 _MISMATCH_TEXT = ("size mismatch", "missing key", "unexpected key", "shape mismatch")
 
 
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes."""
+class CheckpointLoadError(UspError):
+    """A checkpoint that can't be loaded: which, why (MISMATCH, CORRUPT or MISSING) and the fixes. A
+    UspError: one message, no traceback (`usp train` refuses the missing and mismatched cases first)."""
 
     def __init__(self, path: Path, kind: str, detail: str):
         self.path, self.kind = path, kind
         fix = ("train.name=<a new name> (a new run), checkpoint.resume=never (train from scratch here), or the "
                "model settings it was saved with (its plan.yaml)" if kind == MISMATCH else
                "checkpoint.resume=never (train from scratch here), or checkpoint.resume=<an intact step_N directory>")
-        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}\n  fix: {fix}")
+        super().__init__(f"checkpoint {path} can't be loaded: {kind}: {detail}", fix=fix)
 
 
 def classify_load_error(exc: BaseException) -> tuple[str, str]:
@@ -244,6 +292,21 @@ def classify_load_error(exc: BaseException) -> tuple[str, str]:
     if any(isinstance(c, FileNotFoundError) for c in causes):
         return MISSING, detail
     return CORRUPT, detail
+
+
+def _present(state: dict, path: Path) -> dict:
+    """`state` less the aux-loss-free balancing biases the checkpoint doesn't have (saved before
+    model.router_bias_update_rate was turned on): they keep their initial zeros."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = {k: v for k, v in state["model"].items() if not k.endswith("expert_bias") or f"model.{k}" in saved}
+    return {**state, "model": model}
+
+
+def _with_loaded_values(state: dict, loaded: dict) -> dict:
+    """`state` with the values DCP replaced rather than filled in place (the optimizer's lr,
+    betas, ...: not tensors) taken from `loaded`, a copy of it (_saved_state, _present)."""
+    return {part: {k: v if isinstance(v, torch.Tensor) else loaded[part].get(k, v) for k, v in sd.items()}
+            for part, sd in state.items()}
 
 
 def _layout(degrees: dict) -> str:

@@ -118,6 +118,8 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
     model_cfg = _model_config(plan)
     stream, padding = model_stream(ckpt, model_cfg)
     target = Path(out) if out else run_dir / "export" / f"{fmt}_step{ckpt_step:08d}"
+    if fmt == "hf":
+        _check_hf_exportable(stream.shapes)
     shard_mb = max_shard_mb or DEFAULT_SHARD_MB
     with staged(target) as tmp:  # swapped into place as the block ends (a return included)
         if fmt == "hf":
@@ -199,6 +201,16 @@ def _check_format(fmt: str) -> None:
         except ImportError:
             raise ExportError("the safetensors package is not installed", key="--format", value=fmt,
                               fix="pip install safetensors (or --format torch)") from None
+
+
+def _check_hf_exportable(names) -> None:
+    """Mixtral routes by its gate's top-k alone: a model trained with aux-loss-free balancing picks
+    its experts with a bias (usp.models.moe) that MixtralForCausalLM has no place for."""
+    biased = [k for k in names if k.endswith("expert_bias")]
+    if biased:
+        raise ExportError(f"the checkpoint has router biases ({biased[0]}, model.router_bias_update_rate > 0): "
+                          "Mixtral has no router bias, so transformers would route other experts", key="--format",
+                          value="hf", fix="--format safetensors or --format torch (usp's own model keeps the bias)")
 
 
 def _tie_embeddings(stream: TensorStream, model_cfg: dict, fmt: str) -> tuple[TensorStream, dict, dict]:

@@ -1,56 +1,95 @@
-"""Signals a rank acts on.
+"""The stop signals a rank acts on: SIGINT (Ctrl-C), SIGTERM (kill, a job controller, scancel) and
+SIGUSR1 (Slurm before a time limit or a preemption, passed on by the batch script).
 
-Preemption: Slurm sends SIGUSR1 (through the batch script's trap) or SIGTERM before it stops
-a job. The trainer finishes the current step, writes a checkpoint and the worker exits with
-EXIT_PREEMPTED, which launchers turn into a requeue.
+The first one asks for a stop. Every rank finishes its current step, the ranks agree on the step
+(the trainer max-reduces the signal over all ranks at each step boundary, so a signal that reached
+one rank stops them all), they write a checkpoint, rank 0 records the stop in logs/events.jsonl,
+and each rank exits with EXIT_INTERRUPTED (SIGINT) or EXIT_PREEMPTED (the others).
 
-Ctrl-C (SIGINT): stop now. The terminal sends it to every process of the group (usp, the
-torchrun agent, the ranks) and the agent sends it again to its ranks, so only the first one
-interrupts; each rank then prints one line and exits EXIT_INTERRUPTED (130), no traceback. A
-rank blocked in a collective may see its peer leave (a gloo "connection closed") before it sees
-the signal: after Ctrl-C that error, too, is the interruption, not a failure."""
+A rank may hear one signal twice: Slurm signals every process of a job step, and torchrun passes
+the signal on again. Under torchrun a repeat changes nothing (a stop that hangs ends with
+torchrun's --shutdown-timeout, or with the launcher's second signal: usp/launch/local.py). In one
+process without torchrun (`usp train` of one rank) the rank is the process the user signals: a
+second SIGINT or SIGTERM stops it at once, without a checkpoint, with one line and EXIT_INTERRUPTED
+instead of a traceback. A rank blocked in a collective may then see its peer leave (a gloo
+"connection closed") before it sees the signal: that error, too, is the interruption, not a failure."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
-import sys
 import threading
 
 from usp.run.files import EXIT_INTERRUPTED
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_interrupted = threading.Event()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_requested = {"signal": 0}  # the first stop signal this process got (0: none)
+_interrupted = threading.Event()  # stopped at once (a second signal), not at a step boundary
 
 
-def install(trainer) -> None:
-    def request_stop(signum, frame):
-        trainer.stop_requested = True
-        trainer.log.info("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
-
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, request_stop)
+def requested() -> int:
+    """The number of the first stop signal this process got, 0 if none."""
+    return _requested["signal"]
 
 
 def interrupted() -> bool:
-    """Whether Ctrl-C reached this process (usp.engine.observe.failure records no failure then)."""
+    """Whether a second signal stopped this process at once (usp.engine.observe.failure records no
+    failure then)."""
     return _interrupted.is_set()
 
 
-def _first_interrupt(signum, frame) -> None:
-    if not _interrupted.is_set():
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _say(text: str) -> None:
+    """Write to stderr from a signal handler: os.write, as print could re-enter a write in progress."""
+    try:
+        os.write(2, (text + "\n").encode())
+    except OSError:
+        pass
+
+
+def _on_stop_signal(signum, frame) -> None:
+    name = signal_name(signum)
+    if not _requested["signal"]:
+        _requested["signal"] = signum
+        logging.getLogger(f"usp.rank{os.environ.get('RANK', '0')}").info(
+            "received %s: stopping after this step with a checkpoint", name)
+        if not under_torchrun():  # the launcher says it for several ranks
+            _say(f"usp: {name}: stopping after the current step with a checkpoint "
+                 f"(send {name} again to stop at once, without one)")
+        return
+    if not under_torchrun() and signum in (signal.SIGINT, signal.SIGTERM) and not _interrupted.is_set():
         _interrupted.set()
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(name)
 
 
-def exits_on_interrupt(worker):
-    """Decorator for the worker entry `worker(plan_path)`: Ctrl-C ends it with one line
-    ("usp: rank R interrupted (Ctrl-C) after step N") and EXIT_INTERRUPTED instead of a traceback."""
+def catch_from_start() -> None:
+    """A rank that torchrun started (`python -m usp.engine.worker`, usp/engine/__init__.py calls
+    this before anything else is imported): a stop signal that comes while torch loads (seconds)
+    asks for a stop too, instead of ending the rank with a KeyboardInterrupt traceback or silently."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+
+
+def handles_stop_signals(worker):
+    """Decorator for the worker entry `worker(plan_path)`: the stop signals ask for a stop at the
+    next step boundary while it runs (the previous handlers come back after it); a second signal
+    in one process ends it with one line ("usp: stopped at once by a second SIGINT after step N; ...")
+    and EXIT_INTERRUPTED instead of a traceback."""
     @functools.wraps(worker)
     def wrapper(plan_path, *args, **kwargs):
-        _interrupted.clear()
+        if not under_torchrun():  # a process may run several (a sweep's points); a rank runs one
+            _requested["signal"] = 0
+            _interrupted.clear()
         in_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, _first_interrupt) if in_main else None
+        previous = {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS} if in_main else {}
         try:
             return worker(plan_path, *args, **kwargs)
         except BaseException as exc:
@@ -59,8 +98,8 @@ def exits_on_interrupt(worker):
             _say_interrupted(exc)
             return EXIT_INTERRUPTED
         finally:
-            if in_main:
-                signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return wrapper
 
 
@@ -70,6 +109,8 @@ def _say_interrupted(exc: BaseException) -> None:
     while tb is not None:  # the worker entry's `trainer` local, when it got that far
         step = getattr(tb.tb_frame.f_locals.get("trainer"), "last_completed_step", step)
         tb = tb.tb_next
-    print(f"usp: rank {os.environ.get('RANK', '0')} interrupted (Ctrl-C) after step "
-          f"{'-' if step is None else step}; the same command resumes from the last checkpoint, if any",
-          file=sys.stderr, flush=True)
+    second = exc.args[0] if isinstance(exc, KeyboardInterrupt) and exc.args else None
+    how = f"by a second stop signal ({second})" if second else "(Ctrl-C)"
+    who = f"rank {os.environ.get('RANK', '0')} " if under_torchrun() else ""
+    _say(f"usp: {who}stopped at once {how} after step {'-' if step is None else step}, without a checkpoint "
+         "of the steps since the last one; the same command resumes from the last checkpoint, if any")

@@ -14,16 +14,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from usp.data.blend import make_sampler
 from usp.data.prepare import plan_data_meta
 from usp.data.sampler import EvalBatches, TokenFile, get_batch
 from usp.data.tokens import meta_dtype
+from usp.engine import signals
 from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
 from usp.engine.grad_norm import clip_grad_norm
+from usp.engine.loss import training_loss
 from usp.engine.observe.console import Console, rank_logger
 from usp.engine.observe.memory_probe import GIB, MemoryProbe
 from usp.engine.observe.profiler import StepProfiler
@@ -34,8 +35,17 @@ from usp.engine.parallel.data import gradient_sync
 from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
+from usp.errors import PlanError, UspError
 from usp.perf.layout import data_parallel_kind
-from usp.run.files import SPAN_BACKWARD, SPAN_FORWARD, SPAN_OPTIMIZER, SPAN_PIPELINE, SUMMARY, write_text_atomic
+from usp.run.files import (
+    SPAN_BACKWARD,
+    SPAN_FORWARD,
+    SPAN_OPTIMIZER,
+    SPAN_PIPELINE,
+    SUMMARY,
+    step_dir_name,
+    write_text_atomic,
+)
 
 
 class Trainer:
@@ -52,6 +62,7 @@ class Trainer:
         deg = ctx.degrees
         self.cp, self.cp_rank = deg["cp"], ctx.coords["cp"]
         self.loss_parallel = deg["tp"] > 1
+        self._loss = training_loss(plan)  # compiled with the blocks (usp/engine/loss.py)
 
         dataset, self.meta = Path(plan["dataset_dir"]), plan_data_meta(plan)  # a saved plan: the prepared data's
         dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
@@ -68,6 +79,8 @@ class Trainer:
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
         self.experts = expert_clip_args(self.parts.modules, ctx, int(self.cfg.parallelism.ep))
+        self.moe = int(self.cfg.model.get("n_experts", 0) or 0) > 0
+        self.step_load: dict = {}  # MoE: the last step's tokens per expert of this rank's layers
         # One optimizer (and LR schedule) per model part: pipeline ranks may hold several stages,
         # and checkpoints map each optimizer's state to its part's parameter names.
         # plain-DDP ZeRO-1 (ZeroRedundancyOptimizer); with TP/PP, FSDP2 already shards the states
@@ -81,7 +94,6 @@ class Trainer:
                                          self.log)
         self.start_step = self.checkpointer.resume()
         self.last_completed_step = self.start_step
-        self.stop_requested = False  # set by SIGTERM / SIGUSR1 (see usp/engine/signals.py)
         self.console = Console(self.cfg.logging.console, self.steps, enabled=ctx.is_main, start_step=self.start_step)
         # metrics.jsonl (+ W&B, TensorBoard): rank 0 only
         self.trackers = build_trackers(plan, self.run_dir, self.start_step, warn=self.warn) \
@@ -113,7 +125,15 @@ class Trainer:
             if not math.isfinite(grad_norm):  # the update would poison the weights: same policy as a bad loss
                 return self._non_finite(step, loss, what="gradient norm", value=grad_norm)
             self._optimizer_step()
+            self._finish_moe_step()
         return loss, grad_norm
+
+    def _finish_moe_step(self, update_bias: bool = True) -> None:
+        """MoE: the step's tokens per expert (for the metrics) and the aux-loss-free bias update."""
+        if self.moe:
+            from usp.engine.parallel.balance import finish_step
+
+            self.step_load = finish_step(self.parts.modules, update_bias)
 
     def _optimizer_step(self, apply: bool = True) -> None:
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
@@ -128,16 +148,21 @@ class Trainer:
         ranks), found before the optimizer step. train.nan_policy=skip drops the step; stop keeps
         the weights of the last good step, checkpoints them and stops."""
         message = f"non-finite {what} {value} at step {step + 1}"
-        if self.cfg.train.nan_policy == "skip":
+        policy = self.cfg.train.nan_policy
+        if policy not in ("skip", "stop"):  # the plan refuses others (usp.plan.rules); never acts as another
+            raise PlanError("unknown policy; choose stop or skip", key="train.nan_policy", value=policy,
+                            fix="train.nan_policy=stop")
+        if policy == "skip":
             self.log.info("%s: step skipped (train.nan_policy=skip)", message)
             self.console.print(f"usp: {message}: step skipped")
             self._optimizer_step(apply=False)
+            self._finish_moe_step(update_bias=False)
             return loss, float("nan")
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.checkpointer.save(self.last_completed_step, blocking=True)
         raise NonFiniteLoss(f"{message}; stopped with a checkpoint of step {self.last_completed_step} "
-                            "(train.nan_policy=stop; lower optimizer.lr or set train.nan_policy=skip)")
+                            "(train.nan_policy=stop)", fix="lower optimizer.lr, or train.nan_policy=skip")
 
     def _accumulate(self, step: int) -> torch.Tensor:
         """Mean loss of this rank's micro batches (before the all-reduce over data-parallel ranks),
@@ -151,8 +176,8 @@ class Trainer:
             with gradient_sync(model, i == len(micro_batches) - 1), self._loss_context():
                 with self.autocast, self._region(SPAN_FORWARD):
                     loss = self._loss(model(x, positions), y)
-                with self._region(SPAN_BACKWARD):
-                    (loss / self.accum + self._aux_loss()).backward()
+                with self._region(SPAN_BACKWARD):  # a MoE layer's aux loss joins through its output
+                    (loss / self.accum).backward()
             total = total + loss.detach().to(torch.float64)
         return total / len(micro_batches)
 
@@ -198,6 +223,7 @@ class Trainer:
             return None
         try:
             for step in range(self.start_step, self.steps):
+                self._stop_if_signalled(step)
                 loss, val_loss = self._fit_step(step, started)
                 first_loss = loss if first_loss is None else first_loss
             self.checkpointer.save(self.steps, blocking=True)
@@ -223,15 +249,13 @@ class Trainer:
                       "tokens": done * self.global_tokens, "step_time_s": dt,
                       "tokens_per_s": self.global_tokens / dt,
                       "tokens_per_s_per_device": self.global_tokens / dt / self.ctx.world_size,
-                      "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait)}
+                      "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait),
+                      **self._expert_load()}
             self._log_record(step, record)
         self.console.step(done, record)
         self.last_completed_step = done
         if self.checkpointer.due(done):
             self.checkpointer.save(done)
-        if self._should_stop():
-            self.checkpointer.save(done, blocking=True)
-            raise Preempted(done)
         return loss, val_loss
 
     def _log_record(self, step: int, record: dict) -> None:
@@ -266,13 +290,29 @@ class Trainer:
             write_text_atomic(self.run_dir / SUMMARY, json.dumps(summary, indent=2, allow_nan=False) + "\n")
         return summary
 
-    def _should_stop(self) -> bool:
-        """A stop signal may reach ranks at different steps: agree (max over all ranks) so every
-        rank stops after the same step."""
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.ctx.device)
+    def _stop_if_signalled(self, step: int) -> None:
+        """At a step boundary: when any rank got a stop signal (usp/engine/signals.py), every rank
+        writes a checkpoint of the steps done so far and raises Stopped. A signal may reach the
+        ranks at different steps, so they agree first (max over all ranks): every rank stops
+        before the same step. Nothing is saved before the first step of this launch: the
+        checkpoint it resumed from (if any) holds that state already."""
+        flag = torch.tensor([float(signals.requested())], device=self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        signum = int(flag.item())
+        if not signum:
+            return
+        if step > self.start_step:
+            self.checkpointer.save(step, blocking=True)
+        raise Stopped(step, signals.signal_name(signum), self._saved_text(step))
+
+    def _saved_text(self, step: int) -> str | None:
+        """Where the state after `step` is kept, for the stop message (None: nowhere)."""
+        if step > self.start_step and self.checkpointer.last_saved == step:
+            return f"a checkpoint ({self.checkpointer.dir / step_dir_name(step)})"
+        if step == self.start_step and step > 0:
+            return f"the checkpoint it resumed from (step {step})"
+        return None
 
     # -- helpers -----------------------------------------------------------------------
     def _performance(self, dt: float, data_wait: float) -> dict:
@@ -294,6 +334,16 @@ class Trainer:
         if self.slurm_restart_count is not None:
             out["slurm_restart_count"] = self.slurm_restart_count
         return out
+
+    def _expert_load(self) -> dict:
+        """MoE: {"expert_load": {layer: tokens per expert min / max / mean, imbalance}} of the
+        step just taken (every rank calls it: pipeline ranks gather their layers)."""
+        if not self.moe:
+            return {}
+        from usp.engine.parallel.balance import expert_load
+
+        load = expert_load(self.step_load, self.ctx, int(self.cfg.model.n_layers))
+        return {"expert_load": load} if load else {}
 
     def warn(self, message: str) -> None:
         """A warning for the user: rank log and rank 0's console."""
@@ -324,30 +374,25 @@ class Trainer:
 
         return loss_parallel()  # cross entropy on vocab-sharded logits; must wrap backward too
 
-    @staticmethod
-    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
-    def _aux_loss(self):
-        """MoE load-balancing loss of the last forward (0 for dense models)."""
-        coef = float(self.cfg.model.get("aux_loss_coef", 0.0))
-        if int(self.cfg.model.get("n_experts", 0)) == 0 or coef == 0:
-            return 0.0
-        from usp.models.moe import moe_aux_loss
+class Stopped(Exception):
+    """Every rank stopped at a step boundary on a stop signal (usp/engine/signals.py); `kept_in`:
+    the checkpoint that holds the state after `step` (written now, or the one this launch resumed
+    from), None if there is none."""
 
-        return coef * moe_aux_loss(self.parts.modules[0]) / self.accum
-
-
-class Preempted(Exception):
-    """Stopped by SIGTERM/SIGUSR1 after checkpointing; the worker exits with EXIT_PREEMPTED."""
-
-    def __init__(self, step: int):
-        super().__init__(f"stopped by a signal after step {step}, checkpoint written")
-        self.step = step
+    def __init__(self, step: int, signal: str, kept_in: str | None):
+        self.step, self.signal, self.saved = step, signal, kept_in is not None
+        if kept_in:
+            what = f"after step {step}, kept in {kept_in}; the same command resumes from it"
+        elif step == 0:
+            what = "before the first step: nothing to save; the same command starts the run"
+        else:
+            what = f"after step {step} without a checkpoint (checkpoint.enabled=false): the same command starts over"
+        super().__init__(f"stopped by {signal} {what}")
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
+class NonFiniteLoss(UspError):
+    """train.nan_policy=stop met a NaN/inf: one message and its fix, never a traceback."""
 
 
 def finite_or_null(summary: dict) -> dict:

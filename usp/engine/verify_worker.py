@@ -36,14 +36,15 @@ def run_layout(plan: dict) -> tuple[list[dict], dict[str, torch.Tensor]]:
 
 
 def gather_full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter of the model as a full CPU tensor, on rank 0 (pipeline stages and
-    expert-parallel ranks each contribute the pieces they hold)."""
+    """Every parameter of the model (and the aux-loss-free balancing biases) as a full CPU tensor,
+    on rank 0 (pipeline stages and expert-parallel ranks each contribute the pieces they hold)."""
     local = {}
     for module in trainer.parts.stage_modules:
         # expert-parallel slices: rows [expert_start, expert_start + n_local) of the full tensor
         starts = {id(p): m.expert_start for m in module.modules()
                   if isinstance(m, GroupedExperts) and m.n_local != m.n_experts for p in m.parameters()}
-        for name, p in module.named_parameters():
+        balance = [(n, b) for n, b in module.named_buffers() if n.endswith("expert_bias")]  # same on every rank
+        for name, p in [*module.named_parameters(), *balance]:
             for s in _STRIP:
                 name = name.replace(s, "")
             full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
@@ -94,7 +95,21 @@ def compare(reference: list[dict], layout: list[dict], ref_params: dict, params:
         if err > param_err:
             param_err, worst_param = err, "output.weight (tied copy)"
     return {"rows": rows, "max_rel_loss_diff": worst, "max_param_diff": param_err, "worst_param": worst_param,
-            "missing_params": missing, "steps": len(rows), "steps_expected": len(reference)}
+            "missing_params": missing, "steps": len(rows), "steps_expected": len(reference),
+            "routing_diverged_at": routing_divergence(reference, layout)}
+
+
+def routing_divergence(reference: list[dict], layout: list[dict]) -> dict | None:
+    """MoE: the first logged step whose tokens per expert (over the global batch) differ from the
+    reference's, with the layer; None when the routing matched at every step. A top-k choice whose
+    two candidates' probabilities differ by less than the layout's rounding may flip: the runs then
+    legitimately part from that step on."""
+    for ref, got in zip(reference, layout):
+        for layer, load in (ref.get("expert_load") or {}).items():
+            theirs = (got.get("expert_load") or {}).get(layer, {}).get("tokens")
+            if theirs != load["tokens"]:
+                return {"step": ref["step"], "layer": layer, "reference": load["tokens"], "layout": theirs}
+    return None
 
 
 def verify_plans(plan: dict, reference: dict) -> dict:

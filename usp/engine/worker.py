@@ -17,20 +17,31 @@ from usp.data.errors import DataError
 from usp.data.prepare import plan_data_meta
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
-from usp.engine.observe.failure import record_failures
+from usp.engine.observe.failure import record_failures, recorded
 from usp.engine.parallel import mesh as udist
-from usp.engine.trainer import Preempted, Trainer
-from usp.errors import UspError
+from usp.engine.trainer import Stopped, Trainer
+from usp.errors import PlanError, UspError
+from usp.plan.rules import field_failures
 from usp.run import lock as runlock
-from usp.run.files import EXIT_PREEMPTED, METRICS, SAMPLE, events_path, read_plan
+from usp.run.files import (
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    METRICS,
+    SAMPLE,
+    STOP_EVENT,
+    SUMMARY_BY_LAUNCHER_ENV,
+    events_path,
+    read_plan,
+)
 
 
-@signals.exits_on_interrupt  # Ctrl-C: one line and exit code 130, no traceback
+@signals.handles_stop_signals  # SIGINT/SIGTERM/SIGUSR1: stop at a step boundary with a checkpoint
 @record  # on failure torchrun reports this rank's traceback in its summary
 @record_failures  # ... and logs/failure_rank<R>.json says where and why (read by `usp status`)
 def run_worker(plan_path: str) -> int:
-    """Train one rank; returns 0, or EXIT_PREEMPTED after a stop signal and a checkpoint."""
+    """Train one rank; returns 0, or after a stop signal EXIT_INTERRUPTED (SIGINT) or EXIT_PREEMPTED."""
     plan = read_plan(Path(plan_path))
+    check_values(plan)
     cfg = plan["config"]["train"]
     torch.manual_seed(int(cfg["seed"]))
     apply_determinism(plan)
@@ -41,18 +52,17 @@ def run_worker(plan_path: str) -> int:
             lock = runlock.acquire(plan["run_dir"], token=os.environ.get(runlock.TOKEN_ENV))
             lock.start_heartbeat()
         trainer = Trainer(plan, ctx)
-        signals.install(trainer)
         _log_placement(ctx, plan)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts and ctx.is_main:
             log_event(trainer.run_dir, "restart", restart=restarts, resumed_from_step=trainer.start_step)
         try:
             summary = trainer.fit()
-        except Preempted as stop:
-            summary, code = None, EXIT_PREEMPTED
+        except Stopped as stop:
+            summary, code = None, EXIT_INTERRUPTED if stop.signal == "SIGINT" else EXIT_PREEMPTED
             if ctx.is_main:
-                log_event(trainer.run_dir, "preempted", step=stop.step)
-                print(f"usp: {stop}; exit code {code} (resume by running the same command)", flush=True)
+                log_event(trainer.run_dir, STOP_EVENT, step=stop.step, signal=stop.signal, checkpoint=stop.saved)
+                print(f"usp: {stop}", flush=True)
         if summary is not None and ctx.is_main:
             _final_report(trainer, summary)
         # Free DDP (its Reducer holds the process group) while the group is still alive:
@@ -65,6 +75,17 @@ def run_worker(plan_path: str) -> int:
             lock.release()
         udist.teardown(clean)
     return code
+
+
+def check_values(plan: dict) -> None:
+    """The second line behind `usp plan`'s: plan.yaml's values against the field rules (a plan edited by
+    hand, or written by another usp version), refused as one PlanError naming the key, before torch works."""
+    found = field_failures(plan["config"])
+    if found:
+        raise found[0]
+    if int(plan["threads_per_proc"]) < 1:
+        raise PlanError("must be at least 1", key="threads_per_proc", value=plan["threads_per_proc"],
+                        fix="plan the run again (usp train): cluster.threads_per_proc=0 derives it")
 
 
 def _log_placement(ctx, plan: dict) -> None:
@@ -165,8 +186,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         sys.exit(run_worker(path))
-    except UspError as exc:  # e.g. a full disk: recorded in logs/failure_rank<R>.json; one message, no traceback
-        print(f"usp: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        record = recorded(exc)  # logs/failure_rank<R>.json and the rank's log hold the traceback
+        if record is None and not isinstance(exc, UspError):
+            raise
+        if os.environ.get(SUMMARY_BY_LAUNCHER_ENV) != "1":  # else `usp train` shows the root cause after
+            where = f" (traceback: {record})" if record and not isinstance(exc, UspError) else ""
+            print(f"usp: error on rank {os.environ.get('RANK', '0')}: {exc}{where}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -3,6 +3,7 @@ the checkpoint the run would resume from be loaded by this config (same model sh
 leave anything to train? (Where checkpoints live and which are complete is usp.run.files's.)"""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -27,11 +28,23 @@ def _disk_free(path: Path) -> int:
 def check_checkpoint_dir(plan, disk_free: Callable[[Path], int] = _disk_free) -> Path | None:
     """Before launch: the checkpoint directory must be creatable and writable, and have room for
     keep_last + 1 checkpoints (the newest is written before the oldest is deleted). Returns the
-    directory, or None when checkpointing is off. `disk_free(path) -> bytes` is injectable."""
+    directory, or None when checkpointing is off. `disk_free(path) -> bytes` is injectable.
+    Directories made only to check are removed again (the first checkpoint makes them): a launch
+    that fails later leaves no empty checkpoints/ behind."""
     ckpt = plan_field(plan, "config").get("checkpoint") or {}
     if not ckpt.get("enabled", True):
         return None
     path = checkpoint_dir(plan)
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        return _check_room(path, ckpt, plan, disk_free)
+    finally:
+        for directory in made:  # the deepest first; rmdir leaves a directory that isn't empty
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+
+def _check_room(path: Path, ckpt: dict, plan, disk_free: Callable[[Path], int]) -> Path:
     off = "or checkpoint.enabled=false (no checkpoints)"
     try:
         path.mkdir(parents=True, exist_ok=True)

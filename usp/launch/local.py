@@ -1,7 +1,12 @@
 """Run a plan on this machine: in-process for one rank, torchrun for several.
 
 No torch import here: torchrun is started as `python -m usp.engine.agent` (torchrun's own entry,
-quiet on Ctrl-C), and the in-process path imports the engine only when it is called."""
+quiet on a stop signal), and the in-process path imports the engine only when it is called.
+
+Stop signals (docs/signals.md): torchrun runs in a session of its own, so a terminal's Ctrl-C, a
+signal to usp's process group and one to usp alone all reach usp alone, which passes SIGINT or
+SIGTERM on to torchrun once (torchrun passes it to the ranks: usp/engine/signals.py); a second one
+kills the ranks at once."""
 from __future__ import annotations
 
 import os
@@ -11,14 +16,27 @@ import sys
 import time
 from pathlib import Path
 
-from usp.launch.rendezvous import is_multinode_local, node_rank, rendezvous, torchrun_rendezvous_args
+from usp.launch.rendezvous import is_multinode_local, rendezvous, torchrun_rendezvous_args
+from usp.launch.stop_signals import StopForwarder
 from usp.perf.specs import uses_deterministic
-from usp.run.files import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from usp.run.files import (
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    FAILURE_GLOB,
+    SUMMARY_BY_LAUNCHER_ENV,
+    checkpoint_dir,
+    list_checkpoints,
+    logs_dir,
+    summary_path,
+)
 from usp.run.lock import TOKEN_ENV, held_token
-from usp.run.state import preempted_since
+from usp.run.state import stopped_since
 
 WORKER_MODULE = "usp.engine.worker"
-AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, with one line instead of a traceback on Ctrl-C
+AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, without its tracebacks on a stop signal or a failure
+# How long torchrun waits for its ranks after passing on a stop signal, before it kills them: a step
+# and a blocking checkpoint. A second signal to usp doesn't wait (usp/launch/stop_signals.py).
+SHUTDOWN_TIMEOUT_S = 1800
 TORCH_INSTALL = ("pip install torch (CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu; "
                  "a GPU build: https://pytorch.org/get-started/locally/)")
 
@@ -40,7 +58,7 @@ def worker_env(plan) -> dict[str, str]:
     env.update({str(k): str(v) for k, v in plan.config["cluster"]["env"].items()})
     env.setdefault("OMP_NUM_THREADS", str(plan.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
-    env["USP_NODE_RANK"] = str(node_rank(plan))  # named in the agent's one line on Ctrl-C
+    env[SUMMARY_BY_LAUNCHER_ENV] = "1"  # `usp train` prints the root cause: ranks and agent keep theirs in the logs
     # The ranks share torchrun's own store (its agent holds the port from the start: nothing to race
     # for). With restarts (train.max_restarts) each attempt gets a store of its own instead: the agent's
     # store has no per-attempt prefix, so a restarted rank could read its dead peer's gloo address and
@@ -54,10 +72,24 @@ def worker_env(plan) -> dict[str, str]:
     return env
 
 
+# glibc's malloc on a CPU rank (the device memory the plan promises is then the process's own): a fixed
+# threshold above which each allocation is its own mmap, given back to the kernel when freed. glibc's
+# default threshold grows to the largest block freed so far (up to 32 MiB), after which freed
+# full-parameter values, gathered FSDP units and gradients stay in the heap: measured 1.6-1.9x the plan
+# per rank; 4 MiB still kept 1.16x on pp2 x tp2 x dp_shard2 (0.5 B), 1 MiB 1.09x, for ~30 % more CPU
+# time per step than glibc's default (docs/benchmarks.md, "Building the model").
+CPU_MMAP_THRESHOLD = 2 ** 20
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
 def accelerator_env(device: str, deterministic: bool = False) -> dict[str, str]:
-    """CUDA: expandable segments let the caching allocator grow blocks instead of fragmenting
-    (fewer OOMs at high memory use with varying shapes, as torchtitan recommends); with
-    train.deterministic=true, the cuBLAS workspace setting its deterministic kernels need."""
+    """The ranks' allocator and library settings for their device. CUDA: expandable segments let the
+    caching allocator grow blocks instead of fragmenting (fewer OOMs at high memory use with varying
+    shapes, as torchtitan recommends); with train.deterministic=true, the cuBLAS workspace setting
+    its deterministic kernels need. CPU: glibc's MALLOC_MMAP_THRESHOLD_ (CPU_MMAP_THRESHOLD), so a
+    rank's resident memory stays what the plan counts."""
+    if device == "cpu":
+        return {"MALLOC_MMAP_THRESHOLD_": str(CPU_MMAP_THRESHOLD)}
     if device != "cuda":
         return {}
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -76,17 +108,19 @@ def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
     return [
         sys.executable, "-m", AGENT_MODULE, *nodes,
         f"--nproc-per-node={plan.procs_per_node}",
-        f"--max-restarts={max_restarts}",
+        f"--max-restarts={max_restarts}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
         "--module", WORKER_MODULE, "--plan", str(plan_path),
     ]
 
 
 def launch_local(plan, plan_path: Path) -> int:
-    """Run the plan here and return the exit code of the run: 0 = success, EXIT_PREEMPTED
-    = stopped by a signal after a checkpoint (run the same command again to resume)."""
+    """Run the plan here and return the exit code of the run: 0 = success; after a stop signal
+    (run the same command again to resume) EXIT_INTERRUPTED (SIGINT, or stopped at once by a
+    second signal) or EXIT_PREEMPTED (SIGTERM, SIGUSR1)."""
     if plan.world_size == 1:
         for key, value in plan_accelerator_env(plan).items():  # before torch initialises CUDA
             os.environ.setdefault(key, value)
+        set_malloc_threshold(os.environ.get("MALLOC_MMAP_THRESHOLD_"))  # glibc read its variable at start-up
         token = held_token(plan.run_dir)
         if token:
             os.environ[TOKEN_ENV] = token
@@ -102,15 +136,59 @@ def launch_local(plan, plan_path: Path) -> int:
               f"waiting for the other nodes", file=sys.stderr, flush=True)
     cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
     started = time.time()
-    proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent)
-    try:
+    # A session of its own: only usp passes signals on to torchrun, once (see the module's docstring).
+    proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent, start_new_session=True)
+    with StopForwarder(proc) as stops:
         code = proc.wait()
-    except KeyboardInterrupt:
-        # Ctrl-C reached torchrun and the workers too (same process group): let torchrun stop
-        # them, then make sure nothing is left behind.
-        return _stop(proc)
-    # torchrun reports any worker failure as 1: recover the workers' "preempted" exit.
-    return EXIT_PREEMPTED if code and preempted_since(Path(plan.run_dir), started) else code
+    return _outcome(plan, code, started, stops)
+
+
+def _outcome(plan, code: int, started: float, stops: StopForwarder) -> int:
+    """The run's exit code, and a line where the ranks' own output doesn't say what happened.
+    torchrun reports a worker's exit as 1 and its own stop signal as 128 + the signal: the ranks'
+    stop is read from logs/events.jsonl (rank 0 printed it)."""
+    run_dir = Path(plan.run_dir)
+    stop = stopped_since(run_dir, started)
+    if stop is not None:
+        return EXIT_INTERRUPTED if stop.get("signal") == "SIGINT" else EXIT_PREEMPTED
+    if stops.first is None or _since(logs_dir(run_dir).glob(FAILURE_GLOB), started):
+        return code  # a failure, even after a stop signal: `usp train` shows its root cause
+    if _since([summary_path(run_dir)], started):
+        print(f"usp: {stops.first} came as the run finished: it completed", file=sys.stderr, flush=True)
+        return 0
+    if stops.second:
+        what = f"every rank was stopped at once by a second {stops.second}"
+    else:  # torchrun got the signal before its ranks started training, or killed them after its wait
+        what = (f"the ranks ended on {stops.first} without stopping at a step boundary (before training "
+                f"started, or killed after {SHUTDOWN_TIMEOUT_S} s)")
+    print(f"usp: {what}, without a checkpoint of the steps since the last one; the same command resumes from "
+          f"{_last_checkpoint(plan)}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def _since(paths, started: float) -> bool:
+    """Any of `paths` written by this launch."""
+    return any(p.is_file() and p.stat().st_mtime >= started - 1.0 for p in paths)
+
+
+def _last_checkpoint(plan) -> str:
+    complete = [c for c in list_checkpoints(checkpoint_dir(plan)) if c[2]]
+    return str(complete[-1][1]) if complete else "the start (no checkpoint yet)"
+
+
+def set_malloc_threshold(value: str | None) -> None:
+    """This process's glibc mmap threshold (the in-process rank: MALLOC_MMAP_THRESHOLD_ is read only
+    when a process starts); nothing without glibc or a value."""
+    import ctypes
+    import ctypes.util
+
+    if not value or not value.isdigit():
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, int(value))
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its own allocator's defaults
+        return
 
 
 def _die_with_parent() -> None:
@@ -123,15 +201,3 @@ def _die_with_parent() -> None:
     except OSError:
         pass
 
-
-def _stop(proc: subprocess.Popen) -> int:
-    for sig, wait in ((None, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        if sig is not None:
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout=wait)
-            break
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            continue
-    print("usp: interrupted; all ranks stopped", file=sys.stderr)
-    return EXIT_INTERRUPTED

@@ -2,11 +2,13 @@
 the run directory and take its lock, make sure the tokenized data exists, write plan.yaml."""
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir, check_resume
@@ -39,6 +41,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         from usp.data.prepare import dataset_dir  # (the plan found its directory unless the data was missing)
 
         dataset_dir(cfg.data)
+    made_run_dir = not Path(plan.run_dir).exists()
     run_dir = check_run_dir(Path(plan.run_dir))
     if not hold_lock:  # a Slurm job takes the lock when it starts; a live run here is refused now
         refuse_if_locked(run_dir, "submit")
@@ -50,6 +53,9 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         return _prepare(plan, cfg, run_dir, console, prepare_data)
     except BaseException:
         runlock.release(run_dir)
+        if made_run_dir:  # e.g. the data failed: no empty run directory that `usp status` would list
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
         raise
 
 
@@ -67,8 +73,11 @@ def _prepare(plan, cfg, run_dir: Path, console: Console, prepare_data: bool):
         return plan, write_plan(plan, node_plan_path(run_dir, plan))
     from usp.data.prepare import ensure_dataset
 
+    def warn(message: str) -> None:  # stays on the console: the status line is replaced
+        console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+
     with console.status("preparing data") as status:
-        path, meta = ensure_dataset(cfg.data, progress=lambda msg: status.update(f"data: {msg}"))
+        path, meta = ensure_dataset(cfg.data, progress=lambda msg: status.update(f"data: {msg}"), warn=warn)
     if meta.get("vocab_size", 0) > plan.model.vocab_size:
         raise LaunchError(f"the tokenizer has {meta['vocab_size']} tokens but the model only "
                           f"{plan.model.vocab_size}", key="model.vocab_size", value=plan.model.vocab_size,

@@ -1,8 +1,9 @@
 """`python -m usp.launch.slurm_outcome RUN_DIR SINCE CODE [NODELIST]`: what the batch script
-does after the job step ends. Prints `done`, `preempted` (the ranks stopped after a
-checkpoint: requeue), `node_failure <node>:<state> ...` (the step failed and Slurm marks a node of
-the job down, drained or not responding: requeue, the next attempt avoids it) or `failed`.
-torchrun reports any worker exit as 1, so preemption is read from the run's logs/events.jsonl,
+does after the job step ends. Prints `done`, `preempted` (the ranks stopped on SIGUSR1 after a
+checkpoint: requeue), `stopped <signal>` (they stopped on SIGINT or SIGTERM: not requeued),
+`node_failure <node>:<state> ...` (the step failed and Slurm marks a node of the job down, drained
+or not responding: requeue, the next attempt avoids it) or `failed`.
+torchrun reports any worker exit as 1, so a stop is read from the run's logs/events.jsonl,
 written by rank 0 (usp/engine/worker.py). No torch import."""
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import sys
 from pathlib import Path
 
 from usp.launch.slurm import unhealthy_nodes
-from usp.run.state import preempted_since
+from usp.run.state import is_preemption, stopped_since
 
 
 def outcome(run_dir: Path, since: float, code: int, nodelist: str = "") -> str:
-    if preempted_since(run_dir, since):
-        return "preempted"
+    stop = stopped_since(run_dir, since)
+    if stop is not None:
+        return "preempted" if is_preemption(stop) else f"stopped {stop['signal']}"
     if code == 0:
         return "done"
     bad = unhealthy_nodes(nodelist) if nodelist else {}

@@ -14,13 +14,10 @@ from pathlib import Path
 from usp.errors import LaunchError
 from usp.launch.local import plan_accelerator_env
 from usp.perf.layout import layout_tag
+from usp.plan.rules import ENV_KEY, field_failures
 from usp.run.files import EXIT_PREEMPTED, logs_dir
 
 TEMPLATE = "job.sbatch.j2"
-GPU_REQUESTS = ("gpus_per_node", "gres", "none")
-_TIME = re.compile(r"^\d+(-\d+)?(:\d+){0,2}$")  # minutes | [D-]H[:M[:S]] | M:S (sbatch --time forms)
-_PLAIN = re.compile(r"^[^\s'\"`$;\\]+$")  # one #SBATCH word: no spaces, quotes or shell characters
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_dir: Path | None = None,
@@ -64,7 +61,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
         "exit_preempted": EXIT_PREEMPTED,  # "try again later": resubmitting resumes from the checkpoint
     }
     for key, _ in context["env"]:
-        if not _ENV_KEY.match(key):
+        if not ENV_KEY.match(key):  # the plan's rule cluster.env, again for a saved plan
             raise LaunchError("not a valid environment variable name", key=f"cluster.env.{key}", value=key,
                               fix="letters, digits and _ (not starting with a digit)")
     return _environment().get_template(TEMPLATE).render(**context)
@@ -77,38 +74,11 @@ def default_log_dir(plan) -> Path:
 
 
 def check_slurm_settings(slurm: dict, device: str) -> None:
-    """Refuse, before anything is written or submitted, what sbatch would reject or misread."""
-    def bad(key, value, why, fix):
-        raise LaunchError(why, key=f"cluster.slurm.{key}", value=value, fix=fix)
-
-    if not _TIME.match(str(slurm["time"])):
-        bad("time", slurm["time"], "not a Slurm time limit", "cluster.slurm.time=HH:MM:SS (or D-HH:MM:SS, or minutes)")
-    for key in ("partition", "account", "qos", "mem", "constraint", "container_image", "container_mounts"):
-        value = slurm.get(key)
-        if value is not None and not _PLAIN.match(str(value)):
-            bad(key, value, "must be one word without spaces, quotes or shell characters",
-                f"cluster.slurm.{key}=<value> (for anything else use cluster.slurm.sbatch_extra)")
-    for i, option in enumerate(slurm["sbatch_extra"]):
-        if not str(option).startswith("-") or "\n" in str(option):
-            bad(f"sbatch_extra[{i}]", option, "each entry is one sbatch option on one line",
-                "cluster.slurm.sbatch_extra=['--reservation=big']")
-    for i, line in enumerate(slurm["setup"]):
-        if "\n" in str(line):
-            bad(f"setup[{i}]", line, "each entry is one shell line", "split it into several list entries")
-    if slurm["gpu_request"] not in GPU_REQUESTS:
-        bad("gpu_request", slurm["gpu_request"], f"must be one of {', '.join(GPU_REQUESTS)}",
-            "cluster.slurm.gpu_request=gpus_per_node")
-    if int(slurm["signal_lead_s"]) < 1:
-        bad("signal_lead_s", slurm["signal_lead_s"], "the ranks need a warning before the time limit to checkpoint",
-            "cluster.slurm.signal_lead_s=180")
-    limit = _time_limit_s(str(slurm["time"]))
-    if limit is not None and int(slurm["signal_lead_s"]) >= limit:
-        bad("signal_lead_s", slurm["signal_lead_s"], f"is not shorter than the time limit ({slurm['time']})",
-            "a lead of a few minutes, well inside cluster.slurm.time")
-    if int(slurm["max_requeues"]) < 0:
-        bad("max_requeues", slurm["max_requeues"], "must be 0 or more", "cluster.slurm.max_requeues=3")
-    if slurm["rdzv_port"] is not None and not 1 <= int(slurm["rdzv_port"]) <= 65535:
-        bad("rdzv_port", slurm["rdzv_port"], "not a TCP port", "cluster.slurm.rdzv_port=29500, or null for one per job")
+    """Refuse, before anything is written or submitted, what sbatch would reject or misread: the
+    cluster.slurm rules of usp.plan.rules (the plan checked them too; a saved plan is checked again)."""
+    found = field_failures({"cluster": {"launcher": "slurm", "slurm": slurm}})
+    if found:
+        raise LaunchError(found[0].why, key=found[0].key, value=found[0].value, fix=found[0].fix)
 
 
 def _sbatch_options(plan, slurm: dict) -> list[str]:
@@ -137,20 +107,6 @@ def _srun_options(slurm: dict) -> list[str]:
     if slurm.get("container_mounts"):
         out.append(f"--container-mounts={slurm['container_mounts']}")
     return out + [shlex.quote(str(o)) for o in slurm["srun_extra"]]
-
-
-def _time_limit_s(text: str) -> int | None:
-    """Seconds of a Slurm time limit, or None when the form is ambiguous to us."""
-    days, _, rest = text.rpartition("-")
-    parts = [int(x) for x in rest.split(":")]
-    if days:  # D-H, D-H:M, D-H:M:S
-        h, m, s = (parts + [0, 0])[:3]
-        return int(days) * 86400 + h * 3600 + m * 60 + s
-    if len(parts) == 1:
-        return parts[0] * 60  # minutes
-    if len(parts) == 2:
-        return parts[0] * 60 + parts[1]  # M:S
-    return parts[0] * 3600 + parts[1] * 60 + parts[2]
 
 
 def _layout(plan) -> str:

@@ -26,7 +26,17 @@ from usp.run.files import (
     read_plan_if_any,
 )
 from usp.run.lock import LockInfo, read_lock
-from usp.run.state import COMPLETED, FAILED, RUNNING, FailureReport, analyse_failures, resolve_run_dir, run_state
+from usp.run.state import (
+    COMPLETED,
+    FAILED,
+    RUNNING,
+    FailureReport,
+    analyse_failures,
+    is_preemption,
+    resolve_run_dir,
+    run_state,
+    stop_event,
+)
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
@@ -61,6 +71,12 @@ def _first_line(text: str | None, limit: int = 300) -> str:
     return escape(line if len(line) <= limit else line[:limit] + "…")
 
 
+def _fix(text: str | None) -> str | None:
+    """The fix of a UspError's message ("<message>\n  fix: <fix>"), if it has one."""
+    _, found, fix = (text or "").partition("\n  fix: ")
+    return escape(" ".join(fix.split())) if found else None
+
+
 def _last_log_line(run_dir: Path, rank: int) -> str:
     path = rank_log(run_dir, rank)
     if not path.is_file():
@@ -92,6 +108,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
                 ("error class", str(root.get("error_class"))),
                 ("exception", str(root.get("exception_type"))),
                 ("message", _first_line(root.get("message"))),
+                *([("fix", _fix(root.get("message")))] if _fix(root.get("message")) else []),
                 ("last completed step", "-" if step is None else str(step)),
                 ("time", _when(root.get("unix_time"))),
                 ("details", escape(f"{root['_path']} (traceback), {rank_log(run_dir, int(root.get('rank', 0)))}"))]
@@ -167,13 +184,24 @@ def _state_text(run_dir: Path, state: str, events: list[dict], lock: LockInfo | 
         return escape(f"running ({lock.owner()}; {lock.reason})")
     text = "[yellow]stopped[/] (not finished, and no live process holds the run lock"
     text += escape(f": {lock.owner()}, {lock.reason})" if lock is not None else ")")
-    if read_jobs(run_dir) and not (events and events[-1].get("event") == "preempted"):
+    stop = stop_event(events)
+    if read_jobs(run_dir) and stop is None:
         text += "; its Slurm job may still be queued (below)"
-    if events and events[-1].get("event") == "preempted":  # a Slurm job requeues itself; a local run needs the user
-        how = "its Slurm job requeues and resumes by itself" if read_jobs(run_dir) else \
-            "resume by running the same command"
-        text += f" (preempted at step {events[-1].get('step')}; {how})"
+    if stop is not None:
+        text += escape(f" ({_stop_text(stop, bool(read_jobs(run_dir)))})")
     return text
+
+
+def _stop_text(stop: dict, slurm: bool) -> str:
+    """The ranks' stop on a signal, as `usp status` words it."""
+    what = "preempted" if "signal" not in stop else f"stopped by {stop['signal']}"
+    kept = "" if stop.get("checkpoint", True) else " without a checkpoint"
+    if slurm and is_preemption(stop):  # a Slurm job requeues itself; a local run needs the user
+        how = "its Slurm job requeues and resumes by itself"
+    else:
+        how = "resume by running the same command"
+    when = "before the first step" if stop.get("step") == 0 else f"after step {stop.get('step')}{kept}"
+    return f"{what} {when}; {how}"
 
 
 def _run_table(run_dir: Path, plan: dict | None, state: str, report: FailureReport, events: list[dict]) -> Table:

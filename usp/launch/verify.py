@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from usp.config.reference import reference_overrides
+from usp.config.reference import reference_grad_accum, reference_overrides
 from usp.errors import PlanError
 from usp.launch.local import torchrun_command
 from usp.launch.prepare import prepare_run
@@ -46,7 +46,9 @@ def verify(conf: str | None, overrides: list[str], steps: int, rtol: float, para
     layout_ov = base + overrides + [f"cluster.procs_per_node={world}", f"train.runs_dir={runs}"]
     cfg, choices = compose_config(conf, layout_ov)
     plan, plan_path = prepare_run(cfg, choices, console)
-    ref_cfg, ref_choices = compose_config(conf, reference_overrides(layout_ov) + [f"train.name={plan.name}-reference"])
+    accum = reference_grad_accum(cfg.model, plan.batch.grad_accum)
+    ref_cfg, ref_choices = compose_config(conf, reference_overrides(layout_ov, accum) +
+                                          [f"train.name={plan.name}-reference"])
     ref_plan, ref_path = prepare_run(ref_cfg, ref_choices, Console(quiet=True))
     out = Path(plan.run_dir) / VERIFY
     out.unlink(missing_ok=True)
@@ -87,6 +89,11 @@ def report(result: dict, rtol: float, param_atol: float, console: Console) -> in
     console.print(f"final parameters: max |Δ| {result['max_param_diff']:.2e} in {result.get('worst_param')} "
                   f"(tolerance {param_atol:g})"
                   + (f"; missing: {result['missing_params'][:5]}" if result["missing_params"] else ""))
+    flip = result.get("routing_diverged_at")
+    if flip:
+        console.print(f"MoE routing differs from step {flip['step']} (layer {flip['layer']}: tokens per expert "
+                      f"{flip['layout']} vs the reference's {flip['reference']}): a token whose top-k candidates "
+                      "were within rounding of each other chose another expert; later steps follow other routes")
     good = (result["steps"] == result["steps_expected"] and params_ok and not math.isnan(result["max_rel_loss_diff"])
             and result["max_rel_loss_diff"] <= rtol)
     console.print("[bold green]PASS[/]: the layout is exact" if good else "[bold red]FAIL[/]: the layout differs")

@@ -58,6 +58,7 @@ class LlamaArgs:
     moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
     shared_expert: bool = False
     capacity_factor: float = 0.0  # 0 = dropless
+    router_bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (usp.models.moe)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -272,7 +273,11 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """The RoPE tables (non-persistent buffers, derived from args)."""
+        """The RoPE tables (non-persistent buffers, derived from args) and the aux-loss-free
+        balancing biases (zero: balancing starts unbiased)."""
+        for m in self.modules():
+            if isinstance(m, MoE) and m.expert_bias is not None:
+                m.expert_bias.zero_()
         cos, sin = self.args.rope_tables(self.max_seq_len, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

@@ -12,12 +12,25 @@ C = ceil(cf * T * top_k / E) of the T local tokens' assignments; assignments are
 token order (token 0 slot 0, token 0 slot 1, token 1 slot 0, ...) and the overflow is dropped
 (the token keeps its residual, no renormalisation). capacity_factor = 0 is dropless.
 
-Load-balancing loss (Switch / GShard): aux = E * sum_e f_e * P_e, f_e = share of the T*top_k
-assignments (before capacity drops) that chose e, P_e = mean router probability of e. It is 1
-for perfectly uniform routing. Each forward stores it in `self.aux_loss`; the trainer adds
-`aux_loss_coef * moe_aux_loss(model)` (the sum over layers) to the loss, or, under pipeline
-parallelism (no stage but the last sees the loss), sets `aux_loss_scale` and every layer attaches
-its aux loss's gradient to its own output (`AttachAuxLoss`).
+Load balancing (docs/moe.md has the formulas and their sources):
+- the load-balancing loss (Switch Transformer's, over the global batch as Qiu et al. 2025
+  recommend): aux = E * sum_e f_e * P_e, f_e = share of the micro-batch step's top-k assignments
+  (before capacity drops) that chose e, P_e = mean router probability of e. f_e counts the tokens
+  of every rank that shares the step's batch: `reduce_stats`, installed by the engine, sums the
+  counts over the data-parallel and context-parallel ranks; P_e stays this rank's mean. The mean
+  over ranks of the per-rank losses is then the global-batch loss, and since f_e carries no
+  gradient, so are its gradients, with no collective in the backward. 1 for uniform routing.
+  Each forward stores it in `self.aux_loss`; with `aux_loss_scale` > 0 (coef / micro batches per
+  step, set by the engine) the layer attaches its gradient to its own output (`AttachAuxLoss`),
+  so no caller adds it to the loss.
+- auxiliary-loss-free balancing (DeepSeek-V3), `router_bias_update_rate` > 0: a per-expert bias
+  (buffer `expert_bias`, saved in checkpoints) is added to the router probabilities for the
+  top-k choice only (the gate weights stay the probabilities); after each optimizer step
+  `update_expert_bias` moves it by rate * sign(mean load - load) from the step's global token
+  counts, centred to sum 0 (as torchtitan).
+Training forwards add the step's global tokens per expert to `step_tokens` (not again when
+activation recomputation re-runs the forward in the backward); `take_step_tokens` reads and
+clears them once per step.
 
 Expert dispatch is a hook, as attention is for context parallelism: `MoE.expert_dispatch` is
 None (every expert is local: run them on the routed tokens) or a function
@@ -27,6 +40,7 @@ all_to_all exchange. This module knows nothing of process groups.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,11 +109,17 @@ class MoE(nn.Module):
         # optional (experts, routed (N, dim), counts (E,) int64) -> outputs (N, dim), replacing the
         # local experts (expert parallelism installs its token exchange here)
         self.expert_dispatch = None
+        # optional stats (..., E) -> their sum over the ranks that share the global batch (the engine's)
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.tokens_dropped = 0  # assignments dropped by the capacity limit in the last forward
-        # > 0: the aux loss gets this gradient through the output (AttachAuxLoss) instead of the
-        # caller adding aux_loss_coef x aux to the loss (pipelines: coef / micro batches per step)
+        # > 0: the aux loss gets this gradient through the output (AttachAuxLoss): aux_loss_coef /
+        # micro batches per step, set by the engine; 0: the aux loss only trains if a caller adds it
         self.aux_loss_scale = 0.0
+        self.bias_update_rate = float(getattr(args, "router_bias_update_rate", 0.0) or 0.0)
+        # aux-loss-free balancing: a buffer, so checkpoints keep it (None: not registered)
+        self.register_buffer("expert_bias", torch.zeros(self.n_experts) if self.bias_update_rate > 0 else None)
+        self.step_tokens: torch.Tensor | None = None  # global tokens per expert, this step so far
 
     # ------------------------------------------------------------------ routing
 
@@ -113,11 +133,39 @@ class MoE(nn.Module):
         """x (T, dim) -> top-k weights (T, k) (renormalised, x's dtype), expert ids (T, k),
         router probabilities (T, E) fp32. Also sets self.aux_loss."""
         probs = F.softmax(self.router(x).float(), dim=-1)
-        top_w, top_e = probs.topk(self.top_k, dim=-1)
+        choice = probs if self.expert_bias is None else probs + self.expert_bias  # the bias only picks
+        top_e = choice.topk(self.top_k, dim=-1).indices
+        top_w = probs.gather(-1, top_e)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        f = torch.bincount(top_e.flatten(), minlength=self.n_experts).float() / top_e.numel()
-        self.aux_loss = self.n_experts * (f * probs.mean(dim=0)).sum()
+        self.aux_loss = self.balance_loss(probs, top_e)
         return top_w.to(x.dtype), top_e, probs
+
+    def balance_loss(self, probs: torch.Tensor, top_e: torch.Tensor) -> torch.Tensor:
+        """E * sum_e f_e * P_e with f_e over the global batch of this micro-batch step (the counts
+        summed by `reduce_stats`) and P_e this rank's mean probability; records the step's load."""
+        counts = torch.bincount(top_e.flatten(), minlength=self.n_experts)  # int64: exact when summed
+        if self.training and self.reduce_stats is not None:
+            counts = self.reduce_stats(counts)
+        if self.training and torch._C._current_graph_task_id() == -1:  # -1: not a recompute in backward
+            self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
+        f = counts.to(probs.dtype) / counts.sum()
+        return self.n_experts * (f * probs.mean(dim=0)).sum()
+
+    def take_step_tokens(self) -> torch.Tensor | None:
+        """This step's global tokens per expert (int64 (E,); None before any training forward),
+        cleared for the next step."""
+        tokens, self.step_tokens = self.step_tokens, None
+        return tokens
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens: torch.Tensor) -> None:
+        """DeepSeek-V3's bias update from a step's global tokens per expert: overloaded experts
+        down by the rate, underloaded up, centred (torchtitan) so only the ranking moves."""
+        if self.expert_bias is None:
+            return
+        load = tokens.to(self.expert_bias)
+        delta = self.bias_update_rate * torch.sign(load.mean() - load)
+        self.expert_bias.add_(delta - delta.mean())
 
     def dispatch_plan(self, top_e: torch.Tensor):
         """Flattened assignments sorted (stably) by expert, capacity applied.
@@ -172,12 +220,13 @@ class MoE(nn.Module):
         T = x.shape[0]
         probs = torch.softmax(x @ self.router.weight.t().float(), dim=-1)
         p_val = probs.detach().tolist()
+        bias = [0.0] * E if self.expert_bias is None else self.expert_bias.tolist()
         cap = self.capacity(T) or T * k
         taken = [0] * E
         zero = probs.new_zeros(())
         rows = []
         for t in range(T):
-            ranked = sorted(range(E), key=lambda e: -p_val[t][e])[:k]
+            ranked = sorted(range(E), key=lambda e: -(p_val[t][e] + bias[e]))[:k]
             total = sum(probs[t, e] for e in ranked)
             row = [zero] * E
             for e in ranked:

@@ -98,3 +98,13 @@ def data_parallel_kind(degrees: dict[str, int], zero1: bool = False) -> str:
     if degrees["tp"] > 1 or degrees["pp"] > 1:
         return "zero1_fsdp" if zero1 else "replicate"
     return "zero1" if zero1 else "ddp"
+
+
+def shard_index(degrees: dict[str, int], coords: dict[str, int], zero1: bool = False) -> int:
+    """A rank's place in its FSDP2 shard group (usp/engine/parallel/data.py's meshes, row-major):
+    dp_shard x cp flattened for FSDP / HSDP, dp_replicate for ZeRO-1 over TP/PP, else 0. Its expert
+    shard group's place (expert parallelism) is this // ep."""
+    kind = data_parallel_kind(degrees, zero1)
+    if kind in ("fsdp", "hsdp"):
+        return coords["dp_shard"] * degrees["cp"] + coords["cp"]
+    return coords["dp_replicate"] if kind == "zero1_fsdp" else 0

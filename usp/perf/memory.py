@@ -30,11 +30,16 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                q/k/v, the SDPA output, the MLP's matmul outputs and the two row-parallel outputs (h
                each: partial sums over the whole sequence under TP). CP divides s by c. Times the
                layers of the stage, times the micro batches in flight; the stage with the LM head
-               also keeps the final norm's (2h/t + h).
+               also keeps the final norm's (2h/t + h). train.compile without recompute (dense, no
+               CP): what the compiled block keeps instead (compiled_block_bytes, read from its saved
+               tensors): its input in fp32 under autocast (h/t, 4 bytes), the norm outputs 2h, q/k/v
+               and the SDPA output (2h + 2kv)/t, wo's output h, w1/w3 outputs and w2's input 3f/t in
+               the activation dtype; under train.fp8 not the norm outputs nor w2's input (recomputed).
   in flight    pp = 1: 1; afab: m; 1f1b: min(m, p - r) on pp rank r; interleaved (v virtual
                stages): min(m·v, 2(p-1-r) + (v-1)p + 1) chunks of L/(pv) layers (Megatron);
                zbv: min(m, p) (ZB-V's peak equals 1F1B's).
-  logits       the loss on the rank that holds the last stage, in fp32, vocab-parallel under TP:
+  logits       the loss on the rank that holds the last stage (compiled, no TP: the logits kept in
+               the activation dtype + one such buffer, their gradient), else in fp32, vocab-parallel under TP:
                the log-probabilities kept for backward, 4·s·b·V/t bytes (afab: all m micro
                batches'), and, while the loss is differentiated, 2 more such buffers (the gradients
                of the log-probabilities and of the logits), 3 with TP (loss_parallel's backward also
@@ -51,8 +56,9 @@ stores bf16 parameters (usp.perf.specs.Precision)):
   copies       bf16 under autocast (usp's engine without FSDP2's bf16 policy: P/G/K = 4/4/8, fp32
                parameters): the bf16 copy of each weight a matmul reads, 2 bytes, where alive
                (_autocast_copies: every layer's without recompute, else the LM head's; compiled
-               blocks or FP8 blocks none). Adds the "loss forward" peak: the copies + bf16 logits and
-               their fp32 copy (6 bytes per logit) beside the kept log-probs. train.fp8: the blocks'
+               blocks save their own casts, one set per micro batch in flight; FP8 blocks none).
+               Adds the "loss forward" peak: the copies + bf16 logits and their fp32 copy (6 bytes
+               per logit) beside the kept log-probs (not with the compiled loss). train.fp8: the blocks'
                linears cast their fp32 (or gathered bf16) weights to FP8 themselves, 1 byte + fp32
                scales (one per tensor, or per row and per column: rowwise), one layer's during a
                layer's backward (_fp8_copies); FSDP gathers them as without FP8.
@@ -64,7 +70,9 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                    earlier micro batches' gradients; with m = 1 none exist yet, the engine zeroes
                    them with set_to_none), on the stage with the LM head;
                  layer backward: the gradients + the ZeRO-3 gathered units + the layer being
-                   recomputed (full / selective recompute: its full set minus what was kept).
+                   recomputed (full / selective recompute: its full set minus what was kept); with
+                   m = 1, pp = 1 and no recompute only the head's and one layer's gradients when
+                   that moment, the first layer's backward, is the larger (_layer_backward).
                `peak_phase` names the winner; the terms of the other phase are 0 in the breakdown.
   overhead     a fixed allowance (CUDA/XPU context, NCCL and cuBLAS workspaces: 1 GiB; CPU:
                Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
@@ -84,8 +92,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from usp.perf.layout import bf16_by_fsdp_policy
-from usp.perf.profile import Profile
-from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache
+from usp.perf.profile import PROFILES, Profile
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache, optimizer_state_label
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
 DEFAULT_FIXED_OVERHEAD_GIB = 1.0
@@ -96,12 +104,23 @@ SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
+# train.compile (no TP): the compiled loss (usp/engine/loss.py) keeps the logits in the activation dtype and writes
+# their gradient in that dtype, one buffer; no fp32 log-probabilities, no fp32 copy at the loss forward.
+# Inductor's fused cross entropy as read from its graph. Checked on the H100 (docs/benchmarks.md): Llama-3.2 1B
+# compiled, 8 x 2048, peaked 59.38 GiB with the eager loss and 43.73 with this one, 15.65 GiB = 4 bf16 logits-sized
+# buffers less: the eager loss's fp32 log-probabilities + 2 fp32 buffers (6) against these 2.
+COMPILED_LOSS_BACKWARD_BUFFERS = 1
 LOSS_FORWARD_EXTRA_BYTES = 6  # per logit at the loss forward, besides the kept fp32 log-probs: bf16 logits + fp32 copy
-# train.compile: the kept activations of a compiled block (no recompute) / the eager count (inductor recomputes
-# norms and SwiGLU's pointwise ops in backward instead of keeping them). Fitted to one GPU run: Llama-3.2 1B,
-# micro batch 8 x seq 2048 on an H200, 59.4 GiB measured compiled where the eager count predicted 62.5
-# (docs/planner.md "Compile and FP8"). To refine from scripts/bench/gpu_session.py's rows.
-COMPILED_ACTIVATIONS = 0.876
+# train.compile, no recompute: what inductor's partitioner keeps of a dense block (compiled_block_bytes), read tensor by
+# tensor from the compiled block's saved tensors (scripts/bench/compiled_saved.py: CPU, torch 2.13, the Llama-3.2 1B
+# and 3B blocks at the GPU rows' shapes, 8 x 2048 and 2 x 2048 tokens): its input in the residual stream's dtype
+# (fp32 under autocast), the two norm outputs, q/k/v, the SDPA output, wo's output (x + attention(x) is recomputed
+# from it), SwiGLU's w1 and w3 outputs and their product, in the activation dtype; x·rstd and silu are recomputed.
+# It also keeps the bf16 cast of every weight (_autocast_copies). Under train.fp8 (torchao's Float8Linear, whose
+# autograd function saves the fp32 weight itself) it recomputes the linears' inputs (the norm outputs, the product)
+# and keeps no weight cast. The H100 rows it predicts (2026-11-27, docs/benchmarks.md "GPU session"; tensors,
+# measured / planned): 1B 8 x 1 1.002, 8 x 4 1.002, 3B 2 x 4 1.001, 1 x 4 1.009, FP8 2 x 4 1.00.
+AUTOCAST_RESIDUAL_BYTES = 4  # the residual stream under autocast: fp32 (the embedding's output, each residual add)
 
 TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "copies", "comm_buffers",
          "overhead")
@@ -111,6 +130,17 @@ TERM_LABELS = {
     "copies": "bf16 weight copies (autocast)",
     "comm_buffers": "comm buffers (DDP buckets)", "overhead": "framework overhead",
 }
+
+
+@dataclass
+class LocalBytes:
+    """What one rank allocates for its model states, each whole, whatever the peak phase: what
+    `usp plan --build-check` measures on the engine's real (meta) build."""
+
+    params: float  # elements of its parameters: its shards under FSDP2 (ZeRO-2/3, HSDP), else whole tensors
+    parameters: float  # bytes
+    gradients: float  # bytes of their gradients after the step's reduction (each shaped as its parameter)
+    optimizer: float  # bytes of the optimizer's states (sharded under ZeRO-1/2/3)
 
 
 @dataclass
@@ -136,13 +166,15 @@ class StageMemory:
     comm_buffers: float = 0.0
     overhead: float = 0.0
     total: float = 0.0
+    build: BuildMemory | None = None  # while the engine builds (and loads) this rank's part: memory_plan
+    local: LocalBytes | None = None  # its model states as allocated (the build check's comparison)
 
     def top(self, n: int = 3) -> list[tuple[str, float]]:
         terms = sorted(((TERM_LABELS[t], getattr(self, t)) for t in TERMS), key=lambda kv: -kv[1])
         return terms[:n]
 
     def key(self) -> tuple:
-        return tuple(round(getattr(self, t)) for t in TERMS)
+        return (*(round(getattr(self, t)) for t in TERMS), round(self.build.total) if self.build else 0)
 
 
 @dataclass
@@ -160,6 +192,9 @@ class MemoryPlan:
     fits: bool
     activation_formula: str
     assumptions: list[str] = field(default_factory=list)
+    build_peak_stage: int = 0  # the pp rank whose build needs the most (StageMemory.build)
+    build_peak_gib: float = 0.0
+    build_fits: bool = True
 
     @property
     def peak(self) -> StageMemory:
@@ -248,12 +283,30 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
     kept, full = activation_values(arch, layout, profile)
-    if prec.compiled and layout.recompute == "none":
-        kept *= COMPILED_ACTIVATIONS
     ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
     kept_ring = ring if layout.recompute != "full" else 0
     scale = profile.activation_scale
-    return (s * b * kept * prec.act + scores + kept_ring) * scale, (s * b * full * prec.act + scores + ring) * scale
+    full_bytes = (s * b * full * prec.act + scores + ring) * scale
+    compiled = compiled_block_bytes(arch, layout, prec)
+    if compiled is not None:
+        return s * b * compiled * scale, full_bytes
+    return (s * b * kept * prec.act + scores + kept_ring) * scale, full_bytes
+
+
+def compiled_block_bytes(arch: Arch, layout: Layout, prec: Precision) -> float | None:
+    """Bytes per token a compiled dense block keeps without recompute (AUTOCAST_RESIDUAL_BYTES: what
+    inductor keeps and recomputes, measured); None where the eager count stands: eager, recompute, MoE or
+    CP (not measured compiled). Under TP the terms divide as the eager ones do (not measured either)."""
+    if not prec.compiled or layout.recompute != "none" or arch.moe or layout.cp > 1:
+        return None
+    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
+    autocast = prec.copy_bytes and not bf16_by_fsdp_policy(layout.dp_kind, layout.pp, 1)
+    block_input = h / t * (AUTOCAST_RESIDUAL_BYTES if autocast else prec.act)  # sequence-sharded under SP
+    attention = (2 * h + 2 * kv) / t  # q, k, v after RoPE, the SDPA output
+    wo_output = h  # a partial sum over the whole sequence under TP, as selective recompute counts it
+    swiglu = 2 * f / t  # the w1 and w3 outputs
+    linear_inputs = 0 if prec.fp8 != "off" else 2 * h + f / t  # the norm outputs (all-gathered under TP), w2's input
+    return block_input + (attention + wo_output + swiglu + linear_inputs) * prec.act
 
 
 def activation_formula(layout: Layout) -> str:
@@ -284,6 +337,8 @@ class _Held:
     head: float
     dense: float
     experts: float
+    # each parameter as the rank holds it after TP / EP: (dim-0 rows, values per row, how many, routed experts?)
+    tensors: tuple = ()
 
     @property
     def params(self) -> float:
@@ -314,7 +369,28 @@ def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, s
         tied_here = arch.tie_embeddings and pp == 1
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
     return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
-                 layers * dense_layer + emb + head, layers * expert_layer)
+                 layers * dense_layer + emb + head, layers * expert_layer,
+                 _tensors(arch, t, ep, layers, holds_emb, head > arch.dim, holds_head, vocab_pad))
+
+
+def _tensors(arch: Arch, t: int, ep: int, layers: int, emb: bool, head: bool, norm: bool, vocab_pad: int) -> tuple:
+    """(dim-0 rows, values per row, count, routed experts?) of every parameter a rank holds, as
+    usp/engine/parallel/tensor.py shards them over tp (embedding rows, LM head and wq/wk/wv/w1/w3
+    rows: Shard(0); wo, w2: Shard(1); norms replicated; a MoE layer not at all) and expert.py slices
+    the experts over ep: what FSDP2 then cuts along dim 0 (sharded_params)."""
+    h, kv, f = arch.dim, arch.kv_dim, arch.ffn_dim
+    up = lambda x: -(-x // t)  # noqa: E731 - DTensor's Shard: torch.chunk pieces, the first ones the longest
+    out = [(h, 1, 2 * layers, False), (up(h), h, layers, False), (up(kv), h, 2 * layers, False),
+           (h, up(h), layers, False)]  # the two norms, wq, wk + wv, wo
+    if arch.moe:
+        fe = arch.moe_ffn_dim or arch.ffn_dim
+        out += [(arch.n_experts, h, layers, False), (arch.n_experts // ep, h * fe, 3 * layers, True)]
+        if arch.shared_expert:
+            out += [(fe, h, 2 * layers, False), (h, fe, layers, False)]
+    else:
+        out += [(up(f), h, 2 * layers, False), (h, up(f), layers, False)]  # w1 + w3, w2
+    out += [(vocab_pad // t, h, int(emb) + int(head), False), (h, 1, int(norm), False)]  # embedding, LM head; norm
+    return tuple(x for x in out if x[2] and x[0] * x[1])
 
 
 def zero_sharding(layout: Layout, profile: Profile) -> tuple[int, int]:
@@ -337,15 +413,15 @@ def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: Sta
     """Parameters and optimizer states into st (ZeRO-2 keeps its sharded parameters next to the
     all-gathered ones); returns the gradients' bytes (where they are alive: the peak decides), with
     the profile's fp32 gradient-accumulation buffer (every parameter, 4 bytes, never sharded)."""
-    ep = max(1, layout.ep) if arch.moe else 1
     zero, n = zero_sharding(layout, profile)
-    n_exp = max(1, n // ep) if n % ep == 0 else 1
-    sharded = h.dense / n + h.experts / n_exp  # params after data-parallel sharding
+    # params after data-parallel sharding: FSDP2's padded dim-0 shards; ZeRO-1's optimizer splits whole tensors
+    sharded = sharded_params(arch, layout, h, n) if zero >= 2 else h.params / n
     st.parameters = prec.param * (sharded if zero == 3 else h.params)
     if zero == 2 and n > 1:  # the all-gathered parameters too, in the dtype the matmuls read
         st.parameters = prec.param * sharded + prec.gathered * h.params
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
     st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
+    st.local = local_bytes(arch, layout, prec, st.stage, 0, profile)
     return prec.grad * (sharded if grads_sharded else h.params) + (4 * h.params if profile.fp32_grad_accum else 0)
 
 
@@ -374,7 +450,8 @@ def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _
     return (full_set - kept if layout.recompute != "none" and h.layers else 0), one
 
 
-def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory, profile: Profile) -> float:
+def _logits(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory,
+            profile: Profile) -> float:
     """Kept log-probabilities (+ the stage output under pp) into st; returns the loss backward's
     extra buffers. A profile with loss_forward_bytes: that many bytes per logit at the loss forward
     (nanotron: the bf16 logits, their fp32 copy and its max-shifted copy), nothing extra after."""
@@ -385,12 +462,24 @@ def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMe
     if profile.loss_forward_bytes:
         st.logits = profile.loss_forward_bytes * tokens * h.vocab_pad / t
         return 0.0
-    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
     n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
+    if compiled_loss(layout, prec):  # the logits (under pp: the stage output) kept, their gradient one more
+        one = prec.act * tokens * h.vocab_pad
+        st.logits = one * n_logits
+        # or the head's backward, which frees them: its weight's new gradient (fp32) before it is added into
+        # .grad, larger where a micro batch has fewer tokens than the model is wide (3B at micro batch 1: 0.49 GiB)
+        return max(one * COMPILED_LOSS_BACKWARD_BUFFERS, prec.grad * h.vocab_pad * arch.dim - st.logits)
+    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
     st.logits = one * n_logits  # log-probabilities kept for backward
     if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
         st.logits += tokens * h.vocab_pad / t * prec.act * n_logits
     return one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
+
+
+def compiled_loss(layout: Layout, prec: Precision) -> bool:
+    """Does the engine compile the loss? With the blocks (train.compile), unless TP shards the vocabulary
+    (usp/engine/loss.py)."""
+    return prec.compiled and layout.tp == 1
 
 
 def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
@@ -424,13 +513,16 @@ def _fp8_copies(arch: Arch, layout: Layout, prec: Precision) -> float:
     return fp8_layer_params(arch, layout) + scales
 
 
-def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> tuple[float, float, float]:
+def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held,
+                     in_flight: float) -> tuple[float, float, float]:
     """The bf16 copies autocast makes of the fp32 weights it feeds to matmuls, in bytes, alive at
     (the loss forward, the loss backward, a layer's backward). Each linear saves its copy for
     backward; without recompute autocast also caches it (usp.perf.specs.autocast_weight_cache), so
     a pipeline's in-flight micro batches share one copy, held for the whole step. A recomputed
     layer's copy lives within its own forward or backward: one layer's during a layer's backward.
-    Compiled blocks (train.compile) cast inside their graph, FP8 blocks (train.fp8) cast to FP8 themselves
+    Compiled blocks (train.compile) cast inside their graph and, without recompute, save every cast for
+    backward (compiled_block_bytes: measured), one per in-flight micro batch (each call of the
+    graph casts anew). FP8 blocks (train.fp8) cast to FP8 themselves and save the fp32 weight
     (_fp8_copies): only the eager LM head's copy counts. 0 where nothing is copied: fp32, bf16-stored
     parameters, or FSDP2's bf16 policy (gathered)."""
     b = prec.copy_bytes
@@ -438,12 +530,12 @@ def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> t
         return 0.0, 0.0, 0.0
     tied_head = arch.tie_embeddings and layout.pp == 1 and h.holds_head  # the head casts the embedding
     head = b * (h.emb if tied_head else max(0.0, h.head - arch.dim))  # its weight, not the final norm's
-    if prec.compiled or prec.fp8 != "off":
+    if prec.fp8 != "off":
         return head, head, 0.0
     layer = b * (h.dense_layer + h.expert_layer)
-    if not autocast_weight_cache(layout.recompute):
+    if not autocast_weight_cache(layout.recompute):  # eager or compiled: the recomputed layer casts again
         return head, head, layer
-    every = head + h.layers * layer
+    every = head + h.layers * layer * (in_flight if prec.compiled else 1)
     return every, every, (every if layout.pp > 1 else 0.0)
 
 
@@ -458,17 +550,19 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
                      activation_per_layer=0.0)
     grads = _model_states(arch, layout, prec, h, st, profile)
     recompute, one_micro_batch = _activations(arch, layout, seq_len, prec, h, st, profile)
-    loss_extra = _logits(layout, seq_len, prec, h, st, profile)
+    loss_extra = _logits(arch, layout, seq_len, prec, h, st, profile)
     gathered = _gathered(layout, prec, h)
-    copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h)
+    copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h, st.in_flight)
     copies_layer += _fp8_copies(arch, layout, prec) if h.layers else 0.0
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some), a
     # layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer) or, under autocast,
-    # the loss forward (every cached weight copy), whichever is largest.
+    # the loss forward (every cached copy, the bf16 logits + their fp32 copy), whichever is largest.
+    layer_grads, layer_copies = _layer_backward(arch, layout, h, grads, (copies_loss, copies_layer), st)
+    layer_phase = layer_grads + layer_copies + gathered + recompute
     earlier_grads = grads if layout.grad_accum > 1 else 0
     loss_phase = loss_extra + copies_loss + earlier_grads
-    # autocast: at the loss forward every cached copy and the bf16 logits + their fp32 copy are alive
-    fwd_extra = LOSS_FORWARD_EXTRA_BYTES * (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    logits_here = (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    fwd_extra = 0.0 if compiled_loss(layout, prec) else LOSS_FORWARD_EXTRA_BYTES * logits_here
     fwd_phase = copies_fwd + fwd_extra + earlier_grads if copies_fwd and h.holds_head else 0.0
     if grads_freed_per_micro_batch(layout, profile):
         # the low-precision gradients live only within one micro batch's backward: its start holds
@@ -488,24 +582,164 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.logits += loss_extra
         st.gradients, st.gathered = grads, gathered
         st.activations += recompute
-    elif fwd_phase > max(loss_phase, grads + gathered + recompute + copies_layer):
+    elif fwd_phase > max(loss_phase, layer_phase):
         st.peak_phase = "loss forward"
         st.logits += fwd_extra
         st.gradients, st.copies = earlier_grads, copies_fwd
-    elif h.holds_head and loss_phase > grads + gathered + recompute + copies_layer:
+    elif h.holds_head and loss_phase > layer_phase:
         st.peak_phase = "loss backward"
         st.logits += loss_extra
         st.gradients, st.copies = earlier_grads, copies_loss
     else:
         st.peak_phase = "layer backward"
-        st.gradients, st.gathered, st.copies = grads, gathered, copies_layer
+        st.gradients, st.gathered, st.copies = layer_grads, gathered, layer_copies
         st.activations += recompute
-    if ddp_buckets(layout, profile):
-        st.comm_buffers = prec.grad * h.params
+    st.comm_buffers = prec.grad * h.params if ddp_buckets(layout, profile) else 0.0
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
     st.overhead = fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal
     st.total = subtotal + st.overhead
     return st
+
+
+# --- the build (and model.init_from's load) ----------------------------------------------------------
+
+# usp's engine builds fp32 parameters (usp/models/llama.py initial_value), whatever the profile
+BUILD_PARAM_BYTES = 4
+# A sharded (DTensor) parameter's whole fp32 value, made on the host, plus what torch's
+# distribute_tensor(src_data_rank=None) copies while cutting this rank's part out of it: measured on
+# CPU (VmHWM growth over the value alone, MALLOC_MMAP_THRESHOLD_=131072): Shard(0) over 8 ranks 1.25x
+# the value, Shard x Shard over 2 x 2 1.75x, Replicate 2.0x. A plain parameter takes the value in place: 1x.
+DTENSOR_TRANSIENT = 2.0
+
+
+@dataclass
+class BuildMemory:
+    """One rank of a pp rank while the engine builds its part (usp/engine/parallel/materialize.py:
+    its shards allocated, then every parameter's whole value made and cut one at a time), or loads
+    model.init_from the same way (usp/engine/hf_checkpoint.py)."""
+
+    params: float  # elements this rank allocates: its shards (FSDP2 kinds), else its stages whole
+    parameters: float  # their bytes (fp32)
+    largest: str  # the largest parameter the rank holds, by name (its whole tensor is made at once)
+    largest_params: int  # that whole tensor's elements
+    read_buffer: float  # model.init_from: that parameter's checkpoint tensor(s) as read (stacked experts: twice)
+    transient: float  # bytes alive besides the parameters: the whole fp32 value (x DTENSOR_TRANSIENT) + read_buffer
+    overhead: float
+    total: float
+
+
+def largest_parameter(arch: Arch, h: _Held) -> tuple[str, int]:
+    """(name, elements of its whole tensor) of the largest parameter a rank of this stage holds. The
+    init draws a parameter's whole tensor (TP's padded vocabulary included) before the rank keeps its
+    part; stacked experts are drawn whole under expert parallelism too."""
+    sizes: dict[str, int] = {}
+    if h.holds_emb:
+        sizes["tok_embeddings.weight"] = h.vocab_pad * arch.dim
+    if h.head > arch.dim:  # an LM head matrix: untied, or a pipeline's last stage's copy of the tied embedding
+        sizes["output.weight"] = h.vocab_pad * arch.dim
+    if h.layers:
+        sizes["layers.<i>.attention.wq.weight"] = arch.dim * arch.dim
+        if arch.moe:
+            fe = arch.moe_ffn_dim or arch.ffn_dim
+            sizes["layers.<i>.feed_forward.experts.w1"] = arch.n_experts * fe * arch.dim
+            sizes["layers.<i>.feed_forward.router.weight"] = arch.n_experts * arch.dim
+        else:
+            sizes["layers.<i>.feed_forward.w1.weight"] = arch.ffn_dim * arch.dim
+    if not sizes:
+        return "", 0
+    name = max(sizes, key=lambda k: sizes[k])
+    return name, sizes[name]
+
+
+def sharded_params(arch: Arch, layout: Layout, h: _Held, n: int) -> float:
+    """Elements of one rank's shards when FSDP2 splits the stage's parameters over n data-parallel
+    ranks (experts over n / ep: the other ep ranks hold other experts). FSDP2 cuts each parameter along
+    dim 0 as torch.chunk does and stores every rank's shard padded to the first one's rows: ceil(rows /
+    n) rows each (one expert over 2 ranks: the whole expert on both, the second's as padding)."""
+    ep = max(1, layout.ep) if arch.moe else 1
+    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    return float(sum(-(-rows // (n_exp if expert else n)) * cols * count for rows, cols, count, expert in h.tensors))
+
+
+def _chunk_rows(rows: int, n: int, i: int) -> int:
+    """Rows of torch.chunk(rows, n)'s i-th piece along dim 0 (the last ones may be short or empty)."""
+    c = -(-rows // n)
+    return max(0, min(c, rows - i * c))
+
+
+def local_bytes(arch: Arch, layout: Layout, prec: Precision, r: int, index: int = 0,
+                profile: Profile = PROFILES["usp"]) -> LocalBytes:
+    """One rank's model states as allocated: the rank of pp rank r whose FSDP2 shard is the index-th
+    of its shard group (index 0 holds the most: memory_plan's figure). Parameters and their reduced
+    gradients occupy FSDP2's padded shards (sharded_params) on every rank; the optimizer creates its
+    states for the real rows only, so a short last shard holds fewer. ZeRO-1 (DDP + ZeRO's optimizer)
+    counts an even split of the states. `index` of the experts' shard group: index // ep."""
+    h = _held(arch, layout, r, profile)
+    zero, n = zero_sharding(layout, profile)
+    if zero < 2:
+        optimizer = prec.optim * (h.params / n if zero == 1 else h.params)
+        return LocalBytes(h.params, prec.param * h.params, prec.grad * h.params, optimizer)
+    ep = max(1, layout.ep) if arch.moe else 1
+    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    real = sum(_chunk_rows(rows, n_exp if expert else n, index // ep if expert else index) * cols * count
+               for rows, cols, count, expert in h.tensors)
+    padded = sharded_params(arch, layout, h, n)
+    return LocalBytes(padded, prec.param * padded, prec.grad * padded, prec.optim * real)
+
+
+def uses_dtensors(layout: Layout) -> bool:
+    """Does the engine hold DTensor parameters (TP, or any FSDP2 flavour), whose parts it cuts with
+    distribute_tensor? DDP and ZeRO-1 hold plain ones."""
+    return layout.tp > 1 or layout.dp_kind in ("fsdp", "hsdp", "replicate", "zero1_fsdp")
+
+
+def build_memory(arch: Arch, layout: Layout, hw: Hardware, r: int, load_bytes: int = 0) -> BuildMemory:
+    """What one rank of pp rank r holds while it builds (module docstring of BuildMemory): its
+    parameters as allocated (sharded where FSDP2 shards them: ZeRO-2/3, HSDP, ZeRO-1 over TP/PP;
+    whole under DDP, DDP + ZeRO-1 and a single process) + the largest parameter's whole fp32 value
+    while it is cut (x DTENSOR_TRANSIENT for a DTensor) + under model.init_from the checkpoint's
+    tensor(s) of that parameter (load_bytes per value, 0: no load) + the fixed overhead and
+    fragmentation of the training peak's. The engine's build, whatever the planner's profile."""
+    h = _held(arch, layout, r, PROFILES["usp"])
+    params = sharded_params(arch, layout, h, layout.shard_degree) if layout.zero_stage >= 2 else h.params
+    name, largest = largest_parameter(arch, h)
+    read = load_bytes * largest * (2 if name.endswith("experts.w1") else 1)  # the experts' tensors + their stack
+    value = BUILD_PARAM_BYTES * largest * (DTENSOR_TRANSIENT if uses_dtensors(layout) else 1.0)
+    parameters, transient = BUILD_PARAM_BYTES * params, value + read
+    overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * (
+        parameters + transient)
+    return BuildMemory(params, parameters, name, largest, read, transient, overhead, parameters + transient + overhead)
+
+
+@lru_cache(maxsize=4096)  # the search asks it once per layout shape
+def build_peak(arch: Arch, layout: Layout, hw: Hardware, load_bytes: int = 0) -> BuildMemory:
+    """The fullest pp rank's build (the rules and the search ask only this)."""
+    ranks = candidate_stages(arch, layout, PROFILES["usp"])
+    return max((build_memory(arch, layout, hw, r, load_bytes) for r in ranks), key=lambda b: b.total)
+
+
+def _layer_backward(arch: Arch, layout: Layout, h: _Held, grads: float, copies: tuple[float, float],
+                    st: StageMemory) -> tuple[float, float]:
+    """(gradients, weight copies) at the worst layer's backward; copies: (alive at the loss backward, at a
+    layer's backward). With gradient accumulation (grad_accum > 1, so every pipeline) earlier micro
+    batches left every gradient alive. Without it (pp = 1) the gradients appear as the backward walks
+    down the layers while each layer frees what it kept: the first layer's backward holds only the LM
+    head's gradient (tied: the embedding's) and its own beside every kept activation and weight copy;
+    where that moment is the larger (a layer keeps more than its gradient), it is the peak. Otherwise
+    the last layers' backward is, counted as every gradient beside every kept activation: the
+    activations freed by then stand for the transients the count leaves out. So is every recomputed
+    layout's (its layer backward also holds the recomputed set and the gradients flowing through it:
+    on CPU, recompute layouts at a byte vocabulary peak up to 3.5 % above the count, docs/benchmarks.md).
+    Measured on the H100 (docs/benchmarks.md): Llama-3.2 3B compiled at 2 x 1 peaks 11.97 GiB, its fp32
+    gradients, below 2 x 4; every gradient beside every kept activation put it 5.6 GiB above."""
+    if layout.grad_accum > 1 or layout.pp > 1 or layout.recompute != "none" or not h.layers:
+        return grads, copies[1]
+    tied_here = arch.tie_embeddings and h.holds_emb  # the head's backward writes the embedding's gradient
+    first = grads * (h.head + (h.emb if tied_here else 0.0) + h.dense_layer + h.expert_layer) / h.params
+    last_freed = st.activation_per_layer * (h.layers - 1)
+    if first + copies[0] >= grads - last_freed + copies[1]:
+        return first, copies[0]
+    return grads, copies[1]
 
 
 def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
@@ -552,21 +786,30 @@ def peak_bytes(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pre
 
 
 def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
-                profile: Profile) -> MemoryPlan:
+                profile: Profile, load_bytes: int = 0) -> MemoryPlan:
+    """Every pp rank's training peak and build (load_bytes: model.init_from's bytes per value, 0 = none)."""
     stages = [stage_memory(arch, layout, seq_len, hw, prec, r, profile) for r in range(layout.pp)]
+    for st in stages:
+        st.build = build_memory(arch, layout, hw, st.stage, load_bytes)
+    build = max(range(len(stages)), key=lambda i: stages[i].build.total)  # type: ignore[union-attr]
+    build_gib = stages[build].build.total / GIB  # type: ignore[union-attr]
     zero, shards = zero_sharding(layout, profile)
     peak = max(range(len(stages)), key=lambda i: stages[i].total)
     peak_gib = stages[peak].total / GIB
     assumptions = [
         f"profile {profile.name}: {profile.description}",
-        f"{prec.name}: {prec.param} B/param, {prec.grad} B/grad, {prec.optim} B/param of AdamW state"
-        + (" (fp32 master + m + v)" if prec.name == "bf16" else " (m + v)")
+        f"{prec.name}: {prec.param} B/param, {prec.grad} B/grad, {optimizer_state_label(prec)}"
         + (", + a 4 B/param fp32 gradient-accumulation buffer (unsharded)" if profile.fp32_grad_accum else ""),
         f"data parallel: {layout.dp_label() if profile.data_parallel == 'usp' else profile.data_parallel}, "
         f"ZeRO-{zero} sharded over {shards} rank(s)",
         f"activations: {activation_formula(layout)}" + (
-            "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)"),
+            "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)")
+        if compiled_block_bytes(arch, layout, prec) is None else "activations: what a compiled block keeps, "
+        "s·b·(4h + act·(5h + 2kv + 3f)) bytes per layer (its fp32 input; train.fp8: not the norm outputs nor "
+        "w2's input, 2h + f) + every weight's bf16 cast (docs/planner.md)",
         f"logits: {profile.loss_forward_bytes:g} bytes per logit at the loss forward" if profile.loss_forward_bytes
+        else f"logits: compiled loss, the logits kept in {prec.act:g}-byte values, + {COMPILED_LOSS_BACKWARD_BUFFERS} "
+        "such buffer (their gradient) while the loss is differentiated" if compiled_loss(layout, prec)
         else f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
         f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
         f"peak at the {stages[peak].peak_phase}: the low-precision gradients are freed after each micro batch's "
@@ -576,6 +819,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         "backward's gradients + gathered units + recomputed layer",
         f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
         "(not tensor memory)",
+        f"build: the rank's parameters as allocated (fp32; its shards under FSDP2) + the largest one's whole fp32 "
+        f"value while its part is cut ({DTENSOR_TRANSIENT:g}x for a sharded DTensor)"
+        + (f" + its checkpoint tensor as model.init_from reads it ({load_bytes} B/value)" if load_bytes else ""),
     ]
     if profile.accum_bytes_per_token_h and layout.pp == 1 and layout.grad_accum > 1:
         assumptions.append(f"gradient accumulation on the whole model: + {profile.accum_bytes_per_token_h:g} bytes "
@@ -587,4 +833,5 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
                       shard_degree=shards, recompute=layout.recompute, capacity_gib=hw.memory_gib,
                       device_name=hw.device_name, stages=stages, peak_stage=peak, peak_gib=peak_gib,
                       fits=peak_gib <= hw.memory_gib, activation_formula=activation_formula(layout),
-                      assumptions=assumptions)
+                      assumptions=assumptions, build_peak_stage=build, build_peak_gib=build_gib,
+                      build_fits=build_gib <= hw.memory_gib)

@@ -38,6 +38,7 @@ class Arch:
     moe_ffn_dim: int = 0
     shared_expert: bool = False
     attention: str = "sdpa"
+    expert_load_imbalance: float = 1.0  # measured max / mean tokens per expert (1 = balanced)
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
@@ -48,7 +49,8 @@ class Arch:
                    ffn_dim=int(g("ffn_dim")), vocab_size=int(vocab_size or g("vocab_size")),
                    tie_embeddings=bool(g("tie_embeddings", True)), n_experts=int(g("n_experts", 0) or 0),
                    top_k=int(g("top_k", 2) or 2), moe_ffn_dim=int(g("moe_ffn_dim", 0) or 0),
-                   shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")))
+                   shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")),
+                   expert_load_imbalance=float(g("expert_load_imbalance", 1.0) or 1.0))
 
     @property
     def head_dim(self) -> int:
@@ -214,10 +216,12 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per value. fp32 = plain fp32 training (4 + 4 + 8). bf16 as a recipe stores it: bf16
-    parameters and gradients with fp32 master weights + Adam m, v in the optimizer (the playbook's
-    2 + 2 + 12: Megatron, nanotron), or fp32 parameters and gradients (4 + 4 + 8) that the matmuls
-    read as bf16 copies (usp's engine: autocast, or FSDP2's bf16 all-gathers)."""
+    """Bytes per value. fp32 = plain fp32 training (4 + 4 + 8 with AdamW). bf16 as a recipe stores
+    it: bf16 parameters and gradients with fp32 master weights + Adam m, v in the optimizer (the
+    playbook's 2 + 2 + 12: Megatron, nanotron), or fp32 parameters and gradients (4 + 4 + 8) that the
+    matmuls read as bf16 copies (usp's engine: autocast, or FSDP2's bf16 all-gathers). `optim` is the
+    named optimizer's: 4 bytes per fp32 state it keeps per parameter (optimizer_states), + the 4-byte
+    fp32 master copy where the parameters are stored in bf16."""
 
     name: str  # bf16 | fp32
     param: int  # a stored parameter
@@ -227,6 +231,7 @@ class Precision:
     compute: int = 0  # the copy of a parameter the matmuls read (0: the stored one, `param` bytes)
     compiled: bool = False  # train.compile (resolved): the blocks cast their weights inside the compiled graph
     fp8: str = "off"  # train.fp8: the blocks' linears compute in FP8 (torchao.float8), their casts are FP8 copies
+    optimizer: str = "adamw"  # optimizer.name, whose states `optim` counts
 
     @property
     def copy_bytes(self) -> int:
@@ -240,18 +245,42 @@ class Precision:
 
     @classmethod
     def resolve(cls, dtype: str, device: str, fp32_params: bool = False, compiled: bool = False,
-                fp8: str = "off") -> Precision:
+                fp8: str = "off", optimizer: str = "adamw", momentum: float = 0.9) -> Precision:
+        """train.dtype on this device, as the recipe stores it, with the states of the named optimizer
+        (optimizer.name and, for SGD, optimizer.momentum)."""
         if dtype not in DTYPES:
             from usp.errors import PlanError
 
             raise PlanError(f"unknown dtype; choose one of {', '.join(DTYPES)}", key="train.dtype", value=dtype,
                             fix="train.dtype=auto")
         fp8 = fp8 if fp8 in FP8_RECIPES else "off"  # an unknown recipe is the rules' to refuse
+        states = 4 * optimizer_states(optimizer, momentum)  # fp32, like the parameters they follow
         if not uses_bf16(dtype, device):
-            return cls("fp32", 4, 4, 8, 4, compiled=compiled, fp8=fp8)
+            return cls("fp32", 4, 4, states, 4, compiled=compiled, fp8=fp8, optimizer=optimizer)
         if fp32_params:
-            return cls("bf16", 4, 4, 8, 2, compute=2, compiled=compiled, fp8=fp8)
-        return cls("bf16", 2, 2, 12, 2, compiled=compiled, fp8=fp8)
+            return cls("bf16", 4, 4, states, 2, compute=2, compiled=compiled, fp8=fp8, optimizer=optimizer)
+        return cls("bf16", 2, 2, 4 + states, 2, compiled=compiled, fp8=fp8, optimizer=optimizer)  # + fp32 master
+
+
+# fp32 tensors an optimizer keeps per parameter (torch.optim): AdamW and Adam exp_avg and exp_avg_sq,
+# SGD its momentum_buffer (none without momentum)
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1}
+
+
+def optimizer_states(name: str, momentum: float = 0.9) -> int:
+    """States per parameter of optimizer.name (an unknown name counts as AdamW: the rules refuse it)."""
+    if name == "sgd" and not momentum > 0:
+        return 0
+    return OPTIMIZER_STATES.get(name, 2)
+
+
+def optimizer_state_label(prec: Precision) -> str:
+    """What prec.optim counts, in words (the plan's assumptions)."""
+    master = prec.param < 4  # bf16-stored parameters: the optimizer keeps fp32 master weights
+    states = prec.optim - (4 if master else 0)
+    what = {"adamw": "AdamW's m + v", "adam": "Adam's m + v", "sgd": "SGD's momentum"}.get(prec.optimizer, "m + v")
+    parts = (["fp32 master"] if master else []) + [what if states else "SGD without momentum: no state"]
+    return f"{prec.optim} B/param of optimizer state ({' + '.join(parts)})"
 
 
 ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.py installs them)

@@ -3,8 +3,9 @@ precision, sequence length and global batch (`PlannerContext`, for the memory / 
 the layout search), and one layout's rule `Subject` (usp.plan.rules). Pure Python."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from usp.perf.nodes import getter
 from usp.perf.profile import Profile, get_profile
 from usp.perf.specs import Arch, Hardware, Layout, Precision, uses_compile
 from usp.plan.rules import Settings, Subject
@@ -49,16 +50,36 @@ def planner_context(cfg, vocab: int | None = None) -> PlannerContext:
     arch = Arch.from_model(cfg.model, vocab or data_vocab(cfg.model, cfg.data))
     hw = Hardware.from_cluster(cfg.cluster)
     profile, prec = recipe_precision(cfg, hw.device)
-    return PlannerContext(arch, hw, prec, seq, gb, Settings.from_config(cfg), profile)
+    return PlannerContext(arch, hw, prec, seq, gb, settings_of(cfg), profile)
+
+
+def checkpoint_bytes(model) -> int:
+    """model.init_from's bytes per value (its config.json's dtype), 0 without one: the build's read
+    buffer (usp.perf.memory.build_memory)."""
+    init_from = getter(model)("init_from")
+    if not init_from:
+        return 0
+    from usp.plan.hf_config import checkpoint_value_bytes, read_hf_config
+
+    return checkpoint_value_bytes(read_hf_config(init_from))
+
+
+def settings_of(cfg) -> Settings:
+    """Settings.from_config, with model.init_from's bytes per value (read from its config.json)."""
+    model = cfg["model"] if isinstance(cfg, dict) else cfg.model
+    return replace(Settings.from_config(cfg), checkpoint_bytes=checkpoint_bytes(model))
 
 
 def recipe_precision(cfg, device: str) -> tuple[Profile, Precision]:
-    """planner.profile's recipe and the bytes per value it stores at train.dtype on this device."""
+    """planner.profile's recipe and the bytes per value it stores at train.dtype on this device, with
+    the states of the optimizer the config names."""
     profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
     train = cfg.train
     compiled = profile.follows_compile and uses_compile(getattr(train, "compile", "auto"), device)
+    opt = getter(getattr(cfg, "optimizer", None) or {})
     return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params, compiled,
-                                      str(getattr(train, "fp8", "off")))
+                                      str(getattr(train, "fp8", "off")), optimizer=str(opt("name", "adamw")),
+                                      momentum=float(opt("momentum", 0.9)))
 
 
 def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:
@@ -69,4 +90,24 @@ def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:
     recompute = train["recompute"] if isinstance(train, dict) else train.recompute
     layout = Layout.from_config(degrees, get("parallelism"), batch, str(recompute))
     return Subject(Arch.from_model(get("model"), vocab), layout, Hardware.from_cluster(get("cluster")),
-                   Settings.from_config(cfg))
+                   settings_of(cfg))
+
+
+def planned_local_bytes(plan, ranks: list[int]) -> dict:
+    """Each rank's model states as the planner counts them (usp.perf.memory.local_bytes at its place
+    in its FSDP2 shard group), from a RunPlan's resolved config: what `usp plan --build-check` sets
+    beside the engine's real build."""
+    from omegaconf import OmegaConf
+
+    from usp.perf.layout import shard_index
+    from usp.perf.memory import local_bytes
+
+    subject = rule_subject(plan.config, plan.degrees, plan.batch, plan.model.vocab_size)
+    profile, prec = recipe_precision(OmegaConf.create(plan.config), plan.device)
+    zero1 = bool(plan.config["parallelism"].get("zero1", False))
+    out = {}
+    for rank in ranks:
+        coords = plan.ranks[rank].coords
+        out[rank] = local_bytes(subject.arch, subject.layout, prec, coords["pp"],
+                                shard_index(plan.degrees, coords, zero1), profile)
+    return out

@@ -58,6 +58,17 @@ def read_hf_config(path: str | Path, key: str = "model.init_from") -> dict:
     return config
 
 
+# bytes per value of the dtype a config.json names ("dtype" since transformers 4.56, "torch_dtype" before)
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def checkpoint_value_bytes(config: dict) -> int:
+    """Bytes per value of the checkpoint's tensors, as config.json names their dtype; 4 (fp32, the
+    most a checkpoint usp loads holds) when it names none or another."""
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return DTYPE_BYTES.get(name, 4)
+
+
 def hf_rope(config: dict) -> dict:
     """RoPE as transformers reads a config.json: {"rope_type", "rope_theta"} and, for llama3, the four
     scaling values under config.json's names. `rope_scaling` (transformers < 5, Meta's own files) wins

@@ -61,9 +61,6 @@ class RunPlan:
         return out
 
 
-LAUNCHERS = ("local", "slurm")
-
-
 def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *, force: bool = False,
                strict: bool = False, training: bool = True) -> RunPlan:
     """Derive the run plan from a composed config (DictConfig or an object with the same fields);
@@ -85,9 +82,11 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
     name = f"{model.name}-{layout_tag(degrees)}" if train.name is None else str(train.name)  # "" is refused
     check_run(cfg, name)
-    config = cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    config = cast(dict, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))  # plan.yaml: plain values
     if config["model"].get("init_from"):  # the ranks may start in another directory (Slurm): absolute
         config["model"]["init_from"] = str(Path(config["model"]["init_from"]).expanduser().resolve())
+    if str(config["checkpoint"]["resume"]) not in ("auto", "never"):  # the same for a checkpoint path
+        config["checkpoint"]["resume"] = str(Path(config["checkpoint"]["resume"]).expanduser().resolve())
     data_warnings: list[str] = []
     plan = RunPlan(
         name=name, run_dir=str(Path(train.runs_dir).expanduser().resolve() / name), world_size=nodes * per_node,
@@ -104,25 +103,21 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
 
 
 def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
-    """The checks the rule subject needs first (cluster sizes, launcher, degrees, batch, the
+    """The checks the rule subject needs first (every field rule, the degrees, the batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
-    from usp.plan.context import rule_subject, tokenizer_vocab
+    from usp.plan.context import rule_subject
     from usp.plan.hf_config import adopt_hf_shape
     from usp.plan.validate import derive_batch
 
     adopt_hf_shape(cfg.model)  # model.init_from: the keys no one set come from its config.json
+    found = rules.field_failures(cfg)  # each value on its own first: what follows derives from them
+    if found:
+        raise found[0]
     cluster = cfg.cluster
-    nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
-    for key, value in (("cluster.nodes", nodes), ("cluster.procs_per_node", per_node)):
-        if value < 1:
-            raise PlanError("must be at least 1", key=key, value=value, fix=f"{key}=1")
-    if cluster.launcher not in LAUNCHERS:
-        raise PlanError(f"unknown launcher; choose one of {', '.join(LAUNCHERS)}", key="cluster.launcher",
-                        value=cluster.launcher, fix="cluster.launcher=local, or cluster=local_slurm")
-    degrees = resolve_degrees(cfg.parallelism, nodes * per_node)
+    degrees = resolve_degrees(cfg.parallelism, int(cluster.nodes) * int(cluster.procs_per_node))
     batch = derive_batch(cfg.train, degrees)
-    token_vocab = tokenizer_vocab(cfg.data)
     model_vocab = int(cfg.model.vocab_size)
+    token_vocab = _tokenizer_vocab_here(cfg.data, model_vocab)
     if 0 < model_vocab < token_vocab:  # every token id needs an embedding row
         if getattr(cfg.model, "init_from", None):
             raise PlanError(f"the tokenizer's {token_vocab:,} ids don't fit the checkpoint's embedding of "
@@ -138,6 +133,21 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
 
         check_hf_config(read_hf_config(init_from), cfg.model, vocab, str(init_from))
     return rule_subject(cfg, degrees, batch, vocab), degrees, batch
+
+
+def _tokenizer_vocab_here(data, model_vocab: int) -> int:
+    """The tokenizer's vocabulary; 0 when its file is not on this machine and the model names its own
+    vocabulary (a recipe planned on a laptop for a cluster: `usp prepare-data` and `usp train` read
+    the tokenizer and check it where the run trains; the plan warns that the data was not checked)."""
+    from usp.data.errors import DataError
+    from usp.plan.context import tokenizer_vocab
+
+    try:
+        return tokenizer_vocab(data)
+    except DataError:
+        if model_vocab > 0:
+            return 0
+        raise
 
 
 def _planned_dataset_dir(data, warnings: list[str]) -> str:
@@ -176,6 +186,15 @@ def plan_with_failures(cfg, choices: dict | None = None, *, force: bool = False,
     """`usp plan`: the plan (None when it can't be built) and every failing rule, plan and engine
     kinds, in table order; when the plan fails for another reason (a degree, the batch, predicted
     OOM, --strict), that error comes first."""
+    from usp.plan.hf_config import adopt_hf_shape
+
+    try:
+        adopt_hf_shape(cfg.model)  # model.init_from: the values no one set, from its config.json
+    except PlanError as exc:
+        return None, [exc]
+    found = rules.field_failures(cfg)
+    if found:  # the rest derives from these values: listed once they are fixed
+        return None, found
     try:
         subject = _subject(cfg)[0]
     except PlanError as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from usp.run.files import checkpoint_dir
+
 MAX_RANK_ROWS = 16
 
 
@@ -27,6 +29,9 @@ def render_plan(plan, console: Console | None = None) -> None:
     summary.add_column(style="bold cyan")
     summary.add_column()
     layout = " x ".join(f"{d}={v}" for d, v in plan.degrees.items() if v > 1) or "single process"
+    ep = int(plan.config["parallelism"].get("ep", 1) or 1)
+    if ep > 1:
+        layout += f", ep={ep} (experts over the dp_shard x cp ranks)"
     rows = [
         ("run dir", plan.run_dir),
         ("config", ", ".join(f"{g}={o}" for g, o in plan.choices.items() if o)),
@@ -40,6 +45,8 @@ def render_plan(plan, console: Console | None = None) -> None:
         ("compute", f"{human(m.flops_per_token, 'FLOP')}/token (6N + 12·L·h·s), "
                     f"{human(m.flops_per_step, 'FLOP')}/step"),
         ("data", plan.dataset_dir or "not prepared (its source is not on this machine)"),
+        ("checkpoints", checkpoint_summary(plan)),
+        *([("moe", moe_summary(plan.config["model"]))] if plan.config["model"].get("n_experts") else []),
     ]
     for key, value in rows:
         summary.add_row(key, value)
@@ -75,6 +82,26 @@ def pipeline_table(pipe: dict) -> Table:
         span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
         table.add_row(str(stage), str(owner[stage]), f"{span} ({len(layers)})", extra)
     return table
+
+
+def checkpoint_summary(plan) -> str:
+    ckpt = plan.config["checkpoint"]
+    if not ckpt.get("enabled"):
+        return "off (checkpoint.enabled=false): the run can't resume"
+    interval = int(ckpt.get("interval") or 0)
+    when = f"every {interval} steps and at the end" if interval > 0 else "at the end"
+    return (f"{when}, keep {ckpt.get('keep_last')}, {ckpt.get('async_mode')} -> {checkpoint_dir(plan)} "
+            f"(resume: {ckpt.get('resume')})")
+
+
+def moe_summary(model: dict) -> str:
+    """A MoE model's routing and load balancing (docs/moe.md)."""
+    rate, coef = float(model.get("router_bias_update_rate") or 0.0), float(model.get("aux_loss_coef") or 0.0)
+    balance = [f"aux loss x {coef:g} over the global batch"] if coef > 0 else []
+    balance += [f"aux-loss-free bias, rate {rate:g}"] if rate > 0 else []
+    shared = ", 1 shared expert" if model.get("shared_expert") else ""
+    return (f"{model['n_experts']} experts, top-{model['top_k']}{shared}; balancing: "
+            f"{' + '.join(balance) or 'none'}")
 
 
 def rank_table(plan) -> Table:
@@ -121,7 +148,24 @@ def memory_table(mem):
     table.add_row("params on the rank (after TP/EP)", *(human(st.params) for st in stages))
     table.add_row("layers", *(str(st.layers) for st in stages))
     table.add_row("peak during", *(st.peak_phase for st in stages))
-    return _with_notes(table, [f"peak {mem.peak_gib:.2f} GiB on stage {mem.peak_stage}: {verdict}", *mem.assumptions])
+    _build_rows(table, stages)
+    built = "fits" if mem.build_fits else "[bold red]OUT OF MEMORY[/]"
+    return _with_notes(table, [f"peak {mem.peak_gib:.2f} GiB on stage {mem.peak_stage}: {verdict}; at build "
+                               f"{mem.build_peak_gib:.2f} GiB on stage {mem.build_peak_stage}: {built}",
+                               *mem.assumptions])
+
+
+def _build_rows(table, stages) -> None:
+    """While the engine builds (or loads) the rank's part, before training: usp.perf.memory.build_memory."""
+    builds = [st.build for st in stages]
+    if any(b is None for b in builds):  # a plan.yaml written before the build was planned
+        return
+    table.add_section()
+    table.add_row("at build: parameters (this rank's, fp32)", *(_gib(b.parameters) for b in builds))
+    table.add_row("at build: largest parameter made whole", *(_gib(b.transient) for b in builds))
+    table.add_row("at build: framework overhead", *(_gib(b.overhead) for b in builds))
+    table.add_row("[bold]at build: total[/]", *(f"[bold]{_gib(b.total)}[/]" for b in builds))
+    table.add_row("largest parameter", *(f"{b.largest} ({human(b.largest_params)})" for b in builds))
 
 
 def timing_table(tim):
@@ -196,3 +240,58 @@ def search_table(result) -> Table:
                      f"searched in {result.seconds:.2f} s")
     table.caption_justify = "left"
     return table
+
+
+# --- usp plan --build-check (usp/launch/build_check.py) --------------------------------------------------
+
+BUILD_CHECK_TOLERANCE = 0.01  # a rank's local bytes against the plan's
+
+
+def build_check_differences(local, result: dict) -> dict[str, float]:
+    """Relative difference of a built rank's local parameter / gradient / optimizer-state bytes from the
+    planner's for that rank (`local`: usp.perf.memory.LocalBytes)."""
+    out = {}
+    for what, built in (("parameters", result["param_bytes"]), ("gradients", result["grad_bytes"]),
+                        ("optimizer", result["optimizer_bytes"])):
+        planned = getattr(local, what)
+        out[what] = abs(built - planned) / planned if planned else float(built != 0)
+    return out
+
+
+def build_check_table(plan, results: list[dict], planned: dict):
+    """Each checked rank: what its real (meta) build holds next to the planner's figures for it
+    (`planned`: rank -> usp.perf.memory.LocalBytes, usp.plan.context.planned_local_bytes)."""
+    table = Table(title=f"build check: {len(results)} rank(s) built on the meta device under a fake process group "
+                        f"of {plan.world_size} (built / planned)", title_justify="left")
+    for col in ("rank", "pp", "parameters", "gradients", "optimizer states", "largest parameter", "its values", "s",
+                ""):
+        table.add_column(col, justify="left" if col in ("largest parameter", "") else "right")
+    for r in results:
+        if "error" in r:
+            table.add_row(str(r["rank"]), str(r["pp"]), "", "", "", "", "", f"{r['seconds']:.1f}",
+                          "[bold red]build failed[/]")
+            continue
+        st, local = plan.memory.stages[r["pp"]], planned[r["rank"]]
+        worst = max(build_check_differences(local, r).values())
+        verdict = "ok" if worst <= BUILD_CHECK_TOLERANCE else f"[yellow]differs by {worst:.1%}[/]"
+        planned_largest = st.build.largest_params if st.build else 0
+        table.add_row(str(r["rank"]), str(r["pp"]),
+                      f"{_size(r['param_bytes'])} / {_size(local.parameters)}",
+                      f"{_size(r['grad_bytes'])} / {_size(local.gradients)}",
+                      f"{_size(r['optimizer_bytes'])} / {_size(local.optimizer)}", r["largest"],
+                      f"{human(r['largest_elements'])} / {human(planned_largest)}", f"{r['seconds']:.1f}", verdict)
+    return table
+
+
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def build_check_summary(results: list[dict], planned: dict) -> str:
+    """One line: how many ranks built, and the largest difference from the planner's figures."""
+    built = [r for r in results if "error" not in r]
+    worst = max((max(build_check_differences(planned[r["rank"]], r).values()) for r in built), default=0.0)
+    line = f"build check: {len(built)} of {len(results)} rank(s) built"
+    if built:
+        line += f"; local bytes within {worst:.2%} of the plan (tolerance {BUILD_CHECK_TOLERANCE:.0%})"
+    return line

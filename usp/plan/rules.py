@@ -1,6 +1,7 @@
-"""The planner's rules, in one table: what a model shape (Arch), a parallel layout (Layout) and the
-hardware (Hardware), plus config values (Settings: the optimizer and schedule, the tokenizer, the
-device, ...), must satisfy.
+"""The planner's rules: each config value on its own (FIELD_RULES, on the composed config read by
+dotted key: ranges, choices, paths that must exist, values that need another), then what a model
+shape (Arch), a parallel layout (Layout) and the hardware (Hardware), plus config values (Settings:
+the optimizer and schedule, the tokenizer, the device, ...), must satisfy (RULES).
 
 Each `Rule` is one record: the condition it refuses (`broken`), the config key it names, why, the
 fix, and its kind:
@@ -8,30 +9,42 @@ fix, and its kind:
   engine  the plan can describe it (memory and time estimates), but this engine can't train it
           yet: `checked_plan` (what `usp train` runs) raises the first one after the plan kinds;
   warn    worth saying, not refusing: a plan warning (an error under `usp plan --strict`).
-Three callers read the table: `usp.plan.plan.build_plan` / `checked_plan` (first failure),
-`usp plan` (every failure, usp.plan.plan.plan_with_failures) and the layout search
-(usp.plan.search: it keeps only layouts with no plan or engine failure, so it never proposes what
-`usp train` refuses).
+The field rules come first (`field_failures`: every value that fails; usp.plan.plan raises the first,
+`usp plan` lists them all, the engine checks plan.yaml with them again). Three callers read RULES:
+`usp.plan.plan.build_plan` / `checked_plan` (first failure), `usp plan` (every failure,
+usp.plan.plan.plan_with_failures) and the layout search (usp.plan.search: it keeps only layouts with
+no plan or engine failure, so it never proposes what `usp train` refuses).
 
 Rules checked elsewhere, because the Subject can't be built without them: degrees vs world size
-(usp.perf.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), cluster
-sizes and launcher, the tokenizer's vocabulary, a Hugging Face model.init_from's config.json
-(usp.plan.plan._subject, usp.plan.hf_config), train.dtype (usp.perf.specs.Precision.resolve);
-logging / profile settings (usp.plan.validate.check_observability); the run's name (one directory
-name, usp.run.names) and train.steps >= 1 (usp.plan.validate.check_run); predicted OOM
-(usp.plan.validate.analyse: it needs the memory model).
+(usp.perf.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), the tokenizer's
+vocabulary, a Hugging Face model.init_from's config.json (usp.plan.plan._subject, usp.plan.hf_config),
+train.dtype (usp.perf.specs.Precision.resolve); logging / profile settings
+(usp.plan.validate.check_observability); the run's name (one directory name, usp.run.names) and
+train.steps >= 1 (usp.plan.validate.check_run); predicted OOM, in training and while the model is built
+(usp.plan.validate.analyse: they need the memory model, and --force plans them anyway; the layout search
+keeps only layouts where both fit). CHECKED_ELSEWHERE (at the end) maps each such field to its check;
+FREE_FIELDS lists the fields any value of whose type is fine; `field_checks()` says how every schema
+field is checked.
 
-To add a rule: append a Rule to RULES (kind, key, broken, why, fix; `batch=True` when it reads
-micro_batch / grad_accum, which the search varies last) and a test; the three callers pick it up."""
+To add a rule: append a Rule to FIELD_RULES (a value) or RULES (kind, key, broken, why, fix;
+`batch=True` when it reads micro_batch / grad_accum, which the search varies last) and a test; the
+callers pick it up."""
 from __future__ import annotations
 
 import math
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
+from usp.config.schema import default_of, enum_keys, schema_keys
+from usp.data.corpus import TEXT_SOURCES
+from usp.data.text_check import TEXT_CHECKS
+from usp.data.tokenizer import BYTE_VOCAB, MAX_VOCAB
 from usp.data.tokenizer import KINDS as TOKENIZERS
+from usp.data.tokens import ITEMSIZE as TOKEN_DTYPES
 from usp.errors import PlanError
 from usp.perf.pipeline_split import check_explicit, validate_schedule
 from usp.perf.specs import (
@@ -78,7 +91,6 @@ class Settings:
     seq_len: int
     dtype: str = "auto"
     launcher: str | None = None  # None: not known (a bare search), the launcher rule doesn't apply
-    checkpoint: bool = False
     ddp_comm_hook: str = "none"
     optim: OptimSettings = OptimSettings()
     tokenizer: str = "bpe"
@@ -87,13 +99,14 @@ class Settings:
     compile: Any = "auto"  # train.compile as configured (usp.perf.specs.uses_compile resolves it)
     fp8: str = "off"  # train.fp8
     rope: RopeSettings = RopeSettings()
+    checkpoint_bytes: int = 0  # model.init_from: bytes per value of its tensors, 0 = no load (usp.plan.context)
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
         """From a composed config, or the plain dict of RunPlan.config."""
         g = lambda section, key, d=None: _get(_get(cfg, section, {}), key, d)  # noqa: E731
         return cls(seq_len=int(g("train", "seq_len")), dtype=str(g("train", "dtype", "auto")),
-                   launcher=str(g("cluster", "launcher", "local")), checkpoint=bool(g("checkpoint", "enabled", False)),
+                   launcher=str(g("cluster", "launcher", "local")),
                    ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")),
                    optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
                    tokenizer=str(g("data", "tokenizer", "bpe")),
@@ -118,7 +131,7 @@ class Subject:
     settings: Settings
 
 
-Text = str | Callable[[Subject], Any]
+Text = str | Callable[[Any], Any]  # of the Subject (or, for a field rule, the Values)
 
 
 @dataclass(frozen=True)
@@ -131,15 +144,16 @@ class Rule:
     name: str
     kind: str
     key: Text = ""
-    broken: Callable[[Subject], bool] | None = None
+    broken: Callable[[Any], bool] | None = None
     why: Text = ""
     fix: Text = ""
     value: Text | bool | None = None
     check: Callable[[Subject], None] | None = None
     gate: bool = False
     batch: bool = False
+    also: tuple[str, ...] = ()  # other config keys it checks (the field registry's view, FIELD_CHECKS)
 
-    def failure(self, s: Subject) -> PlanError | None:
+    def failure(self, s) -> PlanError | None:
         if self.check is not None:
             try:
                 self.check(s)
@@ -151,7 +165,7 @@ class Rule:
         return PlanError(self.text(s, "why"), key=self.text(s, "key"), value=self.text(s, "value"),
                          fix=self.text(s, "fix"))
 
-    def text(self, s: Subject, what: str):
+    def text(self, s, what: str):
         t = getattr(self, what)
         return t(s) if callable(t) else t
 
@@ -297,6 +311,10 @@ MODEL_RULES = [
     Rule("head_dim_even", "plan", "model.n_heads", lambda s: s.arch.head_dim % 2 != 0,
          lambda s: f"head dim {s.arch.head_dim} is odd; RoPE rotates pairs of channels",
          "make model.dim / model.n_heads even", lambda s: s.arch.n_heads, gate=True),
+    Rule("load_imbalance_at_least_one", "plan", "model.expert_load_imbalance",
+         lambda s: not s.arch.expert_load_imbalance >= 1.0,
+         "is the busiest expert's tokens over the mean (metrics.jsonl expert_load: imbalance), at least 1",
+         "model.expert_load_imbalance=1.0 (balanced) or the measured value", lambda s: s.arch.expert_load_imbalance),
 ]
 
 
@@ -338,7 +356,7 @@ LAYOUT_RULES = [
     Rule("virtual_stages_positive", "plan", "parallelism.pp_virtual_stages",
          lambda s: s.layout.pp_virtual_stages < 1, "must be at least 1", "parallelism.pp_virtual_stages=1",
          lambda s: s.layout.pp_virtual_stages),
-    Rule("pp_layers_split", "plan", check=lambda s: _check_pp_layers(s)),
+    Rule("pp_layers_split", "plan", check=lambda s: _check_pp_layers(s), also=("parallelism.pp_layers",)),
     Rule("fp8_rowwise_over_tp", "plan", "train.fp8", lambda s: s.settings.fp8 == "rowwise" and s.layout.tp > 1,
          lambda s: "torchao's float8 tensor-parallel styles (Float8ColwiseParallel, Float8RowwiseParallel) scale "
                    f"per tensor only: rowwise scales can't be sharded over parallelism.tp={s.layout.tp}",
@@ -361,7 +379,8 @@ def _family_fix(s: Subject) -> str:
 
 BATCH_RULES = [  # torch's schedule rules (usp.perf.pipeline_split), then ours
     Rule("pipeline_schedule", "plan", batch=True, check=lambda s: validate_schedule(
-        s.layout.pp_schedule, s.layout.pp, s.layout.pp_virtual_stages, s.layout.grad_accum)),
+        s.layout.pp_schedule, s.layout.pp, s.layout.pp_virtual_stages, s.layout.grad_accum),
+         also=("parallelism.pp_schedule",)),
     Rule("micro_batches_fill_pipeline", "plan", "train.grad_accum",  # 1f1b itself: pipeline_schedule says it
          lambda s: s.layout.pp > 1 and s.layout.pp_schedule in ONE_F_ONE_B_FAMILY[1:]
          and s.layout.grad_accum < s.layout.pp,
@@ -433,10 +452,8 @@ ENGINE_RULES = [
          "flash-attn computes in bf16/fp16 only", "train.dtype=auto (bf16 on GPU), or model.attention=sdpa", "fp32"),
     Rule("flash_attn_without_cp", "engine", "model.attention", lambda s: _flash(s) and s.layout.cp > 1,
          "context parallelism brings its own (ring) attention", "model.attention=sdpa", "flash_attn"),
-    Rule("ep_checkpoints", "engine", "checkpoint.enabled", lambda s: s.layout.ep > 1 and s.settings.checkpoint,
-         "checkpoints of expert-parallel runs are not supported yet (expert weights differ per rank)",
-         "checkpoint.enabled=false", True),
-    Rule("local_multinode_rendezvous", "engine", check=lambda s: _check_node_keys(s)),
+    Rule("local_multinode_rendezvous", "engine", check=lambda s: _check_node_keys(s),
+         also=("cluster.node_rank", "cluster.rdzv_endpoint")),
     Rule("fp8_over_tp", "engine", "parallelism.tp", lambda s: _fp8(s) and s.layout.tp > 1,
          "this engine doesn't install torchao's float8 tensor-parallel styles yet: FP8 trains with FSDP, DDP, "
          "CP and PP", "parallelism.tp=1 (shard with FSDP: parallelism.dp_shard=<ranks>), or train.fp8=off",
@@ -536,6 +553,307 @@ RULES: list[Rule] = [*CONFIG_RULES, *MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *
 assert all(r.kind in KINDS for r in RULES) and len({r.name for r in RULES}) == len(RULES)
 
 
+# --- one config value at a time: ranges, choices, paths, and values that need another one ---------------
+
+class Values:
+    """What the field rules look at: a composed config read by dotted key (a DictConfig or a plain
+    dict, e.g. RunPlan.config or a cluster group's slurm block). A key that isn't there reads as None,
+    and None (an optional value left unset) is never refused."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+
+    def __getitem__(self, dotted: str):
+        node = self.cfg
+        for part in dotted.split("."):
+            node = None if node is None else _get(node, part)
+        return node
+
+
+def _field(key: str, broken: Callable[[Any], bool], why: str, fix: str | None = None, *,
+           when: Callable[[Values], bool] | None = None, name: str | None = None) -> Rule:
+    """A plan rule on one value; `when` limits it to configs where the value is used. The default
+    fix is the schema's default."""
+    def is_broken(v: Values) -> bool:
+        value = v[key]
+        return value is not None and (when is None or when(v)) and bool(broken(value))
+
+    return Rule(name or key, "plan", key, is_broken, why, fix or (lambda v: f"{key}={default_of(key)} (the default)"),
+                lambda v: v[key])  # the default looked up only when the rule fails (it reads the type hints)
+
+
+def _ints(lo: int, hi: float = math.inf) -> Callable[[Any], bool]:
+    """broken(x): x is not an integer in [lo, hi]."""
+    return lambda x: isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi
+
+
+def _at_least(key: str, lo: int, meaning: str = "", fix: str | None = None, **kw) -> Rule:
+    return _field(key, _ints(lo), f"must be at least {lo}{meaning}", fix, **kw)
+
+
+def _real(key: str, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False,
+            meaning: str = "", fix: str | None = None, **kw) -> Rule:
+    """A finite number in a range; its message says the range ("> 0", "in (0, 1]")."""
+    if hi == math.inf:
+        where = f"{'>' if lo_open else '>='} {lo:g}"
+    else:
+        where = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    return _field(key, _finite(lo, hi, lo_open=lo_open, hi_open=hi_open), f"must be a finite number {where}{meaning}",
+                  fix, **kw)
+
+
+def _one_of(key: str, choices, what: str, fix: str | None = None, **kw) -> Rule:
+    return _field(key, lambda x: str(x) not in choices, f"unknown {what}; choose one of {', '.join(choices)}", fix,
+                  **kw)
+
+
+def _set(v: Values, *keys: str) -> bool:
+    """The cross-field rules' guard: all these values are there (a partial config may lack some)."""
+    return all(v[k] is not None for k in keys)
+
+
+def _slurm(v: Values) -> bool:
+    return str(v["cluster.launcher"]) == "slurm"
+
+
+def _moe(v: Values) -> bool:
+    return int(v["model.n_experts"] or 0) > 0
+
+
+def _token_files(v: Values) -> bool:
+    return str(v["data.source"]) == "token_files"
+
+
+def _bpe(v: Values) -> bool:
+    return str(v["data.tokenizer"]) == "bpe" and str(v["data.source"]) != "token_files"
+
+
+def _resume_problem(value) -> str | None:
+    """Why checkpoint.resume can't be resumed from, or None (auto, never, a complete checkpoint)."""
+    if str(value) in ("auto", "never"):
+        return None
+    path = Path(str(value)).expanduser()
+    if not path.is_dir():
+        return "no such checkpoint directory (checkpoint.resume is auto, never, or a run's checkpoints/step_<N>)"
+    if not re.fullmatch(r"step_\d+", path.name):
+        return "not a checkpoint directory: a run's checkpoints/step_<N>"
+    from usp.run.files import check_manifest  # only for a path (usp plan doesn't import run/files otherwise)
+
+    problem = check_manifest(path)
+    return None if problem is None else f"not a complete checkpoint: {problem}"
+
+
+def _backend_problem(v: Values) -> str | None:
+    """cluster.backend: a torch.distributed backend the device can use, or auto."""
+    backend, device = str(v["cluster.backend"]), str(v["cluster.device"])
+    if backend in ("auto", "None"):
+        return None
+    names = [part.rpartition(":")[2] for part in backend.split(",")]  # "gloo" or "cpu:gloo,cuda:nccl"
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        return f"unknown backend {unknown[0]!r}; choose auto or one of {', '.join(BACKENDS)}"
+    needs = {"nccl": "cuda", "xccl": "xpu"}
+    wrong = [n for n in names if n in needs and ":" not in backend and needs[n] != device]
+    if wrong:
+        return f"{wrong[0]} runs on {needs[wrong[0]]} devices, and cluster.device={device}"
+    return None
+
+
+def _bad_weight(v: Values) -> int | None:
+    """The index of the first data.blend source whose weight isn't a finite number > 0."""
+    weights = [float(_get(source, "weight", 1.0)) for source in v["data.blend"] or []]
+    return next((i for i, w in enumerate(weights) if not (math.isfinite(w) and w > 0)), None)
+
+
+def _bad_env_key(v: Values) -> str | None:
+    return next((str(k) for k in (v["cluster.env"] or {}) if not ENV_KEY.match(str(k))), None)
+
+
+def _slurm_time_s(text: str) -> int | None:
+    """Seconds of a Slurm time limit (minutes | [D-]H[:M[:S]] | M:S), or None when it isn't one."""
+    if not SLURM_TIME.match(text):
+        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        h, m, s = (parts + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + m * 60 + s
+    if len(parts) == 1:
+        return parts[0] * 60  # minutes
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]  # M:S
+    return parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+def _lead_too_long(v: Values) -> bool:
+    if not _set(v, "cluster.slurm.time", "cluster.slurm.signal_lead_s"):
+        return False
+    limit = _slurm_time_s(str(v["cluster.slurm.time"]))
+    return limit is not None and int(v["cluster.slurm.signal_lead_s"]) >= limit
+
+
+def _lines(key: str, option: bool, why: str, fix: str) -> Rule:
+    """A Slurm list whose entries are one line each (and, for sbatch options, start with '-')."""
+    def bad(v: Values) -> int | None:
+        entries = v[key] or []
+        return next((i for i, x in enumerate(entries) if "\n" in str(x) or (option and not str(x).startswith("-"))),
+                    None)
+
+    return Rule(key, "plan", lambda v: f"{key}[{bad(v)}]", lambda v: _slurm(v) and bad(v) is not None, why, fix,
+                lambda v: v[key][bad(v)], also=(key,))
+
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+MODEL_FAMILIES = ("llama",)  # the decoder usp builds (usp/models/llama.py; n_experts > 0: MoE blocks, as Mixtral)
+DATA_SOURCES = (*TEXT_SOURCES, "blend", "token_files")
+SLURM_TIME = re.compile(r"^\d+(-\d+)?(:\d+){0,2}$")  # minutes | [D-]H[:M[:S]] | M:S (sbatch --time forms)
+SLURM_WORD = re.compile(r"^[^\s'\"`$;\\]+$")  # one #SBATCH word: no spaces, quotes or shell characters
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SEED_MAX = 2 ** 63 - 1  # torch.manual_seed's range, from 0 (the sampler's seeds are >= 0)
+TIMING = "cluster.timing."
+MODEL_FIELD_RULES = [
+    _one_of("model.family", MODEL_FAMILIES, "model family (usp builds the Llama decoder; MoE with model.n_experts)"),
+    _field("model.vocab_size", lambda x: x == 0 or x < -1, "must be -1 (take it from the tokenizer) or a positive "
+           "vocabulary size"),
+    *(_real(f"model.{k}", 0, lo_open=True) for k in ("rope_theta", "norm_eps", "init_std")),
+    _at_least("model.n_experts", 0, " (0 = a dense model)"),
+    _field("model.top_k", lambda x: not 1 <= x, "a token goes to at least one expert", when=_moe),
+    Rule("model.top_k<=n_experts", "plan", "model.top_k",
+         lambda v: _moe(v) and _set(v, "model.top_k") and int(v["model.top_k"]) > int(v["model.n_experts"]),
+         lambda v: f"a token can't go to more experts than model.n_experts={v['model.n_experts']}",
+         lambda v: f"model.top_k<={v['model.n_experts']} (Mixtral: 2)", lambda v: v["model.top_k"]),
+    _at_least("model.moe_ffn_dim", 0, " (0 = model.ffn_dim)"),
+    _real("model.aux_loss_coef", 0),
+    _real("model.capacity_factor", 0, meaning=" (0 = dropless)"),
+    _real("model.router_bias_update_rate", 0, meaning=" (0 = off; > 0: aux-loss-free balancing, the bias step)"),
+]
+PARALLEL_FIELD_RULES = [
+    _at_least("parallelism.ddp_bucket_mb", 1),
+    _at_least("parallelism.powersgd_rank", 1, when=lambda v: str(v["parallelism.ddp_comm_hook"]) == "powersgd"),
+]
+CLUSTER_FIELD_RULES = [
+    _at_least("cluster.nodes", 1, fix="cluster.nodes=1"),
+    _at_least("cluster.procs_per_node", 1, fix="cluster.procs_per_node=1"),
+    Rule("cluster.backend", "plan", "cluster.backend", lambda v: _backend_problem(v) is not None,
+         lambda v: _backend_problem(v), "cluster.backend=auto (gloo on cpu, nccl on cuda, xccl on xpu)",
+         lambda v: v["cluster.backend"]),
+    _at_least("cluster.threads_per_proc", 0, " (0 = OMP_NUM_THREADS, else the cores split over the processes)"),
+    _real("cluster.device_memory_gb", 0, lo_open=True, fix="cluster.device_memory_gb=<GiB per device, e.g. 80>"),
+    *(_real(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<the device's dense peak, e.g. 989 for an H100>")
+      for k in ("peak_tflops_bf16", "peak_tflops_fp32")),
+    _real("cluster.peak_tflops_fp8", 0, meaning=" (0 = no FP8 units)"),
+    *(_real(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<GB/s per device, one direction>")
+      for k in ("intra_node_gbps", "inter_node_gbps")),
+    _real("cluster.price_per_device_hour", 0, meaning=" (0 = unknown)"),
+    _real(f"{TIMING}kernel_efficiency", 0, 1, lo_open=True, meaning=" (a share of the peak)"),
+    *(_real(f"{TIMING}{k}", 0) for k in (
+        "kernel_half_tokens", "kernel_half_dim", "intra_hop_us", "inter_hop_us", "call_overhead_us", "p2p_us",
+        "layer_overhead_us", "step_overhead_ms", "p2p_stall_ms", "optimizer_gbps", "loss_ps_per_logit",
+        "eager_overhead", "eager_loss_ps_per_logit")),
+    *(_real(f"{TIMING}{k}", 0, lo_open=True) for k in (
+        "p2p_stall_nodes", "p2p_stall_headroom", "p2p_stall_exp", "fp8_efficiency")),
+    _real(f"{TIMING}calibrated.ratio_p10", 0, lo_open=True, meaning=" (predicted / measured MFU)"),
+    _field(f"{TIMING}calibrated.ratio_p90", lambda x: not x < math.inf, "must be a finite number",
+           "run `usp calibrate` again, or delete cluster.timing.calibrated"),
+    Rule("calibrated.ratio_p10<=p90", "plan", f"{TIMING}calibrated.ratio_p90",
+         lambda v: _set(v, f"{TIMING}calibrated.ratio_p10", f"{TIMING}calibrated.ratio_p90")
+         and v[f"{TIMING}calibrated.ratio_p10"] > v[f"{TIMING}calibrated.ratio_p90"],
+         "the 90th percentile of predicted / measured MFU is below the 10th (ratio_p10)",
+         "run `usp calibrate` again, or delete cluster.timing.calibrated",
+         lambda v: v[f"{TIMING}calibrated.ratio_p90"]),
+    _at_least("cluster.timeout_s", 1, " (seconds a collective may hang before it fails)"),
+    Rule("cluster.env", "plan", lambda v: f"cluster.env.{_bad_env_key(v)}", lambda v: _bad_env_key(v) is not None,
+         "not a valid environment variable name", "letters, digits and _ (not starting with a digit)",
+         lambda v: _bad_env_key(v), also=("cluster.env",)),
+]
+SLURM_FIELD_RULES = [
+    _field("cluster.slurm.time", lambda x: not SLURM_TIME.match(str(x)), "not a Slurm time limit",
+           "cluster.slurm.time=HH:MM:SS (or D-HH:MM:SS, or minutes)", when=_slurm),
+    *(_field(f"cluster.slurm.{k}", lambda x: not SLURM_WORD.match(str(x)),
+             "must be one word without spaces, quotes or shell characters",
+             f"cluster.slurm.{k}=<value> (for anything else use cluster.slurm.sbatch_extra)", when=_slurm)
+      for k in ("partition", "account", "qos", "mem", "constraint", "container_image", "container_mounts")),
+    _lines("cluster.slurm.sbatch_extra", True, "each entry is one sbatch option on one line",
+           "cluster.slurm.sbatch_extra=['--reservation=big']"),
+    _lines("cluster.slurm.setup", False, "each entry is one shell line", "split it into several list entries"),
+    _at_least("cluster.slurm.cpus_per_task", 0, " (0 = procs_per_node x threads_per_proc)", when=_slurm),
+    _at_least("cluster.slurm.signal_lead_s", 1, ": the ranks need a warning before the time limit to checkpoint",
+              "cluster.slurm.signal_lead_s=180", when=_slurm),
+    Rule("cluster.slurm.signal_lead_s<time", "plan", "cluster.slurm.signal_lead_s",
+         lambda v: _slurm(v) and _lead_too_long(v),
+         lambda v: f"is not shorter than the time limit ({v['cluster.slurm.time']})",
+         "a lead of a few minutes, well inside cluster.slurm.time", lambda v: v["cluster.slurm.signal_lead_s"]),
+    _at_least("cluster.slurm.max_requeues", 0, fix="cluster.slurm.max_requeues=3", when=_slurm),
+    _field("cluster.slurm.rdzv_port", _ints(1, 65535), "not a TCP port (1..65535)",
+           "cluster.slurm.rdzv_port=29500, or null for one per job", when=_slurm),
+]
+DATA_FIELD_RULES = [
+    _one_of("data.source", DATA_SOURCES, "data source", "data=shakespeare, or data.source=files data.paths=[...]"),
+    Rule("data.blend", "plan", "data.blend", lambda v: str(v["data.source"]) == "blend" and not v["data.blend"],
+         "data.source=blend mixes the sources listed in data.blend, and it is empty",
+         "data=blend (an example), or data.blend=[{paths: [a.jsonl], weight: 0.7}, ...]", lambda v: []),
+    Rule("data.blend[].weight", "plan", lambda v: f"data.blend[{_bad_weight(v)}].weight",
+         lambda v: _bad_weight(v) is not None,
+         "a source's weight must be a finite number > 0 (the weights are normalised over the sources)",
+         "data.blend=[{paths: [...], weight: 0.7}, {paths: [...], weight: 0.3}]",
+         lambda v: _get(v["data.blend"][_bad_weight(v)], "weight"), also=("data.blend[].weight",)),
+    _at_least("data.workers", 0, " (0 = one per available core)"),
+    _one_of("data.text_check", TEXT_CHECKS, "text check", "data.text_check=strict (or skip, off)"),
+    _one_of("data.token_dtype", ("auto", *TOKEN_DTYPES), "token dtype", when=_token_files),
+    _field("data.vocab_size", lambda x: not BYTE_VOCAB < x <= MAX_VOCAB,
+           f"byte-level BPE needs more than the {BYTE_VOCAB} byte tokens and at most {MAX_VOCAB} (uint32 ids)",
+           "data.vocab_size=4096, or data.tokenizer=bytes", when=_bpe, name="data.vocab_size(bpe)"),
+    _at_least("data.vocab_size", 1, when=_token_files, name="data.vocab_size(ids)"),
+    _real("data.val_fraction", 0, 1, lo_open=True, hi_open=True, meaning=" (the share held out for validation)"),
+]
+TRAIN_FIELD_RULES = [
+    _field("train.tokens", lambda x: not (math.isfinite(x) and x > 0), "a token budget is a finite number > 0",
+           "train.tokens=1e12, or leave it unset (null)"),
+    _field("train.seed", _ints(0, SEED_MAX), "must be at least 0 (and below 2^63, torch's seed range)",
+           "train.seed=1234"),
+    _at_least("train.eval_interval", 0, " (0 = only at the end)"),
+    _at_least("train.eval_batches", 1),
+    _at_least("train.log_interval", 1),
+    _at_least("train.sample_tokens", 0, " (0 = no sample)"),
+    Rule("train.sample_prompt", "plan", "train.sample_prompt",
+         lambda v: int(v["train.sample_tokens"] or 0) > 0 and not str(v["train.sample_prompt"] or ""),
+         "the sample continues a prompt: it needs at least one character", "train.sample_prompt='ROMEO:', or "
+         "train.sample_tokens=0", lambda v: v["train.sample_prompt"]),
+    _at_least("train.max_restarts", 0),
+]
+CHECKPOINT_FIELD_RULES = [
+    _at_least("checkpoint.interval", 0, " (0 = only at the end)"),
+    _at_least("checkpoint.keep_last", 0, " (0 = keep every one)"),
+    Rule("checkpoint.resume", "plan", "checkpoint.resume",
+         lambda v: bool(v["checkpoint.enabled"]) and _resume_problem(v["checkpoint.resume"]) is not None,
+         lambda v: _resume_problem(v["checkpoint.resume"]),
+         "checkpoint.resume=auto (this run's newest checkpoint), never, or <run_dir>/checkpoints/step_<N> "
+         "(`usp status <run_dir>` lists them)", lambda v: v["checkpoint.resume"]),
+]
+LOGGING_FIELD_RULES = [_real("logging.wandb_init_timeout_s", 0, lo_open=True)]
+
+
+def _enum_rules() -> list[Rule]:
+    """A rule per Enum-typed schema key: omegaconf already refuses other values when it composes, so
+    these speak for a plain dict, e.g. the engine's plan.yaml (usp.engine.worker checks it again)."""
+    return [_one_of(key, [m.value for m in kind], "value") for key, kind in enum_keys().items()]
+
+
+FIELD_RULES: list[Rule] = [*MODEL_FIELD_RULES, *PARALLEL_FIELD_RULES, *CLUSTER_FIELD_RULES, *SLURM_FIELD_RULES,
+                           *DATA_FIELD_RULES, *TRAIN_FIELD_RULES, *CHECKPOINT_FIELD_RULES, *LOGGING_FIELD_RULES,
+                           *_enum_rules()]
+
+
+def field_failures(cfg) -> list[PlanError]:
+    """Every field rule a composed config (or a plain dict with some of its keys) fails, in table order.
+    A DictConfig is read as a plain dict (its attribute access costs 3x the conversion)."""
+    if not isinstance(cfg, dict) and hasattr(cfg, "_metadata"):
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return failures(cast(Subject, Values(cfg)), ("plan",), FIELD_RULES)
+
+
 # --- the callers' views --------------------------------------------------------------------------------
 
 def failures(s: Subject, kinds: tuple = ("plan", "engine"), rules: list[Rule] | None = None) -> list[PlanError]:
@@ -585,3 +903,69 @@ BATCH_ONLY = [r for r in RULES if r.batch]
 # Besides micro_batch / grad_accum, the layout fields the batch rules read: the search asks them once per
 # (these values, per-rank batch). tests/unit/test_search.py checks the memo against asking every layout.
 BATCH_RULE_FIELDS = ("pp", "pp_schedule", "pp_virtual_stages")
+
+
+# --- every schema field: its rule, the check that owns it elsewhere, or why any value is fine ---------------
+# tests/unit/test_field_rules.py walks the schema (usp.config.schema.schema_keys) and fails on a field that
+# is in none of: a rule's key (FIELD_RULES, RULES; an Enum's rule is made from its type), a bool (omegaconf
+# refuses anything else), CHECKED_ELSEWHERE, FREE_FIELDS.
+
+# key -> the function that refuses its bad values (raising a UspError naming the key) before launch, where the
+# value needs more than itself: the world size, the data on disk, a tokenizer, the run directory.
+CHECKED_ELSEWHERE = {
+    "model.name": "usp.plan.validate.check_run",  # one directory name (the run's, unless train.name)
+    "model.init_from": "usp.plan.hf_config.read_hf_config",  # a Hugging Face directory matching the model group
+    **{f"parallelism.{d}": "usp.perf.layout.resolve_degrees" for d in ("dp", "dp_replicate", "dp_shard", "pp", "cp")},
+    "data.paths": "usp.data.prepare.dataset_dir",  # the files exist (usp plan: a warning when not on this machine)
+    "data.blend[].paths": "usp.data.prepare.dataset_dir",
+    "data.train_bin": "usp.data.prepare.dataset_dir",
+    "data.val_bin": "usp.data.prepare.dataset_dir",
+    "data.tokenizer_path": "usp.data.tokenizer.pretrained_vocab_size",  # read at plan time (hf, tiktoken)
+    "data.bos_token": "usp.data.tokenizer.load_pretrained",  # a token of the tokenizer's vocabulary
+    "data.eos_token": "usp.data.tokenizer.load_pretrained",
+    "train.name": "usp.plan.validate.check_run",
+    "train.steps": "usp.plan.validate.check_run",
+    "train.runs_dir": "usp.launch.prepare.check_run_dir",  # created and writable (usp plan --save too)
+    **{f"train.{k}": "usp.plan.batch.plan_batch" for k in ("global_batch", "global_batch_tokens", "micro_batch")},
+    "checkpoint.dir": "usp.launch.checkpoints.check_checkpoint_dir",  # writable, with room for keep_last + 1
+    "logging.wandb": "usp.plan.validate.check_observability",  # the package is installed
+    "logging.tensorboard": "usp.plan.validate.check_observability",
+    "profile.steps": "usp.plan.validate.check_observability",
+    "planner.profile": "usp.perf.profile.get_profile",
+}
+
+# key -> why any value of its type is fine
+FREE_FIELDS = {
+    "cluster.name": "a label shown in the plan",
+    "cluster.device_name": "a label: the hardware figures are their own keys",
+    **{f"cluster.timing.calibrated.{k}": "a record of what `usp calibrate` fitted on, only reported"
+       for k in ("source", "runs", "nodes", "features", "mfu_abs_err_p50", "mfu_abs_err_p90")},
+    "cluster.slurm.srun_extra": "each entry is passed to srun as one quoted word",
+    "cluster.slurm.python": "a path on the compute nodes, which usp can't see from here",
+    "cluster.slurm.log_dir": "created by the job (a path on the cluster's file system)",
+    "data.name": "a label; the dataset's directory name is made safe from it",
+    "data.text_field": "a column name, looked up in each record file as it is read",
+    "data.blend[].text_field": "a column name, looked up in each record file as it is read",
+    "data.blend[].name": "a label for the source in the dataset's metadata",
+    "data.cache_dir": "created when the data is prepared (usp prepare-data, usp train)",
+    "train.sample_prompt": "any text (an empty one with train.sample_tokens > 0: the rule train.sample_prompt)",
+    "logging.wandb_project": "W&B's own name; it says so when the run starts (offline by default)",
+    "logging.wandb_entity": "W&B's own name; it says so when the run starts (offline by default)",
+    "logging.wandb_tags": "free text shown in W&B",
+}
+
+
+def field_checks() -> dict[str, str]:
+    """Every schema key -> how its values are checked: "rule <name>", "type bool", "<function>" (checked
+    elsewhere) or "free: <why>"; "" for a key in none of them (tests/unit/test_field_rules.py fails on it)."""
+    by_rule: dict[str, str] = {}
+    for rule in [*FIELD_RULES, *RULES]:
+        for key in ([rule.key] if isinstance(rule.key, str) else []) + list(rule.also):
+            by_rule.setdefault(key, f"rule {rule.name}")
+    out = {}
+    for key, hint in schema_keys().items():
+        boolean = all(t is bool for t in typing.get_args(hint) if t is not type(None)) if typing.get_args(hint) \
+            else hint is bool
+        out[key] = (by_rule.get(key) or ("type bool" if boolean else None) or CHECKED_ELSEWHERE.get(key)
+                    or (f"free: {FREE_FIELDS[key]}" if key in FREE_FIELDS else ""))
+    return out

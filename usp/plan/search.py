@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from usp.errors import PlanError
-from usp.perf.memory import peak_bytes
+from usp.perf.memory import build_peak, peak_bytes
 from usp.perf.profile import PROFILES, Profile
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision
 from usp.perf.timing import TimingPlan, timing_plan
@@ -133,7 +133,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
            recomputes=("none", "full"), settings: Settings | None = None,
            profile: Profile = PROFILES["usp"]) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
-    (default: Settings(seq_len): any launcher, auto dtype, no checkpoints, no DDP hook); profile:
+    (default: Settings(seq_len): any launcher, auto dtype, no DDP hook); profile:
     whose recipe's memory decides what fits (usp.perf.profile)."""
     start = time.perf_counter()
     cap = hw.memory_gib * GIB
@@ -144,7 +144,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
     micro_memo: dict = {}
     for base, local in enumerate_layouts(arch, hw, seq_len, global_batch, recomputes, settings):
         micro = _micro_batches(arch, hw, settings, base, local, micro_memo)
-        if not micro:
+        if not micro or build_peak(arch, base, hw, settings.checkpoint_bytes).total > cap:  # the build must fit too
             continue
         # memory grows with the micro batch: bisect for the largest that fits
         lo, hi, best_i = 0, len(micro) - 1, -1
@@ -258,6 +258,12 @@ def _biggest_gap(best: TimingPlan, other: TimingPlan) -> str:
 
 def search_config(cfg, top_k: int = 5) -> SearchResult:
     """Search for a composed config: its model, seq_len, global batch, cluster and dtype."""
+    from usp.plan.hf_config import adopt_hf_shape
+
+    adopt_hf_shape(cfg.model)  # model.init_from: the values no one set, from its config.json
+    found = rules.field_failures(cfg)
+    if found:
+        raise found[0]
     ctx = planner_context(cfg)
     if ctx.hw.world < 1:
         raise PlanError("must be at least 1", key="cluster.nodes", value=ctx.hw.nodes, fix="cluster.nodes=1")

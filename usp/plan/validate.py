@@ -50,7 +50,8 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
     ctx = PlannerContext(subject.arch, hw, prec, plan.batch.seq_len, plan.batch.global_batch, subject.settings, profile)
     warnings = rules.warnings(subject, strict=strict)
     warnings += check_observability(cfg, training)
-    plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec, ctx.profile)
+    plan.memory = memory_plan(ctx.arch, layout, plan.batch.seq_len, hw, ctx.prec, ctx.profile,
+                              load_bytes=subject.settings.checkpoint_bytes)
     plan.timing = timing_plan(ctx.arch, layout, plan.batch.seq_len, plan.batch.global_batch, hw, ctx.prec, ctx.profile,
                               plan.memory.peak.total)  # the memory model's peak, not computed again
     plan.warnings.extend(w for w in warnings if w not in plan.warnings)
@@ -58,6 +59,10 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
         if not force:
             raise oom_error(plan, ctx, layout)
         plan.warnings.append(f"--force: {oom_error(plan, ctx, layout, search=False)}")
+    if not plan.memory.build_fits:
+        if not force:
+            raise build_oom_error(plan.memory, layout)
+        plan.warnings.append(f"--force: {build_oom_error(plan.memory, layout)}")
 
 
 def check_run(cfg, name: str) -> None:
@@ -71,13 +76,10 @@ def check_run(cfg, name: str) -> None:
                         fix="train.steps=100 (any number >= 1)")
 
 
-WANDB_MODES = ("offline", "online", "disabled")
-CONSOLE_MODES = ("auto", "rich", "plain", "quiet")
-
-
 def check_observability(cfg, training: bool = True) -> list[str]:
     """logging.* and profile.*: raise the first PlanError; return warnings. A missing tracking
-    package is an error for `usp train`, a warning for `usp plan` (it may run elsewhere)."""
+    package is an error for `usp train`, a warning for `usp plan` (it may run elsewhere).
+    (logging.console and wandb_mode are Enums in the schema: omegaconf refuses other values.)"""
     from importlib.util import find_spec  # finds the package without importing it (wandb costs ~1 s)
 
     log, prof, steps = getattr(cfg, "logging", None), getattr(cfg, "profile", None), int(cfg.train.steps)
@@ -89,13 +91,6 @@ def check_observability(cfg, training: bool = True) -> list[str]:
             if training:
                 raise error
             warnings.append(str(error).replace("\n  fix:", "; fix:"))
-    if log is not None:
-        if str(log.console) not in CONSOLE_MODES:
-            raise PlanError(f"choose one of {', '.join(CONSOLE_MODES)}", key="logging.console", value=log.console,
-                            fix="logging.console=auto")
-        if getattr(log, "wandb_mode", None) is not None and str(log.wandb_mode) not in WANDB_MODES:
-            raise PlanError(f"choose one of {', '.join(WANDB_MODES)}", key="logging.wandb_mode",
-                            value=log.wandb_mode, fix="logging.wandb_mode=offline")
     if prof is None or not bool(prof.enabled):
         return warnings
     window = [int(s) for s in prof.steps]
@@ -122,6 +117,27 @@ def oom_error(plan, ctx: PlannerContext, layout: Layout, search: bool = True) ->
     msg = (f"predicted out of memory: {mem.peak_gib:.1f} GiB on {where}, but a {mem.device_name} has "
            f"{mem.capacity_gib:g} GiB (cluster.device_memory_gb); top consumers: {top}")
     fix = _fitting_fix(ctx) if search else "`usp plan --search` finds layouts that fit"
+    return PlanError(msg, key="parallelism", value=layout.label(), fix=fix)
+
+
+def build_oom_error(mem, layout: Layout) -> PlanError:
+    """The build doesn't fit (usp.perf.memory.build_memory): where, how much, of what, and a fix."""
+    st = mem.stages[mem.build_peak_stage]
+    b, cap = st.build, mem.capacity_gib * GIB
+    where = "every rank" if layout.pp == 1 else f"pipeline stage {st.stage}'s ranks"
+    read = f", {b.read_buffer / GIB:.1f} GiB of it the checkpoint's tensor as model.init_from reads it" \
+        if b.read_buffer else ""
+    msg = (f"predicted out of memory while the model is built: {b.total / GIB:.1f} GiB on {where} before training "
+           f"starts (its parameters {b.parameters / GIB:.1f} GiB; the largest one, {b.largest} with "
+           f"{b.largest_params:,} values, made whole in fp32 while its part is cut, {b.transient / GIB:.1f} GiB"
+           f"{read}; overhead {b.overhead / GIB:.1f} GiB), but a {mem.device_name} has {mem.capacity_gib:g} GiB "
+           "(cluster.device_memory_gb)")
+    if b.total - b.parameters > cap:  # every rank makes that whole tensor: sharding more can't help
+        fix = (f"a device with more than {(b.total - b.parameters) / GIB:.1f} GiB (another cluster group, or "
+               "cluster.device_memory_gb if yours has more); --force plans it anyway")
+    else:
+        fix = ("shard the parameters over more ranks: a larger parallelism.dp_shard (FSDP), tp or pp (`usp plan "
+               "--search` lists layouts that fit), or devices with more memory; --force plans it anyway")
     return PlanError(msg, key="parallelism", value=layout.label(), fix=fix)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from usp.errors import UspError
 from usp.report import plots as P
+from usp.report.expert_plots import plot_expert_load
 from usp.report.heatmap import heatmap_grid
 from usp.report.overlap import overlap_markdown
 from usp.report.profile import read_profile
@@ -81,8 +82,8 @@ def write_report(paths: list[str], out: str | Path | None = None, force: bool = 
 def _draw(paths: list[str], runs: list[RunData], sweeps: list[tuple[Path, dict]], out: Path) -> ReportResult:
     result = ReportResult(out, out / "report.md", runs=runs)
     # runs without metrics.jsonl have empty series: the plots leave them out
-    run_plots = [p for p in (make(runs, out) for make in (P.plot_loss, P.plot_lr, P.plot_throughput, P.plot_memory))
-                 if p]
+    makers = (P.plot_loss, P.plot_lr, P.plot_throughput, P.plot_memory, plot_expert_load)
+    run_plots = [p for p in (make(runs, out) for make in makers) if p]
     result.plots += run_plots
     profile_md = _profile_section(runs, out, result)
     sweep_md = []

@@ -36,6 +36,10 @@ VERIFY = "verify.json"
 SWEEP = "sweep.json"
 LOGS = "logs"
 EVENTS = "events.jsonl"
+# events.jsonl: one JSON line per run-level event. A stop signal's line: {"event": "stopped", "time",
+# "step", "signal" (SIGINT, SIGTERM, SIGUSR1), "checkpoint" (the state after that step is saved)}.
+# "preempted" (no signal) is the same, written by earlier versions for SIGTERM and SIGUSR1.
+STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
 PROFILE = "profile"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -49,13 +53,16 @@ PROFILE_SUMMARY_RE = r"summary_rank_(\d+)\.txt"
 
 # -- exit codes shared by the worker, the launchers, the batch script and sweeps ---------------
 EXIT_OK = 0
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after a checkpoint; "try again later" (requeue)
-EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after a checkpoint; "try again later" (requeue)
+EXIT_INTERRUPTED = 130  # stopped by SIGINT (128 + SIGINT), at a step boundary or, on a second one, at once
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
 
 # -- failure classes written by the engine's failure summary, read by `usp status` -------------
 OOM, TIMEOUT, LOST_PEER, PYTHON = "OOM", "collective timeout", "lost peer", "Python error"
 DISK_FULL = "disk full"  # ENOSPC / EDQUOT while writing (usp.engine.diskfull)
+# Set by `usp train`'s local launcher, which prints the failure summary itself: the ranks and the
+# torchrun agent keep their tracebacks in the logs then, instead of printing them before it.
+SUMMARY_BY_LAUNCHER_ENV = "USP_SUMMARY_BY_LAUNCHER"
 
 # -- profiler span names: the trainer records them, `usp report` reads them ---------------------
 SPAN_PREFIX = "usp_"  # every span the engine records starts with it

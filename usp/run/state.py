@@ -15,7 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from usp.errors import LaunchError
-from usp.run.files import FAILURE_GLOB, LOST_PEER, events_path, logs_dir, plan_path, read_jsonl, summary_path
+from usp.run.files import (
+    FAILURE_GLOB,
+    LOST_PEER,
+    OLD_STOP_EVENT,
+    STOP_EVENT,
+    events_path,
+    logs_dir,
+    plan_path,
+    read_jsonl,
+    summary_path,
+)
 from usp.run.lock import LockInfo
 
 RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"
@@ -106,10 +116,21 @@ def run_state(run_dir: Path, report: FailureReport, lock: LockInfo | None) -> st
     return FAILED if report.failed else STOPPED
 
 
-def preempted_since(run_dir: Path, since: float) -> bool:
-    """The last event of logs/events.jsonl is a preemption at or after `since` (unix time)."""
-    events = events_path(run_dir)
-    if not events.exists():
-        return False
-    lines = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
-    return bool(lines) and lines[-1]["event"] == "preempted" and lines[-1]["time"] >= since
+def stop_event(events: list[dict], since: float = 0.0) -> dict | None:
+    """The ranks' stop on a signal, if it is the last event of logs/events.jsonl (as read_jsonl
+    reads it) and at or after `since` (unix time): {"step", "signal", "checkpoint", ...}."""
+    last = events[-1] if events else None
+    if last is None or last.get("event") not in (STOP_EVENT, OLD_STOP_EVENT) or float(last.get("time", 0)) < since:
+        return None
+    return last
+
+
+def stopped_since(run_dir: Path, since: float) -> dict | None:
+    """stop_event of the run's logs/events.jsonl."""
+    return stop_event(read_jsonl(events_path(run_dir)), since)
+
+
+def is_preemption(stop: dict) -> bool:
+    """A stop to requeue on Slurm: SIGUSR1, which the batch script passes on before a time limit
+    or a preemption (an old "preempted" line records no signal). SIGINT and SIGTERM mean stop."""
+    return stop.get("signal", "SIGUSR1") == "SIGUSR1"

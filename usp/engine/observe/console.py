@@ -56,6 +56,8 @@ class Console:
             self._progress.update(self._task, completed=step, **({"stats": stats} if stats else {}))
         elif self.mode == "plain" and record:
             print(f"step {step}/{self.total} eta {self._eta(step, record)} | {_stats(record)}", flush=True)
+        if record and record.get("expert_load"):
+            self.print(f"step {step} {expert_load_line(record['expert_load'])}")
 
     def _eta(self, step: int, record: dict) -> str:
         """Remaining steps at the mean pace of this attempt so far (evaluations included)."""
@@ -85,6 +87,16 @@ def _stats(r: dict) -> str:
     if r.get("data_wait_s") is not None:
         parts.append(f"data {1e3 * r['data_wait_s']:.1f} ms")
     return " | ".join(parts)
+
+
+def expert_load_line(load: dict[str, dict]) -> str:
+    """MoE expert load of a logged step: the worst layer's imbalance (max / mean tokens per expert)
+    and token range, and the mean imbalance over the layers."""
+    worst = max(load, key=lambda layer: load[layer]["imbalance"])
+    w = load[worst]
+    mean = sum(v["imbalance"] for v in load.values()) / len(load)
+    return (f"moe load: imbalance max/mean {w['imbalance']:.2f} in layer {worst} (tokens per expert "
+            f"{w['tokens_min']:,}-{w['tokens_max']:,}), mean over {len(load)} layers {mean:.2f}")
 
 
 def _duration(seconds: float) -> str:

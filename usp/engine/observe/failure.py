@@ -54,7 +54,8 @@ def classify(exc: BaseException) -> str:
 
 
 def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step: int | None) -> Path:
-    """Write logs/failure_rank<rank>.json atomically and append a one-liner to logs/rank_<rank>.log."""
+    """Write logs/failure_rank<rank>.json atomically and append the whole traceback and a one-liner
+    to logs/rank_<rank>.log."""
     from usp.run.files import write_text_atomic
 
     ranks = plan.get("ranks") or []
@@ -76,8 +77,8 @@ def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step
     }
     path = failure_path(run_dir, rank)
     write_text_atomic(path, json.dumps(record, indent=2) + "\n")
-    with open(rank_log(run_dir, rank), "a") as log:
-        log.write(failure_line(record) + "\n")
+    with open(rank_log(run_dir, rank), "a") as log:  # the one-line summary last: `tail -1` reads it
+        log.write(tb + failure_line(record) + "\n")
     return path
 
 
@@ -91,9 +92,10 @@ def failure_line(record: dict) -> str:
 
 
 def record_failures(worker):
-    """Decorator for the worker entry `worker(plan_path)`: an exception is recorded, then re-raised.
-    The rank is torchrun's RANK; the last completed step comes from the `trainer` local of the
-    failing call (its `last_completed_step`), when it got that far."""
+    """Decorator for the worker entry `worker(plan_path)`: an exception is recorded, then re-raised
+    (`recorded(exc)` says whether the record was written). The rank is torchrun's RANK; the last
+    completed step comes from the `trainer` local of the failing call (its `last_completed_step`),
+    when it got that far."""
     @functools.wraps(worker)
     def wrapper(plan_path, *args, **kwargs):
         try:
@@ -110,12 +112,21 @@ def record_failures(worker):
 
                 plan = read_plan(Path(plan_path))
                 trainer = _local_of(exc, worker.__code__, "trainer")
-                record_failure(plan["run_dir"], plan, int(os.environ.get("RANK", "0")), exc,
-                               getattr(trainer, "last_completed_step", None))
+                path = record_failure(plan["run_dir"], plan, int(os.environ.get("RANK", "0")), exc,
+                                      getattr(trainer, "last_completed_step", None))
+                _recorded[id(exc)] = path
             except Exception as err:  # never hide the real error behind a reporting problem
                 print(f"usp: could not record the failure: {err!r}", file=sys.stderr)
             raise
     return wrapper
+
+
+_recorded: dict[int, Path] = {}  # id(exception) -> its failure record, for the exception being raised
+
+
+def recorded(exc: BaseException) -> Path | None:
+    """The failure record written for `exc` by record_failures (None: none was written)."""
+    return _recorded.get(id(exc))
 
 
 def _local_of(exc: BaseException, code, name: str):

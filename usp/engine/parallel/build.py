@@ -19,7 +19,6 @@ from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.parallelize import parallelize
 from usp.engine.parallel.tied import tied_embedding
 from usp.models.llama import Llama, LlamaArgs
-from usp.models.moe import moe_layers
 from usp.perf.pipeline_split import last_stage_rank
 
 
@@ -90,21 +89,18 @@ def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
     """This rank's stages of plan["pipeline"] and the schedule that runs them."""
     # imported here: torch.distributed.pipelining costs ~1 s of start-up per process (measured),
     # which only pipelined runs need to pay
-    from usp.engine.parallel.pipeline import build_pipeline, lm_loss
+    from usp.engine.loss import training_loss
+    from usp.engine.parallel.pipeline import build_pipeline
 
     pipe = plan["pipeline"]
     mine = pipe["rank_stages"][ctx.coords["pp"]]
     n_stages = len(pipe["stage_layers"])
 
     schedule, wrapped = build_pipeline(build, pipe["stage_layers"], mine, ctx.group("pp"), ctx.device,
-                                       int(pipe["n_microbatches"]), pipe["schedule"], lm_loss,
+                                       int(pipe["n_microbatches"]), pipe["schedule"], training_loss(plan),
                                        parallelize_fn=lambda stage: parallelize(stage, plan, ctx))
     tied = tied_embedding(ctx, list(mine), wrapped, pipe["rank_stages"], plan["ranks"]) \
         if plan["config"]["model"].get("tie_embeddings") else None
-    coef = float(plan["config"]["model"].get("aux_loss_coef", 0.0) or 0.0)
-    for module in wrapped:  # no stage but the last sees the loss: each MoE layer attaches its aux loss's
-        for moe in moe_layers(module):  # gradient to its output, per micro batch (loss = mean / n_microbatches)
-            moe.aux_loss_scale = coef / int(pipe["n_microbatches"])
     return ModelParts(
         modules=wrapped, raw=None, schedule=schedule, is_first_stage=0 in mine, is_last_stage=n_stages - 1 in mine,
         stage_modules=wrapped,

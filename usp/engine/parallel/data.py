@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from usp.engine.parallel.mesh import DistContext
+from usp.errors import PlanError
 
 COMM_HOOKS = ("none", "bf16", "fp16", "powersgd")
 
@@ -100,7 +101,8 @@ def register_comm_hook(ddp: DDP, group, name: str, powersgd_rank: int) -> None:
                                             start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
-        raise ValueError(f"parallelism.ddp_comm_hook={name!r}: choose one of {', '.join(COMM_HOOKS)}")
+        raise PlanError(f"choose one of {', '.join(COMM_HOOKS)}", key="parallelism.ddp_comm_hook", value=name,
+                        fix="parallelism.ddp_comm_hook=none")
 
 
 @contextlib.contextmanager

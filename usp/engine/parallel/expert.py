@@ -20,6 +20,9 @@ Both all_to_alls are differentiable (`_AllToAll`: backward = the reverse all_to_
 values and gradients on gloo too, but 2 of 9 test launches died with "terminate called
 without an active exception" at process exit, so a plain autograd.Function is used.)
 
+Checkpoints: `global_expert_state` (below) presents every expert weight and its optimizer
+states to DCP as the whole (n_experts, ...) tensor, so checkpoints reshard to any ep (docs/moe.md).
+
 Gradient reduction. In training the engine lets FSDP2 do it (usp/engine/parallel/data.py:
 experts are their own FSDP unit over (dp_replicate, dp_shard_mod_ep), gradients summed and divided
 by the data-parallel size). tests/dist/cases_expert.py does the same arithmetic by hand
@@ -41,10 +44,13 @@ by the data-parallel size). tests/dist/cases_expert.py does the same arithmetic 
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from usp.models.moe import GroupedExperts, expert_params, moe_layers
 
@@ -117,6 +123,38 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
         ex.expert_start = start
         m.expert_dispatch = functools.partial(ep_dispatch_combine, group=ep_group)
     return model
+
+
+# An expert weight's key in a (flattened) model or optimizer state dict: the weight, or its states
+_EXPERT_KEY = re.compile(r"(^|\.)experts\.w[123](\.|$)")
+
+
+def global_expert_state(state: dict[str, dict], ctx, ep: int) -> dict[str, dict]:
+    """The checkpoint layout of expert-parallel weights. Under EP a rank's `experts.w1` is its EP
+    rank's slice (n_experts / ep rows), itself sharded by FSDP2 over dp_shard_mod_ep: a DTensor
+    whose global shape is the slice, different on every EP rank. Returns a copy of the
+    {"model", "optim"} state dicts in which every expert weight and optimizer state is instead a
+    DTensor of the whole (n_experts, ...) tensor, Shard(0) over ep then over dp_shard_mod_ep
+    (replicated over dp_replicate, and tp), made from this rank's own storage (no copy): DCP
+    saves it like any other parameter, and a load writes this rank's rows into the model. Any
+    layout then loads the checkpoint (another ep, no EP, another pipeline split): DCP reshards
+    by FQN and global offset."""
+    if ep <= 1:
+        return state
+    mesh = ctx.expert_checkpoint_mesh(ep)["dp_replicate", "ep", "dp_shard_mod_ep"]
+    return {part: {k: _global(k, v, mesh, ep) if _EXPERT_KEY.search(k) else v for k, v in sd.items()}
+            for part, sd in state.items()}
+
+
+def _global(key: str, value, mesh: DeviceMesh, ep: int):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:  # e.g. AdamW's step count
+        return value
+    if not isinstance(value, DTensor):  # EP layouts are FSDP layouts: a plain slice would save as the whole
+        raise RuntimeError(f"{key}: an expert-parallel slice that is not an FSDP2 DTensor can't be checkpointed")
+    shape = torch.Size((value.shape[0] * ep, *value.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(value.to_local(), mesh, [Replicate(), Shard(0), Shard(0)], run_check=False,
+                              shape=shape, stride=stride)
 
 
 def expert_clip_args(modules: list[nn.Module], ctx, ep: int) -> tuple:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 EXPERT_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+EXPERT_CHECKPOINT_DIMS = ("pp", "dp_replicate", "ep", "dp_shard_mod_ep", "tp")
 
 
 @dataclass
@@ -74,8 +75,18 @@ class DistContext:
                 raise RuntimeError("expert parallelism needs several ranks")
             d = self.degrees
             shape = (d["pp"], d["dp_replicate"], d["dp_shard"] * d["cp"] // ep, ep, d["tp"])
-            self._flat["ep"] = DeviceMesh(self.device.type, self.mesh.mesh.reshape(shape), mesh_dim_names=EXPERT_DIMS)
+            self._flat["ep"] = DeviceMesh(self.mesh.device_type, self.mesh.mesh.reshape(shape),
+                                          mesh_dim_names=EXPERT_DIMS)
         return self._flat["ep"]
+
+    def expert_checkpoint_mesh(self, ep: int) -> DeviceMesh:
+        """The expert mesh's ranks with ep outside dp_shard_mod_ep (EXPERT_CHECKPOINT_DIMS): DTensor
+        shards a tensor dim over mesh dims in their order, and an EP rank's experts come before its
+        FSDP shards of them (parallel/expert.py: global_expert_state). Built once, by every rank."""
+        if "ep_checkpoint" not in self._flat:
+            ranks = self.expert_mesh(ep).mesh.permute(0, 1, 3, 2, 4)  # EXPERT_DIMS -> EXPERT_CHECKPOINT_DIMS
+            self._flat["ep_checkpoint"] = DeviceMesh(self.device.type, ranks, mesh_dim_names=EXPERT_CHECKPOINT_DIMS)
+        return self._flat["ep_checkpoint"]
 
 
 def init_process_group(plan: dict) -> None:

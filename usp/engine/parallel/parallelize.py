@@ -1,11 +1,13 @@
 """Apply the parallelisms of the plan to one model (or one pipeline stage), always in the
-same order (as torchtitan): FP8 conversion -> TP/SP -> CP -> EP -> activation recomputation ->
-compile -> FSDP / ZeRO -> allocate + initialise -> DDP. Each step lives in its own file beside this
-one in usp/engine/parallel/ (fp8.py, tensor.py, context.py, expert.py, recompute.py, data.py,
-materialize.py; the FSDP2 policy in precision.py); build.py calls this once per model or pipeline
-stage, built on the meta device: every step up to FSDP works on shapes, then each rank allocates
-only its own shards. DDP (and plain-DDP ZeRO-1) wraps real parameters: those layouts replicate the
-whole model on every rank anyway, so it is allocated whole just before the wrap."""
+same order (as torchtitan): FP8 conversion -> TP/SP -> CP -> EP (+ MoE balancing) -> activation
+recomputation -> compile -> FSDP / ZeRO -> allocate + initialise -> DDP. Each step lives in its own
+file beside this one in usp/engine/parallel/ (fp8.py, tensor.py, context.py, expert.py, balance.py,
+recompute.py, data.py, materialize.py; the FSDP2 policy in precision.py); build.py calls this once
+per model or pipeline stage, built on the meta device: every step up to FSDP works on shapes, then
+each rank allocates only its own shards. DDP (and plain-DDP ZeRO-1) wraps real parameters: those
+layouts replicate the whole model on every rank anyway, so it is allocated whole just before the wrap.
+On the meta device (`usp plan --build-check`, usp/engine/build_check.py) nothing is allocated and DDP
+is left out."""
 from __future__ import annotations
 
 import torch
@@ -43,6 +45,11 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
         from usp.engine.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, ctx.expert_mesh(ep)["ep"].get_group())
+    if int(cfg["model"].get("n_experts", 0) or 0) > 0:  # routing statistics over the global batch
+        from usp.engine.parallel.balance import BATCH_DIMS, apply_moe_balancing
+
+        apply_moe_balancing(model, ctx.group(*BATCH_DIMS), float(cfg["model"].get("aux_loss_coef", 0.0) or 0.0),
+                            int(plan["batch"]["grad_accum"]))
     apply_recompute(model, train["recompute"])
     if uses_compile(train.get("compile", "auto"), plan["device"]):  # train.compile=auto: on for CUDA
         for name, block in list(model.layers.named_children()):
@@ -53,6 +60,6 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
         apply_fsdp(model, ctx, reshard_after_forward=reshard, mp_policy=fsdp_mp_policy(plan),
                    shard_replicas=kind == "zero1_fsdp", ep=ep)  # mp_policy: bf16 compute on GPU, None on CPU
     materialize(model, plan, ctx)  # this rank's TP / FSDP2 shards; the whole model where it is replicated
-    if kind in ("ddp", "zero1"):
+    if kind in ("ddp", "zero1") and ctx.device.type != "meta":  # meta: the build check, DDP's wrap takes real tensors
         return apply_ddp(model, ctx, int(par["ddp_bucket_mb"]), par["ddp_comm_hook"], int(par["powersgd_rank"]))
     return model

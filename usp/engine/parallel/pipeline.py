@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
@@ -53,6 +52,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+
+from usp.engine.loss import lm_loss
+from usp.models.moe import moe_layers
 
 if TYPE_CHECKING:  # parallel/build.py builds the parts with build_pipeline (below)
     from usp.engine.parallel.build import ModelParts
@@ -66,13 +68,6 @@ SCHEDULE_CLASSES = {
     "zbv": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE = ("afab", "1f1b")
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of one micro batch: logits (b, s, vocab), targets (b, s).
-    Computed in at least float32 (bf16 logits are upcast, float64 stays float64)."""
-    logits = logits.flatten(0, 1)
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
 
 
 def build_stage_module(model: nn.Module, layer_ids: Sequence[int], is_first: bool, is_last: bool) -> nn.Module:
@@ -107,6 +102,17 @@ class _Stage(PipelineStage):
     `unshard()`) before I and W makes both see the graph's parameters; FSDP2 reshards them at
     the next forward and after the step."""
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """torch 2.13 runs a stage once before its first micro batch to learn the shapes it sends
+        (on the first micro batch's inputs, or on empty tensors). Not a training forward: the MoE
+        layers' expert load of the step (and so the aux-loss-free bias update) leaves it out."""
+        saved = [(m, m.step_tokens) for m in moe_layers(self.submod)]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for m, tokens in saved:
+                m.step_tokens = tokens
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type in ("input", "weight"):
             for m in self.submod.modules():
@@ -118,7 +124,7 @@ class _Stage(PipelineStage):
 def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequence[Sequence[int]],
                    stage_indices: Sequence[int], pp_group: dist.ProcessGroup, device: torch.device,
                    n_microbatches: int, schedule_name: str,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    parallelize_fn: Callable[[nn.Module], nn.Module] = lambda m: m,
                    ) -> tuple[object, list[nn.Module]]:
     """Build this rank's stages and the schedule that runs them.
@@ -194,7 +200,7 @@ def pipeline_eval(parts: ModelParts, ctx: DistContext, x: torch.Tensor, y: torch
         if me == owner:
             h = modules[stage](x if stage == 0 else h)
             if stage == n_stages - 1:
-                loss = _float(F.cross_entropy(h.flatten(0, 1).float(), y.flatten(0, 1)))
+                loss = _float(lm_loss(h, y))
     return _broadcast(parts, ctx, loss)
 
 

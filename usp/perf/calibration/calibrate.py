@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from usp.errors import UspError
@@ -225,14 +225,18 @@ def calibrated(problem: Problem, hw: Hardware, scored: Scored, source: str) -> H
 
 # --- the command: read runs, fit, score, write the cluster group ------------------------------------
 
-def load_cluster(cluster: str) -> tuple[Path, str]:
-    """(path, text) of a cluster group: a name in conf/cluster or a YAML path."""
-    from usp.config.paths import conf_dir
+def load_cluster(cluster: str) -> tuple[Path, str, dict]:
+    """(path, text, values) of a cluster group: a name in conf/cluster or a YAML path (checked as
+    `usp plan cluster=<path>` checks it: YAML, no key twice, a mapping)."""
+    from usp.config.paths import conf_dir, group_options
+    from usp.config.recipe import check_group_file, parsed_yaml
 
     path = Path(cluster) if cluster.endswith((".yaml", ".yml")) else conf_dir() / "cluster" / f"{cluster}.yaml"
     if not path.is_file():
-        raise UspError(f"cluster group not found: {path}", fix="--cluster <name in conf/cluster> or a YAML path")
-    return path, path.read_text()
+        raise UspError(f"cluster group not found: {path}", key="--cluster", value=cluster,
+                       fix=f"a YAML path, or a name in conf/cluster: {', '.join(group_options('cluster'))}")
+    check_group_file(path, "cluster")
+    return path, path.read_text(encoding="utf-8"), parsed_yaml(path, "cluster", "cluster")
 
 
 def _fmt(v: float) -> str:
@@ -263,8 +267,8 @@ def read_runs(measured: Path, archs: Path | None = None) -> list[MeasuredRun]:
     if measured.is_dir():
         runs = read_run_dirs(measured)
         if not runs:
-            raise UspError(f"no usp runs with plan.yaml and a measured metrics.jsonl under {measured}",
-                           fix="point at a runs directory, or pass a CSV of measured layouts")
+            raise UspError(f"no usp runs with plan.yaml and a measured metrics.jsonl under {measured}", key="RUNS",
+                           value=str(measured), fix="point at a runs directory, or pass a CSV of measured layouts")
         return runs
     return read_sweep_csv(measured, archs)
 
@@ -284,28 +288,50 @@ class Calibration:
     yaml: str
     runs: int
     evaluations: int
+    warnings: list[str] = field(default_factory=list)
 
 
 def calibrate(measured: Path, cluster: str, profile: str, archs: Path | None = None, holdout: int = 0) -> Calibration:
     """Fit `cluster`'s time constants to the measured runs (trained with `profile`'s recipe)."""
-    _, text = load_cluster(cluster)
-    import yaml
-
-    hw0 = Hardware.from_cluster(yaml.safe_load(text) or {})
+    _, text, group = load_cluster(cluster)
+    hw0 = Hardware.from_cluster(group)
     prof = get_profile(profile)
     prec = Precision.resolve("bf16" if uses_bf16("auto", hw0.device) else "fp32", hw0.device, prof.fp32_params)
     runs = read_runs(measured, archs)
     fit_runs, held = split(runs, holdout)
     problem = Problem(fit_runs, hw0, prec, prof)
     if not problem.runs:
-        raise UspError(f"no successful run with a measured MFU in {measured}", fix="check the status/mfu columns")
+        raise UspError(f"no successful run with a measured MFU in {measured}", key="RUNS", value=str(measured),
+                       fix="check the status/mfu columns")
+    warnings = enough_runs(problem.runs, str(measured))
     result = fit(problem)
     hw = calibrated(problem, result.hw, result.fit, f"{measured.name}, profile {prof.name}")
     held_score = None
     if held:
         other = Problem(held, hw0, prec, prof)
         held_score = score(other.runs, other.predict(hw)) if other.runs else None
-    return Calibration(hw, result.fit, held_score, cluster_yaml(text, hw), len(problem.runs), result.evaluations)
+    return Calibration(hw, result.fit, held_score, cluster_yaml(text, hw), len(problem.runs), result.evaluations,
+                       warnings)
+
+
+MIN_RUNS_PER_CONSTANT = 3  # below 3 distinct layouts per fitted constant: a warning (the fit may not generalise)
+
+
+def enough_runs(runs: list[MeasuredRun], source: str) -> list[str]:
+    """Refuse fewer distinct measured layouts than the constants fitted (any fit then matches them, error 0,
+    and predicts nothing); a warning below MIN_RUNS_PER_CONSTANT per constant."""
+    distinct = len({(r.model, r.nodes, r.layout) for r in runs})
+    k, enough = len(PARAMS), MIN_RUNS_PER_CONSTANT * len(PARAMS)
+    what = f"{len(runs)} measured run(s), {distinct} distinct (model, nodes, layout)"
+    if distinct < k:
+        raise UspError(f"{what}: too few to fit the time model's {k} constants ({', '.join(n for n, *_ in PARAMS)}); "
+                       "a fit would match them exactly and predict nothing", key="RUNS", value=source,
+                       fix=f"measure at least {k} different layouts ({enough} or more to trust the fit): vary "
+                           "dp/tp/pp, micro batches and node counts, e.g. with `usp sweep`, then `usp calibrate runs/`")
+    if distinct < enough:
+        return [f"only {what} for {k} fitted constants: the fit may not predict other layouts; measure "
+                f"{enough} or more, and check it with --holdout 3"]
+    return []
 
 
 def report(cal: Calibration) -> list[str]:

@@ -13,13 +13,13 @@ gradient accumulation, no recomputation; the global batch is dp x mbs x gas sequ
 cluster slurm_h100 (8 x H100 80GB per node) with the run's node count."""
 from __future__ import annotations
 
-import csv
 import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from usp.errors import UspError
+from usp.perf.calibration.csv_rows import read_rows
 from usp.perf.specs import Arch, Hardware, Layout, Precision
 
 SEQ_LEN = 4096  # the playbook's sequence length: an archs CSV without a seq_len column
@@ -81,24 +81,34 @@ def _float(value: str | None) -> float | None:
         return None
 
 
-def read_sweep_csv(path: Path = SWEEP_CSV, archs: Path | None = None) -> list[MeasuredRun]:
+RUN_COLUMNS = {"model": "text", "nodes": "count", "dp": "count", "tp": "count", "pp": "count", "gas": "count",
+               "mbs": "count", "zero": "flag"}
+RUN_OPTIONAL = {"status": "text", "mfu_pct": "percent", "tok_s_gpu": "number", "mem_gb": "number"}
+ARCH_COLUMNS = {"model": "text", "layers": "count", "hidden": "count", "heads": "count", "kv_heads": "count",
+                "ffn": "count", "vocab": "count", "tie_word_embeddings": "bool"}
+ARCH_OPTIONAL = {"seq_len": "optional_count"}
+EXAMPLE = "calibration/playbook_h100/playbook_sweep_calibration.csv"
+
+
+def read_sweep_csv(path: Path = SWEEP_CSV, archs: Path | None = None, key: str = "RUNS") -> list[MeasuredRun]:
     """Every row of a sweep CSV (columns: model, nodes, dp, tp, pp, gas, mbs, zero, status, mfu_pct,
-    tok_s_gpu[, mem_gb]); model shapes from `archs` (default: playbook_model_archs.csv beside it)."""
+    tok_s_gpu[, mem_gb]); model shapes from `archs` (default: playbook_model_archs.csv beside it). A
+    malformed file is one UspError naming the file, line and column (usp.perf.calibration.csv_rows)."""
     archs = archs or path.with_name(ARCHS_FILE)
-    for p, what in ((path, "runs CSV"), (archs, "archs CSV")):
+    for p, what, option in ((path, "runs CSV", key), (archs, "archs CSV", "--archs")):
         if not p.is_file():
-            raise UspError(f"{what} not found: {p}", fix="pass an existing file (see calibration/playbook_h100/)")
-    with archs.open() as f:
-        arch_rows = list(csv.DictReader(f))
+            raise UspError(f"{what} not found: {p}", key=option, value=str(p),
+                           fix=f"pass an existing file (see calibration/playbook_h100/; --archs names the model "
+                               f"shapes, default {ARCHS_FILE} beside the runs CSV)")
+    arch_rows = [row for _, row in read_rows(archs, ARCH_COLUMNS, ARCH_OPTIONAL, "--archs",
+                                             f"calibration/playbook_h100/{ARCHS_FILE}")]
     shapes = {r["model"]: arch_from_row(r) for r in arch_rows}
     seq = {r["model"]: int(r.get("seq_len") or SEQ_LEN) for r in arch_rows}
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
     out = []
-    for i, row in enumerate(rows, start=2):
+    for i, row in read_rows(path, RUN_COLUMNS, RUN_OPTIONAL, key, EXAMPLE):
         if row["model"] not in shapes:
-            raise UspError(f"{path}:{i}: model {row['model']!r} is not in {archs}",
-                           fix="add its shape to the archs CSV")
+            raise UspError(f"{path}:{i}: model {row['model']!r} is not in {archs}", key=key, value=str(path),
+                           fix="add its shape to the archs CSV (--archs)")
         lay = layout_from_row(row)
         ok = row.get("status", "ok") == "ok"
         mfu = _float(row.get("mfu_pct"))
@@ -119,12 +129,25 @@ def read_run_dirs(root: Path) -> list[MeasuredRun]:
         metrics = plan_path.with_name("metrics.jsonl")
         if not metrics.is_file():
             continue
-        plan = yaml.safe_load(plan_path.read_text())
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip().startswith("{")]
-        steps = [r for r in rows if isinstance(r.get("mfu"), (int, float))][1:]
-        if steps and plan.get("config"):
-            out.append(_run_from_plan(plan, steps, str(plan_path.parent)))
+        try:
+            plan = yaml.safe_load(plan_path.read_text(encoding="utf-8"))
+            rows = [_record(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
+            steps = [r for r in rows if isinstance(r.get("mfu"), (int, float))][1:]
+            if steps and isinstance(plan, dict) and plan.get("config"):
+                out.append(_run_from_plan(plan, steps, str(plan_path.parent)))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+            raise UspError(f"{plan_path.parent} is not a readable usp run ({type(exc).__name__}: {exc})", key="RUNS",
+                           value=str(root), fix=f"move {plan_path.parent} out of {root}, or point at a CSV") from None
     return out
+
+
+def _record(line: str) -> dict:
+    """One metrics.jsonl line; {} for a line that isn't a whole JSON object (a run killed mid-write)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _median(values: list[float]) -> float:
