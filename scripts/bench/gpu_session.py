@@ -7,18 +7,28 @@ budget. The device's figures: docs/benchmarks.md, "GPU session"; the planner's c
 fill: docs/planner.md, "Compile and FP8".
 
 Cases (priority order; --plan-only lists them with the model, micro batch and time estimate):
- 1. correctness: the tiny model, 20 steps, same seed and data: fp32 on the CPU (the reference),
+ 1.-4. correctness: the tiny model, 20 steps, same seed and data: fp32 on the CPU (the reference),
     fp32 on the GPU (within 1e-4 relative of the CPU, step by step), bf16 autocast (within 5e-3
     of GPU fp32) and compiled fp32 (within 1e-4 of GPU fp32);
- 2. Llama-3.2 1B, seq 2048, bf16, compiled, 50 steps of one micro batch (8 sequences, or fewer if
+ 5. Llama-3.2 1B, seq 2048, bf16, compiled, 50 steps of one micro batch (8 sequences, or fewer if
     the planner says they don't fit): tokens/s, MFU, HFU, peak memory vs the planner; its losses
     are the FP8 run's reference;
- 3. the same with train.fp8=tensorwise: throughput, and its last 10 losses within 2e-2 of bf16's;
- 4.-5. the largest catalogue Llama the planner fits on this GPU with full recompute (micro batch
-    <= 4), compiled (50 steps) and FP8 tensorwise compiled;
- 6.-7. 1B and the largest eager, 10 steps (the compile gain on this GPU: cluster.timing.eager_overhead);
- 8. 1B with train.fp8=rowwise (last: the least likely to fit the budget).
-Case numbers count from the tiny CPU reference (1) to 1B rowwise (11): --plan-only lists them.
+ 6. the same with train.fp8=tensorwise: throughput, and its last 10 losses within 2e-2 of bf16's;
+ 7.-8. the largest catalogue Llama the planner fits on this GPU, compiled (50 steps) and FP8
+    tensorwise compiled, at the least recompute that fits (none, then selective, then full: MFU
+    is what a user gets from the layout they would pick, and full recompute spends a third more
+    FLOPs that MFU does not count), then the largest micro batch of 4, with 4 micro batches per
+    step (16k+ tokens per step at micro batch 2, as a real run's global batch accumulates; one
+    optimizer step per micro batch would charge the whole optimizer to each);
+ 9.-10. 1B and the largest eager, 10 steps (the compile gain on this GPU: cluster.timing.eager_overhead,
+    and with both models the eager loss apart, eager_loss_ps_per_logit);
+ 11. 1B with train.fp8=rowwise;
+ 12. 1B compiled with 4 micro batches per step (8 x 4: the 50 % MFU target at a real run's batch);
+ 13.-14. the memory model's checks at the largest model: no accumulation at micro batch 2 (the
+    peak without earlier gradients) and micro batch 1 (what stays when the activations halve).
+FP8 and eager cases take the model, micro batch and recompute of the compiled bf16 case they are
+compared with (Case.like), even where they would fit more, so that each comparison is like for like.
+Case numbers count from the tiny CPU reference (1) to the last (14): --plan-only lists them.
 Tolerances (max over the compared steps of |loss - ref| / ref; every step, but FP8's last
 LOSS_WINDOW steps):
  - 1e-4, GPU fp32 vs CPU fp32 and compiled vs eager fp32: the same arithmetic, only reduction
@@ -47,7 +57,8 @@ checkout's usp comes first on PYTHONPATH; --plan-only prints it on one line):
     python scripts/bench/gpu_session.py [--budget-s 300] [--cases 1-4,6] [--out results.jsonl]
     python scripts/bench/gpu_session.py --plan-only "NVIDIA H100 80GB HBM3" 79.1   # no GPU needed
     python scripts/bench/gpu_session.py --smoke       # the whole flow on CPU, tiny cases, FP8 skipped
-    python scripts/bench/gpu_session.py --fit results.jsonl   # the planner constants the rows imply
+    python scripts/bench/gpu_session.py --fit run1.jsonl [run2.jsonl]   # the planner constants the rows imply,
+                                      # and each row's memory as this checkout's planner predicts it
 """
 from __future__ import annotations
 
@@ -58,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,6 +86,7 @@ RTOL_FP32, RTOL_BF16, RTOL_FP8 = 1e-4, 5e-3, 2e-2  # module docstring: why these
 ESTIMATE_S = {"process": 7.0, "build_per_b": 3.0, "compile": 40.0, "compile_fp8": 60.0, "compile_tiny": 20.0,
               "first_steps": 3.0, "margin": 1.2}
 SEQ, TINY_SEQ = 2048, 256
+LARGEST_ACCUM, ACCUM_1B = 4, 4  # micro batches per step: the largest model's cases, "1b compiled accum"
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,9 @@ class Case:
     on_cpu: bool = False  # the CPU reference: planned on local_cpu, runs on the CPU
     micros: tuple = (8,)  # micro batches to try, largest first: one micro batch per step (no accumulation)
     window: int = 0  # compare only the last `window` losses (0: every step)
+    accum: int = 1  # micro batches per step (gradient accumulation)
+    recomputes: tuple = (None,)  # train.recompute to try, least first (None: the overrides' own)
+    like: str | None = None  # the case whose model, micro batch and recompute this one takes (like for like)
 
     @property
     def compiled(self) -> bool:
@@ -105,16 +120,19 @@ def _tiny(name: str, ref: str | None, rtol: float, *extra: str, on_cpu: bool = F
 
 
 def _big(name: str, group: str, model: str, *extra: str, steps: int = LOSS_STEPS, ref: str | None = None,
-         rtol: float = 0.0) -> Case:
+         rtol: float = 0.0, accum: int | None = None, micros: tuple | None = None, like: str | None = None) -> Case:
     largest = model == "largest"
     # lr 3e-4 (Llama 3's scale) rather than the tiny model's 3e-3: a 50-step comparison needs no loss spikes
-    run = (f"train.seq_len={SEQ}", "optimizer.lr=3e-4", "train.measure_memory=false") + \
-        (("train.recompute=full",) if largest else ())
+    run = (f"train.seq_len={SEQ}", "optimizer.lr=3e-4", "train.measure_memory=false")
     models = tuple(mfu.LARGEST_CANDIDATES) if largest else (model,)
-    # one micro batch per step, the largest that fits of 8 (1B) or 4 sequences (largest: 50 steps of an 8B
-    # model at 8 x 2048 tokens would take the whole budget); 8,192+ tokens per matmul still fill the GPU
-    return Case(name, group, run + extra, steps, models, ref, rtol, micros=(4, 2, 1) if largest else (8, 4, 2, 1),
-                window=LOSS_WINDOW if group == "fp8" else 0)
+    # 1B: one micro batch per step (or `accum`), the largest that fits of 8 sequences. The largest model: the
+    # least recomputation that fits, then the largest micro batch of 4 (50 steps of an 8B model at 8 x 2048
+    # tokens would take the whole budget), 4 micro batches per step (16k+ tokens, as a user would train)
+    micros = micros or ((4, 2, 1) if largest else (8, 4, 2, 1))
+    accum = accum or (LARGEST_ACCUM if largest else 1)
+    return Case(name, group, run + extra, steps, models, ref, rtol, micros=micros,
+                window=LOSS_WINDOW if group == "fp8" else 0, accum=accum,
+                recomputes=("none", "selective", "full") if largest else (None,), like=like or ref)
 
 
 def all_cases() -> list[Case]:
@@ -132,10 +150,15 @@ def all_cases() -> list[Case]:
         _big("largest compiled", "mfu", "largest", *bf16, *on),
         _big("largest fp8 tensorwise compiled", "fp8", "largest", *bf16, *on, "train.fp8=tensorwise",
              ref="largest compiled", rtol=RTOL_FP8),
-        _big("1b eager", "mfu", "llama3_2_1b", *bf16, *off, steps=EAGER_STEPS),
-        _big("largest eager", "mfu", "largest", *bf16, *off, steps=EAGER_STEPS),
+        _big("1b eager", "mfu", "llama3_2_1b", *bf16, *off, steps=EAGER_STEPS, like="1b compiled"),
+        _big("largest eager", "mfu", "largest", *bf16, *off, steps=EAGER_STEPS, like="largest compiled"),
         _big("1b fp8 rowwise compiled", "fp8", "llama3_2_1b", *bf16, *on, "train.fp8=rowwise",
              ref="1b compiled", rtol=RTOL_FP8),
+        _big(f"1b compiled accum {ACCUM_1B}", "mfu", "llama3_2_1b", *bf16, *on, steps=EAGER_STEPS * 2,
+             accum=ACCUM_1B),
+        # the memory model's checks: the largest model without accumulation, and at one sequence per micro batch
+        _big("largest compiled accum 1", "mfu", "largest", *bf16, *on, steps=EAGER_STEPS * 2, accum=1, micros=(2,)),
+        _big("largest compiled micro 1", "mfu", "largest", *bf16, *on, steps=EAGER_STEPS * 2, micros=(1,)),
     ]
 
 
@@ -172,12 +195,17 @@ def hardware(case: Case, gpu: tuple[str, float] | None) -> list[str]:
     return mfu.gpu_overrides(*gpu)
 
 
-def plan_case(case: Case, gpu: tuple[str, float] | None, runs: str) -> dict | None:
-    """The case's plan (the fitting model and micro batch), its run directory under runs."""
+def plan_case(case: Case, gpu: tuple[str, float] | None, runs: str, like: dict | None = None) -> dict | None:
+    """The case's plan (the fitting model and micro batch, or `like`'s: the plan of the case it is
+    compared with, so that FP8 and eager run the bf16 case's batch even where they would fit more), its
+    run directory under runs."""
+    if like is not None:
+        case = replace(case, models=(like["model"]["name"],), micros=(like["batch"]["micro_batch"],),
+                       recomputes=(like["config"]["train"]["recompute"],))
     run = [f"train.steps={case.steps}", "train.log_interval=1", "train.eval_batches=1",
            f"train.name={case.name.replace(' ', '_')}"]
     return mfu.fitting_plan(run + list(case.overrides) + hardware(case, gpu), list(case.models), runs,
-                            case.micros, global_batch=None)
+                            case.micros, global_batch=None, accum=case.accum, recomputes=case.recomputes)
 
 
 def estimate_s(case: Case, plan: dict) -> float:
@@ -287,9 +315,10 @@ def markdown(rows: list[tuple[int, Case, dict]]) -> str:
 def prepared(cases: list[tuple[int, Case, str]], gpu: tuple[str, float] | None, runs: str) -> list:
     """(number, case, plan or None, estimate s, note) for each case, planned here (the first plan
     prepares the dataset)."""
-    out = []
+    out, plans = [], {}
     for i, case, note in cases:
-        plan = None if case.group == "skipped" else plan_case(case, gpu, runs)
+        like = plans.get(case.like) if case.like else None
+        plans[case.name] = plan = None if case.group == "skipped" else plan_case(case, gpu, runs, like)
         out.append((i, case, plan, estimate_s(case, plan) if plan else 0.0, note))
     return out
 
@@ -314,7 +343,8 @@ def session(args, cases: list[tuple[int, Case, str]], gpu: tuple[str, float] | N
                 r["elapsed_s"] = time.perf_counter() - t0
             if plan is not None:
                 r.update(model=plan["model"]["name"], micro_batch=plan["batch"]["micro_batch"],
-                         grad_accum=plan["batch"]["grad_accum"], estimate_s=est, hardware=hardware(case, gpu))
+                         grad_accum=plan["batch"]["grad_accum"], recompute=plan["config"]["train"]["recompute"],
+                         estimate_s=est, hardware=hardware(case, gpu))
             r["check"], r["note"] = check(case, r, done), note
             done[case.name] = r
             rows.append((i, case, r))
@@ -366,19 +396,22 @@ def plan_only(args, cases: list[tuple[int, Case, str]], gpu: tuple[str, float] |
 
 # -- what the rows imply for the planner (run here, on the JSONL the device wrote) -------------------
 
-def fit(path: str) -> list[str]:
-    """The constants the measured rows imply: cluster.timing.eager_overhead (compiled over eager
-    tokens/s, same model and batch), cluster.timing.fp8_efficiency (the value at which the planner
-    predicts the measured FP8 / bf16 speedup), and measured / planned tensor memory per row."""
-    rows = {r["case"]: r for r in map(json.loads, Path(path).read_text().splitlines()) if "tokens_per_s" in r}
-    out = [f"{name}: memory measured/planned {r['peak_memory_gib'] / r['predicted']['tensor_gib']:.3f}"
-           for name, r in rows.items() if r.get("peak_memory_gib")]
-    for model in ("1b", "largest"):
-        eager, compiled = rows.get(f"{model} eager"), rows.get(f"{model} compiled")
-        if eager and compiled and eager["model"] == compiled["model"]:
-            out.append(f"{model} ({eager['model']}): cluster.timing.eager_overhead = "
-                       f"{compiled['tokens_per_s'] / eager['tokens_per_s'] - 1:.3f}")
+def fit(paths: list[str]) -> list[str]:
+    """The constants the measured rows imply (one session's JSONL, or several: the later row of a case
+    wins): cluster.timing.eager_overhead and eager_loss_ps_per_logit (eager_fit), cluster.timing.fp8_efficiency
+    (the value at which the planner predicts the measured FP8 / bf16 speedup), and measured / planned
+    tensor memory per row, as the session planned it and as this checkout's planner does."""
+    rows = {r["case"]: r for path in paths for r in map(json.loads, Path(path).read_text().splitlines())
+            if "tokens_per_s" in r}
+    out = []
     with tempfile.TemporaryDirectory() as runs:
+        for name, r in rows.items():
+            if r.get("peak_memory_gib"):
+                now = _planned_tensor_gib(r, runs)
+                out.append(f"{name}: memory measured {r['peak_memory_gib']:.2f} GiB / planned "
+                           f"{r['peak_memory_gib'] / r['predicted']['tensor_gib']:.3f} (as run), "
+                           f"{r['peak_memory_gib'] / now:.3f} (this planner: {now:.2f} GiB)")
+        out += eager_fit(rows, runs)
         for name, r in rows.items():
             ref = rows.get(str((r.get("check") or {}).get("ref")))
             if r["group"] == "fp8" and ref:
@@ -388,11 +421,47 @@ def fit(path: str) -> list[str]:
     return out
 
 
+def eager_fit(rows: dict, runs: str) -> list[str]:
+    """cluster.timing.eager_overhead per model (compiled over eager tokens/s, same model and batch: the
+    eager blocks and the eager loss together), and, with two models or more, the two apart: the eager
+    step's extra time = eager_overhead x the compiled step + eager_loss_ps_per_logit x the step's logits
+    (least squares; the loss's share differs between models, the blocks' should not)."""
+    matched = [(model, rows.get(f"{model} eager"), rows.get(f"{model} compiled")) for model in ("1b", "largest")]
+    matched = [(m, e, c) for m, e, c in matched if e and c and e["model"] == c["model"]]
+    out = [f"{m} ({e['model']}): cluster.timing.eager_overhead = {c['tokens_per_s'] / e['tokens_per_s'] - 1:.3f} "
+           "(blocks and loss together)" for m, e, c in matched]
+    if len(matched) >= 2:
+        pairs = []
+        for _, eager, compiled in matched:
+            plan = _common.plan_for(_row_overrides(compiled), 1, runs)
+            logits = plan["timing"]["tokens_per_step"] * plan["model"]["vocab_size"]
+            pairs.append((compiled["step_s"], logits, eager["step_s"] - compiled["step_s"]))
+        # the normal equations of extra = overhead x step + per_logit x logits
+        (tt, tn, tx), (nt, nn, nx) = [[sum(p[i] * p[j] for p in pairs) for j in (0, 1, 2)] for i in (0, 1)]
+        det = tt * nn - tn * nt
+        overhead, per_logit = (tx * nn - tn * nx) / det, (tt * nx - tx * nt) / det
+        out.append(f"eager blocks and eager loss apart ({len(pairs)} models): cluster.timing.eager_overhead = "
+                   f"{overhead:.3f}, cluster.timing.eager_loss_ps_per_logit = {per_logit * 1e12:.2f}")
+    return out
+
+
+def _row_overrides(r: dict, *extra: str) -> list[str]:
+    """The overrides that plan a row again: the case's, its GPU's, the model, batch and recompute it ran
+    (rows before 2026-11-28 have no recompute: they ran the default, none)."""
+    chosen = r.get("recompute") and not any(o.startswith("train.recompute=") for o in r["overrides"])
+    return [*r["overrides"], *r["hardware"], f"model={r['model']}",
+            f"train.global_batch={r['micro_batch'] * r['grad_accum']}", f"train.micro_batch={r['micro_batch']}",
+            *([f"train.recompute={r['recompute']}"] if chosen else []), *extra]
+
+
+def _planned_tensor_gib(r: dict, runs: str) -> float:
+    memory = _common.plan_for(_row_overrides(r), 1, runs)["memory"]
+    stage = memory["stages"][memory["peak_stage"]]
+    return (stage["total"] - stage["overhead"]) / 2**30
+
+
 def _predicted_tokens_per_s(r: dict, runs: str, *extra: str) -> float:
-    overrides = [*r["overrides"], *r["hardware"], f"model={r['model']}",
-                 f"train.global_batch={r['micro_batch'] * r['grad_accum']}",
-                 f"train.micro_batch={r['micro_batch']}", *extra]
-    return _common.plan_for(overrides, 1, runs)["timing"]["tokens_per_s"]
+    return _common.plan_for(_row_overrides(r, *extra), 1, runs)["timing"]["tokens_per_s"]
 
 
 def _fp8_efficiency(r: dict, ref: dict, speedup: float, runs: str) -> float:
@@ -415,7 +484,8 @@ def main() -> None:
     p.add_argument("--plan-only", nargs=2, metavar=("GPU_NAME", "GIB"), help="no GPU needed: the cases, "
                    "their models, micro batches and time estimates on this GPU")
     p.add_argument("--smoke", action="store_true", help="the whole flow on CPU: tiny cases, FP8 skipped")
-    p.add_argument("--fit", metavar="JSONL", help="the planner constants a session's rows imply (no GPU needed)")
+    p.add_argument("--fit", metavar="JSONL", nargs="+",
+                   help="the planner constants a session's rows imply (no GPU needed; several JSONLs: one session)")
     out_dir = os.environ.get("OUT")
     p.add_argument("--out", default=f"{out_dir}/gpu_session.jsonl" if out_dir else None,
                    help="append each row as a JSON line (default: $OUT/gpu_session.jsonl when $OUT is set)")

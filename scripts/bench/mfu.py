@@ -63,6 +63,7 @@ def gpu_overrides(name: str, mem_gib: float) -> list[str]:
             f"cluster.peak_tflops_bf16={c.peak_tflops_bf16}", f"cluster.peak_tflops_fp32={c.peak_tflops_fp32}",
             f"cluster.peak_tflops_fp8={c.peak_tflops_fp8}", f"cluster.intra_node_gbps={c.intra_node_gbps}",
             f"cluster.device_memory_gb={mem_gib:.1f}", f"cluster.timing.eager_overhead={c.timing.eager_overhead}",
+            f"cluster.timing.eager_loss_ps_per_logit={c.timing.eager_loss_ps_per_logit}",
             f"cluster.timing.fp8_efficiency={c.timing.fp8_efficiency}"]
 
 
@@ -95,19 +96,22 @@ def cases(only: str | None, steps: int, smoke: bool = False) -> list[tuple[str, 
 
 
 def fitting_plan(overrides: list[str], models: list[str | None], runs: str, micros: tuple = (8, 4, 2, 1),
-                 global_batch: int | None = 8) -> dict | None:
-    """The first model (largest first) and largest micro batch (of `micros`) the planner predicts to
-    fit (build_plan refuses a predicted OOM); global batch 8, or None: one micro batch per step."""
+                 global_batch: int | None = 8, accum: int = 1, recomputes: tuple = (None,)) -> dict | None:
+    """The first model (largest first), then the least recomputation (of `recomputes`; None: the
+    overrides' own), then the largest micro batch (of `micros`) the planner predicts to fit
+    (build_plan refuses a predicted OOM); global batch 8, or None: `accum` micro batches per step."""
     from usp.errors import UspError
 
     for model in models:
-        for micro in micros:
-            try:
-                return _common.plan_for(overrides + ([f"model={model}"] if model else [])
-                                        + [f"train.global_batch={global_batch or micro}",
-                                           f"train.micro_batch={micro}"], 1, runs)
-            except UspError:
-                continue
+        for recompute in recomputes:
+            for micro in micros:
+                try:
+                    return _common.plan_for(overrides + ([f"model={model}"] if model else [])
+                                            + ([f"train.recompute={recompute}"] if recompute else [])
+                                            + [f"train.global_batch={global_batch or micro * accum}",
+                                               f"train.micro_batch={micro}"], 1, runs)
+                except UspError:
+                    continue
     return None
 
 

@@ -4,7 +4,9 @@ Every rank builds its part of the model exactly as the trainer does (usp/engine/
 meta device, parallelize, allocate this rank's shards, initialise) from a real plan, then:
 - memory (first, while the process's high-water mark is still the start-up's): the growth of this
   process's VmHWM (/proc/self/status, the kernel's counter) over the build, next to the whole
-  model's bytes and this rank's share;
+  model's bytes and this rank's share; the same for a build that loads a Hugging Face checkpoint
+  of that size (model.init_from: each rank reads only its part), the high-water mark reset first
+  (/proc/self/clear_refs);
 - values: every parameter this rank holds, made whole (DTensor.full_tensor(), a collective),
   equals a single-process eager build of the same model (torch.equal, bit for bit); expert-parallel
   slices equal their rows; the ranks together cover every parameter of the model; the RoPE tables
@@ -96,14 +98,21 @@ def vm_hwm_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def build_memory(tmp: str) -> dict:
-    plan = planned(ONE + ["parallelism.dp_shard=4"] + MEMORY_MODEL, tmp)
+def reset_vm_hwm() -> None:
+    """Set this process's VmHWM to its current resident set (Linux: 5 > /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def build_memory(tmp: str, init_from: str | None = None) -> dict:
+    plan = planned(ONE + ["parallelism.dp_shard=4"] + (["data.tokenizer=bytes", f"model.init_from={init_from}"]
+                                                      if init_from else MEMORY_MODEL), tmp)
     ctx = make_context(plan)
     whole = model_factory(plan, ctx)()  # on the meta device: shapes only
     whole_bytes = sum(p.numel() * 4 for p in whole.parameters())
     largest = max(p.numel() * 4 for p in whole.parameters())
     gc.collect()
     dist.barrier()
+    reset_vm_hwm()
     before = vm_hwm_bytes()
     parts = build_model(plan, ctx)
     growth = vm_hwm_bytes() - before
@@ -158,22 +167,27 @@ def compare(overrides: list[str], tmp: str, init_from: str | None = None, train:
             "local_names_rank0": len(names), "rope_type": plan["config"]["model"]["rope_type"]}
 
 
-def make_hf(tmp: str, kind: str) -> str:
-    """Rank 0 saves a random tiny transformers model; every rank gets its path."""
-    path = [os.path.join(tmp, f"hf_{kind}")]
+# MEMORY_MODEL's shape as a Hugging Face checkpoint (untied: the LM head is read too): 143 MB in fp32
+HF_MEMORY_DIMS = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=4096)
+
+
+def make_hf(tmp: str, kind: str, **shape) -> str:
+    """Rank 0 saves a random tiny transformers model (`shape` replaces its dims); every rank gets its path."""
+    path = [os.path.join(tmp, f"hf_{kind}{'_sized' if shape else ''}")]
     if dist.get_rank() == 0:
         from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
         torch.manual_seed(0)
-        dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1,
-                    vocab_size=511)
+        dims = {**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1,
+                       vocab_size=511), **shape}
         if kind == "llama3":  # Llama 3's RoPE scaling, as LLAMA3 above
             dims["rope_parameters"] = {"rope_type": "llama3", "rope_theta": dims.pop("rope_theta"), "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 32}
         if kind in ("llama", "llama3"):
-            model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=True))
+            model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=not shape))
         else:
             model = MixtralForCausalLM(MixtralConfig(**dims, tie_word_embeddings=False, num_local_experts=4,
                                                      num_experts_per_tok=2))
@@ -188,6 +202,7 @@ def main() -> None:
     dist.broadcast_object_list(box)
     tmp = box[0]
     cases = {"memory": lambda: build_memory(tmp)}  # first: the high-water mark is still the start-up's
+    cases["hf_memory"] = lambda: build_memory(tmp, make_hf(tmp, "llama", **HF_MEMORY_DIMS))
     cases.update({name: (lambda ov=ov: compare(ov, tmp)) for name, ov in LAYOUTS.items()})
     fp8 = {"fp8": "tensorwise"}
     cases.update({name: (lambda ov=ov: compare(ov, tmp, train=fp8)) for name, ov in FP8_LAYOUTS.items()})

@@ -21,9 +21,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from tests.dist.harness import run_cases  # noqa: E402
+from usp.engine.loss import lm_loss  # noqa: E402
 from usp.engine.parallel.balance import apply_moe_balancing  # noqa: E402
 from usp.engine.parallel.build import ModelParts  # noqa: E402
-from usp.engine.parallel.pipeline import build_pipeline, lm_loss, pipeline_step  # noqa: E402
+from usp.engine.parallel.pipeline import build_pipeline, pipeline_step  # noqa: E402
 from usp.models.llama import Llama, LlamaArgs  # noqa: E402
 from usp.models.moe import moe_aux_loss  # noqa: E402
 from usp.perf.pipeline_split import last_stage_rank, stage_ranks  # noqa: E402

@@ -27,9 +27,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.dist.harness import run_cases
+from usp.engine.loss import lm_loss
 from usp.engine.parallel.build import ModelParts
 from usp.engine.parallel.mesh import DistContext
-from usp.engine.parallel.pipeline import build_pipeline, build_stage_module, lm_loss, pipeline_step
+from usp.engine.parallel.pipeline import build_pipeline, build_stage_module, pipeline_step
 from usp.models.llama import Llama, LlamaArgs
 from usp.perf.pipeline_split import last_stage_rank, split_layers, stage_ranks, validate_schedule
 

@@ -116,7 +116,7 @@ def test_gpu_session_plans_an_h100_without_a_gpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     cases = out["cases"]
-    assert [c["n"] for c in cases.values()] == list(range(1, 12)) and out["budget_s"] == 300
+    assert [c["n"] for c in cases.values()] == list(range(1, 15)) and out["budget_s"] == 300
     assert list(cases)[:4] == ["tiny fp32 cpu", "tiny fp32", "tiny bf16", "tiny fp32 compiled"]
     assert cases["tiny fp32 cpu"]["on_cpu"] and not cases["tiny fp32"]["on_cpu"]
     assert cases["1b compiled"]["model"] == "llama3_2_1b" and cases["1b compiled"]["steps"] == 50
@@ -124,6 +124,9 @@ def test_gpu_session_plans_an_h100_without_a_gpu():
     assert all(c["estimate_s"] > 0 for c in cases.values())
     fp8, bf16 = cases["1b fp8 tensorwise compiled"], cases["1b compiled"]
     assert fp8["in_budget"] and fp8["predicted_tokens_per_s"] > bf16["predicted_tokens_per_s"]  # the 1st call's FP8
+    batch = ("micro_batch", "grad_accum")  # FP8 and eager run the batch of the case they are compared with
+    for name in ("largest fp8 tensorwise compiled", "largest eager"):
+        assert [cases[name][k] for k in batch] == [cases["largest compiled"][k] for k in batch]
 
 
 def test_gpu_session_never_starts_a_case_past_its_budget(shakespeare, tmp_path):

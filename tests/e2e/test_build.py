@@ -37,6 +37,17 @@ def test_a_rank_allocates_its_shards_not_the_whole_model(results):
     assert r["max_rank_growth_bytes"] < share + 2 * r["largest_param_bytes"] + 16 * 2 ** 20 < whole / 2, r
 
 
+def test_a_rank_reads_only_its_part_of_a_hugging_face_checkpoint(results):
+    """model.init_from under FSDP over 4 ranks: a rank's peak resident memory grows by its quarter of
+    the model plus one parameter's transient, not by the checkpoint (the pages of a memory-mapped file
+    count while it stays mapped: a load that read every tensor whole and kept the files open grew by
+    the whole checkpoint)."""
+    r = _ok(results, "hf_memory")
+    whole, share = r["whole_model_bytes"], r["whole_model_bytes"] / 4
+    assert r["max_rank_local_bytes"] <= share * 1.01
+    assert r["max_rank_growth_bytes"] < share + 2 * r["largest_param_bytes"] + 16 * 2 ** 20 < whole / 2, r
+
+
 @pytest.mark.parametrize("layout", [*LAYOUTS, *FP8_LAYOUTS, *HF_LAYOUTS])
 def test_sharded_build_equals_one_process_bit_for_bit(results, layout):
     """Every parameter a rank holds, made whole, equals one process's build (init, or the HF

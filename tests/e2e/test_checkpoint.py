@@ -307,6 +307,9 @@ def test_async_save_and_retention(tmp_path, shakespeare):
     assert complete == [6, 8]
     manifest = json.loads((tmp_path / "async" / "checkpoints" / "step_00000008" / "manifest.json").read_text())
     assert manifest["step"] == 8 and ".metadata" in manifest["files"] and "trainer_state.json" in manifest["files"]
+    # step 6 was published after step 8's update: it still holds step 6's learning-rate schedule
+    state = json.loads((tmp_path / "async" / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["scheduler"]["last_epoch"] == 6, state["scheduler"]
 
 
 @pytest.mark.slow

@@ -171,13 +171,17 @@ def _model_for(plan: dict):
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, plan_path: Path) -> Path:
-    """A checkpoint in the format of usp/engine/checkpoint.py, written in one process."""
+    """A checkpoint in the format of usp/engine/checkpoint.py, written in one process (in today's RoPE
+    layout: trainer_state.json says so, as the engine's does, or the export would convert its q/k rows)."""
     import torch.distributed.checkpoint as dcp
+
+    from usp.engine.rope_upgrade import LAYOUT_KEY
+    from usp.models.rope_layout import ROPE_LAYOUT
 
     final = ckpt_dir / f"step_{step:08d}"
     tmp = ckpt_dir / f".tmp-step_{step}"
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=str(tmp))
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, LAYOUT_KEY: ROPE_LAYOUT}))
     shutil.copy(plan_path, tmp / "plan.yaml")
     files = {p.name: p.stat().st_size for p in tmp.iterdir()}
     (tmp / "manifest.json").write_text(json.dumps({"files": files, "step": step}))

@@ -37,8 +37,10 @@ def test_gpu_session_device_command_is_the_documented_one():
 
 @pytest.mark.slow
 def test_gpu_session_fit_recovers_the_planner_constants(shakespeare, tmp_path):
-    """--fit on a session's rows: eager_overhead = compiled / eager tokens/s - 1, and the fp8_efficiency at
-    which the planner predicts the measured FP8 / bf16 speedup (rows made from the planner at 0.6)."""
+    """--fit on a session's rows (two JSONLs, as two device calls write them): eager_overhead = compiled /
+    eager tokens/s - 1 per model; with two models, the eager blocks and the eager loss apart (rows made
+    with 0.25 and 10 ps per logit); the fp8_efficiency at which the planner predicts the measured FP8 /
+    bf16 speedup (rows made from the planner at 0.6)."""
     gs = gpu_session_module()
     hardware = gs.mfu.gpu_overrides("NVIDIA H100 80GB HBM3", 79.1)
     base = {"hardware": hardware, "model": "llama3_2_1b", "micro_batch": 8, "grad_accum": 1}
@@ -48,10 +50,22 @@ def test_gpu_session_fit_recovers_the_planner_constants(shakespeare, tmp_path):
     runs = str(tmp_path / "runs")
     bf16["tokens_per_s"] = gs._predicted_tokens_per_s(bf16, runs)
     fp8["tokens_per_s"] = gs._predicted_tokens_per_s(fp8, runs, "cluster.timing.fp8_efficiency=0.6")
-    eager = {**bf16, "case": "1b eager", "tokens_per_s": bf16["tokens_per_s"] / 1.25}
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in (bf16, fp8, eager)))
-    lines = gs.fit(str(path))
-    assert "1b (llama3_2_1b): cluster.timing.eager_overhead = 0.250" in lines
+    largest = {**bf16, "case": "largest compiled", "model": "llama3_2_3b", "micro_batch": 2, "grad_accum": 4}
+    rows = [bf16, fp8, largest]
+    step_1b = 8 * 2048 / bf16["tokens_per_s"]  # the FP8 row's reference keeps its planned tokens/s
+    for r, step_s in ((bf16, step_1b), (largest, 0.8)):  # eager = 1.25 x compiled + 10 ps x the step's logits
+        tokens = r["micro_batch"] * r["grad_accum"] * 2048
+        r.update(step_s=step_s, tokens_per_s=tokens / step_s)
+        eager_s = 1.25 * step_s + 10e-12 * tokens * 128256
+        rows.append({**r, "case": r["case"].replace("compiled", "eager"), "step_s": eager_s,
+                     "tokens_per_s": tokens / eager_s})
+    paths = [tmp_path / "run1.jsonl", tmp_path / "run2.jsonl"]
+    for path, part in zip(paths, (rows[:3], rows[3:])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+    lines = gs.fit([str(p) for p in paths])
+    eager_1b = 1.25 + 10e-12 * 8 * 2048 * 128256 / step_1b - 1
+    assert f"1b (llama3_2_1b): cluster.timing.eager_overhead = {eager_1b:.3f} (blocks and loss together)" in lines
+    assert ("eager blocks and eager loss apart (2 models): cluster.timing.eager_overhead = 0.250, "
+            "cluster.timing.eager_loss_ps_per_logit = 10.00") in lines
     [fitted] = [line for line in lines if "fp8_efficiency" in line]
     assert float(fitted.rsplit("= ", 1)[1]) == pytest.approx(0.6, abs=2e-3)

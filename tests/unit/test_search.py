@@ -2,7 +2,6 @@
 micro batch per layout really is the largest, and it is fast at 512 GPUs."""
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -99,12 +98,12 @@ def test_peak_candidates_match_all_stages():
             assert max(rank_params(ctx.arch, lay)) == pytest.approx(max(s.params for s in mem.stages), abs=1)
 
 
-def test_70b_on_512_gpus_is_fast():
+def test_70b_on_512_gpus_finds_a_layout_that_fits():
+    """How long this search takes is a benchmark (scripts/bench/planner_search.py, docs/benchmarks.md),
+    not a timed test: a wall-clock bound flakes on a loaded machine."""
     cfg, _ = compose_config(None, ["model=llama3_1_70b", "cluster=slurm_h100", "cluster.nodes=64",
                                    "train.seq_len=4096", "train.global_batch=1024"])
-    start = time.perf_counter()
     result = search_config(cfg, top_k=5)
-    assert time.perf_counter() - start < 10  # about 1 s on the dev VM (scripts/bench/planner_search.py)
     best = result.best
     assert best is not None and best.layout.world == 512 and best.peak_gib <= 80
     assert result.pure_dp is None and result.pure_dp_peak_gib > 80  # 70B does not fit with data parallel alone

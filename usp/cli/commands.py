@@ -372,11 +372,13 @@ def export(run_dir: str = typer.Argument(..., help="run directory (or one step_<
                                           "config.json, or the hf files (default: <run dir>/export/<format>_step<N>)"),
            fmt: str = typer.Option("torch", "--format",
                                    help="torch (torch.load) | safetensors | hf (a transformers directory)"),
-           shard_mb: float | None = typer.Option(None, "--shard-mb", help="--format hf: largest safetensors shard, MB "
-                                                                           "(default 5000)"),
+           shard_mb: float | None = typer.Option(None, "--shard-mb", help="largest weights file, MiB (default 5000); "
+                                                 "a bigger model is split into files with an index. The export holds "
+                                                 "one file's tensors in memory at a time, never the model"),
            force: bool = ForceOption) -> None:
     """Write the model from a checkpoint into a new directory: one consolidated state dict (full tensors,
-    FQN keys) + config.json, or (--format hf) what transformers' AutoModelForCausalLM.from_pretrained loads."""
+    FQN keys) + config.json, or (--format hf) what transformers' AutoModelForCausalLM.from_pretrained loads.
+    Streamed: one tensor read at a time, one file of at most --shard-mb in memory at a time."""
     from usp.launch.local import require_torch
 
     require_torch("export")

@@ -169,6 +169,7 @@ class ClusterTimingConfig:
     optimizer_gbps: float = 0.0  # memory bandwidth of the optimizer step; 0 = not modelled
     loss_ps_per_logit: float = 0.0  # the loss's cost per logit (token x vocabulary/tp) on the last stage; 0 = none
     eager_overhead: float = 0.0  # an eager (train.compile off) micro batch's extra time over a compiled one; 0 = none
+    eager_loss_ps_per_logit: float = 0.0  # an eager loss's (compile off, or TP) extra cost per logit; 0 = none
     fp8_efficiency: float = 1.0  # share of the FP8 peak a train.fp8 matmul reaches, relative to kernel_efficiency
     calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
 

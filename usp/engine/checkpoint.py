@@ -71,6 +71,17 @@ class Checkpointer:
         self._pending = None  # (future, tmp dir, step) of an async save
         self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
         self.ep = int(plan["config"]["parallelism"].get("ep", 1) or 1)
+        self._async_group = self._background_group()
+
+    def _background_group(self):
+        """An async save's collectives (DCP's plan exchange) run in a background thread while
+        training goes on: on a process group of their own (as torchtitan), because a mesh dim that
+        spans every rank reuses the default group, and two threads' collectives on one gloo group
+        mix their messages (measured: 'Received data size doesn't match expected size', an abort at
+        the first async save of any 2-rank FSDP run). Every rank creates it, here (a collective)."""
+        if self.async_mode != "async" or not (self.enabled and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        return dist.new_group(backend="gloo")
 
     # -- what goes in ------------------------------------------------------------------
     def _state(self) -> dict:
@@ -108,11 +119,13 @@ class Checkpointer:
                 tmp.mkdir(parents=True)
             self._barrier()
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+            if self.ctx.is_main:  # now, as the tensors: an async save publishes a step or more later
+                self._write_trainer_state(tmp, step)
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
                 with single_process_is_intended():
-                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp)), tmp,
-                                     step, started)
+                    self._pending = (dcp.async_save(self._saved_state(self._state()), checkpoint_id=str(tmp),
+                                                    process_group=self._async_group), tmp, step, started)
             else:
                 with single_process_is_intended():
                     dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
@@ -148,10 +161,6 @@ class Checkpointer:
     def _publish(self, tmp: Path, step: int, started: float) -> None:
         self._barrier()  # every rank's files are written
         if self.ctx.is_main:
-            state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
-                     "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time(),
-                     LAYOUT_KEY: ROPE_LAYOUT}  # the q/k row order (usp/models/rope_layout.py)
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
             if plan_path(self.plan["run_dir"]).exists():
                 shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -163,6 +172,16 @@ class Checkpointer:
             self._retain()
             self.log.info("checkpoint step %d saved to %s in %.2f s", step, final, time.perf_counter() - started)
         self._barrier()
+
+    def _write_trainer_state(self, tmp: Path, step: int) -> None:
+        """The step's LR schedule and data position, written when the save starts: an async save is
+        published at the next save or at the end, after the scheduler has moved on (measured: a
+        checkpoint of step 4 saved async every 2 steps recorded step 6's schedule, and a run resumed
+        from it trained at another learning rate)."""
+        state = {"step": step, "scheduler": self.schedulers[0].state_dict(), "sampler": self.sampler.state_dict(),
+                 "world_size": self.ctx.world_size, "degrees": self.ctx.degrees, "time": time.time(),
+                 LAYOUT_KEY: ROPE_LAYOUT}  # the q/k row order (usp/models/rope_layout.py)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
 
     def _retain(self) -> None:
         complete = [c for c in list_checkpoints(self.dir) if c[2]]

@@ -1,30 +1,36 @@
-"""`usp export`: one checkpoint -> one file with the whole model, usable without usp.
+"""`usp export`: one checkpoint -> one directory with the whole model, usable without usp.
 
-Reads the model part of a torch.distributed.checkpoint (DCP) save in a single process with
-DCP's own loader (`_load_state_dict_from_keys`: full, unsharded tensors whatever layout saved
-them), and writes {FQN: tensor} with torch.save (or safetensors) plus config.json with the
-architecture. Tied weights are stored once (torch: two keys share one storage; safetensors: the
-duplicate key is dropped) and listed under "tied_weights" in config.json. A checkpoint written
-before usp's RoPE layout change has its q/k rows converted (usp/engine/rope_upgrade.py): every
-export is in today's layout. --format hf writes a Hugging Face directory instead
-(usp/engine/hf_checkpoint.py).
+Streams the model part of a torch.distributed.checkpoint (DCP) save in a single process
+(usp/engine/checkpoint_tensors.py: the checkpoint's metadata names every tensor, `dcp.load` reads
+one whole tensor at a time, whatever layout saved it) into files of at most --shard-mb MiB
+(usp/engine/tensor_stream.py, huggingface_hub's shard split): torch.save or safetensors files of
+{FQN: tensor} plus config.json with the architecture, or (--format hf) a Hugging Face directory
+(usp/engine/hf_checkpoint.py). Memory: one output file's tensors plus the tensor being read,
+never the model. A model that fits one file is written as one (model.pt / model.safetensors);
+a bigger one as model-00001-of-0000N.* with an index (model.pt.index.json,
+model.safetensors.index.json: transformers' layout, loaded by huggingface_hub.load_torch_model).
+Tied weights are stored once (torch: the head shares the embedding's storage in its file;
+safetensors: the duplicate key is dropped) and listed under "tied_weights" in config.json. A
+checkpoint written before usp's RoPE layout change has its q/k rows converted tensor by tensor
+(usp/engine/rope_upgrade.py): every export is in today's layout.
 
-Every format writes one directory the export owns (model.pt or model.safetensors + config.json,
-or the HF files): a torch file has no room for the architecture without changing what torch.load
-returns, and a config.json must never land in a folder holding someone else's (an HF model's).
-The directory is built under a temporary name and swapped into place (usp.run.files.staged); an
---out that exists is refused unless force (usp.run.writable.check_new_output)."""
+Every format writes one directory the export owns (the weights + config.json, or the HF files): a
+torch file has no room for the architecture without changing what torch.load returns, and a
+config.json must never land in a folder holding someone else's (an HF model's). The directory is
+built under a temporary name and swapped into place (usp.run.files.staged); an --out that exists
+is refused unless force (usp.run.writable.check_new_output)."""
 from __future__ import annotations
 
 import json
-import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
+from usp.engine.checkpoint_tensors import checkpoint_tensors
 from usp.engine.hf_checkpoint import DEFAULT_SHARD_MB, HFExportResult, write_hf
 from usp.engine.rope_upgrade import checkpoint_rope_layout, upgrade_rope_rows
+from usp.engine.tensor_stream import TensorStream, meta_like, write_shards
 from usp.errors import UspError
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
@@ -41,8 +47,9 @@ from usp.run.writable import check_new_output
 
 FORMATS = ("torch", "safetensors", "hf")
 WEIGHTS = {"torch": "model.pt", "safetensors": "model.safetensors"}  # the file in the export directory
+PATTERNS = {"torch": "model{suffix}.pt", "safetensors": "model{suffix}.safetensors"}  # when it takes several
 CONFIG = "config.json"
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing / compile
+EMB, HEAD = "tok_embeddings.weight", "output.weight"
 
 
 class ExportError(UspError):
@@ -51,7 +58,7 @@ class ExportError(UspError):
 
 @dataclass
 class ExportResult:
-    path: Path
+    path: Path  # the weights file, or the index of several
     config_path: Path
     checkpoint: Path
     step: int
@@ -59,48 +66,46 @@ class ExportResult:
     n_params: int
     tied: dict
     non_finite: list  # keys of tensors holding NaN / inf
+    files: list = field(default_factory=list)  # the weights files, beside `path`
+    nbytes: int = 0  # the weights' size
 
     def describe(self) -> str:
+        size = f"{self.nbytes / 2 ** 20:.1f} MiB"
+        weights = f"{self.path} ({size})" if len(self.files) <= 1 else \
+            f"{len(self.files)} files of at most --shard-mb ({size}), index {self.path}"
         lines = [f"exported step {self.step} ({self.n_params:,} parameters, {self.n_tensors} tensors) "
                  f"from {self.checkpoint}",
-                 f"  weights: {self.path} ({self.path.stat().st_size / 2 ** 20:.1f} MiB)",
+                 f"  weights: {weights}",
                  f"  config:  {self.config_path}"]
         lines += [f"  tied:    {k} = {v} (stored once)" for k, v in self.tied.items()]
         if self.non_finite:
             lines.append(f"  warning: {len(self.non_finite)} tensor(s) hold NaN or inf values, "
                          f"e.g. {self.non_finite[0]}")
-        if self.path.suffix == ".safetensors":
-            lines.append("  load:    safetensors.torch.load_model(model, path)  (restores tied weights)")
-        else:
-            lines.append("  load:    model.load_state_dict(torch.load(path, weights_only=True))")
+        lines.append(f"  load:    {self._load_hint()}")
         return "\n".join(lines)
+
+    def _load_hint(self) -> str:
+        safetensors = ".safetensors" in self.path.name
+        if len(self.files) > 1:
+            pattern = "" if safetensors else ', filename_pattern="model{suffix}.pt", safe=False'
+            return f"huggingface_hub.load_torch_model(model, {str(self.path.parent)!r}{pattern})"
+        if safetensors:
+            return "safetensors.torch.load_model(model, path)  (restores tied weights)"
+        return "model.load_state_dict(torch.load(path, weights_only=True))"
 
 
 def load_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The model's full tensors from a DCP checkpoint directory, keyed by FQN (single process)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is unavailable or uninitialized": intended
-        loaded = _load_state_dict_from_keys({"model"}, checkpoint_id=str(ckpt))
-    model = loaded.get("model")
-    if not isinstance(model, dict) or not model:
-        raise ExportError(f"{ckpt} has no model state (expected the key 'model' in the DCP save)")
-    out = {}
-    for key, value in model.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        for part in _WRAPPER_PARTS:
-            key = key.replace(part, "")
-        out[key] = value.detach().contiguous()
-    return out
+    """The model's full tensors from a DCP checkpoint directory, keyed by FQN (single process; all of
+    them in memory: for tests and small models; the export streams them)."""
+    stream = checkpoint_tensors(ckpt)
+    return {name: stream.read(name) for name in stream.shapes}
 
 
 def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
                  max_shard_mb: float | None = None, force: bool = False) -> ExportResult | HFExportResult:
     """Export the newest complete checkpoint of run directory `source` (or `step`, or `source`
     itself when it is a step_<N> directory) to the directory `out` (default <run dir>/export/
-    <fmt>_step<N>; hf in safetensors shards of at most max_shard_mb). An existing `out` is
+    <fmt>_step<N>), in files of at most max_shard_mb MiB (default 5000). An existing `out` is
     replaced only with force; the default one, usp's own, always is."""
     _check_format(fmt)
     if out:  # before the (possibly long) load
@@ -110,22 +115,46 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
         check_new_output(out, force=True, key="--out", inputs=[ckpt])
     plan = _plan_of(ckpt, run_dir)
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))
-    state = load_model_state(ckpt)
     model_cfg = _model_config(plan)
-    if checkpoint_rope_layout(ckpt) != ROPE_LAYOUT:  # written before usp's RoPE layout change
-        upgrade_rope_rows(state, model_cfg)
-    padding = _strip_vocab_padding(state, int(model_cfg["vocab_size"]))
+    stream, padding = model_stream(ckpt, model_cfg)
     target = Path(out) if out else run_dir / "export" / f"{fmt}_step{ckpt_step:08d}"
     if fmt == "hf":
-        _check_hf_exportable(state)
+        _check_hf_exportable(stream.shapes)
+    shard_mb = max_shard_mb or DEFAULT_SHARD_MB
     with staged(target) as tmp:  # swapped into place as the block ends (a return included)
         if fmt == "hf":
-            return replace(write_hf(state, model_cfg, plan, ckpt, ckpt_step, tmp, max_shard_mb or DEFAULT_SHARD_MB),
-                           path=target)
-        config = _write_portable(state, model_cfg, plan, ckpt, ckpt_step, padding, fmt, tmp)
-    non_finite = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    return ExportResult(target / WEIGHTS[fmt], target / CONFIG, ckpt, ckpt_step, len(state), config["n_params"],
-                        config["tied_weights"], non_finite)
+            return replace(write_hf(stream, model_cfg, plan, ckpt, ckpt_step, tmp, shard_mb), path=target)
+        result = _write_portable(stream, model_cfg, plan, ckpt, ckpt_step, padding, fmt, tmp, shard_mb)
+    return replace(result, path=target / result.path.name, config_path=target / CONFIG,
+                   files=[target / f.name for f in result.files])
+
+
+def model_stream(ckpt: Path, model_cfg: dict) -> tuple[TensorStream, int]:
+    """The checkpoint's model tensors, one at a time, as every format writes them: the q/k rows of a
+    checkpoint from before the RoPE layout change converted, the rows tensor parallelism padded the
+    vocabulary with removed. Returns the stream and how many rows were removed."""
+    raw = checkpoint_tensors(ckpt)
+    if not raw.shapes:
+        raise ExportError(f"{ckpt} has no model state (expected the key 'model' in the DCP save)")
+    vocab = int(model_cfg["vocab_size"])
+    legacy = checkpoint_rope_layout(ckpt) != ROPE_LAYOUT  # written before usp's RoPE layout change
+
+    def read(name: str) -> torch.Tensor:
+        t = raw.read(name)
+        if legacy:
+            upgrade_rope_rows({name: t}, model_cfg)
+        return _unpadded(name, t, vocab)
+
+    padding = max([raw.shapes[k].shape[0] - vocab for k in (EMB, HEAD) if k in raw.shapes] + [0])
+    return TensorStream({k: meta_like(_unpadded(k, v, vocab)) for k, v in raw.shapes.items()}, read), padding
+
+
+def _unpadded(name: str, t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """An embedding or LM head without the rows tensor parallelism padded the vocabulary with (a copy:
+    a view would save its whole storage)."""
+    if name in (EMB, HEAD) and t.shape[0] > vocab:
+        return t[:vocab].clone()
+    return t
 
 
 def _out_dir(out, fmt: str) -> Path:
@@ -137,25 +166,29 @@ def _out_dir(out, fmt: str) -> Path:
     return out
 
 
-def _write_portable(state: dict, model_cfg: dict, plan: dict, ckpt: Path, ckpt_step: int, padding: int,
-                    fmt: str, directory: Path) -> dict:
-    """The weights file and usp's config.json in `directory` (created here); returns the config."""
+def _write_portable(stream: TensorStream, model_cfg: dict, plan: dict, ckpt: Path, ckpt_step: int, padding: int,
+                    fmt: str, directory: Path, shard_mb: float) -> ExportResult:
+    """The weights file(s) and usp's config.json in `directory` (created here)."""
     directory.mkdir()
-    tied = _tie_embeddings(state, model_cfg, fmt)
-    _write_weights(state, directory / WEIGHTS[fmt], fmt, tied)
-    unique = {id(t): t for t in state.values()}
+    stream, tied, aliases = _tie_embeddings(stream, model_cfg, fmt)
+    stream, non_finite = _watch_finite(stream)
+    files = write_shards(stream, directory, PATTERNS[fmt], shard_mb, _saver(fmt, tied), aliases=aliases)
+    weights = files[0] if len(files) == 1 else f"{PATTERNS[fmt].format(suffix='')}.index.json"
     config = {
         "architecture": "llama (usp.models.llama.Llama: RMSNorm, RoPE, GQA attention, SwiGLU)",
         "model": model_cfg,
         "max_seq_len": int(plan["batch"]["seq_len"]),
-        "dtype": str(next(iter(state.values())).dtype).replace("torch.", ""),
-        "weights": WEIGHTS[fmt], "weights_format": fmt, "tied_weights": tied,
-        "vocab_padding_removed": padding, "n_params": sum(t.numel() for t in unique.values()), "step": ckpt_step,
+        "dtype": str(next(iter(stream.shapes.values())).dtype).replace("torch.", ""),
+        "weights": weights, "weights_format": fmt, "tied_weights": tied,
+        "vocab_padding_removed": padding, "n_params": stream.numel(), "step": ckpt_step,
         "source_checkpoint": str(ckpt), "run": plan.get("name"), "model_name": plan["config"]["model"].get("name"),
         "rope_layout": ROPE_LAYOUT,  # q/k rows as usp.models.llama.Llama rotates them (usp/models/rope_layout.py)
     }
+    if len(files) > 1:
+        config["weights_files"] = files
     (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return config
+    return ExportResult(directory / weights, directory / CONFIG, ckpt, ckpt_step, len(stream.shapes) + len(aliases),
+                        stream.numel(), tied, non_finite, [directory / f for f in files], stream.nbytes())
 
 
 def _check_format(fmt: str) -> None:
@@ -170,49 +203,50 @@ def _check_format(fmt: str) -> None:
                               fix="pip install safetensors (or --format torch)") from None
 
 
-def _check_hf_exportable(state: dict) -> None:
+def _check_hf_exportable(names) -> None:
     """Mixtral routes by its gate's top-k alone: a model trained with aux-loss-free balancing picks
     its experts with a bias (usp.models.moe) that MixtralForCausalLM has no place for."""
-    biased = [k for k in state if k.endswith("expert_bias")]
+    biased = [k for k in names if k.endswith("expert_bias")]
     if biased:
         raise ExportError(f"the checkpoint has router biases ({biased[0]}, model.router_bias_update_rate > 0): "
                           "Mixtral has no router bias, so transformers would route other experts", key="--format",
                           value="hf", fix="--format safetensors or --format torch (usp's own model keeps the bias)")
 
 
-def _strip_vocab_padding(state: dict, vocab: int) -> int:
-    """Drop the rows tensor parallelism padded the vocabulary with (in place); returns how many."""
-    padding = 0
-    for key in ("tok_embeddings.weight", "output.weight"):
-        if key in state and state[key].shape[0] > vocab:
-            padding = state[key].shape[0] - vocab
-            state[key] = state[key][:vocab].clone()
-    return padding
+def _tie_embeddings(stream: TensorStream, model_cfg: dict, fmt: str) -> tuple[TensorStream, dict, dict]:
+    """A tied LM head stored once: torch saves it as an alias of the embedding (one storage, written
+    once, in the embedding's file), safetensors drops the key. Returns the stream without the head,
+    {tied key: the key it shares} (or {}) and the aliases to save."""
+    if not (model_cfg.get("tie_embeddings") and EMB in stream.shapes):
+        return stream, {}, {}
+    if HEAD in stream.shapes:  # a checkpoint holding both copies: tied only if they are equal
+        head, emb = stream.read(HEAD), stream.read(EMB)
+        if not (head.shape == emb.shape and torch.allclose(head, emb, rtol=0, atol=0, equal_nan=True)):
+            return stream, {}, {}
+    shapes = {k: v for k, v in stream.shapes.items() if k != HEAD}
+    return TensorStream(shapes, stream.read), {HEAD: EMB}, ({HEAD: EMB} if fmt == "torch" else {})
 
 
-def _tie_embeddings(state: dict, model_cfg: dict, fmt: str) -> dict:
-    """Store a tied LM head once (in place): torch shares the embedding's storage, safetensors
-    drops the key. Returns {tied key: the key it shares}, or {}."""
-    if not (model_cfg.get("tie_embeddings") and "tok_embeddings.weight" in state):
-        return {}
-    emb, head = state["tok_embeddings.weight"], state.get("output.weight")
-    if head is not None and not (head.shape == emb.shape
-                                 and torch.allclose(head, emb, rtol=0, atol=0, equal_nan=True)):
-        return {}
+def _watch_finite(stream: TensorStream) -> tuple[TensorStream, list[str]]:
+    """`stream`, noting (in the returned list) each tensor read that holds NaN or inf."""
+    non_finite: list[str] = []
+
+    def read(name: str) -> torch.Tensor:
+        t = stream.read(name)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            non_finite.append(name)
+        return t
+
+    return TensorStream(stream.shapes, read), non_finite
+
+
+def _saver(fmt: str, tied: dict):
     if fmt == "torch":
-        state["output.weight"] = emb  # one storage: torch.save writes it once
-    else:
-        state.pop("output.weight", None)
-    return {"output.weight": "tok_embeddings.weight"}
+        return lambda shard, path: torch.save(shard, path)
+    from safetensors.torch import save_file
 
-
-def _write_weights(state: dict, path: Path, fmt: str, tied: dict) -> None:
-    if fmt == "torch":
-        torch.save(state, path)
-    else:
-        from safetensors.torch import save_file
-
-        save_file(state, str(path), metadata={"format": "pt", "tied_weights": json.dumps(tied)})
+    metadata = {"format": "pt", "tied_weights": json.dumps(tied)}
+    return lambda shard, path: save_file(shard, str(path), metadata=metadata)
 
 
 def _model_config(plan: dict) -> dict:

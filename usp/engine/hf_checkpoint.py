@@ -3,15 +3,15 @@
 Out: a directory that transformers.AutoModelForCausalLM.from_pretrained loads (LlamaForCausalLM, or
 MixtralForCausalLM for a MoE model): config.json (usp/plan/hf_config.py), safetensors shards with
 model.safetensors.index.json, and the dataset's tokenizer files when it has an HF tokenizer. Names
-are converted in usp/models/hf_convert.py (the tensors themselves are HF's: same RoPE layout).
-usp/engine/export.py writes it into a temporary directory beside the target and swaps it into
-place: a crash never leaves half an export.
+are converted in usp/models/hf_convert.py (the tensors themselves are HF's: same RoPE layout). The
+tensors come as a stream (usp/engine/tensor_stream.py): one usp tensor converted at a time, one
+shard in memory at a time. usp/engine/export.py writes it into a temporary directory beside the
+target and swaps it into place: a crash never leaves half an export.
 
 In: the model (or pipeline stage) is built on the meta device, parallelized and allocated (this rank's
 shards only, usp/engine/parallel/materialize.py); then `load_hf_weights` goes through its parameters
-one at a time: it reads that parameter's whole HF tensor (safetensors, memory-mapped: only the tensors
-asked for are read), converts it, and keeps this rank's part, exactly as usp's own initialisation
-does. Transformers is not imported."""
+one at a time and reads, of each one's HF tensor(s), only the part this rank holds (safetensors
+slices of the memory-mapped files), straight into the rank's shard. Transformers is not imported."""
 from __future__ import annotations
 
 import contextlib
@@ -24,16 +24,18 @@ import torch
 from torch import nn
 
 from usp.data.tiktoken_file import TIKTOKEN_FILE, TIKTOKEN_META, hf_tokenizer_json, read_ranks
+from usp.engine.parallel.local_part import local_index, local_tensor
+from usp.engine.tensor_stream import TensorStream, meta_like, write_shards
 from usp.errors import UspError
-from usp.models.hf_convert import from_hf, hf_names, to_hf
-from usp.models.llama import Place, copy_whole
+from usp.models.hf_convert import hf_names, hf_tensors, read_part, usp_shape
 from usp.plan.hf_config import hf_config
 
+PATTERN = "model{suffix}.safetensors"  # huggingface_hub's and transformers' file names
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Tokenizer files transformers' AutoTokenizer reads, copied from the dataset directory when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-DEFAULT_SHARD_MB = 5000  # transformers' own default max_shard_size ("5GB")
+DEFAULT_SHARD_MB = 5000  # huggingface_hub's default max_shard_size ("5GB"; transformers 5 saves 50 GB shards)
 
 
 @dataclass
@@ -60,49 +62,48 @@ class HFExportResult:
 
 # ------------------------------------------------------------------------------- out
 
-def write_hf(state: dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: Path, step: int, out: Path,
-             max_shard_mb: float = DEFAULT_SHARD_MB) -> HFExportResult:
-    """Write `state` (usp FQNs, full tensors, vocabulary padding removed) as the new HF directory `out`
-    (usp export writes it under a temporary name and swaps it into place)."""
-    tied = bool(model_cfg.get("tie_embeddings"))
-    if tied:
-        state.pop("output.weight", None)  # stored once, as the embedding (transformers re-ties it)
-    hf_state = to_hf(state)
-    dtype = str(next(iter(hf_state.values())).dtype).replace("torch.", "")
-    config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
-    out.mkdir(parents=True)
-    shards = _write_shards(hf_state, out, max_shard_mb)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copied = _copy_tokenizer(Path(plan.get("dataset_dir", "")), out)
-    n_params = sum(t.numel() for t in hf_state.values())
-    return HFExportResult(out, ckpt, step, shards, n_params, config["architectures"][0], tied, copied)
-
-
-def _write_shards(hf_state: dict[str, torch.Tensor], directory: Path, max_shard_mb: float) -> list[str]:
-    """Greedy shards of at most max_shard_mb (a bigger single tensor gets a shard of its own), and
-    the index transformers reads (weight_map: name -> shard file)."""
+def write_hf(tensors: TensorStream | dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: Path, step: int,
+             out: Path, max_shard_mb: float = DEFAULT_SHARD_MB) -> HFExportResult:
+    """Write `tensors` (usp FQNs, whole tensors, vocabulary padding removed: a stream read one tensor
+    at a time, or a dict) as the new HF directory `out` (usp export writes it under a temporary name
+    and swaps it into place): safetensors files of at most max_shard_mb MiB, always with the index."""
     from safetensors.torch import save_file
 
-    limit = max_shard_mb * 2 ** 20
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, t in hf_state.items():
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    n = len(groups)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else [SINGLE]
-    weight_map = {}
-    for file, group in zip(names, groups):
-        save_file({k: hf_state[k].contiguous() for k in group}, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(group, file))
-    total = sum(t.numel() * t.element_size() for t in hf_state.values())
-    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2) + "\n")
-    return names
+    stream = tensors if isinstance(tensors, TensorStream) else TensorStream.of(tensors)
+    tied = bool(model_cfg.get("tie_embeddings"))
+    if tied:  # stored once, as the embedding (transformers re-ties it)
+        stream = TensorStream({k: v for k, v in stream.shapes.items() if k != "output.weight"}, stream.read)
+    hf = hf_stream(stream)
+    dtype = str(next(iter(hf.shapes.values())).dtype).replace("torch.", "")
+    config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
+    out.mkdir(parents=True)
+    shards = write_shards(hf, out, PATTERN, max_shard_mb, always_index=True,
+                          save=lambda shard, path: save_file(shard, str(path), metadata={"format": "pt"}))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copied = _copy_tokenizer(Path(plan.get("dataset_dir", "")), out)
+    return HFExportResult(out, ckpt, step, shards, hf.numel(), config["architectures"][0], tied, copied)
+
+
+def hf_stream(stream: TensorStream) -> TensorStream:
+    """`stream` (usp names) as Hugging Face's tensors (usp/models/hf_convert.py `hf_tensors`: renamed;
+    stacked experts split per expert and transposed). A usp tensor is read when one of its HF tensors
+    is asked for, and its conversion kept until another's is: all of a layer's experts come from one
+    read (again for a file that starts in the middle of them)."""
+    shapes: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}
+    for name, meta in stream.shapes.items():
+        for hf_name, t in hf_tensors(name, meta).items():
+            shapes[hf_name], source[hf_name] = meta_like(t), name
+    last: dict[str, dict[str, torch.Tensor]] = {}
+
+    def read(hf_name: str) -> torch.Tensor:
+        name = source[hf_name]
+        if name not in last:
+            last.clear()  # the previous conversion goes before the next tensor is read
+            last[name] = hf_tensors(name, stream.read(name))
+        return last[name][hf_name]
+
+    return TensorStream(shapes, read)
 
 
 def _copy_tokenizer(dataset_dir: Path, directory: Path) -> list[str]:
@@ -176,19 +177,74 @@ def read_hf_tensors(path: str | Path, names: set[str] | None = None) -> dict[str
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | Path, place: Place | None = None, seed: int = 0) -> None:
+def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
     """Copy an HF Llama / Mixtral checkpoint into `model`, a usp Llama or pipeline stage (plain, or
-    already parallelized and allocated), one parameter at a time: read its HF tensor(s), convert them
-    (usp/models/hf_convert.py) and `place` it (default: copy it whole; the engine keeps this rank's
-    part, usp/engine/parallel/materialize.py). The architecture was checked at plan time
-    (usp/plan/hf_config.py); names and shapes are checked here. Rows beyond the checkpoint's
-    vocabulary (tensor parallelism's padding) get the model's own initialisation (`seed`)."""
+    already parallelized and allocated: this rank's shards, usp/engine/parallel/materialize.py), one
+    parameter at a time, reading only the part of it this rank holds (`local_index`: a DTensor's
+    chunk, expert parallelism's experts, or the whole tensor) with safetensors' `get_slice`.
+
+    Why safetensors' slices and not DCP's `HuggingFaceStorageReader` + `dcp.load`: that reader does
+    the same (torch 2.13: `safe_open(...).get_slice(name)[chunk]` per read item), but it loads a
+    state dict that is HF's tensors one for one, which usp's model is not: Mixtral's experts are
+    stacked and transposed in usp (hf_convert.read_part reads each expert's part), tensor
+    parallelism pads the vocabulary with rows the checkpoint lacks (they keep the model's own
+    initialisation, `seed`), and dcp.load is a collective over every rank, where each rank's read
+    here is its own. Each parameter opens the files it needs and closes them before the next: pages
+    of a memory-mapped file count in the process's resident memory while it stays mapped.
+
+    The architecture was checked at plan time (usp/plan/hf_config.py); names and shapes are checked
+    here, before any value is read."""
     args, path = model.args, Path(path).expanduser()
-    with _hf_reader(path) as (available, get):
-        _check_names(type(model), args, available, path)
-        for name, p, shape, rows in model.full_parameters():
-            src = from_hf({n: get(n) for n in hf_names(name, args.n_experts)})[name]
-            (place or copy_whole)(p, _fitted(model, name, src, shape, seed, path)[rows])
+    files = _HFFiles(path)
+    _check_names(type(model), args, set(files.shapes), path)
+    for name, p, shape, rows in model.full_parameters():
+        stored = usp_shape(name, [files.shapes[n] for n in hf_names(name, args.n_experts)])
+        _check_shape(name, stored, shape, path)
+        dest, index = local_tensor(p), local_index(p, rows)
+        if _vocab_row(name) and index[0].stop > stored[0]:  # rows beyond the checkpoint: TP's vocabulary padding
+            dest, index = _init_padding(model, name, shape, seed, dest, index, stored[0])
+        if dest.numel():
+            files.read_into(dest, name, index, args.n_experts)
+
+
+class _HFFiles:
+    """An HF checkpoint directory: which file holds each tensor, every tensor's shape (from the files'
+    headers: no tensor read), and a part of one usp parameter read into a destination."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path, self.weight_map = path, _weight_map(path)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(self.weight_map.values())):
+            with safe_open(str(path / file), framework="pt") as f:
+                self.shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+
+    def read_into(self, dest: torch.Tensor, name: str, index: tuple[slice, ...], n_experts: int) -> None:
+        """dest <- part `index` of usp parameter `name` (the dtype converted by the copy); only those
+        bytes of the files are read (a column slice: each row's columns)."""
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
+            opened: dict[str, object] = {}
+
+            def read(hf_name: str, hf_index: tuple[slice, ...]) -> torch.Tensor:
+                file = self.weight_map[hf_name]
+                if file not in opened:
+                    opened[file] = stack.enter_context(safe_open(str(self.path / file), framework="pt"))
+                return opened[file].get_slice(hf_name)[hf_index]  # type: ignore[attr-defined]
+
+            dest.copy_(read_part(name, index, n_experts, read))
+
+
+def _init_padding(model: nn.Module, name: str, shape: tuple[int, ...], seed: int, dest: torch.Tensor,
+                  index: tuple[slice, ...], stored_rows: int) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """Fill the rows of `dest` (at `index` of the whole tensor) past the checkpoint's `stored_rows`
+    with the model's initialisation; returns what is left to read from the checkpoint."""
+    first = index[0].start
+    keep = max(stored_rows - first, 0)  # rows of dest the checkpoint has
+    dest[keep:].copy_(model.initial_value(name, shape, seed)[index][keep:])
+    return dest[:keep], (slice(first, first + keep), *index[1:])
 
 
 def _check_names(model_cls: type, args, available: set[str], path: Path) -> None:
@@ -205,18 +261,14 @@ def _check_names(model_cls: type, args, available: set[str], path: Path) -> None
                           key="model.init_from", value=str(path))
 
 
-def _fitted(model: nn.Module, name: str, src: torch.Tensor, shape: tuple[int, ...], seed: int,
-            path: Path) -> torch.Tensor:
-    """The checkpoint's tensor as the whole parameter: vocabulary rows it lacks (padding) keep the init."""
-    rows = src.shape[0]
-    if tuple(src.shape[1:]) != tuple(shape[1:]) or rows > shape[0] or (rows < shape[0] and not _vocab_row(name)):
-        raise HFLoadError(f"{name}: the checkpoint's shape {tuple(src.shape)} does not fit the model's "
-                          f"{tuple(shape)}", key="model.init_from", value=str(path))
-    if rows == shape[0]:
-        return src
-    value = model.initial_value(name, shape, seed)
-    value[:rows] = src
-    return value
+def _check_shape(name: str, stored: tuple[int, ...] | None, shape: tuple[int, ...], path: Path) -> None:
+    """The checkpoint's tensor fits the whole parameter: the same shape, or fewer vocabulary rows
+    (the model's are padded)."""
+    fits = stored is not None and tuple(stored[1:]) == tuple(shape[1:]) and (
+        stored[0] == shape[0] or (stored[0] < shape[0] and _vocab_row(name)))
+    if not fits:
+        raise HFLoadError(f"{name}: the checkpoint's shape {stored} does not fit the model's {tuple(shape)}",
+                          key="model.init_from", value=str(path))
 
 
 def _vocab_row(name: str) -> bool:

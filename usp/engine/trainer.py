@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from usp.data.blend import make_sampler
@@ -25,6 +24,7 @@ from usp.engine import signals
 from usp.engine.accel import autocast_context
 from usp.engine.checkpoint import Checkpointer
 from usp.engine.grad_norm import clip_grad_norm
+from usp.engine.loss import training_loss
 from usp.engine.observe.console import Console, rank_logger
 from usp.engine.observe.memory_probe import GIB, MemoryProbe
 from usp.engine.observe.profiler import StepProfiler
@@ -62,6 +62,7 @@ class Trainer:
         deg = ctx.degrees
         self.cp, self.cp_rank = deg["cp"], ctx.coords["cp"]
         self.loss_parallel = deg["tp"] > 1
+        self._loss = training_loss(plan)  # compiled with the blocks (usp/engine/loss.py)
 
         dataset, self.meta = Path(plan["dataset_dir"]), plan_data_meta(plan)  # a saved plan: the prepared data's
         dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
@@ -372,10 +373,6 @@ class Trainer:
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()  # cross entropy on vocab-sharded logits; must wrap backward too
-
-    @staticmethod
-    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
 class Stopped(Exception):

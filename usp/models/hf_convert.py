@@ -25,6 +25,7 @@ code, no transformers import."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -43,22 +44,23 @@ _EXPERTS = ("w1", "w2", "w3")
 
 def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """usp FQN -> tensor (full tensors, vocabulary padding removed) to HF name -> tensor."""
-    out = {}
-    for name, t in state.items():
-        if name in _TOP:
-            out[_TOP[name]] = t
-            continue
-        layer, rest = _split(name, _LAYER)
-        prefix = f"model.layers.{layer}."
-        if rest.startswith("feed_forward.experts."):
-            which = rest.rsplit(".", 1)[1]
-            for e in range(t.shape[0]):
-                out[f"{prefix}block_sparse_moe.experts.{e}.{which}.weight"] = t[e].t().contiguous()
-        elif rest in _DENSE:
-            out[prefix + _DENSE[rest]] = t.contiguous()
-        else:
-            raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
-    return out
+    return {hf: t for name, tensor in state.items() for hf, t in hf_tensors(name, tensor).items()}
+
+
+def hf_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The HF tensor(s) of one usp tensor (whole, vocabulary padding removed): one, or one per expert
+    for stacked experts (each transposed). Works on meta tensors too (names and shapes only)."""
+    if name in _TOP:
+        return {_TOP[name]: t}
+    layer, rest = _split(name, _LAYER)
+    prefix = f"model.layers.{layer}."
+    if rest.startswith("feed_forward.experts."):
+        which = rest.rsplit(".", 1)[1]
+        return {f"{prefix}block_sparse_moe.experts.{e}.{which}.weight": t[e].t().contiguous()
+                for e in range(t.shape[0])}
+    if rest in _DENSE:
+        return {prefix + _DENSE[rest]: t.contiguous()}
+    raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
 
 
 def from_hf(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,12 +96,41 @@ def hf_names(name: str, n_experts: int) -> list[str]:
         return [_TOP[name]]
     layer, rest = _split(name, _LAYER)
     prefix = f"model.layers.{layer}."
-    if rest.startswith("feed_forward.experts."):
+    if _is_experts(name):
         which = rest.rsplit(".", 1)[1]
         return [f"{prefix}block_sparse_moe.experts.{e}.{which}.weight" for e in range(n_experts)]
     if rest in _DENSE:
         return [prefix + _DENSE[rest]]
     raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
+
+
+def usp_shape(name: str, hf_shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape of usp parameter `name` made of HF tensors of `hf_shapes` (in hf_names' order), or
+    None when they can't make one (experts of different shapes)."""
+    if not _is_experts(name):
+        return tuple(hf_shapes[0])
+    if len(set(map(tuple, hf_shapes))) != 1:
+        return None
+    return (len(hf_shapes), *reversed(hf_shapes[0]))
+
+
+def read_part(name: str, index: tuple[slice, ...], n_experts: int,
+              read: Callable[[str, tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
+    """Part `index` (one slice per dimension of the whole usp tensor) of usp parameter `name`, made
+    of what `read(hf_name, hf_index)` returns for the HF tensors it needs: a dense weight is HF's
+    tensor itself (the same index of it), stacked experts are each expert's HF matrix transposed
+    (the experts' slice picks the HF tensors, the other two index each one, swapped). A reader that
+    fetches just `hf_index` reads just this part."""
+    hf = hf_names(name, n_experts)
+    if not _is_experts(name):
+        return read(hf[0], index)
+    experts, *rest = index
+    return torch.stack([read(n, tuple(reversed(rest))).t() for n in hf[experts]])
+
+
+def _is_experts(name: str) -> bool:
+    m = _LAYER.match(name)
+    return bool(m) and m.group(2).startswith("feed_forward.experts.")
 
 
 def _split(name: str, pattern: re.Pattern) -> tuple[str, str]:

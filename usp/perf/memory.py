@@ -30,11 +30,16 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                q/k/v, the SDPA output, the MLP's matmul outputs and the two row-parallel outputs (h
                each: partial sums over the whole sequence under TP). CP divides s by c. Times the
                layers of the stage, times the micro batches in flight; the stage with the LM head
-               also keeps the final norm's (2h/t + h).
+               also keeps the final norm's (2h/t + h). train.compile without recompute (dense, no
+               CP): what the compiled block keeps instead (compiled_block_bytes, read from its saved
+               tensors): its input in fp32 under autocast (h/t, 4 bytes), the norm outputs 2h, q/k/v
+               and the SDPA output (2h + 2kv)/t, wo's output h, w1/w3 outputs and w2's input 3f/t in
+               the activation dtype; under train.fp8 not the norm outputs nor w2's input (recomputed).
   in flight    pp = 1: 1; afab: m; 1f1b: min(m, p - r) on pp rank r; interleaved (v virtual
                stages): min(m·v, 2(p-1-r) + (v-1)p + 1) chunks of L/(pv) layers (Megatron);
                zbv: min(m, p) (ZB-V's peak equals 1F1B's).
-  logits       the loss on the rank that holds the last stage, in fp32, vocab-parallel under TP:
+  logits       the loss on the rank that holds the last stage (compiled, no TP: the logits kept in
+               the activation dtype + one such buffer, their gradient), else in fp32, vocab-parallel under TP:
                the log-probabilities kept for backward, 4·s·b·V/t bytes (afab: all m micro
                batches'), and, while the loss is differentiated, 2 more such buffers (the gradients
                of the log-probabilities and of the logits), 3 with TP (loss_parallel's backward also
@@ -51,8 +56,9 @@ stores bf16 parameters (usp.perf.specs.Precision)):
   copies       bf16 under autocast (usp's engine without FSDP2's bf16 policy: P/G/K = 4/4/8, fp32
                parameters): the bf16 copy of each weight a matmul reads, 2 bytes, where alive
                (_autocast_copies: every layer's without recompute, else the LM head's; compiled
-               blocks or FP8 blocks none). Adds the "loss forward" peak: the copies + bf16 logits and
-               their fp32 copy (6 bytes per logit) beside the kept log-probs. train.fp8: the blocks'
+               blocks save their own casts, one set per micro batch in flight; FP8 blocks none).
+               Adds the "loss forward" peak: the copies + bf16 logits and their fp32 copy (6 bytes
+               per logit) beside the kept log-probs (not with the compiled loss). train.fp8: the blocks'
                linears cast their fp32 (or gathered bf16) weights to FP8 themselves, 1 byte + fp32
                scales (one per tensor, or per row and per column: rowwise), one layer's during a
                layer's backward (_fp8_copies); FSDP gathers them as without FP8.
@@ -64,7 +70,9 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                    earlier micro batches' gradients; with m = 1 none exist yet, the engine zeroes
                    them with set_to_none), on the stage with the LM head;
                  layer backward: the gradients + the ZeRO-3 gathered units + the layer being
-                   recomputed (full / selective recompute: its full set minus what was kept).
+                   recomputed (full / selective recompute: its full set minus what was kept); with
+                   m = 1, pp = 1 and no recompute only the head's and one layer's gradients when
+                   that moment, the first layer's backward, is the larger (_layer_backward).
                `peak_phase` names the winner; the terms of the other phase are 0 in the breakdown.
   overhead     a fixed allowance (CUDA/XPU context, NCCL and cuBLAS workspaces: 1 GiB; CPU:
                Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
@@ -96,12 +104,23 @@ SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
 FSDP_ACCUM_UNSHARDED_GRADS = True  # usp.engine.parallel.data.gradient_sync: no reduce-scatter on inner micro batches
 
+# train.compile (no TP): the compiled loss (usp/engine/loss.py) keeps the logits in the activation dtype and writes
+# their gradient in that dtype, one buffer; no fp32 log-probabilities, no fp32 copy at the loss forward.
+# Inductor's fused cross entropy as read from its graph. Checked on the H100 (docs/benchmarks.md): Llama-3.2 1B
+# compiled, 8 x 2048, peaked 59.38 GiB with the eager loss and 43.73 with this one, 15.65 GiB = 4 bf16 logits-sized
+# buffers less: the eager loss's fp32 log-probabilities + 2 fp32 buffers (6) against these 2.
+COMPILED_LOSS_BACKWARD_BUFFERS = 1
 LOSS_FORWARD_EXTRA_BYTES = 6  # per logit at the loss forward, besides the kept fp32 log-probs: bf16 logits + fp32 copy
-# train.compile: the kept activations of a compiled block (no recompute) / the eager count (inductor recomputes
-# norms and SwiGLU's pointwise ops in backward instead of keeping them). Fitted to one GPU run: Llama-3.2 1B,
-# micro batch 8 x seq 2048 on an H200, 59.4 GiB measured compiled where the eager count predicted 62.5
-# (docs/planner.md "Compile and FP8"). To refine from scripts/bench/gpu_session.py's rows.
-COMPILED_ACTIVATIONS = 0.876
+# train.compile, no recompute: what inductor's partitioner keeps of a dense block (compiled_block_bytes), read tensor by
+# tensor from the compiled block's saved tensors (scripts/bench/compiled_saved.py: CPU, torch 2.13, the Llama-3.2 1B
+# and 3B blocks at the GPU rows' shapes, 8 x 2048 and 2 x 2048 tokens): its input in the residual stream's dtype
+# (fp32 under autocast), the two norm outputs, q/k/v, the SDPA output, wo's output (x + attention(x) is recomputed
+# from it), SwiGLU's w1 and w3 outputs and their product, in the activation dtype; x·rstd and silu are recomputed.
+# It also keeps the bf16 cast of every weight (_autocast_copies). Under train.fp8 (torchao's Float8Linear, whose
+# autograd function saves the fp32 weight itself) it recomputes the linears' inputs (the norm outputs, the product)
+# and keeps no weight cast. The H100 rows it predicts (2026-11-27, docs/benchmarks.md "GPU session"; tensors,
+# measured / planned): 1B 8 x 1 1.002, 8 x 4 1.002, 3B 2 x 4 1.001, 1 x 4 1.009, FP8 2 x 4 1.00.
+AUTOCAST_RESIDUAL_BYTES = 4  # the residual stream under autocast: fp32 (the embedding's output, each residual add)
 
 TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "copies", "comm_buffers",
          "overhead")
@@ -264,12 +283,30 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
     kept, full = activation_values(arch, layout, profile)
-    if prec.compiled and layout.recompute == "none":
-        kept *= COMPILED_ACTIVATIONS
     ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
     kept_ring = ring if layout.recompute != "full" else 0
     scale = profile.activation_scale
-    return (s * b * kept * prec.act + scores + kept_ring) * scale, (s * b * full * prec.act + scores + ring) * scale
+    full_bytes = (s * b * full * prec.act + scores + ring) * scale
+    compiled = compiled_block_bytes(arch, layout, prec)
+    if compiled is not None:
+        return s * b * compiled * scale, full_bytes
+    return (s * b * kept * prec.act + scores + kept_ring) * scale, full_bytes
+
+
+def compiled_block_bytes(arch: Arch, layout: Layout, prec: Precision) -> float | None:
+    """Bytes per token a compiled dense block keeps without recompute (AUTOCAST_RESIDUAL_BYTES: what
+    inductor keeps and recomputes, measured); None where the eager count stands: eager, recompute, MoE or
+    CP (not measured compiled). Under TP the terms divide as the eager ones do (not measured either)."""
+    if not prec.compiled or layout.recompute != "none" or arch.moe or layout.cp > 1:
+        return None
+    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
+    autocast = prec.copy_bytes and not bf16_by_fsdp_policy(layout.dp_kind, layout.pp, 1)
+    block_input = h / t * (AUTOCAST_RESIDUAL_BYTES if autocast else prec.act)  # sequence-sharded under SP
+    attention = (2 * h + 2 * kv) / t  # q, k, v after RoPE, the SDPA output
+    wo_output = h  # a partial sum over the whole sequence under TP, as selective recompute counts it
+    swiglu = 2 * f / t  # the w1 and w3 outputs
+    linear_inputs = 0 if prec.fp8 != "off" else 2 * h + f / t  # the norm outputs (all-gathered under TP), w2's input
+    return block_input + (attention + wo_output + swiglu + linear_inputs) * prec.act
 
 
 def activation_formula(layout: Layout) -> str:
@@ -413,7 +450,8 @@ def _activations(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _
     return (full_set - kept if layout.recompute != "none" and h.layers else 0), one
 
 
-def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory, profile: Profile) -> float:
+def _logits(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMemory,
+            profile: Profile) -> float:
     """Kept log-probabilities (+ the stage output under pp) into st; returns the loss backward's
     extra buffers. A profile with loss_forward_bytes: that many bytes per logit at the loss forward
     (nanotron: the bf16 logits, their fp32 copy and its max-shifted copy), nothing extra after."""
@@ -424,12 +462,24 @@ def _logits(layout: Layout, seq_len: int, prec: Precision, h: _Held, st: StageMe
     if profile.loss_forward_bytes:
         st.logits = profile.loss_forward_bytes * tokens * h.vocab_pad / t
         return 0.0
-    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
     n_logits = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "afab" else 1
+    if compiled_loss(layout, prec):  # the logits (under pp: the stage output) kept, their gradient one more
+        one = prec.act * tokens * h.vocab_pad
+        st.logits = one * n_logits
+        # or the head's backward, which frees them: its weight's new gradient (fp32) before it is added into
+        # .grad, larger where a micro batch has fewer tokens than the model is wide (3B at micro batch 1: 0.49 GiB)
+        return max(one * COMPILED_LOSS_BACKWARD_BUFFERS, prec.grad * h.vocab_pad * arch.dim - st.logits)
+    one = 4 * tokens * h.vocab_pad / t  # fp32, vocab-parallel under TP
     st.logits = one * n_logits  # log-probabilities kept for backward
     if layout.pp > 1:  # and the stage output, the logits in the activation dtype, until its backward
         st.logits += tokens * h.vocab_pad / t * prec.act * n_logits
     return one * (VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS if t > 1 else LOSS_BACKWARD_BUFFERS)
+
+
+def compiled_loss(layout: Layout, prec: Precision) -> bool:
+    """Does the engine compile the loss? With the blocks (train.compile), unless TP shards the vocabulary
+    (usp/engine/loss.py)."""
+    return prec.compiled and layout.tp == 1
 
 
 def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
@@ -463,13 +513,16 @@ def _fp8_copies(arch: Arch, layout: Layout, prec: Precision) -> float:
     return fp8_layer_params(arch, layout) + scales
 
 
-def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> tuple[float, float, float]:
+def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held,
+                     in_flight: float) -> tuple[float, float, float]:
     """The bf16 copies autocast makes of the fp32 weights it feeds to matmuls, in bytes, alive at
     (the loss forward, the loss backward, a layer's backward). Each linear saves its copy for
     backward; without recompute autocast also caches it (usp.perf.specs.autocast_weight_cache), so
     a pipeline's in-flight micro batches share one copy, held for the whole step. A recomputed
     layer's copy lives within its own forward or backward: one layer's during a layer's backward.
-    Compiled blocks (train.compile) cast inside their graph, FP8 blocks (train.fp8) cast to FP8 themselves
+    Compiled blocks (train.compile) cast inside their graph and, without recompute, save every cast for
+    backward (compiled_block_bytes: measured), one per in-flight micro batch (each call of the
+    graph casts anew). FP8 blocks (train.fp8) cast to FP8 themselves and save the fp32 weight
     (_fp8_copies): only the eager LM head's copy counts. 0 where nothing is copied: fp32, bf16-stored
     parameters, or FSDP2's bf16 policy (gathered)."""
     b = prec.copy_bytes
@@ -477,12 +530,12 @@ def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held) -> t
         return 0.0, 0.0, 0.0
     tied_head = arch.tie_embeddings and layout.pp == 1 and h.holds_head  # the head casts the embedding
     head = b * (h.emb if tied_head else max(0.0, h.head - arch.dim))  # its weight, not the final norm's
-    if prec.compiled or prec.fp8 != "off":
+    if prec.fp8 != "off":
         return head, head, 0.0
     layer = b * (h.dense_layer + h.expert_layer)
-    if not autocast_weight_cache(layout.recompute):
+    if not autocast_weight_cache(layout.recompute):  # eager or compiled: the recomputed layer casts again
         return head, head, layer
-    every = head + h.layers * layer
+    every = head + h.layers * layer * (in_flight if prec.compiled else 1)
     return every, every, (every if layout.pp > 1 else 0.0)
 
 
@@ -497,17 +550,19 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
                      activation_per_layer=0.0)
     grads = _model_states(arch, layout, prec, h, st, profile)
     recompute, one_micro_batch = _activations(arch, layout, seq_len, prec, h, st, profile)
-    loss_extra = _logits(layout, seq_len, prec, h, st, profile)
+    loss_extra = _logits(arch, layout, seq_len, prec, h, st, profile)
     gathered = _gathered(layout, prec, h)
-    copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h)
+    copies_fwd, copies_loss, copies_layer = _autocast_copies(arch, layout, prec, h, st.in_flight)
     copies_layer += _fp8_copies(arch, layout, prec) if h.layers else 0.0
     # The peak: the loss backward (no gradient exists yet unless earlier micro batches left some), a
     # layer's backward (gradients, ZeRO-3's gathered units, the recomputed layer) or, under autocast,
-    # the loss forward (every cached weight copy), whichever is largest.
+    # the loss forward (every cached copy, the bf16 logits + their fp32 copy), whichever is largest.
+    layer_grads, layer_copies = _layer_backward(arch, layout, h, grads, (copies_loss, copies_layer), st)
+    layer_phase = layer_grads + layer_copies + gathered + recompute
     earlier_grads = grads if layout.grad_accum > 1 else 0
     loss_phase = loss_extra + copies_loss + earlier_grads
-    # autocast: at the loss forward every cached copy and the bf16 logits + their fp32 copy are alive
-    fwd_extra = LOSS_FORWARD_EXTRA_BYTES * (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    logits_here = (seq_len / layout.cp) * layout.micro_batch * h.vocab_pad / layout.tp
+    fwd_extra = 0.0 if compiled_loss(layout, prec) else LOSS_FORWARD_EXTRA_BYTES * logits_here
     fwd_phase = copies_fwd + fwd_extra + earlier_grads if copies_fwd and h.holds_head else 0.0
     if grads_freed_per_micro_batch(layout, profile):
         # the low-precision gradients live only within one micro batch's backward: its start holds
@@ -527,20 +582,19 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.logits += loss_extra
         st.gradients, st.gathered = grads, gathered
         st.activations += recompute
-    elif fwd_phase > max(loss_phase, grads + gathered + recompute + copies_layer):
+    elif fwd_phase > max(loss_phase, layer_phase):
         st.peak_phase = "loss forward"
         st.logits += fwd_extra
         st.gradients, st.copies = earlier_grads, copies_fwd
-    elif h.holds_head and loss_phase > grads + gathered + recompute + copies_layer:
+    elif h.holds_head and loss_phase > layer_phase:
         st.peak_phase = "loss backward"
         st.logits += loss_extra
         st.gradients, st.copies = earlier_grads, copies_loss
     else:
         st.peak_phase = "layer backward"
-        st.gradients, st.gathered, st.copies = grads, gathered, copies_layer
+        st.gradients, st.gathered, st.copies = layer_grads, gathered, layer_copies
         st.activations += recompute
-    if ddp_buckets(layout, profile):
-        st.comm_buffers = prec.grad * h.params
+    st.comm_buffers = prec.grad * h.params if ddp_buckets(layout, profile) else 0.0
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
     st.overhead = fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal
     st.total = subtotal + st.overhead
@@ -664,6 +718,30 @@ def build_peak(arch: Arch, layout: Layout, hw: Hardware, load_bytes: int = 0) ->
     return max((build_memory(arch, layout, hw, r, load_bytes) for r in ranks), key=lambda b: b.total)
 
 
+def _layer_backward(arch: Arch, layout: Layout, h: _Held, grads: float, copies: tuple[float, float],
+                    st: StageMemory) -> tuple[float, float]:
+    """(gradients, weight copies) at the worst layer's backward; copies: (alive at the loss backward, at a
+    layer's backward). With gradient accumulation (grad_accum > 1, so every pipeline) earlier micro
+    batches left every gradient alive. Without it (pp = 1) the gradients appear as the backward walks
+    down the layers while each layer frees what it kept: the first layer's backward holds only the LM
+    head's gradient (tied: the embedding's) and its own beside every kept activation and weight copy;
+    where that moment is the larger (a layer keeps more than its gradient), it is the peak. Otherwise
+    the last layers' backward is, counted as every gradient beside every kept activation: the
+    activations freed by then stand for the transients the count leaves out. So is every recomputed
+    layout's (its layer backward also holds the recomputed set and the gradients flowing through it:
+    on CPU, recompute layouts at a byte vocabulary peak up to 3.5 % above the count, docs/benchmarks.md).
+    Measured on the H100 (docs/benchmarks.md): Llama-3.2 3B compiled at 2 x 1 peaks 11.97 GiB, its fp32
+    gradients, below 2 x 4; every gradient beside every kept activation put it 5.6 GiB above."""
+    if layout.grad_accum > 1 or layout.pp > 1 or layout.recompute != "none" or not h.layers:
+        return grads, copies[1]
+    tied_here = arch.tie_embeddings and h.holds_emb  # the head's backward writes the embedding's gradient
+    first = grads * (h.head + (h.emb if tied_here else 0.0) + h.dense_layer + h.expert_layer) / h.params
+    last_freed = st.activation_per_layer * (h.layers - 1)
+    if first + copies[0] >= grads - last_freed + copies[1]:
+        return first, copies[0]
+    return grads, copies[1]
+
+
 def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
     """Does the profile's recipe free the low-precision gradients after each micro batch's backward
     at this layout (nanotron: once added into its fp32 accumulation buffer), so that they never meet
@@ -725,8 +803,13 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         f"data parallel: {layout.dp_label() if profile.data_parallel == 'usp' else profile.data_parallel}, "
         f"ZeRO-{zero} sharded over {shards} rank(s)",
         f"activations: {activation_formula(layout)}" + (
-            "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)"),
+            "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)")
+        if compiled_block_bytes(arch, layout, prec) is None else "activations: what a compiled block keeps, "
+        "s·b·(4h + act·(5h + 2kv + 3f)) bytes per layer (its fp32 input; train.fp8: not the norm outputs nor "
+        "w2's input, 2h + f) + every weight's bf16 cast (docs/planner.md)",
         f"logits: {profile.loss_forward_bytes:g} bytes per logit at the loss forward" if profile.loss_forward_bytes
+        else f"logits: compiled loss, the logits kept in {prec.act:g}-byte values, + {COMPILED_LOSS_BACKWARD_BUFFERS} "
+        "such buffer (their gradient) while the loss is differentiated" if compiled_loss(layout, prec)
         else f"logits: fp32 log-probabilities kept, + {LOSS_BACKWARD_BUFFERS} such buffers "
         f"({VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS} vocab-parallel) while the loss is differentiated",
         f"peak at the {stages[peak].peak_phase}: the low-precision gradients are freed after each micro batch's "

@@ -48,7 +48,7 @@ class Profile:
     zero1_once_per_step: bool = False  # ZeRO-1 with TP/PP: one gradient reduction + all-gather per step (not FSDP2)
     optimizer_bytes_per_param: int = 34  # AdamW (+ clipping) streams fp32 master, m, v, the gradient, writes bf16
     # train.compile applies to the recipe (usp's blocks through torch.compile): eager blocks pay the cluster's
-    # eager_overhead, compiled ones keep usp.perf.memory.COMPILED_ACTIVATIONS; False: the recipe's own fused
+    # eager_overhead, compiled ones keep usp.perf.memory.compiled_block_bytes; False: the recipe's own fused
     # kernels (nanotron: flash attention, fused norms), neither
     follows_compile: bool = True
 

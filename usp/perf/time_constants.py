@@ -48,6 +48,10 @@ class TimeConstants:
     # train.compile off: an eager micro batch takes (1 + eager_overhead) x a compiled one's time (unfused
     # elementwise kernels, launches); measured per GPU (docs/planner.md "Compile and FP8"); 0 = not modelled
     eager_overhead: float = 0.0
+    # where the loss runs eagerly (train.compile off, or TP's vocab-parallel loss): its extra time per logit
+    # over the compiled loss (usp/engine/loss.py), which reads the bf16 logits once where eager writes and
+    # reads fp32 copies; measured per GPU like eager_overhead; 0 = not modelled
+    eager_loss_ps_per_logit: float = 0.0
     # train.fp8: a converted matmul reaches fp8_efficiency x kernel_efficiency of the FP8 peak (its casts and
     # scales included); 1.0 = uncalibrated (the same share of its peak as a bf16 matmul)
     fp8_efficiency: float = 1.0

@@ -7,7 +7,8 @@ Model, per optimizer step:
 
   compute     per micro batch on the busiest pp rank: sum over its matmuls of FLOPs / (peak x
               kernel efficiency) + a fixed cost per layer (launches, host); x (1 + eager_overhead)
-              unless train.compile (unfused elementwise kernels); under train.fp8 the blocks'
+              unless train.compile (unfused elementwise kernels), + eager_loss_ps_per_logit per
+              logit where the loss runs eagerly (compile off, or TP); under train.fp8 the blocks'
               linears run at the FP8 peak x kernel efficiency x fp8_efficiency (attention scores
               and the LM head stay bf16; MFU and HFU stay against the bf16 peak, as torchtitan's). FLOPs per token per
               layer: 6·(matmul weights)/t + 12·h·s/t (attention scores, playbook convention; a
@@ -47,7 +48,7 @@ from functools import lru_cache
 
 from usp.errors import PlanError
 from usp.perf.layout import MESH_DIMS
-from usp.perf.memory import ZERO_BUBBLE, peak_bytes, stage_layer_counts
+from usp.perf.memory import ZERO_BUBBLE, compiled_loss, peak_bytes, stage_layer_counts
 from usp.perf.profile import PROFILES, Profile
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 
@@ -216,6 +217,7 @@ class TimeShape:
     memory_fraction: float = 0.0  # predicted peak of the fullest stage / device memory (the p2p stall)
     logits_mb: float = 0.0  # logits the busiest pp rank's loss handles per micro batch (tokens x vocabulary/tp)
     compiled: bool = False  # train.compile: no eager_overhead
+    compiled_loss: bool = False  # the loss compiled too (not under TP): no eager_loss_ps_per_logit
     fp8_peak: float = 0.0  # FLOP/s of the FP8 matmuls (FP8_MATMULS) under train.fp8; 0 = off
 
     @property
@@ -303,8 +305,9 @@ def _compute(shape: TimeShape, hw: Hardware) -> tuple[float, float, float, dict]
                                      / (fp8_speedup if name in FP8_MATMULS else 1.0)
                                      for name, f, _, again in shape.matmuls) / rate
     loss_s = 1e-12 * c.loss_ps_per_logit * shape.logits_mb
+    eager_loss_s = 0.0 if shape.compiled_loss else 1e-12 * c.eager_loss_ps_per_logit * shape.logits_mb
     mb_s = matmul_s + 1e-6 * c.layer_overhead_us * shape.layers_r + loss_s
-    return mb_s * (1 if shape.compiled else 1 + c.eager_overhead), matmul_s, sat_tok, sat_dims
+    return mb_s * (1 if shape.compiled else 1 + c.eager_overhead) + eager_loss_s, matmul_s, sat_tok, sat_dims
 
 
 def _bubble(layout: Layout) -> float:
@@ -482,6 +485,7 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
                      memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak),
                      logits_mb=tokens_mb * mats[-1][2] if mats[-1][0] == "head" else 0.0,
                      compiled=prec.compiled or not profile.follows_compile,
+                     compiled_loss=compiled_loss(layout, prec) or not profile.follows_compile,
                      fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0)
 
 
@@ -590,6 +594,9 @@ def _assumptions(layout: Layout, hw: Hardware, prec: Precision, shape: TimeShape
     ]
     if c.eager_overhead and not shape.compiled:
         out.append(f"eager blocks (train.compile off): + {c.eager_overhead:.0%} per micro batch over compiled ones")
+    if c.eager_loss_ps_per_logit and not shape.compiled_loss and shape.logits_mb:
+        out.append(f"eager loss ({'TP: vocab-parallel' if shape.compiled else 'train.compile off'}): "
+                   f"+ {c.eager_loss_ps_per_logit:.3g} ps per logit over the compiled loss")
     if shape.fp8_peak:
         out.append(f"train.fp8={prec.fp8}: the blocks' linears at {shape.fp8_peak / 1e12:.0f} TFLOP/s FP8 peak x "
                    f"fp8_efficiency {c.fp8_efficiency:.2f}"

@@ -749,7 +749,7 @@ CLUSTER_FIELD_RULES = [
     *(_real(f"{TIMING}{k}", 0) for k in (
         "kernel_half_tokens", "kernel_half_dim", "intra_hop_us", "inter_hop_us", "call_overhead_us", "p2p_us",
         "layer_overhead_us", "step_overhead_ms", "p2p_stall_ms", "optimizer_gbps", "loss_ps_per_logit",
-        "eager_overhead")),
+        "eager_overhead", "eager_loss_ps_per_logit")),
     *(_real(f"{TIMING}{k}", 0, lo_open=True) for k in (
         "p2p_stall_nodes", "p2p_stall_headroom", "p2p_stall_exp", "fp8_efficiency")),
     _real(f"{TIMING}calibrated.ratio_p10", 0, lo_open=True, meaning=" (predicted / measured MFU)"),

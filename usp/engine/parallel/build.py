@@ -89,14 +89,15 @@ def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
     """This rank's stages of plan["pipeline"] and the schedule that runs them."""
     # imported here: torch.distributed.pipelining costs ~1 s of start-up per process (measured),
     # which only pipelined runs need to pay
-    from usp.engine.parallel.pipeline import build_pipeline, lm_loss
+    from usp.engine.loss import training_loss
+    from usp.engine.parallel.pipeline import build_pipeline
 
     pipe = plan["pipeline"]
     mine = pipe["rank_stages"][ctx.coords["pp"]]
     n_stages = len(pipe["stage_layers"])
 
     schedule, wrapped = build_pipeline(build, pipe["stage_layers"], mine, ctx.group("pp"), ctx.device,
-                                       int(pipe["n_microbatches"]), pipe["schedule"], lm_loss,
+                                       int(pipe["n_microbatches"]), pipe["schedule"], training_loss(plan),
                                        parallelize_fn=lambda stage: parallelize(stage, plan, ctx))
     tied = tied_embedding(ctx, list(mine), wrapped, pipe["rank_stages"], plan["ranks"]) \
         if plan["config"]["model"].get("tie_embeddings") else None

@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
@@ -54,6 +53,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from usp.engine.loss import lm_loss
 from usp.models.moe import moe_layers
 
 if TYPE_CHECKING:  # parallel/build.py builds the parts with build_pipeline (below)
@@ -68,13 +68,6 @@ SCHEDULE_CLASSES = {
     "zbv": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE = ("afab", "1f1b")
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of one micro batch: logits (b, s, vocab), targets (b, s).
-    Computed in at least float32 (bf16 logits are upcast, float64 stays float64)."""
-    logits = logits.flatten(0, 1)
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
 
 
 def build_stage_module(model: nn.Module, layer_ids: Sequence[int], is_first: bool, is_last: bool) -> nn.Module:
@@ -131,7 +124,7 @@ class _Stage(PipelineStage):
 def build_pipeline(model_factory: Callable[[], nn.Module], stage_layer_ids: Sequence[Sequence[int]],
                    stage_indices: Sequence[int], pp_group: dist.ProcessGroup, device: torch.device,
                    n_microbatches: int, schedule_name: str,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    parallelize_fn: Callable[[nn.Module], nn.Module] = lambda m: m,
                    ) -> tuple[object, list[nn.Module]]:
     """Build this rank's stages and the schedule that runs them.
@@ -207,7 +200,7 @@ def pipeline_eval(parts: ModelParts, ctx: DistContext, x: torch.Tensor, y: torch
         if me == owner:
             h = modules[stage](x if stage == 0 else h)
             if stage == n_stages - 1:
-                loss = _float(F.cross_entropy(h.flatten(0, 1).float(), y.flatten(0, 1)))
+                loss = _float(lm_loss(h, y))
     return _broadcast(parts, ctx, loss)
 
 
