@@ -718,13 +718,13 @@ def build_memory(arch: Arch, layout: Layout, hw: Hardware, r: int, load_bytes: i
     h = _held(arch, layout, r, PROFILES["usp"])
     params = sharded_params(arch, layout, h, layout.shard_degree) if layout.zero_stage >= 2 else h.params
     name, largest = largest_parameter(arch, h)
+    read: float = 0.0
     if load_bytes:
         part, experts = _largest_part(arch, layout, h)
         read = load_bytes * part * (2 if experts else 1)
         padded = h.vocab_pad > arch.vocab_size and (h.holds_emb or h.head > arch.dim)
         transient = max(read, BUILD_PARAM_BYTES * h.vocab_pad * arch.dim if padded else 0)
     else:
-        read = 0
         transient = BUILD_PARAM_BYTES * largest * (DTENSOR_TRANSIENT if uses_dtensors(layout) else 1.0)
     parameters = BUILD_PARAM_BYTES * params
     overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * (
