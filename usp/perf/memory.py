@@ -723,7 +723,7 @@ def build_memory(arch: Arch, layout: Layout, hw: Hardware, r: int, load_bytes: i
         part, experts = _largest_part(arch, layout, h)
         read = load_bytes * part * (2 if experts else 1)
         padded = h.vocab_pad > arch.vocab_size and (h.holds_emb or h.head > arch.dim)
-        transient = max(read, BUILD_PARAM_BYTES * h.vocab_pad * arch.dim if padded else 0)
+        transient = max(read, float(BUILD_PARAM_BYTES * h.vocab_pad * arch.dim) if padded else 0.0)
     else:
         transient = BUILD_PARAM_BYTES * largest * (DTENSOR_TRANSIENT if uses_dtensors(layout) else 1.0)
     parameters = BUILD_PARAM_BYTES * params
