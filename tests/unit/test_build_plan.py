@@ -144,17 +144,24 @@ def test_each_pipeline_stage_builds_its_own_largest_parameter():
     assert moe.largest.endswith("experts.w1") and moe.largest_params == 8 * 14336 * 4096  # drawn whole under EP
 
 
-def test_the_load_adds_the_checkpoints_read_buffer():
-    """model.init_from reads the parameter's checkpoint tensor whole (bf16: 2 bytes a value) besides
-    the fp32 value the rank cuts its part from; stacked experts are read and stacked: twice."""
+def test_the_load_reads_only_the_ranks_part():
+    """model.init_from replaces the init: each rank reads only its part of each parameter (bf16: 2
+    bytes a value), no whole fp32 value; stacked experts are read expert by expert, then stacked."""
     lay = Layout(dp_shard=8)
-    assert build_memory(DENSE, lay, CPU8, 0, load_bytes=2).read_buffer == 2 * 4096 * 1024
-    assert build_memory(DENSE, lay, CPU8, 0, load_bytes=2).transient == \
-        build_memory(DENSE, lay, CPU8, 0).transient + 2 * 4096 * 1024
+    loaded = build_memory(DENSE, lay, CPU8, 0, load_bytes=2)
+    assert loaded.read_buffer == loaded.transient == 2 * 4096 * 1024 / 8  # the embedding's eighth
+    assert loaded.transient < build_memory(DENSE, lay, CPU8, 0).transient
     moe = build_memory(MIXTRAL, Layout(pp=4, dp_shard=16, ep=8), CPU8, 1, load_bytes=2)
-    assert moe.read_buffer == 2 * 2 * 8 * 14336 * 4096
+    assert moe.read_buffer == 2 * 2 * 14336 * 4096  # one local expert (padded over 2 ranks), read then stacked
     assert checkpoint_value_bytes({"torch_dtype": "bfloat16"}) == 2
     assert checkpoint_value_bytes({"dtype": "float32"}) == checkpoint_value_bytes({}) == 4
+
+
+def test_a_padded_vocabulary_draws_the_embeddings_whole_init_under_the_load():
+    """TP pads the vocabulary: the rows the checkpoint lacks keep the model's own init, drawn whole in fp32."""
+    arch = Arch("odd_vocab", 1024, 4, 16, 8, 4096, 4099, True)
+    b = build_memory(arch, Layout(tp=2, dp_shard=4), CPU8, 0, load_bytes=2)
+    assert b.transient == 4 * 4100 * 1024 > b.read_buffer
 
 
 def test_a_plan_with_init_from_counts_the_checkpoints_dtype(tmp_path):
@@ -165,8 +172,8 @@ def test_a_plan_with_init_from_counts_the_checkpoints_dtype(tmp_path):
     model = dict(plain.config["model"])
     (ckpt / "config.json").write_text(json.dumps(hf_config(model, 512, 128, "bfloat16")))
     loaded = plan_for(*base, f"model.init_from={ckpt}")
-    b, b0 = loaded.memory.stages[0].build, plain.memory.stages[0].build
-    assert b.read_buffer == 2 * b.largest_params and b.transient == b0.transient + b.read_buffer
+    b = loaded.memory.stages[0].build
+    assert b.read_buffer == b.transient == 2 * 512 * 128 / 2  # bf16, the embedding's half on each of 2 ranks
     assert any("model.init_from reads it (2 B/value)" in a for a in loaded.memory.assumptions)
 
 

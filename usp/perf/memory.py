@@ -616,14 +616,14 @@ DTENSOR_TRANSIENT = 2.0
 class BuildMemory:
     """One rank of a pp rank while the engine builds its part (usp/engine/parallel/materialize.py:
     its shards allocated, then every parameter's whole value made and cut one at a time), or loads
-    model.init_from the same way (usp/engine/hf_checkpoint.py)."""
+    model.init_from into them, each rank reading its own part (usp/engine/hf_checkpoint.py)."""
 
     params: float  # elements this rank allocates: its shards (FSDP2 kinds), else its stages whole
     parameters: float  # their bytes (fp32)
     largest: str  # the largest parameter the rank holds, by name (its whole tensor is made at once)
     largest_params: int  # that whole tensor's elements
-    read_buffer: float  # model.init_from: that parameter's checkpoint tensor(s) as read (stacked experts: twice)
-    transient: float  # bytes alive besides the parameters: the whole fp32 value (x DTENSOR_TRANSIENT) + read_buffer
+    read_buffer: float  # model.init_from: the largest part of a parameter as read (stacked experts: twice)
+    transient: float  # bytes alive besides the parameters: the whole fp32 value (x DTENSOR_TRANSIENT), or the load's
     overhead: float
     total: float
 
@@ -693,19 +693,40 @@ def uses_dtensors(layout: Layout) -> bool:
     return layout.tp > 1 or layout.dp_kind in ("fsdp", "hsdp", "replicate", "zero1_fsdp")
 
 
+def _largest_part(arch: Arch, layout: Layout, h: _Held) -> tuple[int, bool]:
+    """(elements, routed experts?) of the largest part of one parameter the rank holds: what
+    model.init_from reads of it (an FSDP2 shard: ceil(rows / n) rows)."""
+    zero, n = layout.zero_stage, layout.shard_degree
+    ep = max(1, layout.ep) if arch.moe else 1
+    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    parts = [(-(-rows // ((n_exp if expert else n) if zero >= 2 else 1)) * cols, expert)
+             for rows, cols, _, expert in h.tensors]
+    return max(parts, default=(0, False))
+
+
 def build_memory(arch: Arch, layout: Layout, hw: Hardware, r: int, load_bytes: int = 0) -> BuildMemory:
     """What one rank of pp rank r holds while it builds (module docstring of BuildMemory): its
     parameters as allocated (sharded where FSDP2 shards them: ZeRO-2/3, HSDP, ZeRO-1 over TP/PP;
-    whole under DDP, DDP + ZeRO-1 and a single process) + the largest parameter's whole fp32 value
-    while it is cut (x DTENSOR_TRANSIENT for a DTensor) + under model.init_from the checkpoint's
-    tensor(s) of that parameter (load_bytes per value, 0: no load) + the fixed overhead and
-    fragmentation of the training peak's. The engine's build, whatever the planner's profile."""
+    whole under DDP, DDP + ZeRO-1 and a single process) + the fixed overhead and fragmentation of the
+    training peak's, and on top the transient of its initialisation: the largest parameter's whole
+    fp32 value while its part is cut (x DTENSOR_TRANSIENT for a DTensor). model.init_from
+    (load_bytes per value, 0: none) replaces that init: each rank reads only its part of each
+    parameter (usp/engine/hf_checkpoint.py, safetensors slices), so the transient is the largest part
+    as read (Mixtral's experts read one by one, then stacked: twice), or, where tensor parallelism
+    pads the vocabulary, the embedding's whole fp32 init whose padded rows the rank keeps, whichever
+    is larger. The engine's build, whatever the planner's profile."""
     h = _held(arch, layout, r, PROFILES["usp"])
     params = sharded_params(arch, layout, h, layout.shard_degree) if layout.zero_stage >= 2 else h.params
     name, largest = largest_parameter(arch, h)
-    read = load_bytes * largest * (2 if name.endswith("experts.w1") else 1)  # the experts' tensors + their stack
-    value = BUILD_PARAM_BYTES * largest * (DTENSOR_TRANSIENT if uses_dtensors(layout) else 1.0)
-    parameters, transient = BUILD_PARAM_BYTES * params, value + read
+    read: float = 0.0
+    if load_bytes:
+        part, experts = _largest_part(arch, layout, h)
+        read = load_bytes * part * (2 if experts else 1)
+        padded = h.vocab_pad > arch.vocab_size and (h.holds_emb or h.head > arch.dim)
+        transient = max(read, float(BUILD_PARAM_BYTES * h.vocab_pad * arch.dim) if padded else 0.0)
+    else:
+        transient = BUILD_PARAM_BYTES * largest * (DTENSOR_TRANSIENT if uses_dtensors(layout) else 1.0)
+    parameters = BUILD_PARAM_BYTES * params
     overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * (
         parameters + transient)
     return BuildMemory(params, parameters, name, largest, read, transient, overhead, parameters + transient + overhead)
@@ -819,9 +840,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         "backward's gradients + gathered units + recomputed layer",
         f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
         "(not tensor memory)",
-        f"build: the rank's parameters as allocated (fp32; its shards under FSDP2) + the largest one's whole fp32 "
-        f"value while its part is cut ({DTENSOR_TRANSIENT:g}x for a sharded DTensor)"
-        + (f" + its checkpoint tensor as model.init_from reads it ({load_bytes} B/value)" if load_bytes else ""),
+        "build: the rank's parameters as allocated (fp32; its shards under FSDP2) + "
+        + (f"the largest part of one parameter as model.init_from reads it ({load_bytes} B/value)" if load_bytes else
+           f"the largest one's whole fp32 value while its part is cut ({DTENSOR_TRANSIENT:g}x for a sharded DTensor)"),
     ]
     if profile.accum_bytes_per_token_h and layout.pp == 1 and layout.grad_accum > 1:
         assumptions.append(f"gradient accumulation on the whole model: + {profile.accum_bytes_per_token_h:g} bytes "

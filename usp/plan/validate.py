@@ -125,14 +125,14 @@ def build_oom_error(mem, layout: Layout) -> PlanError:
     st = mem.stages[mem.build_peak_stage]
     b, cap = st.build, mem.capacity_gib * GIB
     where = "every rank" if layout.pp == 1 else f"pipeline stage {st.stage}'s ranks"
-    read = f", {b.read_buffer / GIB:.1f} GiB of it the checkpoint's tensor as model.init_from reads it" \
-        if b.read_buffer else ""
+    what = "the largest part of one parameter as model.init_from reads it (or a padded vocabulary's init)" \
+        if b.read_buffer else (f"the largest one, {b.largest} with {b.largest_params:,} values, made whole in "
+                               "fp32 while its part is cut")
     msg = (f"predicted out of memory while the model is built: {b.total / GIB:.1f} GiB on {where} before training "
-           f"starts (its parameters {b.parameters / GIB:.1f} GiB; the largest one, {b.largest} with "
-           f"{b.largest_params:,} values, made whole in fp32 while its part is cut, {b.transient / GIB:.1f} GiB"
-           f"{read}; overhead {b.overhead / GIB:.1f} GiB), but a {mem.device_name} has {mem.capacity_gib:g} GiB "
+           f"starts (its parameters {b.parameters / GIB:.1f} GiB; {what}, {b.transient / GIB:.1f} GiB; overhead "
+           f"{b.overhead / GIB:.1f} GiB), but a {mem.device_name} has {mem.capacity_gib:g} GiB "
            "(cluster.device_memory_gb)")
-    if b.total - b.parameters > cap:  # every rank makes that whole tensor: sharding more can't help
+    if b.total - b.parameters > cap and not b.read_buffer:  # every rank makes that whole tensor: sharding can't help
         fix = (f"a device with more than {(b.total - b.parameters) / GIB:.1f} GiB (another cluster group, or "
                "cluster.device_memory_gb if yours has more); --force plans it anyway")
     else:
