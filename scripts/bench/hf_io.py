@@ -102,7 +102,8 @@ def python(code: str, *args: str, timeout: float = 3600) -> str:
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{code.strip().splitlines()[0]} ...: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc.stdout.strip().splitlines()[-1]
+    lines = proc.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def make_hf(directory: Path, runs: str) -> Path:

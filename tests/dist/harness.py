@@ -8,6 +8,7 @@ named by USP_CASE_RESULTS. The pytest side calls `launch(script, nproc)` and get
 reset, rendezvous failure) is retried once, and says so."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -75,6 +76,9 @@ def run_cases(cases: dict) -> None:
         if path and (rank == 0 or not result["ok"]):
             with open(path, "a") as f:
                 f.write(json.dumps({"case": name, "rank": rank, **result}, default=float) + "\n")
+    # As the engine's teardown: collect first, so no pipeline schedule's send/recv work is left for
+    # interpreter shutdown to free (a rank aborted at exit, after its cases, once in CI under load).
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
