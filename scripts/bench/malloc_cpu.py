@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""What glibc's mmap threshold costs a CPU rank: CPU seconds per rank and step, and the net peak.
+
+Trains a 130 M-parameter Llama (model=tiny, dim 1024, 8 layers, 16/8 heads, ffn 4096; SGD, seq_len
+64, global batch 4, micro batch 1) over 4 FSDP ranks for 10 steps, once per threshold given (each
+value is set as MALLOC_MMAP_THRESHOLD_ for every rank, which the launcher then leaves alone), in
+the order given, so alternating values share the machine's load. Each rank process's CPU time
+(utime + stime, /proc/<pid>/stat) is read when metrics.jsonl first shows step 2 and step 10; the
+difference over 8 steps is the cost per step. VmHWM is sampled as build_memory.py does, minus the
+same run with model=tiny (0.95 M parameters).
+
+    python scripts/bench/malloc_cpu.py --thresholds 1048576 4194304 1048576 4194304
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+import build_memory as bm  # noqa: E402
+
+WORLD = 4
+BIG = ["model.dim=1024", "model.n_layers=8", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_dim=4096"]
+RUN = ["optimizer=sgd", "parallelism.dp_shard=4", "cluster.procs_per_node=4", "train.seq_len=64",
+       "train.global_batch=4", "train.micro_batch=1", "train.steps=10", "train.log_interval=1",
+       "logging.console=plain"]
+FIRST, LAST = 2, 10
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _last_step(metrics: Path) -> int:
+    step = 0
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                step = max(step, int(json.loads(line).get("step") or 0))
+            except ValueError:
+                continue  # a line being written
+    return step
+
+
+def run(usp: str, threshold: int, runs: Path, name: str, model: list[str]) -> dict:
+    """{rank: {"cpu": {step: seconds}, "hwm": bytes}} of one `usp train`."""
+    from usp.run.files import metrics_path
+
+    env = dict(os.environ, COLUMNS="200", MALLOC_MMAP_THRESHOLD_=str(threshold))
+    cmd = [usp, "train", "model=tiny", *model, *RUN, f"train.runs_dir={runs}", f"train.name={name}"]
+    ranks: dict[int, dict] = {}
+    pid_rank: dict[int, int] = {}
+    with open(runs / f"{name}.out", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while proc.poll() is None:
+            step = _last_step(metrics_path(runs / name))
+            for pid in bm._descendants(proc.pid):
+                if pid not in pid_rank:
+                    rank = bm._rank_of(pid)
+                    if rank is None:
+                        continue
+                    pid_rank[pid] = rank
+                info = ranks.setdefault(pid_rank[pid], {"cpu": {}})
+                cpu, hwm = _cpu_s(pid), bm._status_kib(pid, "VmHWM")
+                if cpu is not None and step in (FIRST, LAST) and step not in info["cpu"]:
+                    info["cpu"][step] = cpu
+                if hwm is not None:
+                    info["hwm"] = hwm * 1024
+            time.sleep(0.05)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: usp train exited {proc.returncode}; its output: {log.name}")
+    return ranks
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--thresholds", nargs="+", type=int, default=[1 << 20, 4 << 20, 1 << 20, 4 << 20])
+    p.add_argument("--usp", default=str(Path(sys.executable).parent / "usp"))
+    opts = p.parse_args()
+    rows, lines = [], []
+    with tempfile.TemporaryDirectory(prefix="usp-malloc-cpu-") as tmp:
+        runs = Path(tmp)
+        plan = _common.plan_for(["model=tiny", *BIG, *RUN], WORLD, str(runs / "plans"))
+        planned = plan["memory"]["stages"][0]["total"]
+        for i, threshold in enumerate(opts.thresholds):
+            base = run(opts.usp, threshold, runs, f"base{i}", [])
+            big = run(opts.usp, threshold, runs, f"run{i}", BIG)
+            per_step = [(r["cpu"][LAST] - r["cpu"][FIRST]) / (LAST - FIRST) for r in big.values()
+                        if FIRST in r["cpu"] and LAST in r["cpu"]]
+            net = [(big[k]["hwm"] - base[k]["hwm"]) / bm.GIB for k in sorted(big)]
+            row = {"threshold": threshold, "cpu_s_per_rank_step": per_step, "net_peak_gib": net,
+                   "planned_gib": planned / bm.GIB}
+            rows.append(row)
+            lines.append(f"threshold {threshold}: CPU s per rank and step {min(per_step):.2f}-{max(per_step):.2f}, "
+                         f"net peak {min(net):.2f}-{max(net):.2f} GiB (planned {planned / bm.GIB:.2f}, "
+                         f"net / planned {min(net) * bm.GIB / planned:.2f}-{max(net) * bm.GIB / planned:.2f})")
+    _common.emit({"machine": _common.machine(), "results": rows}, opts, lines)
+
+
+if __name__ == "__main__":
+    main()
