@@ -129,16 +129,24 @@ def catching(pid: int, sig: signal.Signals) -> bool:
 @pytest.mark.timeout(900)
 def test_a_signal_while_the_ranks_load_torch_stops_them_before_the_first_step(tmp_path):
     """SIGTERM to usp as soon as the ranks catch it, before they have loaded torch (usp/engine/__init__.py
-    catches it first): no traceback, nothing trained or saved, and the run says so."""
-    proc = start(tmp_path, "early", 2)
-    run_dir, deadline = tmp_path / "early", time.time() + 120
-    while not (len(ranks := worker_pids(run_dir / "plan.yaml")) == 2
-               and all(catching(pid, signal.SIGTERM) for pid in ranks.values())):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
-        time.sleep(0.01)
-    loaded = [pid for pid in ranks.values() if "libtorch" in Path(f"/proc/{pid}/maps").read_text()]
+    catches it first): no traceback, nothing trained or saved, and the run says so. The window is the
+    second before torch's libraries are mapped: on a loaded machine this test's polling can miss it,
+    and then tries again with a new run (three tries)."""
+    for attempt in range(3):
+        proc = start(tmp_path, f"early{attempt}", 2)
+        run_dir, deadline = tmp_path / f"early{attempt}", time.time() + 120
+        while not (len(ranks := worker_pids(run_dir / "plan.yaml")) == 2
+                   and all(catching(pid, signal.SIGTERM) for pid in ranks.values())):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.01)
+        if not [pid for pid in ranks.values() if "libtorch" in Path(f"/proc/{pid}/maps").read_text()]:
+            break
+        send(proc, signal.SIGTERM, "usp")  # missed the window: stop this run (every rank) and try again
+        proc.communicate(timeout=300)
+    else:
+        pytest.fail("three tries saw the ranks catch SIGTERM only once they had loaded torch: the window "
+                    "this test is about was missed each time (or usp/engine/__init__.py no longer opens it)")
     send(proc, signal.SIGTERM, "usp")
-    assert not loaded, "the ranks had loaded torch already: this test is about the seconds before"
     out = proc.communicate(timeout=300)[0]
 
     assert proc.returncode == 75, out[-3000:]
