@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -257,11 +258,22 @@ def test_tied_embeddings_under_pp_stored_once_and_resharded(tmp_path, shakespear
     assert export_model(tmp_path / "tied_pp2").tied == {"output.weight": "tok_embeddings.weight"}
 
 
+DAMAGED_RUN = ["checkpoint.interval=3", "train.name=run"]
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory, shakespeare) -> Path:
+    """A run of 6 steps with checkpoints at steps 3 and 6, trained once and copied by each damage."""
+    runs = tmp_path_factory.mktemp("six_steps")
+    train(runs, "train.steps=6", *DAMAGED_RUN)
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "no_metadata", "corrupt_metadata"])
-def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, shakespeare, damage):
-    common = ["checkpoint.interval=3", "train.name=run"]
-    train(tmp_path, "train.steps=6", *common)
+def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, six_steps, damage):
+    common = DAMAGED_RUN
+    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
     first = losses(tmp_path / "run")
     newest = tmp_path / "run" / "checkpoints" / "step_00000006"
     if damage == "truncate":
