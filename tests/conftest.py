@@ -33,11 +33,11 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # --no-loadscope-reorder): starting these first keeps both cores busy to the end instead of leaving
 # one file running alone. Much of their time is single-process (CLI start-up, rank 0's reference,
 # Slurm scheduling), so two at once overlap well on two cores. A name that matches no file fails.
-LONGEST_FIRST = ("e2e/test_parallel.py", "e2e/test_checkpoint.py", "e2e/test_moe_checkpoint.py", "e2e/test_slurm.py",
-                 "e2e/test_training.py", "e2e/test_memory_calibration.py", "e2e/test_multinode.py",
-                 "e2e/test_bench_smoke.py", "e2e/test_hf_checkpoint.py", "e2e/test_export.py", "e2e/test_failures.py",
-                 "e2e/test_moe.py",
-                 "e2e/test_pipeline.py", "e2e/test_build.py", "e2e/test_context_parallel.py")
+LONGEST_FIRST = ("e2e/test_parallel.py", "e2e/test_checkpoint.py", "e2e/test_slurm.py", "e2e/test_interrupt.py",
+                 "e2e/test_moe_checkpoint.py", "e2e/test_training.py", "e2e/test_memory_calibration.py",
+                 "e2e/test_readme_examples.py", "e2e/test_multinode.py", "e2e/test_bench_smoke.py", "e2e/test_build.py",
+                 "e2e/test_port_taken.py", "e2e/test_hf_checkpoint.py", "e2e/test_export.py", "e2e/test_failures.py",
+                 "e2e/test_report.py", "e2e/test_moe.py", "e2e/test_pipeline.py", "e2e/test_context_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):
