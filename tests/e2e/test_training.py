@@ -1,16 +1,12 @@
 """Training on the real corpus through `usp train`: the loss falls, DDP on two processes gives one
-process's losses step by step, and a failing or interrupted run ends cleanly."""
+process's losses step by step, and a failing run ends cleanly (a Ctrl-C: tests/e2e/test_interrupt.py)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 
 import pytest
 
-from tests.helpers import USP, assert_same_losses, run_usp, train_in_process, usp_env
+from tests.helpers import assert_same_losses, run_usp, train_in_process
 from usp.engine.observe.metrics import read_metrics
 
 QUIET = ["logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0"]
@@ -74,21 +70,3 @@ def test_failing_rank_propagates_exit_code(tmp_path):
     proc = run_usp("train", "conf=tiny_ddp", "cluster.device=cuda", f"train.runs_dir={tmp_path}", *QUIET)
     assert proc.returncode != 0
     assert "no CUDA device" in proc.stderr and "per-rank logs" in proc.stderr
-
-
-@pytest.mark.distributed
-def test_ctrl_c_stops_every_rank(tmp_path, shakespeare):
-    env = usp_env()
-    proc = subprocess.Popen([USP, "train", "conf=tiny_ddp", "train.steps=100000", f"train.runs_dir={tmp_path}",
-                             "logging.console=plain", "train.log_interval=1"], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    for line in proc.stdout:  # wait until training is under way
-        if line.startswith("step 2/") or time.time() > deadline:
-            break
-    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-    assert proc.wait(timeout=60) != 0
-    time.sleep(1)
-    plan_path = str(tmp_path / "tiny_ddp" / "plan.yaml")
-    leftover = subprocess.run(["pgrep", "-f", plan_path], capture_output=True, text=True).stdout.split()
-    assert leftover == [], f"workers still running: {leftover}"
