@@ -54,6 +54,19 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     raise AssertionError(f"step {step} not reached")
 
 
+def kill_rank1_and_restart(run_dir: Path, proc: subprocess.Popen, after_step: int) -> dict:
+    """SIGKILL rank 1 once `after_step` is logged; the run (train.max_restarts=1) must restart and
+    complete. Returns the first restart event of logs/events.jsonl."""
+    wait_for_step(run_dir, after_step, proc)
+    os.kill(worker_pids(run_dir / "plan.yaml")[1], signal.SIGKILL)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out[-4000:]
+    events = [json.loads(line) for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
+    restart = [e for e in events if e["event"] == "restart"]
+    assert restart, events
+    return restart[0]
+
+
 def worker_pids(plan_path: Path) -> dict[int, int]:
     """{rank: pid} of the training processes of a run (not torchrun itself)."""
     out = {}
@@ -116,13 +129,7 @@ def test_kill9_of_a_rank_restarts_and_resumes(tmp_path, uninterrupted):
     from the last checkpoint and completes with the uninterrupted run's losses."""
     proc = spawn(tmp_path, *DDP_RUN, "checkpoint.interval=5", "train.max_restarts=1", "train.name=killed")
     run_dir = tmp_path / "killed"
-    wait_for_step(run_dir, 12, proc)
-    os.kill(worker_pids(run_dir / "plan.yaml")[1], signal.SIGKILL)
-    out = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, out[-4000:]
-    events = [json.loads(line) for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
-    restart = [e for e in events if e["event"] == "restart"]
-    assert restart and restart[0]["resumed_from_step"] >= 10
+    assert kill_rank1_and_restart(run_dir, proc, after_step=12)["resumed_from_step"] >= 10
     assert "resumed from" in (run_dir / "logs" / "rank_0.log").read_text()
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     assert_same(uninterrupted, losses(run_dir), range(1, STEPS + 1), 1e-6)

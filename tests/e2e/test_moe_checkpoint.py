@@ -7,15 +7,12 @@ Mixtral-shaped tiny model (untied head, grouped-query attention) trained under e
 exports to a MixtralForCausalLM with usp's logits. The default moe_tiny: load-balancing loss on."""
 from __future__ import annotations
 
-import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.test_checkpoint import assert_same, spawn, train, wait_for_step, worker_pids
+from tests.e2e.test_checkpoint import assert_same, kill_rank1_and_restart, spawn, train
 from tests.helpers import losses, usp_cli
 from usp.run.files import read_plan
 
@@ -81,13 +78,7 @@ def test_ep_checkpoint_holds_whole_experts_and_resumes_under_ep4_one_process_and
 def test_kill9_of_an_ep_rank_restarts_and_resumes_exactly(tmp_path, ep2_run):
     proc = spawn(tmp_path, *EP2, "train.max_restarts=1", "train.name=killed")
     run_dir = tmp_path / "killed"
-    wait_for_step(run_dir, 6, proc)
-    os.kill(worker_pids(run_dir / "plan.yaml")[1], signal.SIGKILL)
-    out = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, out[-4000:]
-    events = [json.loads(line) for line in (run_dir / "logs" / "events.jsonl").read_text().splitlines()]
-    restart = [e for e in events if e["event"] == "restart"]
-    assert restart and restart[0]["resumed_from_step"] >= 4, events
+    assert kill_rank1_and_restart(run_dir, proc, after_step=6)["resumed_from_step"] >= 4
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     _same(losses(ep2_run), losses(run_dir), range(1, STEPS + 1))
 
