@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 import traceback
@@ -28,10 +29,10 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from usp.engine.optim import build_optimizer
 from usp.engine.parallel.build import ModelParts, build_model
+from usp.engine.parallel.local_part import local_tensor
 from usp.engine.parallel.mesh import DistContext
 from usp.perf.layout import data_parallel_kind
 from usp.run.files import read_plan
@@ -39,14 +40,10 @@ from usp.run.files import read_plan
 META = torch.device("meta")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _bytes(tensors) -> int:
     """What the tensors' local parts occupy: their storage (FSDP2 keeps each shard padded to the first
     rank's rows, so a rank with fewer rows still holds as many bytes)."""
-    return sum(_local(t).untyped_storage().nbytes() for t in tensors)
+    return sum(local_tensor(t).untyped_storage().nbytes() for t in tensors)
 
 
 def meta_context(plan: dict, rank: int) -> DistContext:
@@ -70,7 +67,7 @@ def optimizer_state_bytes(plan: dict, ctx: DistContext, parts: ModelParts) -> in
     for module in parts.modules:
         kinds: dict[tuple, list] = {}
         for i, p in enumerate(module.parameters()):
-            key = (tuple(_local(p).shape), _local(p).dtype, p.requires_grad)
+            key = (tuple(local_tensor(p).shape), local_tensor(p).dtype, p.requires_grad)
             kinds.setdefault(key if zero1 is None else (*key, i), []).append(p)
         stand_ins = [torch.nn.Parameter(torch.empty(key[0], dtype=key[1], device=META), requires_grad=key[2])
                      for key in kinds]
@@ -90,10 +87,7 @@ def largest_parameter(parts: ModelParts) -> tuple[str, int]:
     best = ("", 0)
     for module in parts.modules:
         for name, _p, shape, _rows in module.full_parameters():
-            n = 1
-            for d in shape:
-                n *= d
-            best = max(best, (name, n), key=lambda x: x[1])
+            best = max(best, (name, math.prod(shape)), key=lambda x: x[1])
     return best
 
 
@@ -110,10 +104,10 @@ def check_rank(plan: dict, rank: int) -> dict:
         ctx = meta_context(plan, rank)
         parts = build_model(plan, ctx)
         params = list(parts.parameters())
-        out.update(param_elements=sum(_local(p).numel() for p in params), param_bytes=_bytes(params),
+        out.update(param_elements=sum(local_tensor(p).numel() for p in params), param_bytes=_bytes(params),
                    grad_bytes=_bytes(params),  # a gradient has its parameter's local shape and dtype
                    optimizer_bytes=optimizer_state_bytes(plan, ctx, parts),
-                   stages=parts.stage_indices or [0], meta=all(_local(p).is_meta for p in params))
+                   stages=parts.stage_indices or [0], meta=all(local_tensor(p).is_meta for p in params))
         out["largest"], out["largest_elements"] = largest_parameter(parts)
     except Exception as exc:  # noqa: BLE001 - any failure of the build is the finding
         out.update(error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc(limit=-4))

@@ -30,7 +30,6 @@ from collections.abc import Callable
 import torch
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _DENSE = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
           "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
           "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
@@ -40,11 +39,6 @@ _DENSE = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _EXPERTS = ("w1", "w2", "w3")
-
-
-def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """usp FQN -> tensor (full tensors, vocabulary padding removed) to HF name -> tensor."""
-    return {hf: t for name, tensor in state.items() for hf, t in hf_tensors(name, tensor).items()}
 
 
 def hf_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -63,35 +57,9 @@ def hf_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
 
 
-def from_hf(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF name -> tensor to usp FQN -> tensor (the inverse of to_hf; experts stacked again)."""
-    top = {v: k for k, v in _TOP.items()}
-    dense = {v: k for k, v in _DENSE.items()}
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for name, t in hf.items():
-        if name in top:
-            out[top[name]] = t
-            continue
-        layer, rest = _split(name, _HF_LAYER)
-        m = re.match(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", rest)
-        if m:
-            experts.setdefault((layer, m.group(2)), {})[int(m.group(1))] = t.t()
-        elif rest in dense:
-            out[f"layers.{layer}.{dense[rest]}"] = t
-        elif rest.endswith("rotary_emb.inv_freq"):
-            continue  # derived from rope_theta (old checkpoints saved it)
-        else:
-            raise KeyError(f"{name}: not a Llama / Mixtral weight usp knows")
-    for (layer, which), per_expert in experts.items():
-        out[f"layers.{layer}.feed_forward.experts.{which}"] = torch.stack(
-            [per_expert[e] for e in range(len(per_expert))]).contiguous()
-    return out
-
-
 def hf_names(name: str, n_experts: int) -> list[str]:
     """The HF tensors that make usp parameter `name` (one, or one per expert for stacked experts):
-    what to read of a checkpoint to convert that one parameter with `from_hf`."""
+    what to read of a checkpoint to make that one parameter (`read_part`)."""
     if name in _TOP:
         return [_TOP[name]]
     layer, rest = _split(name, _LAYER)

@@ -97,7 +97,6 @@ from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weig
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
 DEFAULT_FIXED_OVERHEAD_GIB = 1.0
-FRAGMENTATION = 0.05
 LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
 VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum
 SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
@@ -421,7 +420,6 @@ def _model_states(arch: Arch, layout: Layout, prec: Precision, h: _Held, st: Sta
         st.parameters = prec.param * sharded + prec.gathered * h.params
     grads_sharded = zero >= 2 and not (FSDP_ACCUM_UNSHARDED_GRADS and layout.grad_accum > 1)
     st.optimizer = prec.optim * (sharded if zero >= 1 else h.params)
-    st.local = local_bytes(arch, layout, prec, st.stage, 0, profile)
     return prec.grad * (sharded if grads_sharded else h.params) + (4 * h.params if profile.fp32_grad_accum else 0)
 
 
@@ -727,8 +725,8 @@ def build_memory(arch: Arch, layout: Layout, hw: Hardware, r: int, load_bytes: i
     else:
         transient = BUILD_PARAM_BYTES * largest * (DTENSOR_TRANSIENT if uses_dtensors(layout) else 1.0)
     parameters = BUILD_PARAM_BYTES * params
-    overhead = FIXED_OVERHEAD_GIB.get(hw.device, DEFAULT_FIXED_OVERHEAD_GIB) * GIB + FRAGMENTATION * (
-        parameters + transient)
+    usp = PROFILES["usp"]  # the training peak's allowance
+    overhead = fixed_overhead_gib(hw, usp) * GIB + usp.fragmentation * (parameters + transient)
     return BuildMemory(params, parameters, name, largest, read, transient, overhead, parameters + transient + overhead)
 
 
@@ -810,8 +808,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
                 profile: Profile, load_bytes: int = 0) -> MemoryPlan:
     """Every pp rank's training peak and build (load_bytes: model.init_from's bytes per value, 0 = none)."""
     stages = [stage_memory(arch, layout, seq_len, hw, prec, r, profile) for r in range(layout.pp)]
-    for st in stages:
+    for st in stages:  # the build and the build check's figures: the plan's, not each search candidate's
         st.build = build_memory(arch, layout, hw, st.stage, load_bytes)
+        st.local = local_bytes(arch, layout, prec, st.stage, 0, profile)
     build = max(range(len(stages)), key=lambda i: stages[i].build.total)  # type: ignore[union-attr]
     build_gib = stages[build].build.total / GIB  # type: ignore[union-attr]
     zero, shards = zero_sharding(layout, profile)
