@@ -38,6 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+from usp.launch.stop_signals import descendants  # noqa: E402
+
 GIB = 2 ** 30
 TARGET = 1.15  # net peak / planned peak, at most
 WORLD = 8
@@ -61,27 +63,6 @@ def meminfo_gib(field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 2 ** 20
     raise RuntimeError(f"no {field} in /proc/meminfo")
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(entry.name))
-    return kids
-
-
-def _descendants(root: int) -> list[int]:
-    kids, out, todo = _children(), [], [root]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _rank_of(pid: int) -> int | None:
@@ -137,13 +118,15 @@ def train_and_sample(usp: str, overrides: list[str], runs_dir: Path, name: str, 
     return {"ranks": ranks}
 
 
-def _sample(proc: subprocess.Popen, deadline: float, min_available_gib: float) -> tuple[dict, str | None]:
-    """Every 0.1 s until the run ends: each rank process's VmHWM (monotone: the last reading is its
-    peak so far). Stops the run (its processes, killed) past the deadline or when memory runs low."""
+def _sample(proc: subprocess.Popen, deadline: float, min_available_gib: float,
+            each=None, interval: float = 0.1) -> tuple[dict, str | None]:
+    """Every `interval` s until the run ends: each rank process's VmHWM (monotone: the last reading is
+    its peak so far), and each(rank, pid, info) when given. Stops the run (its processes, killed) past
+    the deadline or when memory runs low."""
     ranks: dict[int, dict] = {}
     pid_rank: dict[int, int] = {}
     while proc.poll() is None:
-        pids = _descendants(proc.pid)
+        pids = descendants(proc.pid)  # parents first: reversed, the workers before torchrun
         for pid in pids:
             if pid not in pid_rank:  # asked again until it is a worker: a fork shows torchrun's until exec
                 rank = _rank_of(pid)
@@ -155,6 +138,8 @@ def _sample(proc: subprocess.Popen, deadline: float, min_available_gib: float) -
             hwm = _status_kib(pid, "VmHWM")
             if hwm is not None:
                 ranks[pid_rank[pid]]["hwm"] = hwm * 1024
+            if each is not None:
+                each(pid_rank[pid], pid, ranks[pid_rank[pid]])
         why = "timeout" if time.monotonic() > deadline else \
             "machine memory low" if meminfo_gib("MemAvailable") < min_available_gib else None
         if why:
@@ -163,7 +148,7 @@ def _sample(proc: subprocess.Popen, deadline: float, min_available_gib: float) -
                     os.kill(pid, signal.SIGKILL)
             proc.wait()
             return ranks, why
-        time.sleep(0.1)
+        time.sleep(interval)
     return ranks, None
 
 
@@ -203,6 +188,17 @@ def measure(name: str, opts) -> dict:
         big = train_and_sample(opts.usp, model + layout + RUN, runs, name, opts)
     if "stopped" in base:
         return {"layout": name, "skipped": f"the baseline run was stopped ({base['stopped']})"}
+    rows = rank_rows(big, base, planned)
+    return {"layout": name, "overrides": model + layout + RUN, "ranks": rows, "stopped": big.get("stopped"),
+            "malloc_mmap_threshold": opts.malloc_mmap_threshold,
+            "max_ratio": max(r["ratio"] for r in rows), "max_net_gib": max(r["net_gib"] for r in rows),
+            "planned_peak_gib": peak_plan,
+            "max_build_s": max((r["build_s"] for r in rows if r["build_s"] is not None), default=None),
+            "max_ready_s": max((r["ready_s"] for r in rows if r["ready_s"] is not None), default=None)}
+
+
+def rank_rows(big: dict, base: dict, planned: dict[int, float]) -> list[dict]:
+    """Each rank's peak, its baseline run's, the net of the two and the plan's figure (GiB)."""
     rows = []
     for rank in sorted(big["ranks"]):
         got, ref = big["ranks"][rank], base["ranks"][rank]
@@ -210,12 +206,7 @@ def measure(name: str, opts) -> dict:
         rows.append({"rank": rank, "peak_gib": got["hwm"] / GIB, "baseline_gib": ref["hwm"] / GIB,
                      "net_gib": net, "planned_gib": planned[rank], "ratio": net / planned[rank],
                      "ready_s": got.get("ready_s"), "build_s": got.get("build_s")})
-    return {"layout": name, "overrides": model + layout + RUN, "ranks": rows, "stopped": big.get("stopped"),
-            "malloc_mmap_threshold": opts.malloc_mmap_threshold,
-            "max_ratio": max(r["ratio"] for r in rows), "max_net_gib": max(r["net_gib"] for r in rows),
-            "planned_peak_gib": peak_plan,
-            "max_build_s": max((r["build_s"] for r in rows if r["build_s"] is not None), default=None),
-            "max_ready_s": max((r["ready_s"] for r in rows if r["ready_s"] is not None), default=None)}
+    return rows
 
 
 def _skip(peak_plan: float, need_gib: float | None) -> str | None:

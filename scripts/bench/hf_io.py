@@ -126,13 +126,7 @@ def measure_load(name: str, hf_dir: Path, runs: Path, opts) -> dict:
     big = bm.train_and_sample(opts.usp, model + layout + bm.RUN, runs, name, opts)
     if "stopped" in base or "stopped" in big:
         return {"layout": f"hf_{name}", "skipped": f"stopped ({base.get('stopped') or big.get('stopped')})"}
-    rows = []
-    for rank in sorted(big["ranks"]):
-        got, ref = big["ranks"][rank], base["ranks"][rank]
-        net = (got["hwm"] - ref["hwm"]) / bm.GIB
-        rows.append({"rank": rank, "peak_gib": got["hwm"] / bm.GIB, "baseline_gib": ref["hwm"] / bm.GIB,
-                     "net_gib": net, "planned_gib": planned[rank], "ratio": net / planned[rank],
-                     "ready_s": got.get("ready_s"), "build_s": got.get("build_s")})
+    rows = bm.rank_rows(big, base, planned)
     from usp.run.files import metrics_path, read_jsonl
 
     first = next(r["loss"] for r in read_jsonl(metrics_path(runs / name)) if r.get("step") == 1 and "loss" in r)
@@ -143,17 +137,19 @@ def measure_load(name: str, hf_dir: Path, runs: Path, opts) -> dict:
             "first_loss": first, "transformers_loss": theirs, "loss_rel_diff": abs(first - theirs) / theirs}
 
 
-def measure_export(run: Path, baseline_run: Path, hf_dir: Path, work: Path, shard_mb: float) -> dict:
-    out = {"shard_mb": shard_mb}
-    for key, source in (("export", run), ("baseline_export", baseline_run)):
-        target = work / f"export_{key}_{shard_mb:g}"
+def measure_export(run: Path, baseline_run: Path, work: Path, shard_mb: float) -> dict:
+    out: dict = {"shard_mb": shard_mb}
+    sources = {"export": run, "baseline_export": baseline_run}
+    targets = {key: work / f"export_{key}_{shard_mb:g}" for key in sources}
+    for key, source in sources.items():
+        target = targets[key]
         started = time.perf_counter()
         m = json.loads(python(MEASURED_EXPORT, "export", str(source), "--format", "hf", "--shard-mb", str(shard_mb),
                               "--out", str(target), "--force"))
         out[key] = {"peak_gib": m["peak"] / bm.GIB, "growth_gib": (m["peak"] - m["base"]) / bm.GIB,
                     "files": len(list(target.glob("*.safetensors"))), "seconds": time.perf_counter() - started}
     out["peak_above_baseline_export_gib"] = out["export"]["peak_gib"] - out["baseline_export"]["peak_gib"]
-    diff, scale = python(LOGITS, str(run), str(work / f"export_export_{shard_mb:g}")).split()
+    diff, scale = python(LOGITS, str(run), str(targets["export"])).split()
     out["logits_max_abs_diff"], out["logits_max_abs"] = float(diff), float(scale)
     return out
 
@@ -196,7 +192,7 @@ def main() -> None:
         exports = []
         if measured:
             name = measured[0]["layout"].removeprefix("hf_")
-            exports = [measure_export(work / name, work / f"{name}-baseline", hf_dir, work, mb) for mb in opts.shard_mb]
+            exports = [measure_export(work / name, work / f"{name}-baseline", work, mb) for mb in opts.shard_mb]
     _common.emit({"machine": _common.machine(), "results": results, "exports": exports}, opts,
                  lines_for(results, exports))
 

@@ -13,12 +13,10 @@ same run with model=tiny (0.95 M parameters).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,42 +40,26 @@ def _cpu_s(pid: int) -> float | None:
 
 
 def _last_step(metrics: Path) -> int:
-    step = 0
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                step = max(step, int(json.loads(line).get("step") or 0))
-            except ValueError:
-                continue  # a line being written
-    return step
+    from usp.run.files import read_jsonl  # skips a line being written
+
+    return max((int(r.get("step") or 0) for r in read_jsonl(metrics)), default=0)
 
 
 def run(usp: str, threshold: int, runs: Path, name: str, model: list[str]) -> dict:
-    """{rank: {"cpu": {step: seconds}, "hwm": bytes}} of one `usp train`."""
+    """{rank: {"cpu": {step: seconds}, "hwm": bytes, ...}} of one `usp train`."""
     from usp.run.files import metrics_path
+
+    def cpu_at_steps(rank: int, pid: int, info: dict) -> None:
+        step, cpu = _last_step(metrics_path(runs / name)), _cpu_s(pid)
+        if cpu is not None and step in (FIRST, LAST):
+            info.setdefault("cpu", {}).setdefault(step, cpu)
 
     env = dict(os.environ, COLUMNS="200", MALLOC_MMAP_THRESHOLD_=str(threshold))
     cmd = [usp, "train", "model=tiny", *model, *RUN, f"train.runs_dir={runs}", f"train.name={name}"]
-    ranks: dict[int, dict] = {}
-    pid_rank: dict[int, int] = {}
     with open(runs / f"{name}.out", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        while proc.poll() is None:
-            step = _last_step(metrics_path(runs / name))
-            for pid in bm._descendants(proc.pid):
-                if pid not in pid_rank:
-                    rank = bm._rank_of(pid)
-                    if rank is None:
-                        continue
-                    pid_rank[pid] = rank
-                info = ranks.setdefault(pid_rank[pid], {"cpu": {}})
-                cpu, hwm = _cpu_s(pid), bm._status_kib(pid, "VmHWM")
-                if cpu is not None and step in (FIRST, LAST) and step not in info["cpu"]:
-                    info["cpu"][step] = cpu
-                if hwm is not None:
-                    info["hwm"] = hwm * 1024
-            time.sleep(0.05)
-    if proc.returncode != 0:
+        ranks, stopped = bm._sample(proc, float("inf"), 0.0, each=cpu_at_steps, interval=0.05)
+    if stopped or proc.returncode != 0:
         raise SystemExit(f"{name}: usp train exited {proc.returncode}; its output: {log.name}")
     return ranks
 
@@ -96,7 +78,7 @@ def main() -> None:
             base = run(opts.usp, threshold, runs, f"base{i}", [])
             big = run(opts.usp, threshold, runs, f"run{i}", BIG)
             per_step = [(r["cpu"][LAST] - r["cpu"][FIRST]) / (LAST - FIRST) for r in big.values()
-                        if FIRST in r["cpu"] and LAST in r["cpu"]]
+                        if FIRST in r.get("cpu", {}) and LAST in r.get("cpu", {})]
             net = [(big[k]["hwm"] - base[k]["hwm"]) / bm.GIB for k in sorted(big)]
             row = {"threshold": threshold, "cpu_s_per_rank_step": per_step, "net_peak_gib": net,
                    "planned_gib": planned / bm.GIB}

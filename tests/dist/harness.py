@@ -8,7 +8,6 @@ named by USP_CASE_RESULTS. The pytest side calls `launch(script, nproc)` and get
 reset, rendezvous failure) is retried once, and says so."""
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -59,7 +58,7 @@ def run_cases(cases: dict) -> None:
     failures. A failing case is recorded with its error and the launch goes on (a failure on
     one rank usually makes the others fail the case too, at their next collective: keep the
     process group's timeout short in case scripts)."""
-    import torch.distributed as dist
+    from usp.engine.parallel.mesh import teardown
 
     rank = int(os.environ.get("RANK", "0"))
     only = os.environ.get("USP_CASE_ONLY")
@@ -76,9 +75,6 @@ def run_cases(cases: dict) -> None:
         if path and (rank == 0 or not result["ok"]):
             with open(path, "a") as f:
                 f.write(json.dumps({"case": name, "rank": rank, **result}, default=float) + "\n")
-    # As the engine's teardown: collect first, so no pipeline schedule's send/recv work is left for
-    # interpreter shutdown to free (a rank aborted at exit, after its cases, once in CI under load).
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    # the engine's own teardown: garbage collected first, so no pipeline schedule's send/recv work is
+    # left for interpreter shutdown to free (a rank aborted at exit, after its cases, once in CI)
+    teardown(clean=True)
