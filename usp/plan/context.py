@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from usp.errors import PlanError
 from usp.perf.nodes import getter
 from usp.perf.profile import Profile, get_profile
 from usp.perf.specs import Arch, Hardware, Layout, Precision, uses_compile
-from usp.plan.rules import Settings, Subject
+from usp.plan.rules import Settings, Subject, field_failures
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,15 @@ def tokenizer_vocab(data) -> int:
 def data_vocab(model, data) -> int:
     """model.vocab_size when set, else the tokenizer's."""
     return int(model.vocab_size) if int(model.vocab_size) > 0 else tokenizer_vocab(data)
+
+
+def config_field_failures(cfg) -> list[PlanError]:
+    """model.init_from's shape adopted (the keys no one set come from its config.json), then every
+    field rule (usp.plan.rules): each value on its own first, since what follows derives from them."""
+    from usp.plan.hf_config import adopt_hf_shape
+
+    adopt_hf_shape(cfg.model)
+    return field_failures(cfg)
 
 
 def planner_context(cfg, vocab: int | None = None) -> PlannerContext:

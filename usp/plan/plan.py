@@ -62,17 +62,18 @@ class RunPlan:
 
 
 def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *, force: bool = False,
-               strict: bool = False, training: bool = True) -> RunPlan:
+               strict: bool = False, training: bool = True, derived: tuple | None = None) -> RunPlan:
     """Derive the run plan from a composed config (DictConfig or an object with the same fields);
     raise the first failing rule of kind "plan" (usp.plan.rules). force: a predicted OOM is a
     warning, not an error. strict: a TP group across nodes is an error. training=False (`usp plan`,
-    `usp estimate`): limits of the data pipeline are warnings."""
+    `usp estimate`): limits of the data pipeline are warnings. derived: what `_subject` returned for
+    this config, when the caller has it already."""
     from omegaconf import OmegaConf
 
     from usp.plan.validate import analyse, check_run
 
     cluster, train, model = cfg.cluster, cfg.train, cfg.model
-    subject, degrees, batch = _subject(cfg)
+    subject, degrees, batch = derived or _subject(cfg)
     error = rules.first_failure(subject, ("plan",))
     if error is not None:
         raise error
@@ -105,14 +106,20 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
 def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     """The checks the rule subject needs first (every field rule, the degrees, the batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
-    from usp.plan.context import rule_subject
-    from usp.plan.hf_config import adopt_hf_shape
-    from usp.plan.validate import derive_batch
+    from usp.plan.context import config_field_failures
 
-    adopt_hf_shape(cfg.model)  # model.init_from: the keys no one set come from its config.json
-    found = rules.field_failures(cfg)  # each value on its own first: what follows derives from them
+    found = config_field_failures(cfg)
     if found:
         raise found[0]
+    return _derive(cfg)
+
+
+def _derive(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
+    """The degrees, the batch and the tokenizer's vocabulary checked, then the rule subject; the
+    field rules passed."""
+    from usp.plan.context import rule_subject
+    from usp.plan.validate import derive_batch
+
     cluster = cfg.cluster
     degrees = resolve_degrees(cfg.parallelism, int(cluster.nodes) * int(cluster.procs_per_node))
     batch = derive_batch(cfg.train, degrees)
@@ -186,22 +193,21 @@ def plan_with_failures(cfg, choices: dict | None = None, *, force: bool = False,
     """`usp plan`: the plan (None when it can't be built) and every failing rule, plan and engine
     kinds, in table order; when the plan fails for another reason (a degree, the batch, predicted
     OOM, --strict), that error comes first."""
-    from usp.plan.hf_config import adopt_hf_shape
+    from usp.plan.context import config_field_failures
 
     try:
-        adopt_hf_shape(cfg.model)  # model.init_from: the values no one set, from its config.json
-    except PlanError as exc:
+        found = config_field_failures(cfg)
+    except PlanError as exc:  # model.init_from's config.json
         return None, [exc]
-    found = rules.field_failures(cfg)
     if found:  # the rest derives from these values: listed once they are fixed
         return None, found
     try:
-        subject = _subject(cfg)[0]
+        derived = _derive(cfg)
     except PlanError as exc:
         return None, [exc]
-    found = rules.failures(subject)
+    found = rules.failures(derived[0])
     try:
-        plan = build_plan(cfg, choices, force=force, strict=strict, training=False)
+        plan = build_plan(cfg, choices, force=force, strict=strict, training=False, derived=derived)
     except PlanError as exc:
         return None, found if any(str(e) == str(exc) for e in found) else [exc, *found]
     return plan, found

@@ -23,7 +23,7 @@ from usp.perf.profile import PROFILES, Profile
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision
 from usp.perf.timing import TimingPlan, timing_plan
 from usp.plan import rules
-from usp.plan.context import planner_context
+from usp.plan.context import config_field_failures, planner_context
 from usp.plan.rules import BATCH_ONLY, BATCH_RULE_FIELDS, LAYOUT_ONLY, Settings, Subject, divisors
 
 MAX_CP = 8
@@ -258,10 +258,7 @@ def _biggest_gap(best: TimingPlan, other: TimingPlan) -> str:
 
 def search_config(cfg, top_k: int = 5) -> SearchResult:
     """Search for a composed config: its model, seq_len, global batch, cluster and dtype."""
-    from usp.plan.hf_config import adopt_hf_shape
-
-    adopt_hf_shape(cfg.model)  # model.init_from: the values no one set, from its config.json
-    found = rules.field_failures(cfg)
+    found = config_field_failures(cfg)
     if found:
         raise found[0]
     ctx = planner_context(cfg)
