@@ -342,7 +342,7 @@ class Trainer:
             return {}
         from usp.engine.parallel.balance import expert_load
 
-        load = expert_load(self.step_load, self.ctx, int(self.cfg.model.n_layers))
+        load = expert_load(self.step_load, self.ctx, int(self.cfg.model.n_layers), int(self.cfg.model.n_experts))
         return {"expert_load": load} if load else {}
 
     def warn(self, message: str) -> None:

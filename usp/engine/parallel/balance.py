@@ -65,17 +65,13 @@ def _layer_index(name: str) -> int:
     return int(parts[parts.index("layers") + 1])
 
 
-def expert_load(load: dict[int, torch.Tensor], ctx: DistContext, n_layers: int) -> dict[str, dict]:
+def expert_load(load: dict[int, torch.Tensor], ctx: DistContext, n_layers: int, n_experts: int) -> dict[str, dict]:
     """Per MoE layer of the whole model, the step's tokens per expert (all of them, and min / max /
     mean) and imbalance = max / mean (1 = balanced; what the slowest expert costs over a balanced one).
     Called by every rank at the same steps: the pipeline ranks' layers are summed over pp."""
     if not load and ctx.degrees["pp"] == 1:
         return {}
-    n_experts = next(iter(load.values())).numel() if load else 0
     if ctx.degrees["pp"] > 1:  # each layer lives on one pp rank: a sum gathers them
-        size = torch.tensor([n_experts], device=ctx.device)
-        dist.all_reduce(size, op=dist.ReduceOp.MAX, group=ctx.group("pp"))
-        n_experts = int(size.item())
         table = torch.zeros(n_layers, n_experts, dtype=torch.int64, device=ctx.device)
         for i, tokens in load.items():
             table[i] = tokens
