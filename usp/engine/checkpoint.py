@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from usp.engine.checkpoint_tensors import MetadataOnce
 from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
@@ -226,9 +227,10 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         state = self._state()
-        loaded = _present(self._saved_state(state), path)
+        reader = MetadataOnce(str(path))  # _present's read of the metadata is dcp.load's as well
+        loaded = _present(self._saved_state(state), reader.read_metadata().state_dict_metadata)
         with single_process_is_intended():
-            dcp.load(loaded, checkpoint_id=str(path))  # tensors in place, into `state`'s storage
+            dcp.load(loaded, storage_reader=reader)  # tensors in place, into `state`'s storage
         state = _with_loaded_values(state, loaded)
         if checkpoint_rope_layout(path) != ROPE_LAYOUT:  # written before usp's RoPE layout change
             converted = upgrade_rope_rows(state["model"], self.plan["config"]["model"])
@@ -294,10 +296,10 @@ def classify_load_error(exc: BaseException) -> tuple[str, str]:
     return CORRUPT, detail
 
 
-def _present(state: dict, path: Path) -> dict:
-    """`state` less the aux-loss-free balancing biases the checkpoint doesn't have (saved before
-    model.router_bias_update_rate was turned on): they keep their initial zeros."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _present(state: dict, saved: dict) -> dict:
+    """`state` less the aux-loss-free balancing biases the checkpoint (`saved`: its metadata's keys)
+    doesn't have (saved before model.router_bias_update_rate was turned on): they keep their initial
+    zeros."""
     model = {k: v for k, v in state["model"].items() if not k.endswith("expert_bias") or f"model.{k}" in saved}
     return {**state, "model": model}
 
