@@ -654,9 +654,15 @@ def sharded_params(arch: Arch, layout: Layout, h: _Held, n: int) -> float:
     ranks (experts over n / ep: the other ep ranks hold other experts). FSDP2 cuts each parameter along
     dim 0 as torch.chunk does and stores every rank's shard padded to the first one's rows: ceil(rows /
     n) rows each (one expert over 2 ranks: the whole expert on both, the second's as padding)."""
-    ep = max(1, layout.ep) if arch.moe else 1
-    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    n_exp = _expert_shards(arch, layout, n)[1]
     return float(sum(-(-rows // (n_exp if expert else n)) * cols * count for rows, cols, count, expert in h.tensors))
+
+
+def _expert_shards(arch: Arch, layout: Layout, n: int) -> tuple[int, int]:
+    """(ep, the ranks FSDP2 splits each routed expert over) of n data-parallel shards: n / ep, or 1
+    (whole experts) when ep doesn't divide n."""
+    ep = max(1, layout.ep) if arch.moe else 1
+    return ep, (max(1, n // ep) if n % ep == 0 else 1)
 
 
 def _chunk_rows(rows: int, n: int, i: int) -> int:
@@ -677,8 +683,7 @@ def local_bytes(arch: Arch, layout: Layout, prec: Precision, r: int, index: int 
     if zero < 2:
         optimizer = prec.optim * (h.params / n if zero == 1 else h.params)
         return LocalBytes(h.params, prec.param * h.params, prec.grad * h.params, optimizer)
-    ep = max(1, layout.ep) if arch.moe else 1
-    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    ep, n_exp = _expert_shards(arch, layout, n)
     real = sum(_chunk_rows(rows, n_exp if expert else n, index // ep if expert else index) * cols * count
                for rows, cols, count, expert in h.tensors)
     padded = sharded_params(arch, layout, h, n)
@@ -695,8 +700,7 @@ def _largest_part(arch: Arch, layout: Layout, h: _Held) -> tuple[int, bool]:
     """(elements, routed experts?) of the largest part of one parameter the rank holds: what
     model.init_from reads of it (an FSDP2 shard: ceil(rows / n) rows)."""
     zero, n = layout.zero_stage, layout.shard_degree
-    ep = max(1, layout.ep) if arch.moe else 1
-    n_exp = max(1, n // ep) if n % ep == 0 else 1
+    n_exp = _expert_shards(arch, layout, n)[1]
     parts = [(-(-rows // ((n_exp if expert else n) if zero >= 2 else 1)) * cols, expert)
              for rows, cols, _, expert in h.tensors]
     return max(parts, default=(0, False))
