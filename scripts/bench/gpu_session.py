@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,7 +78,7 @@ import _common  # noqa: E402
 import mfu  # noqa: E402  (the GPU's cluster group, the fitting micro batch, one measured run)
 
 WARMUP = mfu.WARMUP  # steps before the timed window (compile happens in the first)
-CORRECTNESS_STEPS, LOSS_STEPS, EAGER_STEPS, SMOKE_STEPS = 20, 50, 10, 5
+CORRECTNESS_STEPS, LOSS_STEPS, EAGER_STEPS, SMOKE_STEPS, OWN_FIT_STEPS = 20, 50, 10, 5, 30
 LOSS_WINDOW = 10  # FP8 vs bf16: the last steps, past the early loss spikes (module docstring)
 RTOL_FP32, RTOL_BF16, RTOL_FP8 = 1e-4, 5e-3, 2e-2  # module docstring: why these
 # Seconds besides the planned steps (guesses until a device run measures them: the rows' elapsed_s):
@@ -104,6 +105,9 @@ class Case:
     accum: int = 1  # micro batches per step (gradient accumulation)
     recomputes: tuple = (None,)  # train.recompute to try, least first (None: the overrides' own)
     like: str | None = None  # the case whose model, micro batch and recompute this one takes (like for like)
+    own_fit: bool = False  # with `like`: its model and global batch, but the least recompute and largest micro
+    #                        batch that fit this case (FP8's saved memory spent on less recompute / larger micro)
+    profile: bool = False  # torch.profiler over the step before the last: its summary lands in $OUT
 
     @property
     def compiled(self) -> bool:
@@ -120,7 +124,8 @@ def _tiny(name: str, ref: str | None, rtol: float, *extra: str, on_cpu: bool = F
 
 
 def _big(name: str, group: str, model: str, *extra: str, steps: int = LOSS_STEPS, ref: str | None = None,
-         rtol: float = 0.0, accum: int | None = None, micros: tuple | None = None, like: str | None = None) -> Case:
+         rtol: float = 0.0, accum: int | None = None, micros: tuple | None = None, like: str | None = None,
+         own_fit: bool = False, profile: bool = False) -> Case:
     largest = model == "largest"
     # lr 3e-4 (Llama 3's scale) rather than the tiny model's 3e-3: a 50-step comparison needs no loss spikes
     run = (f"train.seq_len={SEQ}", "optimizer.lr=3e-4", "train.measure_memory=false")
@@ -130,9 +135,12 @@ def _big(name: str, group: str, model: str, *extra: str, steps: int = LOSS_STEPS
     # tokens would take the whole budget), 4 micro batches per step (16k+ tokens, as a user would train)
     micros = micros or ((4, 2, 1) if largest else (8, 4, 2, 1))
     accum = accum or (LARGEST_ACCUM if largest else 1)
+    if profile:  # one step, the one before the last: the timed steps' median moves by at most one step
+        run += ("profile.enabled=true", f"profile.steps=[{steps - 1},{steps - 1}]")
     return Case(name, group, run + extra, steps, models, ref, rtol, micros=micros,
                 window=LOSS_WINDOW if group == "fp8" else 0, accum=accum,
-                recomputes=("none", "selective", "full") if largest else (None,), like=like or ref)
+                recomputes=("none", "selective", "full") if largest else (None,), like=like or ref,
+                own_fit=own_fit, profile=profile)
 
 
 def all_cases() -> list[Case]:
@@ -147,9 +155,9 @@ def all_cases() -> list[Case]:
         _big("1b compiled", "mfu", "llama3_2_1b", *bf16, *on),
         _big("1b fp8 tensorwise compiled", "fp8", "llama3_2_1b", *bf16, *on, "train.fp8=tensorwise",
              ref="1b compiled", rtol=RTOL_FP8),
-        _big("largest compiled", "mfu", "largest", *bf16, *on),
+        _big("largest compiled", "mfu", "largest", *bf16, *on, profile=True),
         _big("largest fp8 tensorwise compiled", "fp8", "largest", *bf16, *on, "train.fp8=tensorwise",
-             ref="largest compiled", rtol=RTOL_FP8),
+             ref="largest compiled", rtol=RTOL_FP8, profile=True),
         _big("1b eager", "mfu", "llama3_2_1b", *bf16, *off, steps=EAGER_STEPS, like="1b compiled"),
         _big("largest eager", "mfu", "largest", *bf16, *off, steps=EAGER_STEPS, like="largest compiled"),
         _big("1b fp8 rowwise compiled", "fp8", "llama3_2_1b", *bf16, *on, "train.fp8=rowwise",
@@ -159,6 +167,10 @@ def all_cases() -> list[Case]:
         # the memory model's checks: the largest model without accumulation, and at one sequence per micro batch
         _big("largest compiled accum 1", "mfu", "largest", *bf16, *on, steps=EAGER_STEPS * 2, accum=1, micros=(2,)),
         _big("largest compiled micro 1", "mfu", "largest", *bf16, *on, steps=EAGER_STEPS * 2, micros=(1,)),
+        # FP8 as a user would run it: the memory it saves buys less recompute or a larger micro batch, at the
+        # bf16 case's model and global batch (so the losses still compare step by step)
+        _big("largest fp8 tensorwise own fit", "fp8", "largest", *bf16, *on, "train.fp8=tensorwise",
+             steps=OWN_FIT_STEPS, ref="largest compiled", rtol=RTOL_FP8, own_fit=True),
     ]
 
 
@@ -166,12 +178,14 @@ def smoke_case(case: Case) -> tuple[Case | None, str]:
     """The case as --smoke runs it on CPU (tiny model, short), or None with why it is skipped."""
     if case.fp8:
         return None, "FP8 skipped on CPU: torchao's FP8 matmuls need a GPU with FP8 units (train.fp8 is refused there)"
-    keep = tuple(o for o in case.overrides if not o.startswith(("train.seq_len", "train.recompute", "model=")))
+    keep = tuple(o for o in case.overrides if not o.startswith(("train.seq_len", "train.recompute", "model=",
+                                                                  "profile.steps")))
+    keep += (f"profile.steps=[{SMOKE_STEPS - 1},{SMOKE_STEPS - 1}]",) if case.profile else ()
     keep = tuple("train.compile=false" if o == "train.compile=true" else o for o in keep)  # inductor's C++: minutes
     note = "compiled on the GPU, eager in the smoke" if case.compiled else ""
     tiny = ("model=tiny", "train.seq_len=64")
     return Case(case.name, case.group, tiny + keep, SMOKE_STEPS, ref=case.ref, rtol=case.rtol,
-                on_cpu=case.on_cpu, micros=(4,)), note
+                on_cpu=case.on_cpu, micros=(4,), profile=case.profile), note
 
 
 def select(cases: list[Case], spec: str | None) -> list[int]:
@@ -199,13 +213,18 @@ def plan_case(case: Case, gpu: tuple[str, float] | None, runs: str, like: dict |
     """The case's plan (the fitting model and micro batch, or `like`'s: the plan of the case it is
     compared with, so that FP8 and eager run the bf16 case's batch even where they would fit more), its
     run directory under runs."""
-    if like is not None:
+    global_batch = None
+    if like is not None and case.own_fit:
+        global_batch = like["batch"]["micro_batch"] * like["batch"]["grad_accum"]
+        micros = tuple(m for m in case.micros if global_batch % m == 0)
+        case = replace(case, models=(like["model"]["name"],), micros=micros)
+    elif like is not None:
         case = replace(case, models=(like["model"]["name"],), micros=(like["batch"]["micro_batch"],),
                        recomputes=(like["config"]["train"]["recompute"],))
     run = [f"train.steps={case.steps}", "train.log_interval=1", "train.eval_batches=1",
            f"train.name={case.name.replace(' ', '_')}"]
     return mfu.fitting_plan(run + list(case.overrides) + hardware(case, gpu), list(case.models), runs,
-                            case.micros, global_batch=None, accum=case.accum, recomputes=case.recomputes)
+                            case.micros, global_batch=global_batch, accum=case.accum, recomputes=case.recomputes)
 
 
 def estimate_s(case: Case, plan: dict) -> float:
@@ -226,7 +245,37 @@ def run_plan(path: str) -> dict:
     plan = json.loads(Path(path).read_text())
     timed = max(1, int(plan["config"]["train"]["steps"]) - WARMUP - 1)
     result = mfu.measure(plan, timed)
+    profiled = Path(plan["run_dir"]) / "profile"  # usp.run.files.profile_dir
+    if (profiled / "rank_0.json").is_file():
+        result["kernels"] = kernel_time(profiled / "rank_0.json")
+        if os.environ.get("OUT"):  # the summary beside the JSONL (the trace itself is too large to carry back)
+            shutil.copyfile(profiled / "summary_rank_0.txt", Path(os.environ["OUT"]) / f"profile_{plan['name']}.txt")
     return {**result, **_common.machine()}
+
+
+KERNEL_KINDS = (  # first match wins; lower-case substrings of a GPU kernel's name
+    ("fp8 matmul", ("e4m3", "e5m2", "f8f8", "fp8")), ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas")),
+    ("attention", ("flash", "fmha", "attention")), ("fused (inductor)", ("triton",)), ("copy", ("copy", "memcpy")),
+)
+
+
+def kernel_time(trace: Path, top: int = 25) -> dict:
+    """The profiled step's GPU time by kind of kernel (FP8 and bf16 matmuls, attention, inductor's fused
+    kernels: casts, norms, activations) and the top kernels by time: where FP8's time goes."""
+    by_name: dict[str, list] = {}
+    for e in json.loads(trace.read_text()).get("traceEvents", []):
+        if e.get("cat") == "kernel" and "dur" in e:
+            by_name.setdefault(e["name"], [0.0, 0])
+            by_name[e["name"]][0] += e["dur"] / 1e3
+            by_name[e["name"]][1] += 1
+    kinds: dict[str, float] = {}
+    for name, (ms, _) in by_name.items():
+        low = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"total_ms": sum(kinds.values()), "by_kind_ms": kinds,
+            "top": [{"name": n[:160], "ms": ms, "calls": c} for n, (ms, c) in ranked]}
 
 
 def run_child(plan: dict, timeout_s: float, env: dict, work: Path) -> dict:
@@ -354,6 +403,10 @@ def session(args, cases: list[tuple[int, Case, str]], gpu: tuple[str, float] | N
 
 def record(args, i: int, case: Case, r: dict, rows: list) -> None:
     print(row(i, case, r), flush=True)
+    if r.get("kernels", {}).get("total_ms"):
+        k = r["kernels"]
+        print(f"   profiled step's GPU time {k['total_ms']:.0f} ms: " + ", ".join(
+            f"{kind} {ms:.0f}" for kind, ms in sorted(k["by_kind_ms"].items(), key=lambda kv: -kv[1])), flush=True)
     line = {"n": i, "case": case.name, "group": case.group, "overrides": list(case.overrides),
             **_common.machine(), **r}  # the child's machine (torch, GPU) over this process's
     if args.out:
