@@ -116,7 +116,7 @@ def test_gpu_session_plans_an_h100_without_a_gpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     cases = out["cases"]
-    assert [c["n"] for c in cases.values()] == list(range(1, 15)) and out["budget_s"] == 300
+    assert [c["n"] for c in cases.values()] == list(range(1, 16)) and out["budget_s"] == 300
     assert list(cases)[:4] == ["tiny fp32 cpu", "tiny fp32", "tiny bf16", "tiny fp32 compiled"]
     assert cases["tiny fp32 cpu"]["on_cpu"] and not cases["tiny fp32"]["on_cpu"]
     assert cases["1b compiled"]["model"] == "llama3_2_1b" and cases["1b compiled"]["steps"] == 50
@@ -127,6 +127,10 @@ def test_gpu_session_plans_an_h100_without_a_gpu():
     batch = ("micro_batch", "grad_accum")  # FP8 and eager run the batch of the case they are compared with
     for name in ("largest fp8 tensorwise compiled", "largest eager"):
         assert [cases[name][k] for k in batch] == [cases["largest compiled"][k] for k in batch]
+    # FP8's own fit: the bf16 case's global batch, in the larger micro batches the memory FP8 saves lets fit
+    own, bf16 = cases["largest fp8 tensorwise own fit"], cases["largest compiled"]
+    assert own["micro_batch"] * own["grad_accum"] == bf16["micro_batch"] * bf16["grad_accum"]
+    assert own["micro_batch"] > bf16["micro_batch"] and own["predicted_tensor_gib"] < 79.1
 
 
 def test_gpu_session_never_starts_a_case_past_its_budget(shakespeare, tmp_path):

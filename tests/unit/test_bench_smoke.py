@@ -69,3 +69,24 @@ def test_gpu_session_fit_recovers_the_planner_constants(shakespeare, tmp_path):
             "cluster.timing.eager_loss_ps_per_logit = 10.00") in lines
     [fitted] = [line for line in lines if "fp8_efficiency" in line]
     assert float(fitted.rsplit("= ", 1)[1]) == pytest.approx(0.6, abs=2e-3)
+
+
+def test_kernel_time_sums_a_traces_kernels_by_kind(tmp_path):
+    """The profiled step's GPU time by kind: flash attention (whose names hold "cutlass") is attention,
+    not a matmul; the optimizer's multi_tensor_apply kernels are apart; CPU ops are not kernels."""
+    gs = gpu_session_module()
+    events = [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 3000), ("nvjet_sm90_qqtst_256x128_TNT", 1000),
+              ("void pytorch_flash::flash_bwd_kernel<cutlass::bfloat16_t>", 500),
+              ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", 700),
+              ("triton_red_fused_abs_max_t_1", 200), ("triton_red_fused_abs_max_t_1", 200),
+              ("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", 300), ("memset", 50)]
+    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "dur": us} for n, us in events]
+             + [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9000}]}
+    path = tmp_path / "rank_0.json"
+    path.write_text(json.dumps(trace))
+    k = gs.kernel_time(path, top=3)
+    assert k["by_kind_ms"] == {"matmul": 4.0, "attention": 0.5, "optimizer": 0.7, "fused (inductor)": 0.4,
+                               "elementwise (aten)": 0.3, "other": 0.05}
+    assert k["total_ms"] == pytest.approx(5.95)
+    assert [t["name"][:18] for t in k["top"]] == ["nvjet_sm90_tst_256", "nvjet_sm90_qqtst_2", "void at::native::m"]
+    assert k["top"][0] == {"name": events[0][0], "ms": 3.0, "calls": 1}

@@ -9,9 +9,10 @@ import contextlib
 from pathlib import Path
 
 import torch
+from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, record_function
 
-from usp.run.files import SPAN_STEP_PREFIX, is_comm, profile_dir, step_span  # shared with usp report
+from usp.run.files import SPAN_PREFIX, SPAN_STEP_PREFIX, is_comm, profile_dir, step_span  # shared with usp report
 
 TOP_OPS = 15
 
@@ -83,12 +84,16 @@ class StepProfiler:
         on_device = self.device.type == "cuda"
         attr, what = ("self_device_time_total", "self CUDA time") if on_device else ("self_cpu_time_total",
                                                                                      "self CPU time")
-        events = prof.key_averages()
+        averaged = prof.key_averages()
+        # Without the engine's own spans (usp_step_<N>, usp_forward, ...): on a GPU each is also a device-side
+        # annotation whose "self" time is its whole length, which tripled the total (H200, 2026-11-27).
+        events = EventList([e for e in averaged if not e.key.startswith(SPAN_PREFIX)],
+                           use_device="cuda" if on_device else None)
         total = sum(getattr(e, attr) for e in events)
         comm = sorted((e for e in events if is_comm(e.key)), key=lambda e: -getattr(e, attr))
         comm_us = sum(getattr(e, attr) for e in comm)
         share = comm_us / total if total else 0.0
-        steps = [e for e in events if e.key.startswith(SPAN_STEP_PREFIX)]
+        steps = [e for e in averaged if e.key.startswith(SPAN_STEP_PREFIX) and e.cpu_time_total > 0]  # not the GPU copy
         lines = [f"usp profile, rank {self.rank}, device {self.device}, optimizer steps {self.first}-{self.last}",
                  f"step wall time (CPU, {SPAN_STEP_PREFIX}<N>): " + ", ".join(
                      f"{e.key[len('usp_'):]} {e.cpu_time_total / 1e3:.1f} ms" for e in
