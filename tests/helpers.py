@@ -99,3 +99,10 @@ def assert_same_losses(ref: list[dict], other: list[dict], rtol: float) -> None:
     for a, b in zip(ref, other):
         assert abs(a["loss"] - b["loss"]) <= rtol * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(a["grad_norm"]), (a["step"], a, b)
+
+
+def hf_tensors(directory: Path) -> dict:
+    """Every tensor of an HF checkpoint directory (one model.safetensors or an index's shards), by name."""
+    from safetensors.torch import load_file
+
+    return {name: t for file in sorted(Path(directory).glob("*.safetensors")) for name, t in load_file(file).items()}

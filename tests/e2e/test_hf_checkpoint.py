@@ -14,7 +14,7 @@ import torch
 
 from tests.data_builders import WORDS, trained_tiktoken_file, word_corpus
 from tests.engine.test_hf_checkpoint import OWN_SHAPE, TOL, USP_DIMS, hf_logits, make_hf
-from tests.helpers import losses, run_usp, usp_cli
+from tests.helpers import hf_tensors, losses, run_usp, usp_cli
 from usp.run.files import read_plan
 
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
@@ -69,7 +69,6 @@ def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from usp.data.tokenizer import load_tokenizer
-    from usp.engine.hf_checkpoint import read_hf_tensors
 
     proc = usp_cli("export", str(run_dir), "--format", "hf", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -79,7 +78,7 @@ def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
     assert type(hf).__name__ == ("MixtralForCausalLM" if kind == "mixtral" else "LlamaForCausalLM")
     assert hf.config.tie_word_embeddings == tied
     assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == tied
-    assert ("lm_head.weight" in read_hf_tensors(out)) != tied  # a tied head is stored once
+    assert ("lm_head.weight" in hf_tensors(out)) != tied  # a tied head is stored once
     tokens = torch.randint(0, hf.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         theirs = hf(tokens).logits

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import usp_cli
+from tests.helpers import hf_tensors, usp_cli
 from usp.run.files import read_plan
 
 DIMS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -66,7 +66,7 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     """An HF checkpoint loaded into usp's model gives transformers' logits (q/k as they are: the same
     RoPE layout; Llama 3's frequency scaling; experts stacked and transposed), and usp's own export of
     it loads back identically."""
-    from usp.engine.hf_checkpoint import load_hf_weights, read_hf_tensors, write_hf
+    from usp.engine.hf_checkpoint import load_hf_weights, write_hf
 
     src = make_hf(tmp_path / "hf", kind, 100, tied)
     model = usp_model(kind, 100, tied)
@@ -88,7 +88,7 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     write_hf(state, cfg, plan, tmp_path / "ckpt", 0, tmp_path / "back", max_shard_mb=0.1)
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    original, back = read_hf_tensors(src), read_hf_tensors(tmp_path / "back")
+    original, back = hf_tensors(src), hf_tensors(tmp_path / "back")
     assert set(back) == set(index["weight_map"]) == set(original) - ({"lm_head.weight"} if tied else set())
     assert all(torch.equal(original[k], back[k]) for k in back)
     assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)

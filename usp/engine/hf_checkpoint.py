@@ -156,26 +156,6 @@ def _weight_map(path: Path) -> dict[str, str]:
                       fix="save the model with save_pretrained(..., safe_serialization=True)")
 
 
-@contextlib.contextmanager
-def _hf_reader(path: Path):
-    """(names in the checkpoint, get(name) -> tensor): each file opened once, memory-mapped, so a
-    tensor not asked for is never read."""
-    from safetensors import safe_open
-
-    weight_map = _weight_map(path)
-    with contextlib.ExitStack() as stack:
-        files = {file: stack.enter_context(safe_open(str(path / file), framework="pt"))
-                 for file in sorted(set(weight_map.values()))}
-        yield set(weight_map), lambda name: files[weight_map[name]].get_tensor(name)
-
-
-def read_hf_tensors(path: str | Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of an HF checkpoint directory (single model.safetensors or an index of shards),
-    only `names` when given."""
-    with _hf_reader(Path(path).expanduser()) as (available, get):
-        return {name: get(name) for name in sorted(available) if names is None or name in names}
-
-
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
     """Copy an HF Llama / Mixtral checkpoint into `model`, a usp Llama or pipeline stage (plain, or
