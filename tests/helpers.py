@@ -75,7 +75,8 @@ def plan_for(*overrides: str, conf: str | None = None, runs_dir: Path | None = N
 
 def train_in_process(*overrides: str, conf: str | None = None) -> tuple[Path, str]:
     """Plan and train one rank in this process, as `usp train` does for world size 1 (the catalogue's
-    config, or the recipe `conf`, with `overrides`); returns the run directory and what the run printed."""
+    config, or the recipe `conf`, with `overrides`); returns the run directory and what the run printed.
+    The run lock is given back at the end, as `usp train` gives it back."""
     import contextlib
     import io
 
@@ -84,12 +85,16 @@ def train_in_process(*overrides: str, conf: str | None = None) -> tuple[Path, st
     from usp.config.compose import compose_config
     from usp.engine.worker import run_worker
     from usp.launch.prepare import prepare_run
+    from usp.run.lock import release
 
     cfg, choices = compose_config(conf, list(overrides))
     plan, plan_path = prepare_run(cfg, choices, console=Console(file=io.StringIO()))
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert run_worker(str(plan_path)) == 0
+    try:
+        with contextlib.redirect_stdout(out):
+            assert run_worker(str(plan_path)) == 0
+    finally:
+        release(plan.run_dir)
     return Path(plan.run_dir), out.getvalue()
 
 
