@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.engine.test_checkpoint import _no_nan
-from tests.helpers import USP, losses, run_usp, usp_env
+from tests.helpers import USP, losses, run_usp, train_in_process, usp_env
 from usp.engine.observe.metrics import read_metrics
 from usp.run.files import list_checkpoints
 
@@ -30,6 +30,13 @@ def train(tmp_path: Path, *overrides: str, expect: int = 0) -> subprocess.Comple
     proc = run_usp("train", f"train.runs_dir={tmp_path}", *QUIET, *overrides)
     assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def train_here(tmp_path: Path, *overrides: str) -> str:
+    """A one-process run as `usp train` runs it (in its own process, it trains in-process too), here
+    in this process: no interpreter and torch start-up (~2 s a run). For the runs whose console
+    output and exit code are not what a test is about; returns what the run printed."""
+    return train_in_process(f"train.runs_dir={tmp_path}", *QUIET, *overrides)[1]
 
 
 def assert_same(a: dict, b: dict, steps, rtol: float) -> None:
@@ -142,8 +149,8 @@ def test_resharding_across_layouts(tmp_path, shakespeare):
     under TP (tp=2): the continued losses equal the original run's."""
     base = [*UNTIED, "train.steps=6", "checkpoint.interval=3", "train.global_batch=8"]
     train(tmp_path, *base, "cluster.procs_per_node=2", "parallelism.pp=2", "train.name=pp2")
-    train(tmp_path, *base, "train.name=pp2_to_single",
-          f"checkpoint.resume={tmp_path / 'pp2' / 'checkpoints' / 'step_00000003'}")
+    train_here(tmp_path, *base, "train.name=pp2_to_single",
+               f"checkpoint.resume={tmp_path / 'pp2' / 'checkpoints' / 'step_00000003'}")
     assert_same(losses(tmp_path / "pp2"), losses(tmp_path / "pp2_to_single"), range(4, 7), 1e-5)
     train(tmp_path, *base, "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1",
           "train.name=fsdp2")
@@ -207,17 +214,18 @@ def _flat(node, prefix: str = ""):
 @pytest.mark.distributed
 def test_a_checkpoint_from_before_the_rope_layout_change_resumes_and_exports(tmp_path, shakespeare):
     """A checkpoint written by usp before it switched RoPE to the rotate-half layout (made here from
-    a new one: q/k rows and their Adam moments permuted back, no rope_layout record) resumes under
-    FSDP2 (dp_shard=2, whose shards of wk cut through its one head) with the losses of the run that
-    wrote the original, and exports the original's tensors."""
+    a new one, written by one process: q/k rows and their Adam moments permuted back, no rope_layout
+    record) resumes under FSDP2 (dp_shard=2, whose shards of wk cut through its one head) with the
+    losses of the run that wrote the original, and exports the original's tensors."""
     # init_std 0.3: attention far from uniform, so q/k rows left unconverted change step 3's loss by ~1 %
     base = ["model.n_kv_heads=1", "model.init_std=0.3", "train.steps=4", "checkpoint.interval=2",
-            "train.global_batch=8", "cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1"]
-    train(tmp_path, *base, "train.name=new")
+            "train.global_batch=8"]
+    fsdp2 = ["cluster.procs_per_node=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1"]
+    train_here(tmp_path, *base, "train.name=new")  # the copy is one process's DCP checkpoint whatever wrote it
     original = tmp_path / "new" / "checkpoints" / "step_00000002"
     legacy = tmp_path / "legacy" / "step_00000002"
     assert _as_written_before_the_rope_change(original, legacy, n_heads=4, n_kv_heads=1) == 12  # 2 layers x wq, wk
-    proc = train(tmp_path, *base, "train.name=from_legacy", f"checkpoint.resume={legacy}")
+    proc = train(tmp_path, *base, *fsdp2, "train.name=from_legacy", f"checkpoint.resume={legacy}")
     assert "predates usp's RoPE layout change: 12 q/k tensors" in proc.stdout  # x (weight, exp_avg, exp_avg_sq)
     assert_same(losses(tmp_path / "new"), losses(tmp_path / "from_legacy"), range(3, 5), 1e-5)
     assert json.loads((tmp_path / "from_legacy" / "checkpoints" / "step_00000004" / "trainer_state.json")
@@ -254,9 +262,9 @@ def test_tied_embeddings_under_pp_stored_once_and_resharded(tmp_path, shakespear
     keys = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
     assert "model.tok_embeddings.weight" in keys and not any("output.weight" in k for k in keys), sorted(keys)
     assert "optim.state.tok_embeddings.weight.exp_avg" in keys
-    train(tmp_path, *base, "train.name=tied_pp2_to_single", f"checkpoint.resume={ckpt}")
+    train_here(tmp_path, *base, "train.name=tied_pp2_to_single", f"checkpoint.resume={ckpt}")
     assert_same(losses(tmp_path / "tied_pp2"), losses(tmp_path / "tied_pp2_to_single"), range(4, 7), 1e-5)
-    train(tmp_path, *base, "train.name=tied_single")
+    train_here(tmp_path, *base, "train.name=tied_single")
     proc = train(tmp_path, *base, *pp2, "train.name=tied_single_to_pp2",
                  f"checkpoint.resume={tmp_path / 'tied_single' / 'checkpoints' / 'step_00000003'}")
     assert "saved under one process, now pp=2" in proc.stdout
@@ -265,63 +273,73 @@ def test_tied_embeddings_under_pp_stored_once_and_resharded(tmp_path, shakespear
     assert export_model(tmp_path / "tied_pp2").tied == {"output.weight": "tok_embeddings.weight"}
 
 
-DAMAGED_RUN = ["checkpoint.interval=3", "train.name=run"]
+DAMAGED_RUN = ["checkpoint.interval=3", "checkpoint.keep_last=4", "train.name=run"]
 
 
 @pytest.fixture(scope="module")
-def six_steps(tmp_path_factory, shakespeare) -> Path:
-    """A run of 6 steps with checkpoints at steps 3 and 6, trained once and copied by each damage."""
-    runs = tmp_path_factory.mktemp("six_steps")
-    train(runs, "train.steps=6", *DAMAGED_RUN)
+def twelve_steps(tmp_path_factory, shakespeare) -> Path:
+    """A run of 12 steps with checkpoints at steps 3, 6, 9 and 12, trained once and copied by each test."""
+    runs = tmp_path_factory.mktemp("twelve_steps")
+    train_here(runs, "train.steps=12", *DAMAGED_RUN)
     return runs
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncate", "no_metadata", "corrupt_metadata"])
-def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, six_steps, damage):
-    common = DAMAGED_RUN
-    shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
-    first = losses(tmp_path / "run")
-    newest = tmp_path / "run" / "checkpoints" / "step_00000006"
-    if damage == "truncate":
-        shard = next(newest.glob("*.distcp"))
+def _damage(checkpoint: Path, how: str) -> None:
+    if how == "truncate":
+        shard = next(checkpoint.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    elif damage == "no_metadata":
-        (newest / ".metadata").unlink()
+    elif how == "no_metadata":
+        (checkpoint / ".metadata").unlink()
     else:  # same size, other bytes: the manifest can't tell; DCP's load fails (a CheckpointException)
-        meta = (newest / ".metadata").read_bytes()
-        (newest / ".metadata").write_bytes(bytes(b ^ 0xFF for b in meta))
-    proc = train(tmp_path, "train.steps=7", *common)  # one more step: not "already at step 6"
-    said = "is corrupt (" if damage == "corrupt_metadata" else "is incomplete"
-    assert f"step_00000006 {said}" in proc.stdout and "resumed from" in proc.stdout and "step 3" in proc.stdout
-    assert_same(first, losses(tmp_path / "run"), range(1, 7), 1e-6)
+        meta = (checkpoint / ".metadata").read_bytes()
+        (checkpoint / ".metadata").write_bytes(bytes(b ^ 0xFF for b in meta))
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, twelve_steps):
+    """The three newest checkpoints damaged three ways (one launch resumes past all of them, a failed
+    load among them): each is named and skipped, and the run resumes from the intact step 3 with the
+    first run's losses."""
+    shutil.copytree(twelve_steps, tmp_path, dirs_exist_ok=True)
+    first = losses(tmp_path / "run")
+    damage = {12: "corrupt_metadata", 9: "truncate", 6: "no_metadata"}
+    for step, how in damage.items():
+        _damage(tmp_path / "run" / "checkpoints" / f"step_{step:08d}", how)
+    proc = train(tmp_path, "train.steps=13", *DAMAGED_RUN)  # one more step: not "already at step 12"
+    for step, how in damage.items():
+        said = "is corrupt (" if how == "corrupt_metadata" else "is incomplete"
+        assert f"step_{step:08d} {said}" in proc.stdout, (how, proc.stdout[-3000:])
+    assert "resumed from" in proc.stdout and "(step 3," in proc.stdout
+    assert_same(first, losses(tmp_path / "run"), range(1, 13), 1e-6)
 
 
 @pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path, shakespeare):
-    """SIGKILL while step 4 is being written (a model large enough to make saving take a while):
-    step 2 stays complete, the half-written one is ignored, and the run resumes from step 2."""
-    big = ["model.dim=384", "model.n_layers=6", "model.ffn_dim=1024", "train.steps=6", "checkpoint.interval=2",
-           "train.name=big"]
+    """SIGKILL while step 2 is being written (a model large enough to make saving take a while):
+    step 1 stays complete, the half-written one is ignored, and the same command resumes from step 1."""
+    # 12 M parameters: 141 MB a checkpoint (weights, AdamW's moments), 0.2-0.4 s to save; batches of 2
+    # sequences keep its steps short (0.4 s, not 2.7 s at the default 16; measured)
+    big = ["model.dim=384", "model.n_layers=6", "model.ffn_dim=1024", "train.global_batch=2", "train.micro_batch=2",
+           "train.steps=2", "checkpoint.interval=1", "train.name=big"]
     proc = spawn(tmp_path, *big)
-    tmp = tmp_path / "big" / "checkpoints" / ".tmp-step_00000004"
+    tmp = tmp_path / "big" / "checkpoints" / ".tmp-step_00000002"
     deadline = time.time() + 240
     while not tmp.exists():
-        assert proc.poll() is None and time.time() < deadline, "the save of step 4 was not seen"
+        assert proc.poll() is None and time.time() < deadline, "the save of step 2 was not seen"
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     found = list_checkpoints(tmp_path / "big" / "checkpoints")
-    assert [(step, complete) for step, _, complete, _ in found if complete] == [(2, True)]
-    assert not (tmp_path / "big" / "checkpoints" / "step_00000004").exists()
+    assert [(step, complete) for step, _, complete, _ in found if complete] == [(1, True)]
+    assert not (tmp_path / "big" / "checkpoints" / "step_00000002").exists()
     resumed = train(tmp_path, *big)
-    assert "resumed from" in resumed.stdout and "(step 2" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "(step 1," in resumed.stdout
 
 
 @pytest.mark.slow
 def test_async_save_and_retention(tmp_path, shakespeare):
-    train(tmp_path, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep_last=2",
-          "checkpoint.async_mode=async", "train.name=async")
+    train_here(tmp_path, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep_last=2",
+               "checkpoint.async_mode=async", "train.name=async")
     complete = [step for step, _, ok, _ in list_checkpoints(tmp_path / "async" / "checkpoints") if ok]
     assert complete == [6, 8]
     manifest = json.loads((tmp_path / "async" / "checkpoints" / "step_00000008" / "manifest.json").read_text())
