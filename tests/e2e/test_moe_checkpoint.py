@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_checkpoint import assert_same, kill_rank1_and_restart, spawn, train
+from tests.e2e.test_checkpoint import assert_same, kill_rank1_and_restart, spawn, train, train_here
 from tests.helpers import losses, usp_cli
 from usp.run.files import read_plan
 
@@ -61,7 +61,7 @@ def test_ep_checkpoint_holds_whole_experts_and_resumes_under_ep4_one_process_and
            "parallelism.ep=4"]
     proc = train(tmp_path, *ep4, "train.name=ep4", resume)
     assert "saved under dp_shard=2, now dp_shard=4" in proc.stdout
-    train(tmp_path, *EP2[:5], "train.name=one_process", resume)
+    train_here(tmp_path, *EP2[:5], "train.name=one_process", resume)
     train(tmp_path, *EP2, "cluster.procs_per_node=4", "parallelism.tp=2", "train.name=ep2_tp2", resume)
     for name in ("ep4", "one_process", "ep2_tp2"):
         assert sorted(losses(tmp_path / name)) == list(range(9, STEPS + 1))
