@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, losses, run_usp
+from tests.helpers import REPO, losses, run_usp, train_in_process
 from usp.run.files import list_checkpoints, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -115,10 +115,12 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(runs):
-    """The same training run here, in one process: what every layout must reproduce."""
-    r = run_usp("train", *TRAIN, "cluster=local_cpu", f"train.runs_dir={runs}", "train.name=reference", cwd=runs)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return losses(runs / "reference")
+    """The same training run here, in one process (this one, as `usp train` trains one rank): what
+    every layout must reproduce."""
+    conf, *overrides = TRAIN  # conf=tiny_demo first
+    run_dir, _ = train_in_process(*overrides, "cluster=local_cpu", f"train.runs_dir={runs}", "train.name=reference",
+                                  conf=conf.removeprefix("conf="))
+    return losses(run_dir)
 
 
 @pytest.fixture(scope="module")
