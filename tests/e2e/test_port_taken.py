@@ -1,7 +1,8 @@
 """Several local multi-rank launches at once all start: rank 0's port can't be taken from under it.
 
 torchrun's agent serves the ranks' store on a port it holds from before it announces it (usp shares
-the agent's store unless train.max_restarts > 0, usp/launch/local.py). Before, rank 0 bound a port
+the agent's store, also with train.max_restarts > 0: half the launches here restart on a failure,
+usp/engine/parallel/mesh.py). Before, rank 0 bound a port
 torchrun had picked by binding port 0 and closing it, seconds earlier: another launch could take it
 in between (seen in CI as EADDRINUSE when two test workers launched at once). The check here is
 real: each run's announced port is tried while the runs start, and must already be in use."""
@@ -35,7 +36,8 @@ def _held_by_someone(port: int) -> bool:
 def test_concurrent_local_launches_all_start_on_ports_held_from_the_start(tmp_path, shakespeare):
     env = usp_env(LOGLEVEL="INFO")  # torchrun logs the port it gives the ranks (master_port=...)
     logs = [tmp_path / f"launch{i}.log" for i in range(LAUNCHES)]
-    procs = [subprocess.Popen([USP, "train", f"train.runs_dir={tmp_path}", f"train.name=run{i}", *QUIET], env=env,
+    procs = [subprocess.Popen([USP, "train", f"train.runs_dir={tmp_path}", f"train.name=run{i}", *QUIET,
+                               f"train.max_restarts={i % 2}"], env=env,
                               stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
              for i, log in enumerate(logs)]
     ports: dict[int, bool] = {}  # announced port -> held by someone when tried

@@ -60,11 +60,7 @@ def worker_env(plan) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env[SUMMARY_BY_LAUNCHER_ENV] = "1"  # `usp train` prints the root cause: ranks and agent keep theirs in the logs
     # The ranks share torchrun's own store (its agent holds the port from the start: nothing to race
-    # for). With restarts (train.max_restarts) each attempt gets a store of its own instead: the agent's
-    # store has no per-attempt prefix, so a restarted rank could read its dead peer's gloo address and
-    # hang or fail (measured: 3 of 5 kill -9 restarts under load).
-    if int(plan.config["train"]["max_restarts"]) > 0:
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # for), restarts included: each attempt keeps its keys under a prefix (usp/engine/parallel/mesh.py).
     env.update({k: v for k, v in plan_accelerator_env(plan).items() if k not in env})  # the user's setting wins
     token = held_token(plan.run_dir)
     if token:  # rank 0 keeps this launch's run lock alive (usp.run.lock)
