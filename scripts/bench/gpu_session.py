@@ -74,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -139,12 +140,17 @@ def _big(name: str, group: str, model: str, *extra: str, steps: int = LOSS_STEPS
     # tokens would take the whole budget), 4 micro batches per step (16k+ tokens, as a user would train)
     micros = micros or ((4, 2, 1) if largest else (8, 4, 2, 1))
     accum = accum or (LARGEST_ACCUM if largest else 1)
-    if profile:  # one step, the one before the last: the timed steps' median moves by at most one step
-        run += ("profile.enabled=true", f"profile.steps=[{steps - 1},{steps - 1}]")
+    if profile:
+        run += ("profile.enabled=true", profiled_step(steps))
     return Case(name, group, run + extra, steps, models, ref, rtol, micros=micros,
                 window=LOSS_WINDOW if group == "fp8" else 0, accum=accum,
                 recomputes=("none", "selective", "full") if largest else (None,), like=like or ref,
                 own_fit=own_fit, profile=profile)
+
+
+def profiled_step(steps: int) -> str:
+    """One step, the one before the last: the timed steps' median moves by at most one step."""
+    return f"profile.steps=[{steps - 1},{steps - 1}]"
 
 
 def all_cases() -> list[Case]:
@@ -184,7 +190,7 @@ def smoke_case(case: Case) -> tuple[Case | None, str]:
         return None, "FP8 skipped on CPU: torchao's FP8 matmuls need a GPU with FP8 units (train.fp8 is refused there)"
     keep = tuple(o for o in case.overrides if not o.startswith(("train.seq_len", "train.recompute", "model=",
                                                                   "profile.steps")))
-    keep += (f"profile.steps=[{SMOKE_STEPS - 1},{SMOKE_STEPS - 1}]",) if case.profile else ()
+    keep += (profiled_step(SMOKE_STEPS),) if case.profile else ()
     keep = tuple("train.compile=false" if o == "train.compile=true" else o for o in keep)  # inductor's C++: minutes
     note = "compiled on the GPU, eager in the smoke" if case.compiled else ""
     tiny = ("model=tiny", "train.seq_len=64")
@@ -249,7 +255,9 @@ def run_plan(path: str) -> dict:
     plan = json.loads(Path(path).read_text())
     timed = max(1, int(plan["config"]["train"]["steps"]) - WARMUP - 1)
     result = mfu.measure(plan, timed)
-    profiled = Path(plan["run_dir"]) / "profile"  # usp.run.files.profile_dir
+    from usp.run.files import profile_dir
+
+    profiled = profile_dir(plan["run_dir"])
     if (profiled / "rank_0.json").is_file():
         result["kernels"] = kernel_time(profiled / "rank_0.json")
         if os.environ.get("OUT"):  # the summary beside the JSONL (the trace itself is too large to carry back)
@@ -267,20 +275,18 @@ KERNEL_KINDS = (  # first match wins; lower-case substrings of a GPU kernel's na
 def kernel_time(trace: Path, top: int = 25) -> dict:
     """The profiled step's GPU time by kind of kernel (FP8 and bf16 matmuls, attention, inductor's fused
     kernels: casts, norms, activations) and the top kernels by time: where FP8's time goes."""
-    by_name: dict[str, list] = {}
+    ms: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
     for e in json.loads(trace.read_text()).get("traceEvents", []):
         if e.get("cat") == "kernel" and "dur" in e:
-            by_name.setdefault(e["name"], [0.0, 0])
-            by_name[e["name"]][0] += e["dur"] / 1e3
-            by_name[e["name"]][1] += 1
-    kinds: dict[str, float] = {}
-    for name, (ms, _) in by_name.items():
+            ms[e["name"]] += e["dur"] / 1e3
+            calls[e["name"]] += 1
+    kinds: Counter[str] = Counter()
+    for name, t in ms.items():
         low = name.lower()
-        kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + ms
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"total_ms": sum(kinds.values()), "by_kind_ms": kinds,
-            "top": [{"name": n[:160], "ms": ms, "calls": c} for n, (ms, c) in ranked]}
+        kinds[next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")] += t
+    return {"total_ms": sum(kinds.values()), "by_kind_ms": dict(kinds),
+            "top": [{"name": n[:160], "ms": t, "calls": calls[n]} for n, t in ms.most_common(top)]}
 
 
 def run_child(plan: dict, timeout_s: float, env: dict, work: Path) -> dict:
