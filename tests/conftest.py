@@ -9,6 +9,7 @@ Every test run gets its own data cache (never ~/.cache/usp, tests/helpers.py), a
 Shakespeare corpus is tokenized once per session for the tests that train."""
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -46,6 +47,16 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names files that don't exist: {missing}")
     rank = {TESTS / name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: file order kept otherwise
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, for engine and e2e tests) is frozen out of the garbage
+    collector's sight, as a rank does after its imports (usp/engine/startup_gc.py): tests/engine in
+    one process took 64 s with the collector scanning torch's objects over and over, 56 s without."""
+    from usp.engine.startup_gc import freeze_imports
+
+    gc.collect()  # the garbage made so far, before it is frozen for good
+    freeze_imports()
 
 
 _TORCH_BEFORE = pytest.StashKey[bool]()

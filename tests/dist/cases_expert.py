@@ -14,6 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from usp.engine.startup_gc import pause  # noqa: E402
+
+pause()  # the imports below run without collections; run_cases freezes what they made
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

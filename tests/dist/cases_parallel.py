@@ -9,6 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from usp.engine.startup_gc import pause  # noqa: E402
+
+pause()  # the imports below run without collections; run_cases freezes what they made
+
 import torch.distributed as dist  # noqa: E402
 
 from tests.dist.harness import run_cases  # noqa: E402

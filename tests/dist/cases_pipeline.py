@@ -22,17 +22,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from usp.engine.startup_gc import pause  # noqa: E402
 
-from tests.dist.harness import run_cases
-from usp.engine.loss import lm_loss
-from usp.engine.parallel.build import ModelParts
-from usp.engine.parallel.mesh import DistContext
-from usp.engine.parallel.pipeline import build_pipeline, build_stage_module, pipeline_step
-from usp.models.llama import Llama, LlamaArgs
-from usp.perf.pipeline_split import last_stage_rank, split_layers, stage_ranks, validate_schedule
+pause()  # the imports below run without collections; run_cases freezes what they made
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from tests.dist.harness import run_cases  # noqa: E402
+from usp.engine.loss import lm_loss  # noqa: E402
+from usp.engine.parallel.build import ModelParts  # noqa: E402
+from usp.engine.parallel.mesh import DistContext  # noqa: E402
+from usp.engine.parallel.pipeline import build_pipeline, build_stage_module, pipeline_step  # noqa: E402
+from usp.models.llama import Llama, LlamaArgs  # noqa: E402
+from usp.perf.pipeline_split import last_stage_rank, split_layers, stage_ranks, validate_schedule  # noqa: E402
 
 ARGS = LlamaArgs(dim=64, n_layers=4, n_heads=4, vocab_size=256, tie_embeddings=False)
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3

@@ -59,7 +59,9 @@ def run_cases(cases: dict) -> None:
     one rank usually makes the others fail the case too, at their next collective: keep the
     process group's timeout short in case scripts)."""
     from usp.engine.parallel.mesh import teardown
+    from usp.engine.startup_gc import freeze_imports
 
+    freeze_imports()  # the case script paused the collector for its imports (usp/engine/startup_gc.py)
     rank = int(os.environ.get("RANK", "0"))
     only = os.environ.get("USP_CASE_ONLY")
     path = os.environ.get("USP_CASE_RESULTS")

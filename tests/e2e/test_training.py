@@ -3,6 +3,7 @@ process's losses step by step, and a failing run ends cleanly (a Ctrl-C: tests/e
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -45,7 +46,11 @@ def test_ddp_two_processes_matches_single_process(tmp_path, shakespeare):
     plan = (tmp_path / "tiny_ddp" / "plan.yaml").read_text()
     assert "grad_accum: 1" in plan and "world_size: 2" in plan
     for rank in (0, 1):  # every rank writes its own log
-        assert "done:" in (tmp_path / "tiny_ddp" / "logs" / f"rank_{rank}.log").read_text()
+        log = (tmp_path / "tiny_ddp" / "logs" / f"rank_{rank}.log").read_text()
+        assert "done:" in log
+        # torch imported with the collector paused, then frozen, and the collector on again (usp/engine/startup_gc.py)
+        frozen = re.search(r"garbage collector: on, (\d+) objects frozen at start-up", log)
+        assert frozen and int(frozen.group(1)) > 100_000, log[:2000]
 
 
 def test_missing_data_file_is_a_clear_error(tmp_path):

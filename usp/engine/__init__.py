@@ -10,16 +10,22 @@ The engine imports usp.run, usp.plan, usp.perf, usp.data, usp.models and usp.err
 usp.launch or usp.report.
 
 A rank that torchrun starts (`python -m usp.engine.worker`) catches the stop signals from here on,
-before torch loads: usp/engine/signals.py."""
+before torch loads: usp/engine/signals.py. Every entry (`python -m usp.engine.<entry>`) imports torch
+with Python's garbage collector paused: usp/engine/startup_gc.py."""
 import sys
 
 
-def _started_as_a_rank() -> bool:
+def _started_as() -> str | None:
+    """The module Python was started with (`python -m usp.engine.worker`: "usp.engine.worker")."""
     argv = sys.orig_argv
-    return "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["usp.engine.worker"]
+    return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
 
 
-if _started_as_a_rank():
+if (_started_as() or "").startswith("usp.engine."):  # an entry: its `__main__` calls freeze_imports()
+    from usp.engine.startup_gc import pause
+
+    pause()
+if _started_as() == "usp.engine.worker":
     from usp.engine.signals import catch_from_start
 
     catch_from_start()

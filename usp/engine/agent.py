@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
+from usp.engine.startup_gc import freeze_imports
 from usp.run.files import SUMMARY_BY_LAUNCHER_ENV, logs_dir
 
 # torchrun's log lines that usp says better: (logger, the start of the message).
@@ -54,4 +55,5 @@ def _failed_line(exc: ChildFailedError, argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # the imports above ran with the collector paused (usp/engine/__init__.py)
     main()

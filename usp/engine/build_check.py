@@ -34,6 +34,7 @@ from usp.engine.optim import build_optimizer
 from usp.engine.parallel.build import ModelParts, build_model
 from usp.engine.parallel.local_part import local_tensor
 from usp.engine.parallel.mesh import DistContext
+from usp.engine.startup_gc import freeze_imports
 from usp.perf.layout import data_parallel_kind
 from usp.run.files import read_plan
 
@@ -135,4 +136,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # the imports above ran with the collector paused (usp/engine/__init__.py)
     sys.exit(main())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from usp.engine.accel import apply_determinism
 from usp.engine.parallel import mesh as udist
+from usp.engine.startup_gc import freeze_imports
 from usp.engine.trainer import Trainer
 from usp.models.moe import GroupedExperts
 from usp.run.files import read_plan, write_text_atomic
@@ -160,4 +161,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # the imports above ran with the collector paused (usp/engine/__init__.py)
     main()

@@ -3,6 +3,7 @@ torchrun once per rank (or called in-process for a single rank). Reads only plan
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures, recorded
 from usp.engine.parallel import mesh as udist
+from usp.engine.startup_gc import freeze_imports
 from usp.engine.trainer import Stopped, Trainer
 from usp.errors import PlanError, UspError
 from usp.plan.rules import field_failures
@@ -101,6 +103,8 @@ def _log_placement(ctx, plan: dict) -> None:
              "node %s local_rank %s", rank, env.get("LOCAL_RANK", "0"), env.get("GROUP_RANK", "0"),
              os.uname().nodename, env.get("SLURMD_NODENAME", "-"), env.get("SLURM_RESTART_COUNT", "-"),
              planned.get("node"), planned.get("local_rank"))
+    log.info("garbage collector: %s, %d objects frozen at start-up (usp/engine/startup_gc.py)",
+             "on" if gc.isenabled() else "OFF", gc.get_freeze_count())
     for key in plan["config"]["cluster"].get("env", {}):
         value = env.get(key)
         if value is not None and _SECRET.search(key):  # logs get shared in bug reports: never a token
@@ -199,4 +203,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # the imports above ran with the collector paused (usp/engine/__init__.py)
     main()

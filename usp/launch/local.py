@@ -120,7 +120,10 @@ def launch_local(plan, plan_path: Path) -> int:
         token = held_token(plan.run_dir)
         if token:
             os.environ[TOKEN_ENV] = token
-        from usp.engine.worker import run_worker  # torch is imported only now, to train
+        from usp.engine.startup_gc import importing_torch
+
+        with importing_torch():
+            from usp.engine.worker import run_worker  # torch is imported only now, to train
 
         try:
             return run_worker(str(plan_path))

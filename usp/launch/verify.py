@@ -63,7 +63,10 @@ def verify(conf: str | None, overrides: list[str], steps: int, rtol: float, para
 def _run(plan, plan_path: Path, ref_path: Path, out: Path) -> int:
     args = ["--plan", str(plan_path), "--reference", str(ref_path), "--out", str(out)]
     if plan.world_size == 1:
-        from usp.engine.verify_worker import run_verify
+        from usp.engine.startup_gc import importing_torch
+
+        with importing_torch():
+            from usp.engine.verify_worker import run_verify
 
         return run_verify(*args[1::2])
     import subprocess
