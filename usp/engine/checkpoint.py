@@ -31,7 +31,7 @@ from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.expert import global_expert_state
 from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_copy
 from usp.engine.rope_upgrade import LAYOUT_KEY, checkpoint_rope_layout, upgrade_rope_rows
-from usp.errors import PlanError, UspError
+from usp.errors import UspError
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run.files import (
     MANIFEST,
@@ -64,9 +64,6 @@ class Checkpointer:
         self.schedulers, self.sampler, self.log = schedulers, sampler, log
         self.enabled, self.interval = bool(cfg["enabled"]), int(cfg["interval"])
         self.keep_last, self.async_mode, self.resume_mode = int(cfg["keep_last"]), cfg["async_mode"], cfg["resume"]
-        if self.async_mode not in ("none", "async"):  # the plan refuses others (usp.plan.rules)
-            raise PlanError("choose none or async", key="checkpoint.async_mode", value=self.async_mode,
-                            fix="checkpoint.async_mode=none")
         self.dir = checkpoint_dir(plan)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
