@@ -135,6 +135,23 @@ def test_bad_slurm_settings_fail_before_anything_is_written(tmp_path, override, 
     assert not (runs / "bad" / "job.sbatch").exists()
 
 
+def test_a_saved_plan_is_checked_again_before_its_script_is_written():
+    """`usp submit runs/<name>` re-reads plan.yaml: an env key edited in by hand is refused by the
+    same field rule as at plan time, as a LaunchError naming it."""
+    from omegaconf import OmegaConf
+
+    from usp.config.compose import compose_config
+    from usp.errors import LaunchError
+    from usp.launch.slurm_script import check_slurm_settings
+
+    cluster = OmegaConf.to_container(compose_config(None, ["cluster=local_slurm"])[0].cluster)
+    check_slurm_settings(cluster)
+    cluster["env"] = {"GOOD_KEY": "1", "1BAD": "x"}
+    with pytest.raises(LaunchError) as err:
+        check_slurm_settings(cluster)
+    assert (err.value.key, err.value.value) == ("cluster.env.1BAD", "1BAD") and err.value.fix
+
+
 def test_submit_refuses_a_local_cluster(tmp_path):
     r = usp_cli("submit", "conf=tiny_demo", f"train.runs_dir={tmp_path}", cwd=tmp_path)
     assert r.returncode == 2 and "cluster.launcher" in r.stderr and "cluster=local_slurm" in r.stderr

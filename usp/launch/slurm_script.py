@@ -14,7 +14,7 @@ from pathlib import Path
 from usp.errors import LaunchError
 from usp.launch.local import plan_accelerator_env
 from usp.perf.layout import layout_tag
-from usp.plan.rules import ENV_KEY, field_failures
+from usp.plan.rules import field_failures
 from usp.run.files import EXIT_PREEMPTED, logs_dir
 
 TEMPLATE = "job.sbatch.j2"
@@ -28,7 +28,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
     first = plans[0]
     cluster = first.config["cluster"]
     slurm = cluster["slurm"]
-    check_slurm_settings(slurm, first.device)
+    check_slurm_settings(cluster)
     for p in plans[1:]:
         if (p.nodes, p.procs_per_node) != (first.nodes, first.procs_per_node):
             raise LaunchError("the tasks of one job array must use the same nodes x processes",
@@ -60,10 +60,6 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
         "srun_options": _srun_options(slurm),
         "exit_preempted": EXIT_PREEMPTED,  # "try again later": resubmitting resumes from the checkpoint
     }
-    for key, _ in context["env"]:
-        if not ENV_KEY.match(key):  # the plan's rule cluster.env, again for a saved plan
-            raise LaunchError("not a valid environment variable name", key=f"cluster.env.{key}", value=key,
-                              fix="letters, digits and _ (not starting with a digit)")
     return _environment().get_template(TEMPLATE).render(**context)
 
 
@@ -73,10 +69,11 @@ def default_log_dir(plan) -> Path:
     return Path(configured).expanduser().resolve() if configured else logs_dir(plan.run_dir)
 
 
-def check_slurm_settings(slurm: dict, device: str) -> None:
+def check_slurm_settings(cluster) -> None:
     """Refuse, before anything is written or submitted, what sbatch would reject or misread: the
-    cluster.slurm rules of usp.plan.rules (the plan checked them too; a saved plan is checked again)."""
-    found = field_failures({"cluster": {"launcher": "slurm", "slurm": slurm}})
+    cluster.slurm and cluster.env rules of usp.plan.rules (the plan checked them too; a saved plan
+    is checked again)."""
+    found = field_failures({"cluster": {"launcher": "slurm", "slurm": cluster["slurm"], "env": cluster["env"]}})
     if found:
         raise LaunchError(found[0].why, key=found[0].key, value=found[0].value, fix=found[0].fix)
 

@@ -28,7 +28,7 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
 
     console = console or Console()
     first = sweep.accepted[0].cfg.cluster
-    check_slurm_settings(first.slurm, first.device)  # before any plan is written
+    check_slurm_settings(first)  # before any plan is written
     groups, failed = defaultdict(list), 0
     for point in sweep.accepted:
         if point.status == "done":
