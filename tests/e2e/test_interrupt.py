@@ -5,11 +5,16 @@ checkpoint, usp says what happened, the run is "stopped" and the same command re
 signal stops every rank at once. (From Slurm: tests/e2e/test_slurm.py.)"""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +23,7 @@ import pytest
 from tests.e2e.test_checkpoint import worker_pids
 from tests.helpers import USP, losses, run_usp, usp_env
 from usp.run.files import list_checkpoints, read_jsonl
+from usp.run.lock import LOCK
 
 RUN = ["model=tiny", "train.steps=400", "train.log_interval=1", "train.eval_interval=0", "train.sample_tokens=0",
        "train.measure_memory=false", "logging.console=plain"]
@@ -98,6 +104,66 @@ def test_a_stop_signal_stops_every_rank_at_a_step_boundary_with_a_checkpoint(tmp
     assert f"stopped by {sig.name} after step {step}; resume by running the same command" in status, status
     if (sig, target, procs) in RESUMED:
         assert_the_same_command_resumes(tmp_path, name, procs, step)
+
+
+class Terminal:
+    """`usp train` as a user's ssh session runs it: in a pseudo-terminal, as its controlling process,
+    with the default console (a progress bar on a terminal). What it prints is read away meanwhile;
+    close() is the session going away: the kernel sends usp SIGHUP, and its output fails with EIO."""
+
+    def __init__(self, tmp_path: Path, name: str, procs: int):
+        master, slave = pty.openpty()
+        argv = [USP, "train", *(a for a in RUN if not a.startswith("logging.console=")),
+                f"cluster.procs_per_node={procs}", f"train.name={name}", f"train.runs_dir={tmp_path}"]
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=usp_env(), cwd=tmp_path,
+                                     start_new_session=True,  # then the terminal becomes its controlling one:
+                                     preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+        self.master, self.closing, self.shown = master, threading.Event(), bytearray()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while not self.closing.is_set():
+            if select.select([self.master], [], [], 0.1)[0]:
+                try:
+                    self.shown += os.read(self.master, 65536)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self.closing.set()
+        self.reader.join()
+        os.close(self.master)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("procs", [2, 1])
+def test_a_terminal_that_goes_away_stops_the_run_with_a_checkpoint(tmp_path, procs):
+    """An ssh session that drops: SIGHUP stops every rank after its step with a checkpoint, and the
+    console writes that now fail (EIO) go nowhere. Before, one rank died at once without a checkpoint;
+    two ranks checkpointed (torchrun's SIGTERM when usp died) and then failed on the dead terminal."""
+    name = f"hangup_{procs}"
+    run_dir = tmp_path / name
+    terminal = Terminal(tmp_path, name, procs)
+    wait_for_step(run_dir, 2, terminal.proc)
+    ranks = worker_pids(run_dir / "plan.yaml") if procs > 1 else {0: terminal.proc.pid}
+    assert b"train" in terminal.shown  # the progress bar was on the terminal
+    terminal.close()
+    assert terminal.proc.wait(timeout=300) == 75  # EXIT_PREEMPTED: run the same command again
+
+    stop = read_jsonl(run_dir / "logs" / "events.jsonl")[-1]
+    step = stop["step"]
+    assert (stop["event"], stop["signal"], stop["checkpoint"]) == ("stopped", "SIGHUP", True) and 2 <= step < 400
+    assert [c[0] for c in list_checkpoints(run_dir / "checkpoints") if c[2]][-1] == step
+    for rank in range(procs):
+        assert "received SIGHUP: stopping after this step" in (run_dir / "logs" / f"rank_{rank}.log").read_text()
+    assert not list((run_dir / "logs").glob("failure_rank*.json"))
+    assert not (run_dir / LOCK).exists()  # released, not left for the next run to take over
+    assert_gone(ranks.values())
+    status = " ".join(run_usp("status", str(run_dir)).stdout.split())
+    assert f"stopped by SIGHUP after step {step}; resume by running the same command" in status, status
 
 
 def assert_the_same_command_resumes(tmp_path: Path, name: str, procs: int, step: int) -> None:

@@ -1,5 +1,7 @@
-"""The stop signals a rank acts on: SIGINT (Ctrl-C), SIGTERM (kill, a job controller, scancel) and
-SIGUSR1 (Slurm before a time limit or a preemption, passed on by the batch script).
+"""The stop signals a rank acts on: SIGINT (Ctrl-C), SIGTERM (kill, a job controller, scancel),
+SIGUSR1 (Slurm before a time limit or a preemption, passed on by the batch script) and SIGHUP (the
+terminal went away: an ssh session dropped; its console output then goes nowhere instead of failing
+the run, usp/engine/observe/terminal.py).
 
 The first one asks for a stop. Every rank finishes its current step, the ranks agree on the step
 (the trainer max-reduces the signal over all ranks at each step boundary, so a signal that reached
@@ -23,7 +25,7 @@ import threading
 
 from usp.run.files import EXIT_INTERRUPTED
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 _requested = {"signal": 0}  # the first stop signal this process got (0: none)
 _interrupted = threading.Event()  # stopped at once (a second signal), not at a step boundary
 

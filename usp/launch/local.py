@@ -112,7 +112,10 @@ def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
 def launch_local(plan, plan_path: Path) -> int:
     """Run the plan here and return the exit code of the run: 0 = success; after a stop signal
     (run the same command again to resume) EXIT_INTERRUPTED (SIGINT, or stopped at once by a
-    second signal) or EXIT_PREEMPTED (SIGTERM, SIGUSR1)."""
+    second signal) or EXIT_PREEMPTED (SIGTERM, SIGUSR1, SIGHUP)."""
+    from usp.engine.observe.terminal import survive_a_lost_terminal
+
+    survive_a_lost_terminal()  # a terminal that goes away stops the run (SIGHUP) instead of failing it
     if plan.world_size == 1:
         for key, value in plan_accelerator_env(plan).items():  # before torch initialises CUDA
             os.environ.setdefault(key, value)

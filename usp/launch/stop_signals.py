@@ -1,11 +1,13 @@
-"""What `usp train` does with SIGINT and SIGTERM while torchrun runs its ranks (no torch here).
+"""What `usp train` does with SIGINT, SIGTERM and SIGHUP (its terminal went away) while torchrun runs
+its ranks (no torch here).
 
 torchrun runs in a session of its own (usp/launch/local.py), so a signal reaches usp alone, whether
 it was sent to usp's pid (a job controller, an IDE's stop button, `kill`) or to its process group
 (Ctrl-C in a terminal, `kill -INT -<pgid>`). The first one is passed on to torchrun, which passes
 it to every rank: the ranks stop at the next step boundary with a checkpoint (usp/engine/signals.py).
-A second one kills torchrun and every process under it at once (ranks, their own children): a
-stop that waits for a long step or checkpoint can always be cut short."""
+A second SIGINT or SIGTERM kills torchrun and every process under it at once (ranks, their own
+children): a stop that waits for a long step or checkpoint can always be cut short. A second SIGHUP
+changes nothing: a closed terminal's shell may pass on the kernel's hangup again."""
 from __future__ import annotations
 
 import os
@@ -14,7 +16,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # torchrun passes each on to its ranks
 
 
 class StopForwarder:
@@ -43,7 +45,7 @@ class StopForwarder:
             _say(f"usp: {name}: every rank stops after its current step and writes a checkpoint "
                  f"(send {name} again to stop at once, without one)")
             _signal(self.proc.pid, signum)
-        elif self.second is None:
+        elif self.second is None and signum != signal.SIGHUP:  # a hangup may come twice (the kernel, the shell)
             self.second = name
             _say(f"usp: second {name}: stopping every rank at once")
             kill_tree(self.proc.pid)
