@@ -2,10 +2,10 @@
 
 torchrun's agent serves the ranks' store on a port it holds from before it announces it (usp shares
 the agent's store, also with train.max_restarts > 0: half the launches here restart on a failure,
-usp/engine/parallel/mesh.py). Before, rank 0 bound a port
-torchrun had picked by binding port 0 and closing it, seconds earlier: another launch could take it
-in between (seen in CI as EADDRINUSE when two test workers launched at once). The check here is
-real: each run's announced port is tried while the runs start, and must already be in use."""
+usp/engine/parallel/mesh.py). Before, rank 0 bound a port torchrun had picked by binding port 0 and
+closing it, seconds earlier: another launch could take it in between (seen in CI as EADDRINUSE when
+two test workers launched at once). The check here is real: each run's announced port is tried while
+the runs start, and must already be in use."""
 from __future__ import annotations
 
 import errno

@@ -11,7 +11,8 @@ usp.launch or usp.report.
 
 A rank that torchrun starts (`python -m usp.engine.worker`) catches the stop signals from here on,
 before torch loads: usp/engine/signals.py. Every entry (`python -m usp.engine.<entry>`) imports torch
-with Python's garbage collector paused: usp/engine/startup_gc.py."""
+with Python's garbage collector paused (usp/engine/startup_gc.py), and its console writes outlive a
+terminal that goes away (usp/engine/observe/terminal.py)."""
 import sys
 
 
@@ -21,11 +22,14 @@ def _started_as() -> str | None:
     return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
 
 
-if (_started_as() or "").startswith("usp.engine."):  # an entry: its `__main__` calls freeze_imports()
+_ENTRY = _started_as() or ""
+if _ENTRY.startswith("usp.engine."):  # an entry process (a rank, torchrun's agent, ...)
+    from usp.engine.observe.terminal import survive_a_lost_terminal
     from usp.engine.startup_gc import pause
 
-    pause()
-if _started_as() == "usp.engine.worker":
+    pause()  # its `__main__` calls freeze_imports() after the imports
+    survive_a_lost_terminal()  # an ssh session that drops must not fail its console writes
+if _ENTRY == "usp.engine.worker":
     from usp.engine.signals import catch_from_start
 
     catch_from_start()

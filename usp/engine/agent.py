@@ -18,7 +18,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from usp.engine.observe.terminal import survive_a_lost_terminal
 from usp.engine.startup_gc import freeze_imports
 from usp.run.files import SUMMARY_BY_LAUNCHER_ENV, logs_dir
 
@@ -34,7 +33,6 @@ def _not_noise(record: logging.LogRecord) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    survive_a_lost_terminal()  # torchrun's own lines after an ssh session dropped
     for name in {name for name, _ in _NOISE}:
         logging.getLogger(name).addFilter(_not_noise)
     try:

@@ -19,7 +19,6 @@ from usp.data.prepare import plan_data_meta
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures, recorded
-from usp.engine.observe.terminal import survive_a_lost_terminal
 from usp.engine.parallel import mesh as udist
 from usp.engine.startup_gc import freeze_imports
 from usp.engine.trainer import Stopped, Trainer
@@ -181,7 +180,6 @@ def _whole_model_on_rank0(trainer: Trainer) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    survive_a_lost_terminal()  # an ssh session that drops must not fail the ranks' console writes
     parser = argparse.ArgumentParser(prog="usp.engine.worker")
     parser.add_argument("--plan", required=True, help="path to plan.yaml")
     path = parser.parse_args(argv).plan

@@ -7,8 +7,9 @@ ranks get SIGTERM when usp dies), and then each rank failed on its next console 
 
 `survive_a_lost_terminal()` wraps sys.stdout and sys.stderr: the first write or flush that fails
 because the terminal is gone points that file descriptor at /dev/null, and the run goes on without
-console output (logs/rank_<N>.log and metrics.jsonl keep everything). No torch here: `usp train`
-uses it too. SIGHUP itself is a stop signal (usp/engine/signals.py)."""
+console output (logs/rank_<N>.log and metrics.jsonl keep everything). Every engine entry process
+calls it from usp/engine/__init__.py; `usp train` too (no torch here). SIGHUP itself is a stop
+signal (usp/engine/signals.py)."""
 from __future__ import annotations
 
 import errno
