@@ -160,3 +160,10 @@ def test_gpu_session_smoke_runs_the_flow_on_cpu(shakespeare, tmp_path):
     assert printed == [["tiny", "fp32"], ["tiny", "fp32"], ["tiny", "bf16"], ["1b", "fp8"]]
     table = md.read_text()
     assert "| 3 | tiny bf16 | tiny, 4 x 1 |" in table and "FP8 skipped on CPU" in table
+
+
+def test_checksums_bench_runs():
+    """checksums.py --hashes-only times the four hashes it compares (its figures: docs/benchmarks.md)."""
+    proc = run_bench("checksums.py", "--hashes-only")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["xxh3_128", "blake2b", "sha256", "crc32"]

@@ -290,7 +290,9 @@ def _damage(checkpoint: Path, how: str) -> None:
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     elif how == "no_metadata":
         (checkpoint / ".metadata").unlink()
-    else:  # same size, other bytes: the manifest can't tell; DCP's load fails (a CheckpointException)
+    else:  # same size, other bytes, in a checkpoint an earlier usp saved (no checksums): DCP's load fails
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        (checkpoint / "manifest.json").write_text(json.dumps({"step": manifest["step"], "files": manifest["files"]}))
         meta = (checkpoint / ".metadata").read_bytes()
         (checkpoint / ".metadata").write_bytes(bytes(b ^ 0xFF for b in meta))
 
@@ -298,8 +300,8 @@ def _damage(checkpoint: Path, how: str) -> None:
 @pytest.mark.slow
 def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, twelve_steps):
     """The three newest checkpoints damaged three ways (one launch resumes past all of them, a failed
-    load among them): each is named and skipped, and the run resumes from the intact step 3 with the
-    first run's losses."""
+    load of one saved without checksums among them): each is named and skipped, and the run resumes from
+    the intact step 3 with the first run's losses."""
     shutil.copytree(twelve_steps, tmp_path, dirs_exist_ok=True)
     first = losses(tmp_path / "run")
     damage = {12: "corrupt_metadata", 9: "truncate", 6: "no_metadata"}
@@ -309,8 +311,71 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, twelve
     for step, how in damage.items():
         said = "is corrupt (" if how == "corrupt_metadata" else "is incomplete"
         assert f"step_{step:08d} {said}" in proc.stdout, (how, proc.stdout[-3000:])
+    assert "step_00000012 has no checksums (saved by an earlier usp): loading it unverified" in proc.stdout
     assert "resumed from" in proc.stdout and "(step 3," in proc.stdout
     assert_same(first, losses(tmp_path / "run"), range(1, 13), 1e-6)
+
+
+SAVED_EACH_STEP = ["checkpoint.interval=1", "checkpoint.keep_last=4", "train.name=run"]
+
+
+@pytest.fixture(scope="module")
+def eight_steps(tmp_path_factory, shakespeare) -> Path:
+    """A 2-rank DDP run of 8 steps with checkpoints of steps 5 to 8 (each rank writes its own shard)."""
+    runs = tmp_path_factory.mktemp("eight_steps")
+    train(runs, "conf=tiny_ddp", "train.steps=8", *SAVED_EACH_STEP)
+    return runs
+
+
+def _stopped_at_step_6_with_it_damaged(tmp_path: Path, eight_steps: Path, rank: int) -> Path:
+    """The 8-step run as if it had stopped at step 6 (checkpoints 5 and 6), then 4 KiB of random bytes
+    written into the middle of rank `rank`'s shard of step 6: same size, other bytes."""
+    shutil.copytree(eight_steps, tmp_path, dirs_exist_ok=True)
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in (7, 8):
+        shutil.rmtree(ckpts / f"step_{step:08d}")
+    shard = ckpts / "step_00000006" / f"__{rank}_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.seek(size // 2)
+        f.write(os.urandom(4096))
+    assert shard.stat().st_size == size
+    return ckpts
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_damaged_shard_is_found_and_the_run_goes_on_from_the_newest_good_one(tmp_path, eight_steps, rank):
+    """Either rank's shard of the newest checkpoint damaged (same size): the resume names the file,
+    continues from step 5 and reproduces the run's own steps 6-8; nothing good was deleted."""
+    ckpts = _stopped_at_step_6_with_it_damaged(tmp_path, eight_steps, rank)
+    checked = run_usp("checkpoints", "verify", str(tmp_path / "run"))
+    assert checked.returncode == 1 and f"__{rank}_0.distcp does not match its checksum" in " ".join(
+        checked.stdout.split()), checked.stdout
+    proc = train(tmp_path, "conf=tiny_ddp", "train.steps=8", *SAVED_EACH_STEP)
+    assert f"step_00000006 is damaged (__{rank}_0.distcp does not match its checksum" in proc.stdout, proc.stdout
+    assert "resumed from" in proc.stdout and "(step 5," in proc.stdout
+    assert_same(losses(eight_steps / "run"), losses(tmp_path / "run"), range(1, 9), 1e-6)
+    assert [c.step for c in list_checkpoints(ckpts) if c.complete] == [5, 6, 7, 8]
+    assert run_usp("checkpoints", "verify", str(tmp_path / "run")).returncode == 0
+
+
+@pytest.mark.distributed
+def test_a_nan_stop_right_after_a_damaged_checkpoint_deletes_nothing(tmp_path, eight_steps):
+    """The damaged step 6 skipped for step 5, then the learning rate blows the loss up: the stop saves
+    the last finite step, deletes no checkpoint (keep_last=1 would have removed step 5, the last one
+    saved from good weights), and says to check the checkpoint it resumed from first."""
+    ckpts = _stopped_at_step_6_with_it_damaged(tmp_path, eight_steps, rank=1)
+    proc = train(tmp_path, "conf=tiny_ddp", "train.steps=8", "checkpoint.interval=4", "checkpoint.keep_last=1",
+                 "train.name=run", "optimizer.lr=1e6", "optimizer.grad_clip=0", expect=1)
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert "step_00000006 is damaged" in text and "(step 5," in text, text[-3000:]
+    assert "non-finite" in text and "no checkpoint was deleted" in text, text[-3000:]
+    assert "first check the checkpoint this run resumed from (step_00000005" in text, text[-3000:]
+    stop = int(text.split("stopped with a checkpoint of step ")[1].split()[0])
+    kept = [c.step for c in list_checkpoints(ckpts) if c.complete]
+    assert stop > 5 and kept[0] == 5 and kept[-1] == stop, (kept, stop)
+    assert run_usp("checkpoints", "verify", str(tmp_path / "run"), "--step", "5").returncode == 0
 
 
 @pytest.mark.slow
@@ -366,3 +431,21 @@ def test_non_finite_loss(tmp_path, shakespeare, policy):
         assert proc.returncode == 0 and "step skipped" in text
         summary = json.loads((tmp_path / "nan" / "summary.json").read_text(), parse_constant=_no_nan)
         assert summary["final_loss"] is None or math.isfinite(summary["final_loss"])
+
+
+@pytest.mark.slow
+def test_a_resume_trains_at_the_planned_learning_rate(tmp_path, shakespeare):
+    """The fix a non-finite loss names is a lower optimizer.lr and the same command: the resumed steps
+    run at the new rate, on the same schedule (the checkpoint's param groups and schedule carried the old
+    one: a resume with optimizer.lr=1e-5 trained on at 3e-3 before)."""
+    train_here(tmp_path, "train.steps=4", "train.name=lr")
+    said = train_here(tmp_path, "train.steps=6", "train.name=lr", "optimizer.lr=1e-5")
+    assert "optimizer.lr is now 1e-05 (the checkpoint was saved at 0.003)" in said
+    records = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "lr" / "metrics.jsonl")}
+    from usp.config.compose import compose_config
+    from usp.plan.optimizer import OptimSettings, lr_factor
+
+    cfg, _ = compose_config(None, ["train.steps=6", "optimizer.lr=1e-5"])
+    settings = OptimSettings.from_config(cfg.optimizer, 6)
+    # a record's lr is the scheduler's after its step: the next step's
+    assert [records[s] for s in (5, 6)] == pytest.approx([1e-5 * lr_factor(s, settings) for s in (5, 6)])

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from usp.plan.hf_config import hf_config
+from usp.run import checksums
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_FREE_PACKAGES = ("usp.cli", "usp.run", "usp.config", "usp.perf", "usp.plan", "usp.launch", "usp.report",
@@ -74,6 +75,7 @@ CASES = [  # (argv, modules that must not be imported)
                   "--name", "sw_slurm"], NO_NUMPY, id="sweep-slurm-dry-run"),
     pytest.param(["status", RUN], NO_NUMPY, id="status"),
     pytest.param(["logs", RUN, "--rank", "0"], NO_NUMPY, id="logs"),
+    pytest.param(["checkpoints", "verify", RUN], NO_NUMPY, id="checkpoints-verify"),
     # Without a Slurm controller scontrol fails and usp says so (exit 2) after importing all it uses.
     pytest.param(["cancel", RUN], NO_NUMPY, id="cancel", marks=pytest.mark.may_refuse),
     pytest.param(["config", "list"], NO_NUMPY, id="config-list"),
@@ -109,6 +111,11 @@ def work(tmp_path_factory) -> Path:
     (run / "job.json").write_text(json.dumps({"jobs": [{"job_id": JOB_ID, "script": str(run / "job.sbatch"),
                                                         "log_dir": str(run / "logs"),
                                                         "plans": [str(run / "plan.yaml")], "submitted_at": 0.0}]}))
+    step = run / "checkpoints" / "step_00000001"  # a checkpoint's files as usp writes them, with checksums
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    (step / "manifest.json").write_text(json.dumps(checksums.manifest(
+        1, {"__0_0.distcp": 256 * 64}, checksums.digests(step, ["__0_0.distcp"]))))
     (work / "hf").mkdir()  # the tiny model group as a Hugging Face config.json
     (work / "hf" / "config.json").write_text(json.dumps(hf_config(
         {"dim": 128, "n_layers": 2, "n_heads": 4, "ffn_dim": 384, "tie_embeddings": True, "rope_theta": 10000.0,

@@ -148,9 +148,37 @@ def test_the_torch_export_never_writes_beside_an_hf_model(tmp_path, inputs):
 
 
 def test_force_never_replaces_the_inputs(tmp_path, inputs):
+    """--force replaces only the command's own output: never the run it reads or a path inside it, a
+    checkpoint (also one outside the run), an input file (calibrate's archs CSV, read when --archs is
+    not given) or the recipe copied; each refused with exit 2, nothing touched."""
+    import shutil
+
     run = Path(inputs["RUN"])
-    before = _listing(run)
-    for args in (["report", str(run), "--out", str(run)], ["export", str(run), "--out", str(run / "checkpoints")]):
-        proc = usp_cli(*args, "--force", cwd=tmp_path)
-        assert proc.returncode == 2 and "which holds" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert _listing(run) == before and _listing(run / "checkpoints") == ["step_00000002"]
+    ckpt = run / "checkpoints" / "step_00000002"
+    elsewhere = tmp_path / "elsewhere" / "step_00000002"  # a checkpoint where checkpoint.dir put it
+    shutil.copytree(ckpt, elsewhere)
+    csv = tmp_path / "measured.csv"
+    shutil.copyfile(inputs["CSV"], csv)
+    archs = tmp_path / "playbook_model_archs.csv"
+    shutil.copyfile(CALIBRATION / "playbook_model_archs.csv", archs)
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(RECIPE)
+    before = {p: p.read_bytes() for p in [*run.rglob("*"), *elsewhere.iterdir(), archs, recipe] if p.is_file()}
+    cases = {
+        "is this command's input": [["report", str(run), "--out", str(run)],
+                                    ["calibrate", str(csv), "--cluster", "slurm_h100", "--out", str(archs)],
+                                    ["config", "cp", str(recipe), str(recipe)]],
+        "which this command reads": [["report", str(run), "--out", str(run / "checkpoints")],
+                                     ["export", str(run), "--out", str(ckpt)],
+                                     ["export", str(run), "--format", "hf", "--out", str(run / "logs")]],
+        "holds this command's input": [["report", str(run), "--out", str(run.parent)]],
+        "is a checkpoint": [["export", str(run), "--out", str(elsewhere)],
+                            ["report", str(run), "--out", str(elsewhere)]],
+    }
+    for said, commands in cases.items():
+        for args in commands:
+            proc = usp_cli(*args, "--force", cwd=tmp_path)
+            message = " ".join(proc.stderr.split())
+            assert proc.returncode == 2 and said in message and "Traceback" not in proc.stderr, (args, message)
+    assert {p: p.read_bytes() for p in before} == before
+    assert _listing(run / "checkpoints") == ["step_00000002"] and not (run / "report").exists()

@@ -17,11 +17,12 @@ USP = Path(__file__).resolve().parents[2] / "usp"
 # package (or module) -> the usp packages it may import (besides itself); the longest name that
 # matches a module decides. usp/run/ is the floor every layer stands on: the run directory's files
 # (usp.run.files, no usp imports at all), the directory-name rule, the run lock and the check of an
-# output target (on usp.errors alone); the run's state and a sweep's record read those. usp/perf/ is
-# the performance model and the layout it models (on usp.errors alone); usp/plan/ builds a plan with
-# it; its calibration fits the model's constants to measured runs. launch reaches the engine only to
-# run one rank in-process.
-BASE = {"usp.errors", "usp.run", "usp.run.files", "usp.run.names", "usp.run.lock", "usp.run.writable"}
+# output target (on usp.errors alone), a checkpoint's checksums (on the files' names); the run's
+# state and a sweep's record read those. usp/perf/ is the performance model and the layout it models
+# (on usp.errors alone); usp/plan/ builds a plan with it; its calibration fits the model's constants
+# to measured runs. launch reaches the engine only to run one rank in-process.
+BASE = {"usp.errors", "usp.run", "usp.run.files", "usp.run.names", "usp.run.lock", "usp.run.writable",
+        "usp.run.checksums"}
 ALLOWED = {
     "usp.errors": set(),
     "usp.run": set(),
@@ -29,6 +30,7 @@ ALLOWED = {
     "usp.run.names": {"usp.errors"},
     "usp.run.lock": {"usp.errors"},
     "usp.run.writable": {"usp.errors"},
+    "usp.run.checksums": {"usp.run.files"},
     "usp.run.state": BASE,
     "usp.run.sweep_record": BASE | {"usp.run.state"},
     "usp.config": {"usp.errors", "usp.run", "usp.run.files", "usp.run.writable"},

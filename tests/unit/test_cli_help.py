@@ -12,15 +12,16 @@ from usp.cli.examples import EXAMPLES
 from usp.config.compose import compose_config
 
 COMMANDS = [[c.name or c.callback.__name__.replace("_", "-")] for c in app.registered_commands]
-COMMANDS += [["config"]] + [["config", c.name or c.callback.__name__] for g in app.registered_groups
-                            for c in g.typer_instance.registered_commands]
+COMMANDS += [[g.name] for g in app.registered_groups]
+COMMANDS += [[g.name, c.name or c.callback.__name__] for g in app.registered_groups
+             for c in g.typer_instance.registered_commands]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
 def test_every_help_page_has_examples(tmp_path, command):
     proc = usp_cli(*command, "--help", cwd=tmp_path)
     assert proc.returncode == 0 and "Examples:" in proc.stdout, proc.stdout
-    for line in EXAMPLES[command[-1]]:
+    for line in EXAMPLES[" ".join(command)]:
         assert line in proc.stdout  # not re-wrapped
 
 

@@ -16,6 +16,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=True, pretty_exceptions_e
                   help="usp: YAML in, a checked parallel run plan out, then torchrun or Slurm.")
 config_app = typer.Typer(no_args_is_help=True, help="Browse and copy the config catalogue.")
 app.add_typer(config_app, name="config")
+checkpoints_app = typer.Typer(no_args_is_help=True, help="Check a run's checkpoints.")
+app.add_typer(checkpoints_app, name="checkpoints")
 
 ForceOption = typer.Option(False, "--force", help="replace an existing output (the old one is kept until the new "
                                                    "one is complete)")
@@ -207,11 +209,13 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
 
     from usp.perf.calibration.calibrate import calibrate as fit_cluster
     from usp.perf.calibration.calibrate import report
+    from usp.perf.calibration.measured_runs import archs_csv
     from usp.run.files import write_text_atomic
     from usp.run.writable import check_new_output
 
-    if out:  # before the fit
-        check_new_output(out, force=force, key="--out", inputs=[measured])
+    if out:  # before the fit; the archs CSV is read too, given or not
+        read = [Path(measured)] + ([archs_csv(Path(measured), archs)] if Path(measured).is_file() else [])
+        check_new_output(out, force=force, key="--out", inputs=read)
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
     for line in report(result):
         typer.echo(line)
@@ -362,6 +366,18 @@ def status(run_dir: str | None = typer.Argument(None, help="run directory (defau
 
     code = show_status(run_dir)
     raise typer.Exit(code)
+
+
+@checkpoints_app.command("verify")
+@handles_errors
+def checkpoints_verify(run_dir: str | None = typer.Argument(None, help="run directory, its checkpoint directory or "
+                                                            "one step_<N> directory (default: the newest run)"),
+                       step: int | None = typer.Option(None, "--step", help="only this step's checkpoint")) -> None:
+    """Check every file of a run's checkpoints against the checksums saved with it: verified, unverified
+    (saved without checksums), damaged (names the file) or incomplete. Exit 1 if one can't be used."""
+    from usp.launch.checkpoint_check import verify
+
+    raise typer.Exit(verify(run_dir, step))
 
 
 @app.command()

@@ -20,6 +20,9 @@ EXAMPLES: dict[str, list[str]] = {
     "cancel": ["usp cancel runs/llama3_1_8b", "usp cancel                                        # the newest run"],
     "logs": ["usp logs runs/tiny_demo --tail 20", "usp logs runs/tiny_demo --rank 1 -f"],
     "status": ["usp status", "usp status runs/tiny_demo"],
+    "checkpoints": ["usp checkpoints verify runs/tiny_demo"],
+    "checkpoints verify": ["usp checkpoints verify runs/tiny_demo                # every checkpoint of the run",
+                           "usp checkpoints verify runs/tiny_demo --step 300     # one of them"],
     "export": ["usp export runs/tiny_demo",
                "usp export runs/tiny_demo --step 100 --format safetensors --out models/tiny",
                "usp export runs/tiny_demo --format hf --out models/tiny_hf --force   # replace an older export",
@@ -33,9 +36,9 @@ EXAMPLES: dict[str, list[str]] = {
               "usp sweep --dry-run --name lr optimizer.lr=1e-3,3e-3"],
     "report": ["usp report runs/tiny_demo", "usp report runs/sweep-20250101-120000 --out /tmp/report"],
     "config": ["usp config list", "usp config show model=llama3_1_8b", "usp config cp tiny_demo my_run.yaml"],
-    "list": ["usp config list"],
-    "show": ["usp config show model=llama3_1_8b", "usp config show tiny_demo"],
-    "cp": ["usp config cp tiny_demo my_run.yaml && usp train conf=my_run.yaml"],
+    "config list": ["usp config list"],
+    "config show": ["usp config show model=llama3_1_8b", "usp config show tiny_demo"],
+    "config cp": ["usp config cp tiny_demo my_run.yaml && usp train conf=my_run.yaml"],
 }
 
 
@@ -45,11 +48,12 @@ def with_examples(name: str, text: str | None) -> str:
     return f"{(text or '').rstrip()}\n\n\b\nExamples:\n{lines}"
 
 
-def add_examples(app) -> None:
-    """Every command of `app` and its sub-apps (typer's registered commands and groups)."""
+def add_examples(app, prefix: str = "") -> None:
+    """Every command of `app` and its sub-apps (typer's registered commands and groups); a sub-app's
+    commands are keyed by their whole name ("config cp")."""
     for info in app.registered_commands:
         name = info.name or info.callback.__name__.replace("_", "-")
-        info.help = with_examples(name, info.help or info.callback.__doc__)
+        info.help = with_examples(prefix + name, info.help or info.callback.__doc__)
     for group in app.registered_groups:
-        group.help = with_examples(group.name, group.help or group.typer_instance.info.help)
-        add_examples(group.typer_instance)
+        group.help = with_examples(prefix + group.name, group.help or group.typer_instance.info.help)
+        add_examples(group.typer_instance, f"{prefix}{group.name} ")

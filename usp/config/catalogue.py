@@ -78,7 +78,7 @@ def copy_recipe(recipe: str, dest: str = ".", force: bool = False) -> Path:
     target = Path(dest).expanduser()
     if target.is_dir():
         target = target / source.name
-    check_new_output(target, force=force, key="dest")
+    check_new_output(target, force=force, key="dest", inputs=[source])
     with staged(target) as tmp:
         shutil.copyfile(source, tmp)
     return target

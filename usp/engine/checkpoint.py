@@ -4,13 +4,14 @@ A checkpoint is <dir>/step_<N:08d>/: the DCP files of {"model", "optim"} (FQN ke
 optimizer state flattened by FQN too, so a checkpoint loads under any other layout: DCP
 reshards), one rng_rank<R>.pt per rank, and from rank 0 trainer_state.json (step, LR
 schedule, data position), plan.yaml (the layout it was saved under) and manifest.json
-(every file with its size) written last. It is written under .tmp-step_<N> and renamed into
-place once complete, so a reader never sees half a checkpoint; a checkpoint whose files don't
-match its manifest (truncated, missing) is skipped with a message, and the previous one used.
-A load that fails all the same (whatever the exception class: DCP's CheckpointException is a
-BaseException) is classified: corrupt or missing falls back to the previous checkpoint; a shape or
-architecture mismatch stops with CheckpointLoadError naming the fixes (`usp train` refuses that
-case before launch: usp.launch.checkpoints.check_resume)."""
+(every file with its size and checksum, usp/run/checksums.py) written last. It is written under
+.tmp-step_<N> and renamed into place once complete, so a reader never sees half a checkpoint; a
+checkpoint whose files don't match its manifest (truncated, missing, other bytes) is skipped with a
+message, and the previous one used, before any tensor is read. A load that fails all the same
+(whatever the exception class: DCP's CheckpointException is a BaseException) is classified: corrupt
+or missing falls back to the previous checkpoint; a shape or architecture mismatch stops with
+CheckpointLoadError naming the fixes (`usp train` refuses that case before launch:
+usp.launch.checkpoints.check_resume)."""
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +34,7 @@ from usp.engine.parallel.tied import canonical_state, head_copy_state, is_head_c
 from usp.engine.rope_upgrade import LAYOUT_KEY, checkpoint_rope_layout, upgrade_rope_rows
 from usp.errors import UspError
 from usp.models.rope_layout import ROPE_LAYOUT
+from usp.run import checksums
 from usp.run.files import (
     MANIFEST,
     PLAN,
@@ -67,6 +69,8 @@ class Checkpointer:
         self.dir = checkpoint_dir(plan)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
+        self.retain = True  # False once a save must delete nothing (a non-finite loss's stop)
+        self.resumed_from: Path | None = None
         self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
         self.ep = int(plan["config"]["parallelism"].get("ep", 1) or 1)
         self._async_group = self._background_group()
@@ -101,8 +105,10 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.enabled and self.interval > 0 and step % self.interval == 0
 
-    def save(self, step: int, blocking: bool = False) -> None:
-        """Save `step`; blocking=True also finishes (publishes) any async save in flight."""
+    def save(self, step: int, blocking: bool = False, retain: bool = True) -> None:
+        """Save `step`; blocking=True also finishes (publishes) any async save in flight.
+        retain=False deletes no older checkpoint (a stop for a non-finite loss)."""
+        self.retain = self.retain and retain
         if not self.enabled:
             return
         if self.last_saved == step:  # already saved, maybe still being written in the background
@@ -119,6 +125,8 @@ class Checkpointer:
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
             if self.ctx.is_main:  # now, as the tensors: an async save publishes a step or more later
                 self._write_trainer_state(tmp, step)
+                if plan_path(self.plan["run_dir"]).exists():
+                    shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
                 with single_process_is_intended():
@@ -157,19 +165,35 @@ class Checkpointer:
                                       "the last complete checkpoint") from None
 
     def _publish(self, tmp: Path, step: int, started: float) -> None:
-        self._barrier()  # every rank's files are written
+        """Every rank's files are written: each rank hashes the files it wrote, rank 0 writes the
+        manifest (sizes and checksums) last and renames the checkpoint into place."""
+        self._barrier()
+        hashed = time.perf_counter()
+        world, rank = self.ctx.world_size, self.ctx.rank
+        mine = [p.name for p in tmp.iterdir() if p.is_file() and checksums.owner(p.name, world) == rank]
+        sums = self._gather(checksums.digests(tmp, mine))
+        hashed = time.perf_counter() - hashed
         if self.ctx.is_main:
-            if plan_path(self.plan["run_dir"]).exists():
-                shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            write_text_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+            merged = dict(sorted((name, digest) for part in sums for name, digest in part.items()))
+            write_text_atomic(tmp / MANIFEST, json.dumps(checksums.manifest(step, files, merged), indent=1))
             final = self.dir / step_dir_name(step)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync_dir(self.dir)
-            self._retain()
-            self.log.info("checkpoint step %d saved to %s in %.2f s", step, final, time.perf_counter() - started)
+            if self.retain:
+                self._retain()
+            self.log.info("checkpoint step %d saved to %s in %.2f s (checksums %.2f s)", step, final,
+                          time.perf_counter() - started, hashed)
         self._barrier()
+
+    def _gather(self, value) -> list:
+        """`value` of every rank, in rank order (every rank gets the list)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return [value]
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
 
     def _write_trainer_state(self, tmp: Path, step: int) -> None:
         """The step's LR schedule and data position, written when the save starts: an async save is
@@ -182,8 +206,7 @@ class Checkpointer:
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1))
 
     def _retain(self) -> None:
-        complete = [c for c in list_checkpoints(self.dir) if c[2]]
-        for _, path, _, _ in complete[:-self.keep_last] if self.keep_last > 0 else []:
+        for path in checksums.retired(list_checkpoints(self.dir), self.keep_last):
             shutil.rmtree(path, ignore_errors=True)
 
     # -- resume --------------------------------------------------------------------------
@@ -192,29 +215,15 @@ class Checkpointer:
         if not self.enabled or self.resume_mode == "never":
             return 0
         if self.resume_mode == "auto":
-            found, failed = list_checkpoints(self.dir), []
-            for _step, path, complete, problem in reversed(found):
-                if not complete:
-                    self._say(f"checkpoint {path.name} is incomplete ({problem}); using an older one")
-                    continue
-                try:
-                    return self._load(path)
-                except (KeyboardInterrupt, SystemExit):
-                    raise
-                except BaseException as exc:  # torch's CheckpointException is not an Exception
-                    kind, detail = classify_load_error(exc)
-                    if kind == MISMATCH:  # every checkpoint of the run has the same shape: no fallback
-                        raise CheckpointLoadError(path, kind, detail) from None
-                    failed.append(path.name)
-                    self._say(f"checkpoint {path.name} is {kind} ({detail}); using an older one")
-            if failed:  # a failed load may have filled some tensors: don't train on from them
-                raise CheckpointLoadError(self.dir, CORRUPT, f"no intact checkpoint ({', '.join(failed)} failed)")
-            return 0
+            return self._resume_newest_good()
         path = Path(self.resume_mode).expanduser()
         entry = [c for c in list_checkpoints(path.parent) if c[1].resolve() == path.resolve()]
         if not entry or not entry[0][2]:
             raise CheckpointLoadError(path, MISSING, f"checkpoint.resume={self.resume_mode!r} is not a complete "
                                       f"checkpoint ({entry[0][3] if entry else 'no manifest.json'})")
+        damaged = self._verify(path)
+        if damaged:
+            raise CheckpointLoadError(path, DAMAGED, "; ".join(damaged))
         try:
             return self._load(path)
         except (KeyboardInterrupt, SystemExit):
@@ -222,7 +231,51 @@ class Checkpointer:
         except BaseException as exc:
             raise CheckpointLoadError(path, *classify_load_error(exc)) from None
 
+    def _resume_newest_good(self) -> int:
+        """The newest checkpoint that is complete, verifies against its checksums and loads; each one
+        skipped is named. Checkpoints that exist but none of which can be used stop the run: training
+        from scratch would replace them."""
+        found, failed = list_checkpoints(self.dir), []
+        for _step, path, complete, problem in reversed(found):
+            if not complete:
+                self._say(f"checkpoint {path.name} is incomplete ({problem}); using an older one")
+                continue
+            damaged = self._verify(path)
+            if damaged:
+                failed.append(path.name)
+                self._say(f"checkpoint {path.name} is damaged ({'; '.join(damaged)}); using an older one")
+                continue
+            try:
+                return self._load(path)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # torch's CheckpointException is not an Exception
+                kind, detail = classify_load_error(exc)
+                if kind == MISMATCH:  # every checkpoint of the run has the same shape: no fallback
+                    raise CheckpointLoadError(path, kind, detail) from None
+                failed.append(path.name)
+                self._say(f"checkpoint {path.name} is {kind} ({detail}); using an older one")
+        if failed:  # a failed load may have filled some tensors, and a fresh start would replace them
+            raise CheckpointLoadError(self.dir, CORRUPT, f"no intact checkpoint ({', '.join(failed)} failed)")
+        return 0
+
+    def _verify(self, path: Path) -> list[str]:
+        """What is wrong with `path`'s files against its manifest's checksums, the same list on every
+        rank (each rank checks its share, usp/run/checksums.py); [] when they all match. A checkpoint
+        saved without checksums loads unverified, with a note."""
+        expected = checksums.recorded(path)
+        if expected is None:
+            self._say(f"checkpoint {path.name} has no checksums (saved by an earlier usp): loading it unverified")
+            return []
+        started = time.perf_counter()
+        mine = [n for n in expected if checksums.owner(n, self.ctx.world_size) == self.ctx.rank]
+        problems = sorted(p for part in self._gather(checksums.mismatches(path, expected, mine)) for p in part)
+        self.log.info("checkpoint %s: %d files checked against their checksums in %.2f s: %s", path.name,
+                      len(expected), time.perf_counter() - started, "; ".join(problems) or "all match")
+        return problems
+
     def _load(self, path: Path) -> int:
+        planned = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in self.optimizers]
         state = self._state()
         reader = MetadataOnce(str(path))  # _present's read of the metadata is dcp.load's as well
         loaded = _present(self._saved_state(state), reader.read_metadata().state_dict_metadata)
@@ -243,14 +296,33 @@ class Checkpointer:
         trainer_state = json.loads((path / TRAINER_STATE).read_text())
         for scheduler in self.schedulers:  # one per model part, all on the same schedule
             scheduler.load_state_dict(trainer_state["scheduler"])
+        self._apply_planned_hyperparameters(planned, trainer_state["scheduler"].get("base_lrs"))
         self.sampler.load_state_dict(trainer_state["sampler"])
         rng = path / f"rng_rank{self.ctx.rank}.pt"
         if rng.exists():  # same rank count: restore this rank's RNG; else keep the seeded one
             torch.set_rng_state(torch.load(rng))
         self.last_saved = int(trainer_state["step"])
+        self.resumed_from = path
         self._say(f"resumed from {path} (step {trainer_state['step']}, saved under "
                   f"{_layout(trainer_state['degrees'])}, now {_layout(self.ctx.degrees)})")
         return int(trainer_state["step"])
+
+    def _apply_planned_hyperparameters(self, planned: list, saved_base_lrs) -> None:
+        """The plan's optimizer settings (learning rate, betas, weight decay, ...) over the ones the
+        checkpoint's param groups and LR schedule carried: the checkpoint gives the state (moments, step,
+        the schedule's position), the plan what to train with. Without this a resume with a lower
+        optimizer.lr, the fix a non-finite loss's stop names, trained on at the saved one (measured)."""
+        for optimizer, scheduler, groups in zip(self.optimizers, self.schedulers, planned):
+            for group, settings in zip(optimizer.param_groups, groups):
+                group.update(settings)
+            scheduler.base_lrs = [settings["initial_lr"] for settings in groups]
+            for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                group["lr"] = base * factor(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        now = self.schedulers[0].base_lrs if self.schedulers else []
+        if saved_base_lrs and [float(x) for x in saved_base_lrs] != [float(x) for x in now]:
+            self._say(f"optimizer.lr is now {now[0]:g} (the checkpoint was saved at {float(saved_base_lrs[0]):g}): "
+                      "the plan's learning rate applies from here, on the same schedule")
 
     def _say(self, message: str) -> None:
         self.log.info(message)
@@ -263,6 +335,7 @@ class Checkpointer:
 
 
 MISMATCH, CORRUPT, MISSING = "a shape/architecture mismatch", "corrupt", "missing"
+DAMAGED = "damaged (its files don't match their checksums)"
 _MISMATCH_TEXT = ("size mismatch", "missing key", "unexpected key", "shape mismatch")
 
 

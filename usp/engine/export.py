@@ -33,6 +33,7 @@ from usp.engine.rope_upgrade import checkpoint_rope_layout, upgrade_rope_rows
 from usp.engine.tensor_stream import TensorStream, meta_like, write_shards
 from usp.errors import UspError
 from usp.models.rope_layout import ROPE_LAYOUT
+from usp.run import checksums
 from usp.run.files import (
     CHECKPOINTS,
     MANIFEST,
@@ -108,11 +109,11 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
     <fmt>_step<N>), in files of at most max_shard_mb MiB (default 5000). An existing `out` is
     replaced only with force; the default one, usp's own, always is."""
     _check_format(fmt)
-    if out:  # before the (possibly long) load
-        out = check_new_output(_out_dir(out, fmt), force=force, key="--out", inputs=[source])
     ckpt, run_dir = _pick_checkpoint(Path(source), step)
-    if out and force:  # nor the checkpoint it reads (checkpoint.dir may lie outside the run directory)
-        check_new_output(out, force=True, key="--out", inputs=[ckpt])
+    if out:  # before the (possibly long) load; the checkpoint may lie outside the run (checkpoint.dir)
+        out = check_new_output(_out_dir(out, fmt), force=force, key="--out", inputs=[source, run_dir, ckpt],
+                               own=run_dir / "export")
+    _refuse_damaged(ckpt)
     plan = _plan_of(ckpt, run_dir)
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))
     model_cfg = _model_config(plan)
@@ -291,6 +292,16 @@ def _pick_checkpoint(source: Path, step: int | None) -> tuple[Path, Path]:
                           fix="train with checkpoint.enabled=true (a checkpoint is saved at the end), "
                               "or pass a step_<N> directory")
     return complete[-1].path, source
+
+
+def _refuse_damaged(ckpt: Path) -> None:
+    """Every file of the checkpoint against its checksums before anything is written (a checkpoint
+    saved without them is exported as it is)."""
+    state, problems = checksums.verify_checkpoint(ckpt)
+    if state == "damaged":
+        raise ExportError(f"the checkpoint {ckpt} is damaged: {'; '.join(problems)}", key="--step",
+                          value=_dir_step(ckpt), fix="export an older step (usp checkpoints verify <run dir> "
+                                                      "lists the checkpoints that verify)")
 
 
 def _plan_of(ckpt: Path, run_dir: Path) -> dict:

@@ -156,9 +156,14 @@ class Trainer:
             return loss, float("nan")
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        self.checkpointer.save(self.last_completed_step, blocking=True)
+        self.checkpointer.save(self.last_completed_step, blocking=True, retain=False)
+        resumed = self.checkpointer.resumed_from
+        first = (f"first check the checkpoint this run resumed from ({resumed.name}, step {self.start_step}, "
+                 f"{step + 1 - self.start_step} step(s) before): `usp checkpoints verify {self.run_dir}`; then "
+                 if resumed is not None else "")
         raise NonFiniteLoss(f"{message}; stopped with a checkpoint of step {self.last_completed_step} "
-                            "(train.nan_policy=stop)", fix="lower optimizer.lr, or train.nan_policy=skip")
+                            "(train.nan_policy=stop); no checkpoint was deleted",
+                            fix=f"{first}lower optimizer.lr, or train.nan_policy=skip")
 
     def _accumulate(self, step: int) -> torch.Tensor:
         """Mean loss of this rank's micro batches (before the all-reduce over data-parallel ranks),

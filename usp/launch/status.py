@@ -12,11 +12,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from usp.launch.jobs import slurm_table
+from usp.run import checksums
 from usp.run.files import (
-    CHECKPOINTS,
     LOST_PEER,
     METRICS,
-    checkpoint_dir,
     events_path,
     list_checkpoints,
     metrics_path,
@@ -24,6 +23,7 @@ from usp.run.files import (
     read_jobs,
     read_jsonl,
     read_plan_if_any,
+    run_checkpoint_dir,
 )
 from usp.run.lock import LockInfo, read_lock
 from usp.run.state import (
@@ -258,7 +258,7 @@ def _render_checkpoints(run_dir: Path, plan: dict | None, console: Console) -> N
     if plan and not ckpt_cfg.get("enabled", True):
         console.print("checkpoints: disabled (checkpoint.enabled=false)")
         return
-    where = checkpoint_dir(plan) if plan else run_dir / CHECKPOINTS
+    where = run_checkpoint_dir(run_dir, plan)
     found = list_checkpoints(where)
     if not found:
         console.print(f"checkpoints: none in {escape(str(where))}", highlight=False)
@@ -268,7 +268,10 @@ def _render_checkpoints(run_dir: Path, plan: dict | None, console: Console) -> N
     table.add_column("state")
     table.add_column("directory / problem", overflow="fold")
     for c in found:
-        if c.complete:
+        if c.complete and checksums.recorded(c.path) is None:
+            note = f"{c.path.name}: saved by an earlier usp, loads unverified"
+            table.add_row(str(c.step), "[yellow]complete, no checksums[/]", escape(note))
+        elif c.complete:
             table.add_row(str(c.step), "[green]complete[/]", c.path.name)
         else:
             table.add_row(str(c.step), "[red]incomplete[/]", escape(f"{c.path.name}: {c.problem}"))
@@ -276,3 +279,6 @@ def _render_checkpoints(run_dir: Path, plan: dict | None, console: Console) -> N
     console.print(table)
     console.print(escape(f"  in {where}: " + (f"resume / export from step {done[-1]}" if done
                                               else "no complete checkpoint")), highlight=False, soft_wrap=True)
+    if done:
+        console.print(escape(f"  their contents are checked against their checksums when a run resumes; now: "
+                             f"usp checkpoints verify {run_dir}"), highlight=False, soft_wrap=True)

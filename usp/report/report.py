@@ -67,7 +67,7 @@ def write_report(paths: list[str], out: str | Path | None = None, force: bool = 
     drawn in a temporary directory and swapped into place; an existing `out` is replaced only with
     force."""
     if out:
-        check_new_output(out, force=force, key="--out", inputs=paths)
+        check_new_output(out, force=force, key="--out", inputs=paths, own=Path(paths[0]).expanduser() / "report")
     runs, sweeps = collect(paths)
     target = Path(out).expanduser() if out else Path(paths[0]).expanduser() / "report"
     with staged(target) as tmp:

@@ -127,6 +127,14 @@ def checkpoint_dir(plan) -> Path:
     return Path(configured) if configured else Path(plan_field(plan, "run_dir")) / CHECKPOINTS
 
 
+def run_checkpoint_dir(run_dir, plan: dict | None) -> Path:
+    """Where the run directory `run_dir` keeps its checkpoints: its plan's checkpoint.dir, or
+    <run_dir>/checkpoints (not the run_dir plan.yaml names: a run directory copied or moved elsewhere
+    keeps its own)."""
+    configured = (((plan or {}).get("config") or {}).get("checkpoint") or {}).get("dir")
+    return Path(configured) if configured else Path(run_dir) / CHECKPOINTS
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

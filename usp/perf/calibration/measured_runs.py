@@ -90,11 +90,16 @@ ARCH_OPTIONAL = {"seq_len": "optional_count"}
 EXAMPLE = "calibration/playbook_h100/playbook_sweep_calibration.csv"
 
 
+def archs_csv(measured: Path, archs: str | Path | None = None) -> Path:
+    """The model shapes CSV a sweep CSV is read with: `archs`, or playbook_model_archs.csv beside it."""
+    return Path(archs) if archs else Path(measured).with_name(ARCHS_FILE)
+
+
 def read_sweep_csv(path: Path = SWEEP_CSV, archs: Path | None = None, key: str = "RUNS") -> list[MeasuredRun]:
     """Every row of a sweep CSV (columns: model, nodes, dp, tp, pp, gas, mbs, zero, status, mfu_pct,
     tok_s_gpu[, mem_gb]); model shapes from `archs` (default: playbook_model_archs.csv beside it). A
     malformed file is one UspError naming the file, line and column (usp.perf.calibration.csv_rows)."""
-    archs = archs or path.with_name(ARCHS_FILE)
+    archs = archs_csv(path, archs)
     for p, what, option in ((path, "runs CSV", key), (archs, "archs CSV", "--archs")):
         if not p.is_file():
             raise UspError(f"{what} not found: {p}", key=option, value=str(p),
