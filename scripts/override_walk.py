@@ -6,7 +6,7 @@ already is (docs/architecture.md, "The walk of one override").
 One process, the path `usp train` takes for one rank, with `parallelism.tp=2` on two processes:
 compose the config, plan it, write and read plan.yaml, then the engine side as every rank runs it
 (the plan's checks, the mesh and the parallel model built on the meta device under a fake process
-group: usp.engine.build_check). sys.setprofile records every call into a usp function; each call's
+group: usp.engine.meta_build). sys.setprofile records every call into a usp function; each call's
 room is its package (usp.config, usp.plan, ...; usp.run and usp.errors, the floor every layer
 stands on, are not rooms). Rooms in the order the walk should take them: config -> plan (plan, perf,
 data) -> launch -> engine (engine, models). A return is a call into a room whose place in that
@@ -49,7 +49,7 @@ def walk(runs_dir: str) -> list[tuple[str, str, str]]:
         caller = f"{back.f_globals.get('__name__', '?')}.{back.f_code.co_name}" if back else "?"
         calls.append((here, f"{frame.f_globals['__name__']}.{frame.f_code.co_name}", caller))
 
-    from usp.engine.build_check import check_rank  # torch and the engine imported before tracing
+    from usp.engine.meta_build import check_rank  # torch and the engine imported before tracing
     sys.setprofile(profile)
     try:
         run_flow(runs_dir, check_rank)
@@ -64,7 +64,7 @@ def run_flow(runs_dir: str, check_rank) -> None:
     from rich.console import Console
 
     from usp.config.compose import compose_config
-    from usp.launch.prepare import prepare_run
+    from usp.launch.pre_launch import prepare_run
     from usp.run.lock import release
 
     conf, overrides = OVERRIDES[0].split("=", 1)[1], [*OVERRIDES[1:], f"train.runs_dir={runs_dir}"]
@@ -104,7 +104,7 @@ def main() -> None:
     print(f"calls into usp rooms: {len(calls)}; room changes: {transitions}; returns upstream: {len(back)}")
     print("returns by room: " + ", ".join(f"{r} {n}" for r, n in Counter(r for r, _, _ in back).most_common()))
     if "--list" in sys.argv:
-        for here, function, caller in back:
+        for _room, function, caller in back:
             print(f"  {caller} -> {function}")
 
 

@@ -103,7 +103,7 @@ def pytest_sessionfinish(session, exitstatus):
 def shakespeare():
     """The default dataset, prepared once in the session's cache: (directory, meta)."""
     from usp.config.compose import compose_config
-    from usp.data.prepare import ensure_dataset
+    from usp.data.tokenized import ensure_dataset
 
     cfg, _ = compose_config(None, [])
     return ensure_dataset(cfg.data)

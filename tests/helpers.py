@@ -84,7 +84,7 @@ def train_in_process(*overrides: str, conf: str | None = None) -> tuple[Path, st
 
     from usp.config.compose import compose_config
     from usp.engine.worker import run_worker
-    from usp.launch.prepare import prepare_run
+    from usp.launch.pre_launch import prepare_run
     from usp.run.lock import release
 
     cfg, choices = compose_config(conf, list(overrides))

@@ -53,7 +53,7 @@ def plan_for(overrides: list[str], world: int, runs_dir: str) -> dict:
     """Compose + plan a run in-process (pure Python), with its tokenized data prepared: the
     same plan.yaml content `usp train` would hand the engine."""
     from usp.config.compose import compose_config
-    from usp.data.prepare import ensure_dataset
+    from usp.data.tokenized import ensure_dataset
     from usp.plan.plan import build_plan
 
     base = [f"cluster.procs_per_node={world}", "cluster.nodes=1", f"train.runs_dir={runs_dir}",

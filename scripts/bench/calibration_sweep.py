@@ -24,7 +24,7 @@ import _common  # noqa: E402
 
 from usp.perf.calibration.measured_runs import SWEEP_CSV, MeasuredRun, read_sweep_csv  # noqa: E402
 from usp.perf.calibration.memory_check import accuracy, check_memory  # noqa: E402
-from usp.perf.profile import get_profile  # noqa: E402
+from usp.perf.stack_profile import get_profile  # noqa: E402
 
 
 def group(run: MeasuredRun) -> str:

@@ -54,7 +54,8 @@ def save_and_verify() -> tuple[list[tuple[float, float]], float, float]:
                         "train.steps=3", "checkpoint.interval=1", "logging.console=plain", "train.sample_tokens=0",
                         "train.eval_interval=0"], check=True, capture_output=True, cwd=tmp)
         log = (Path(tmp) / "ck" / "logs" / "rank_0.log").read_text()
-        saves = [(float(a), float(b)) for a, b in re.findall(r"saved to .* in ([\d.]+) s \(checksums ([\d.]+) s\)", log)]
+        found = re.findall(r"saved to .* in ([\d.]+) s \(checksums ([\d.]+) s\)", log)
+        saves = [(float(a), float(b)) for a, b in found]
         last = sorted((Path(tmp) / "ck" / "checkpoints").glob("step_*"))[-1]
         size = sum(p.stat().st_size for p in last.iterdir())
         started = time.perf_counter()

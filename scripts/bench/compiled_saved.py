@@ -96,8 +96,8 @@ def planner_bytes(model: str, fp8: str, compiled: bool) -> float | None:
     """The planner's bytes per token per layer for this block (bf16 under autocast, no recompute)."""
     from usp.config.compose import compose_config
     from usp.perf.memory import activation_values, compiled_block_bytes
-    from usp.perf.profile import PROFILES
     from usp.perf.specs import Arch, Layout, Precision
+    from usp.perf.stack_profile import PROFILES
 
     arch = Arch.from_model(compose_config(None, [f"model={model}"])[0].model)
     prec = Precision.resolve("bf16", "cuda", True, compiled=compiled, fp8=fp8)

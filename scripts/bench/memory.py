@@ -35,7 +35,7 @@ def main() -> None:
     bf16 = "--bf16" in sys.argv[1:]
     extra = extra or bf16  # the wide bf16 layouts read the byte vocabulary
     from usp.config.compose import compose_config
-    from usp.data.prepare import ensure_dataset
+    from usp.data.tokenized import ensure_dataset
 
     for overrides in ([], ["data.tokenizer=bytes"] if extra else []):
         ensure_dataset(compose_config(None, overrides)[0].data)  # once, before the ranks start

@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from tests.dist.harness import run_cases  # noqa: E402
-from usp.engine.parallel.context import apply_context_parallel, ring_attention, shard_sequence, zigzag_indices  # noqa: E402
+from usp.engine.parallel.context_parallel import apply_context_parallel, ring_attention, shard_sequence, zigzag_indices  # noqa: E402
 from usp.models.llama import Llama, LlamaArgs  # noqa: E402
 
 dist.init_process_group("gloo")

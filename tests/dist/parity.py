@@ -16,7 +16,7 @@ def plan_dict(overrides: list[str], world: int, runs_dir: str, train: dict | Non
     train.* values set in the plan after planning, for what the planner refuses on CPU but the
     engine runs here all the same (train.fp8: torch's CPU _scaled_mm)."""
     from usp.config.compose import compose_config
-    from usp.data.prepare import ensure_dataset
+    from usp.data.tokenized import ensure_dataset
     from usp.plan.plan import build_plan
 
     base = [f"cluster.procs_per_node={world}", "cluster.nodes=1", f"train.runs_dir={runs_dir}",

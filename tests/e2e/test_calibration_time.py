@@ -8,7 +8,7 @@ import pytest
 from tests.unit.test_calibration_time import FITTED, SWEEP, _hw
 from usp.perf.calibration.calibrate import Problem, calibrate, report, score, split
 from usp.perf.calibration.measured_runs import BF16, read_sweep_csv
-from usp.perf.profile import PROFILES
+from usp.perf.stack_profile import PROFILES
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ CASES = [  # (argv, modules that must not be imported)
     pytest.param(["plan", f"model.init_from={H}", "model.vocab_size=4096"], NO_NUMPY, id="plan-init-from-hf"),
     pytest.param(["plan", "--search", "model=llama3_2_1b", "cluster=slurm_h100"], NO_NUMPY, id="plan-search"),
     pytest.param(["plan", "--cfg", "job"], NO_NUMPY, id="plan-cfg"),
-    # the engine builds the ranks in a subprocess (python -m usp.engine.build_check): this one stays torch-free
+    # the engine builds the ranks in a subprocess (python -m usp.engine.meta_build): this one stays torch-free
     pytest.param(["plan", "--build-check", "conf=tiny_ddp", "1"], NO_NUMPY, id="plan-build-check"),
     # own files: planned from their names and sizes, nothing read or tokenized
     pytest.param(["plan", "data=files", f"data.paths=[{C}]", f"train.runs_dir={R}"],

@@ -68,7 +68,7 @@ def test_zero_with_tp_pp_memory_within_10_percent_and_states_sharded(zero_calibr
 @pytest.fixture(scope="module")
 def bf16_calibration(shakespeare):
     from usp.config.compose import compose_config
-    from usp.data.prepare import ensure_dataset
+    from usp.data.tokenized import ensure_dataset
 
     ensure_dataset(compose_config(None, ["data.tokenizer=bytes"])[0].data)  # the wide layouts' data, once
     return launch(SCRIPT, 2, "--bf16", timeout=600)

@@ -12,9 +12,9 @@ import pytest
 
 from usp.config.compose import compose_config
 from usp.data.blend import BlendedSampler, block_counts, make_sampler
-from usp.data.errors import DataError
-from usp.data.prepare import ensure_dataset
+from usp.data.data_error import DataError
 from usp.data.sampler import TokenFile
+from usp.data.tokenized import ensure_dataset
 
 pytest.importorskip("datasets")  # the optional extra `usp[hf]` (installed by `make test`)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from usp.engine.parallel.context import cp_positions, shard_sequence, unshard_sequence, zigzag_indices
+from usp.engine.parallel.context_parallel import cp_positions, shard_sequence, unshard_sequence, zigzag_indices
 from usp.models.llama import Llama, LlamaArgs
 
 

@@ -27,7 +27,7 @@ def test_an_edited_plan_is_refused_by_the_engine_in_one_line(tmp_path, shakespea
     from rich.console import Console
 
     from usp.config.compose import compose_config
-    from usp.launch.prepare import prepare_run
+    from usp.launch.pre_launch import prepare_run
     from usp.run.lock import release
 
     cfg, choices = compose_config(None, ["train.name=edited", "train.steps=2", f"train.runs_dir={tmp_path}"])

@@ -8,7 +8,7 @@ import numpy as np
 
 from tests.data_builders import WORDS, word_corpus
 from tests.unit.test_prepare import _cfg, _files
-from usp.data.prepare import ensure_dataset
+from usp.data.tokenized import ensure_dataset
 
 
 def test_directories_expand_to_one_document_per_file_or_record(tmp_path):

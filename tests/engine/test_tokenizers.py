@@ -6,7 +6,7 @@ import pytest
 
 from tests.data_builders import WORDS, big_wordlevel_tokenizer, word_corpus
 from usp.config.schema import DataConfig
-from usp.data.prepare import ensure_dataset
+from usp.data.tokenized import ensure_dataset
 
 
 def test_a_vocab_over_65536_gives_uint32_files_that_train(tmp_path):

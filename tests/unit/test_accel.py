@@ -82,7 +82,7 @@ def test_a_cpu_run_on_a_machine_with_gpus_says_how_to_use_them(tmp_path, monkeyp
 
     from rich.console import Console
 
-    from usp.launch import prepare
+    from usp.launch import pre_launch as prepare
 
     gpus = tmp_path / "gpus"
     for bus in ("0000:01:00.0", "0000:02:00.0"):

@@ -231,3 +231,13 @@ def test_no_function_is_longer_than_60_lines():
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {length} lines")
     assert long == [], long
+
+
+def test_no_two_modules_share_a_name():
+    """One name, one meaning: a module's basename is unique under usp/ (package __init__ and __main__
+    aside), so `prepare`, `context` or `profile` never mean two things."""
+    seen: dict[str, list[str]] = {}
+    for path in USP.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(USP)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

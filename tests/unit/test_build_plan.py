@@ -23,10 +23,10 @@ from usp.perf.memory import (
     peak_bytes,
     sharded_params,
 )
-from usp.perf.profile import PROFILES
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, optimizer_states
-from usp.plan.context import planned_local_bytes
+from usp.perf.stack_profile import PROFILES
 from usp.plan.hf_config import checkpoint_value_bytes, hf_config
+from usp.plan.planner_inputs import planned_local_bytes
 from usp.plan.rules import Settings
 from usp.plan.search import enumerate_layouts, search
 

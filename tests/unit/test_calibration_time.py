@@ -19,8 +19,8 @@ import yaml
 from tests.helpers import usp_cli
 from usp.perf.calibration.calibrate import Problem, score
 from usp.perf.calibration.measured_runs import BF16, SWEEP_CSV, read_sweep_csv
-from usp.perf.profile import PROFILES
 from usp.perf.specs import Hardware
+from usp.perf.stack_profile import PROFILES
 from usp.perf.timing import evaluate, mfu, pipeline_stall_s, time_shape
 
 ROOT = Path(__file__).resolve().parents[2]

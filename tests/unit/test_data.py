@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from usp.config.schema import DataConfig
 from usp.data import corpus
 from usp.data.corpus import load_documents
-from usp.data.errors import DataError
-from usp.data.prepare import dataset_dir, ensure_dataset, load_meta, prepare_dataset
+from usp.data.data_error import DataError
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
+from usp.data.tokenized import dataset_dir, ensure_dataset, load_meta, prepare_dataset
 from usp.data.tokenizer import load_tokenizer, train_tokenizer
 from usp.data.tokens import meta_dtype
 

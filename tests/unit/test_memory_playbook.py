@@ -15,8 +15,8 @@ from usp.perf.calibration.measured_runs import BF16, SEQ_LEN, h100_nodes, read_s
 from usp.perf.calibration.memory_check import accuracy, check_memory, fit_constants
 from usp.perf.memory import activation_values, memory_plan, stage_memory, zero_sharding
 from usp.perf.pipeline_split import matmul_threshold_split
-from usp.perf.profile import PROFILES
 from usp.perf.specs import Layout
+from usp.perf.stack_profile import PROFILES
 
 NANOTRON = PROFILES["nanotron"]
 

@@ -15,8 +15,8 @@ from usp.config.compose import compose_config
 from usp.errors import PlanError
 from usp.perf.layout import rank_table
 from usp.perf.memory import in_flight, memory_plan, stage_memory
-from usp.perf.profile import PROFILES
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
+from usp.perf.stack_profile import PROFILES
 from usp.perf.timing import timing_plan
 from usp.plan.plan import build_plan
 

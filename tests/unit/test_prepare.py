@@ -12,8 +12,8 @@ import pytest
 from tests.data_builders import WORDS, word_corpus
 from tests.helpers import usp_cli
 from usp.config.schema import DataConfig
-from usp.data.errors import DataError
-from usp.data.prepare import dataset_dir, ensure_dataset, val_split
+from usp.data.data_error import DataError
+from usp.data.tokenized import dataset_dir, ensure_dataset, val_split
 
 
 def _files(directory: Path, n: int, words: int = 3000) -> list[Path]:

@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers import usp_cli
 from usp.report.heatmap import heatmap_grid
-from usp.report.profile import parse_profile
+from usp.report.profiler_ops import parse_profile
 from usp.report.sweep_tables import scaling
 
 

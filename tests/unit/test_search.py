@@ -11,8 +11,8 @@ from usp.config.compose import compose_config
 from usp.perf.memory import memory_plan, peak_bytes
 from usp.perf.specs import GIB, Layout
 from usp.perf.timing import rank_params
-from usp.plan.context import planner_context
 from usp.plan.plan import build_plan
+from usp.plan.planner_inputs import planner_context
 from usp.plan.search import divisors, search, search_config
 
 EIGHT_B_16 = ["model=llama3_1_8b", "cluster=slurm_h100", "cluster.nodes=2", "train.seq_len=4096",

@@ -21,6 +21,6 @@ def _main_blocks() -> dict[Path, ast.If]:
 
 def test_every_engine_entry_turns_the_collector_back_on_before_anything_else():
     blocks = _main_blocks()
-    assert {p.stem for p in blocks} >= {"worker", "agent", "verify_worker", "build_check"}
+    assert {p.stem for p in blocks} >= {"worker", "agent", "verify_worker", "meta_build"}
     for path, block in blocks.items():
         assert ast.unparse(block.body[0]) == "freeze_imports()", f"{path}: `__main__` must call freeze_imports() first"

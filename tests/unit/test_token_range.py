@@ -7,9 +7,9 @@ import pytest
 
 from tests.helpers import usp_cli
 from usp.config.schema import DataConfig
-from usp.data import prepare
-from usp.data.errors import DataError
-from usp.data.prepare import ensure_dataset
+from usp.data import tokenized as prepare
+from usp.data.data_error import DataError
+from usp.data.tokenized import ensure_dataset
 
 
 def _files(tmp_path, top: int):

@@ -121,7 +121,7 @@ def _build_check(run_plan, ranks: list[int], failures: list) -> None:
 
     from usp.errors import LaunchError
     from usp.launch.build_check import check_ranks, run_build_check
-    from usp.plan.context import planned_local_bytes
+    from usp.plan.planner_inputs import planned_local_bytes
     from usp.plan.render import build_check_summary, build_check_table, render_refusals
 
     console = Console()
@@ -265,7 +265,7 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
           dry_run: bool = DryRunOption) -> None:
     """Plan, prepare the data if needed, and train: here (in-process for one rank, torchrun for
     several), or as a Slurm job when the cluster group says launcher: slurm."""
-    from usp.launch.prepare import prepare_run
+    from usp.launch.pre_launch import prepare_run
 
     composed, choices = _compose(overrides)
     if cfg:
@@ -327,7 +327,7 @@ def submit(overrides: list[str] | None = Overrides, dry_run: bool = DryRunOption
 
 
 def _submit(composed, choices, overrides, dry_run: bool, verb: str) -> None:
-    from usp.launch.prepare import prepare_run
+    from usp.launch.pre_launch import prepare_run
     from usp.launch.submit import check_submittable, submit_run
 
     run_plan, plan_path = prepare_run(composed, choices, prepare_data=not dry_run, check=check_submittable,
@@ -429,7 +429,7 @@ def prepare_data(overrides: list[str] | None = Overrides,
     from rich.console import Console
     from rich.markup import escape
 
-    from usp.data.prepare import ensure_dataset
+    from usp.data.tokenized import ensure_dataset
 
     composed, _ = _compose(overrides)
     console = Console()

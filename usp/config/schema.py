@@ -331,7 +331,7 @@ class ProfileConfig:
 
 @dataclass
 class PlannerConfig:
-    # Whose training recipe the planner predicts (usp/perf/profile.py): usp (this engine) | nanotron
+    # Whose training recipe the planner predicts (usp/perf/stack_profile.py): usp (this engine) | nanotron
     # (the settings of the Ultra-Scale Playbook's benchmark runs).
     profile: str = "usp"
 

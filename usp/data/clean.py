@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from usp.data.prepare import META_FILE, cache_base, dataset_name
+from usp.data.tokenized import META_FILE, cache_base, dataset_name
 
 
 def clean_caches(data_cfg: Any, keep: Path) -> list[Path]:

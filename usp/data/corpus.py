@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 
 Document = tuple[str, str]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 
 BATCH_RECORDS = 1000
 

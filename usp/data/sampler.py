@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 from usp.data.tokens import LEGACY_DTYPE, check_file_size
 
 

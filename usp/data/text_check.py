@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.data.corpus import RECORD_SUFFIXES, Unit
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 
 TEXT_CHECKS = ("strict", "skip", "off")
 CHECKED_SOURCES = ("text_files", "files", "blend")

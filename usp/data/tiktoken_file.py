@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 from usp.data.tokenizer_base import TextTokenizer
 
 TIKTOKEN_META = "tiktoken.json"  # in a prepared dataset: pattern and special tokens

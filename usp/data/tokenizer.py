@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 from usp.data.tokenizer_base import TextTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"

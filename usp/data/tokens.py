@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 
 LEGACY_DTYPE = "uint16"  # datasets prepared before meta.json recorded a dtype
 ITEMSIZE = {"uint16": 2, "uint32": 4}

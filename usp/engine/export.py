@@ -109,10 +109,12 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
     <fmt>_step<N>), in files of at most max_shard_mb MiB (default 5000). An existing `out` is
     replaced only with force; the default one, usp's own, always is."""
     _check_format(fmt)
+    if out:  # before the checkpoint is even looked for
+        out = check_new_output(_out_dir(out, fmt), force=force, key="--out", inputs=[source],
+                               own=Path(source) / "export")
     ckpt, run_dir = _pick_checkpoint(Path(source), step)
-    if out:  # before the (possibly long) load; the checkpoint may lie outside the run (checkpoint.dir)
-        out = check_new_output(_out_dir(out, fmt), force=force, key="--out", inputs=[source, run_dir, ckpt],
-                               own=run_dir / "export")
+    if out:  # nor the checkpoint read, which may lie outside the run directory (checkpoint.dir)
+        check_new_output(out, force=True, key="--out", inputs=[source, run_dir, ckpt], own=run_dir / "export")
     _refuse_damaged(ckpt)
     plan = _plan_of(ckpt, run_dir)
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))

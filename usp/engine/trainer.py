@@ -17,8 +17,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from usp.data.blend import make_sampler
-from usp.data.prepare import plan_data_meta
 from usp.data.sampler import EvalBatches, TokenFile, get_batch
+from usp.data.tokenized import plan_data_meta
 from usp.data.tokens import meta_dtype
 from usp.engine import signals
 from usp.engine.accel import autocast_context
@@ -363,7 +363,7 @@ class Trainer:
         self.data_wait_s += time.perf_counter() - t0
         if self.cp == 1:
             return x, y, None
-        from usp.engine.parallel.context import zigzag_indices
+        from usp.engine.parallel.context_parallel import zigzag_indices
 
         idx = zigzag_indices(self.seq_len, self.cp, self.cp_rank).to(self.ctx.device)
         return x[:, idx], y[:, idx], idx

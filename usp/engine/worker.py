@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from usp.data.errors import DataError
-from usp.data.prepare import plan_data_meta
+from usp.data.data_error import DataError
+from usp.data.tokenized import plan_data_meta
 from usp.engine import signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures, recorded

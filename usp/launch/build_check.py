@@ -1,5 +1,5 @@
 """`usp plan --build-check`: the engine builds the named ranks' parallel model on the meta device
-(usp/engine/build_check.py) in a subprocess, so that this process, like every torch-free command,
+(usp/engine/meta_build.py) in a subprocess, so that this process, like every torch-free command,
 never imports torch. No GPU, no corpus, no checkpoint needed; nothing is allocated."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from usp.errors import LaunchError, PlanError
 from usp.launch.local import require_torch
 from usp.plan.io import write_plan
 
-ENGINE_MODULE = "usp.engine.build_check"
+ENGINE_MODULE = "usp.engine.meta_build"
 
 
 def default_ranks(plan) -> list[int]:
@@ -37,7 +37,7 @@ def check_ranks(plan, ranks: list[int]) -> list[int]:
 
 
 def run_build_check(plan, ranks: list[int], on_result: Callable[[dict], None] = lambda r: None) -> list[dict]:
-    """Each rank's result from usp/engine/build_check.py (one JSON line each, passed to on_result as it
+    """Each rank's result from usp/engine/meta_build.py (one JSON line each, passed to on_result as it
     arrives): local parameter / gradient / optimizer-state bytes, or the error its build raised."""
     require_torch("plan --build-check")
     with tempfile.TemporaryDirectory(prefix="usp-build-check-") as tmp:

@@ -24,7 +24,7 @@ def submit_sweep_slurm(sweep, console: Console | None = None, *, max_parallel: i
                        dry_run: bool = False) -> int:
     """Prepare every accepted point (plan.yaml, data) and submit one array per node shape.
     Returns the number of points that could not be prepared."""
-    from usp.launch.prepare import prepare_run
+    from usp.launch.pre_launch import prepare_run
 
     console = console or Console()
     first = sweep.accepted[0].cfg.cluster

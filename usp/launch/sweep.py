@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 from usp.errors import LaunchError, UspError, one_line
 from usp.launch.checkpoints import RunAlreadyDone
 from usp.run import lock as runlock
@@ -185,7 +185,7 @@ def run_sweep_local(sweep: Sweep, console: Console | None = None, launch: Callab
     if dry_run:
         return 0
     from usp.launch.local import launch_local
-    from usp.launch.prepare import prepare_run
+    from usp.launch.pre_launch import prepare_run
 
     console = console or Console()
     launch = launch or launch_local

@@ -13,7 +13,7 @@ from rich.table import Table
 from usp.config.reference import reference_grad_accum, reference_overrides
 from usp.errors import PlanError
 from usp.launch.local import torchrun_command
-from usp.launch.prepare import prepare_run
+from usp.launch.pre_launch import prepare_run
 from usp.run.files import VERIFY, logs_dir
 
 QUIET = ["logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",

@@ -79,7 +79,7 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                Not tensor memory: the engine's memory probe (usp/engine/observe/memory_probe.py) compares
                the total WITHOUT it with the measured tensor peak.
 
-All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.perf.profile:
+All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.perf.stack_profile:
 nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
 norm, sequence-sharded norm outputs, its loss, its layer split, no overhead, a measured extra per
 token when a whole-model rank accumulates gradients, and its peak moment: at tp = 1 the bf16
@@ -92,8 +92,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from usp.perf.layout import bf16_by_fsdp_policy
-from usp.perf.profile import PROFILES, Profile
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache, optimizer_state_label
+from usp.perf.stack_profile import PROFILES, Profile
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
 DEFAULT_FIXED_OVERHEAD_GIB = 1.0

@@ -1,7 +1,7 @@
 """Predicted step time, tokens/s, MFU and HFU of one layout (docs/planner.md: formulas, sources,
 what is not modelled). Every intermediate term stays in the TimingPlan so a figure can be traced.
 The physical constants come from the cluster (`cluster.timing`, usp/perf/time_constants.py, fitted
-by `usp calibrate`), the recipe's choices from the profile (usp/perf/profile.py).
+by `usp calibrate`), the recipe's choices from the profile (usp/perf/stack_profile.py).
 
 Model, per optimizer step:
 
@@ -49,8 +49,8 @@ from functools import lru_cache
 from usp.errors import PlanError
 from usp.perf.layout import MESH_DIMS
 from usp.perf.memory import ZERO_BUBBLE, compiled_loss, peak_bytes, stage_layer_counts
-from usp.perf.profile import PROFILES, Profile
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
+from usp.perf.stack_profile import PROFILES, Profile
 
 
 @dataclass
@@ -334,7 +334,7 @@ def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, layers_r: i
     """Context parallel, per layer of this pp rank and micro batch: the ring passes a K/V block
     c-1 times forward (again when recomputed), c-1 times backward, and the dK/dV accumulator c
     times (it returns to its owner). The engine's ring sends fp32 blocks expanded to every
-    query head (usp/engine/parallel/context.py). Hides behind the attention of its layer."""
+    query head (usp/engine/parallel/context_parallel.py). Hides behind the attention of its layer."""
     c, t, m = layout.cp, layout.tp, layout.grad_accum
     kv = 2 * (seq_len / c) * layout.micro_batch * arch.dim / t * 4
     forwards = 2 if layout.recompute == "full" else 1

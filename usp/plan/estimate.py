@@ -43,8 +43,8 @@ class Estimate:
 def estimate(cfg, choices: dict | None = None, *, hours: float | None = None, devices: int | None = None,
              mfu: float | None = None, plan=None) -> tuple[Estimate, object]:
     """Returns (estimate, the run plan of the configured layout with memory and timing)."""
-    from usp.plan.context import planner_context
     from usp.plan.plan import build_plan
+    from usp.plan.planner_inputs import planner_context
 
     if hours is not None and devices is not None:
         raise PlanError("give either --hours (to get devices) or --devices (to get hours), not both",

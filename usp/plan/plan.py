@@ -106,7 +106,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
 def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     """The checks the rule subject needs first (every field rule, the degrees, the batch, the
     tokenizer's vocabulary), then the subject, the degrees and the batch."""
-    from usp.plan.context import config_field_failures
+    from usp.plan.planner_inputs import config_field_failures
 
     found = config_field_failures(cfg)
     if found:
@@ -117,7 +117,7 @@ def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
 def _derive(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     """The degrees, the batch and the tokenizer's vocabulary checked, then the rule subject; the
     field rules passed."""
-    from usp.plan.context import rule_subject
+    from usp.plan.planner_inputs import rule_subject
     from usp.plan.validate import derive_batch
 
     cluster = cfg.cluster
@@ -146,8 +146,8 @@ def _tokenizer_vocab_here(data, model_vocab: int) -> int:
     """The tokenizer's vocabulary; 0 when its file is not on this machine and the model names its own
     vocabulary (a recipe planned on a laptop for a cluster: `usp prepare-data` and `usp train` read
     the tokenizer and check it where the run trains; the plan warns that the data was not checked)."""
-    from usp.data.errors import DataError
-    from usp.plan.context import tokenizer_vocab
+    from usp.data.data_error import DataError
+    from usp.plan.planner_inputs import tokenizer_vocab
 
     try:
         return tokenizer_vocab(data)
@@ -161,8 +161,8 @@ def _planned_dataset_dir(data, warnings: list[str]) -> str:
     """Where the tokenized data will be; "" when its source is not on this machine (the corpus
     package, the text files), with a warning: a plan made on a laptop for a cluster needs no data.
     `usp prepare-data` and `usp train` check the data where the run trains."""
-    from usp.data.errors import DataError
-    from usp.data.prepare import dataset_dir
+    from usp.data.data_error import DataError
+    from usp.data.tokenized import dataset_dir
 
     try:
         return str(dataset_dir(data))
@@ -193,7 +193,7 @@ def plan_with_failures(cfg, choices: dict | None = None, *, force: bool = False,
     """`usp plan`: the plan (None when it can't be built) and every failing rule, plan and engine
     kinds, in table order; when the plan fails for another reason (a degree, the batch, predicted
     OOM, --strict), that error comes first."""
-    from usp.plan.context import config_field_failures
+    from usp.plan.planner_inputs import config_field_failures
 
     try:
         found = config_field_failures(cfg)
@@ -236,7 +236,7 @@ def _threads_per_proc(cluster, per_node: int, cpu_count: int | None) -> int:
 def engine_support_errors(plan: RunPlan) -> list[PlanError]:
     """The rules of kind "engine" (usp.plan.rules) this plan fails: layouts the engine cannot train
     (the plan may still describe them for estimates)."""
-    from usp.plan.context import rule_subject
+    from usp.plan.planner_inputs import rule_subject
 
     subject = rule_subject(plan.config, plan.degrees, plan.batch, plan.model.vocab_size)
     return rules.failures(subject, ("engine",))

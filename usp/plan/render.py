@@ -260,7 +260,7 @@ def build_check_differences(local, result: dict) -> dict[str, float]:
 
 def build_check_table(plan, results: list[dict], planned: dict):
     """Each checked rank: what its real (meta) build holds next to the planner's figures for it
-    (`planned`: rank -> usp.perf.memory.LocalBytes, usp.plan.context.planned_local_bytes)."""
+    (`planned`: rank -> usp.perf.memory.LocalBytes, usp.plan.planner_inputs.planned_local_bytes)."""
     table = Table(title=f"build check: {len(results)} rank(s) built on the meta device under a fake process group "
                         f"of {plan.world_size} (built / planned)", title_justify="left")
     for col in ("rank", "pp", "parameters", "gradients", "optimizer states", "largest parameter", "its values", "s",

@@ -99,7 +99,7 @@ class Settings:
     compile: Any = "auto"  # train.compile as configured (usp.perf.specs.uses_compile resolves it)
     fp8: str = "off"  # train.fp8
     rope: RopeSettings = RopeSettings()
-    checkpoint_bytes: int = 0  # model.init_from: bytes per value of its tensors, 0 = no load (usp.plan.context)
+    checkpoint_bytes: int = 0  # model.init_from: bytes per value of its tensors, 0 = no load (usp.plan.planner_inputs)
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -916,22 +916,22 @@ CHECKED_ELSEWHERE = {
     "model.name": "usp.plan.validate.check_run",  # one directory name (the run's, unless train.name)
     "model.init_from": "usp.plan.hf_config.read_hf_config",  # a Hugging Face directory matching the model group
     **{f"parallelism.{d}": "usp.perf.layout.resolve_degrees" for d in ("dp", "dp_replicate", "dp_shard", "pp", "cp")},
-    "data.paths": "usp.data.prepare.dataset_dir",  # the files exist (usp plan: a warning when not on this machine)
-    "data.blend[].paths": "usp.data.prepare.dataset_dir",
-    "data.train_bin": "usp.data.prepare.dataset_dir",
-    "data.val_bin": "usp.data.prepare.dataset_dir",
+    "data.paths": "usp.data.tokenized.dataset_dir",  # the files exist (usp plan: a warning when not on this machine)
+    "data.blend[].paths": "usp.data.tokenized.dataset_dir",
+    "data.train_bin": "usp.data.tokenized.dataset_dir",
+    "data.val_bin": "usp.data.tokenized.dataset_dir",
     "data.tokenizer_path": "usp.data.tokenizer.pretrained_vocab_size",  # read at plan time (hf, tiktoken)
     "data.bos_token": "usp.data.tokenizer.load_pretrained",  # a token of the tokenizer's vocabulary
     "data.eos_token": "usp.data.tokenizer.load_pretrained",
     "train.name": "usp.plan.validate.check_run",
     "train.steps": "usp.plan.validate.check_run",
-    "train.runs_dir": "usp.launch.prepare.check_run_dir",  # created and writable (usp plan --save too)
+    "train.runs_dir": "usp.launch.pre_launch.check_run_dir",  # created and writable (usp plan --save too)
     **{f"train.{k}": "usp.plan.batch.plan_batch" for k in ("global_batch", "global_batch_tokens", "micro_batch")},
     "checkpoint.dir": "usp.launch.checkpoints.check_checkpoint_dir",  # writable, with room for keep_last + 1
     "logging.wandb": "usp.plan.validate.check_observability",  # the package is installed
     "logging.tensorboard": "usp.plan.validate.check_observability",
     "profile.steps": "usp.plan.validate.check_observability",
-    "planner.profile": "usp.perf.profile.get_profile",
+    "planner.profile": "usp.perf.stack_profile.get_profile",
 }
 
 # key -> why any value of its type is fine

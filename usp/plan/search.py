@@ -19,11 +19,11 @@ from itertools import product
 
 from usp.errors import PlanError
 from usp.perf.memory import build_peak, peak_bytes
-from usp.perf.profile import PROFILES, Profile
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision
+from usp.perf.stack_profile import PROFILES, Profile
 from usp.perf.timing import TimingPlan, timing_plan
 from usp.plan import rules
-from usp.plan.context import config_field_failures, planner_context
+from usp.plan.planner_inputs import config_field_failures, planner_context
 from usp.plan.rules import BATCH_ONLY, BATCH_RULE_FIELDS, LAYOUT_ONLY, Settings, Subject, divisors
 
 MAX_CP = 8
@@ -134,7 +134,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
            profile: Profile = PROFILES["usp"]) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
     (default: Settings(seq_len): any launcher, auto dtype, no DDP hook); profile:
-    whose recipe's memory decides what fits (usp.perf.profile)."""
+    whose recipe's memory decides what fits (usp.perf.stack_profile)."""
     start = time.perf_counter()
     cap = hw.memory_gib * GIB
     fitting: list[Candidate] = []

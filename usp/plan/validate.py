@@ -14,7 +14,7 @@ from usp.errors import PlanError
 from usp.perf.specs import GIB, Layout
 from usp.plan import rules
 from usp.plan.batch import BatchPlan, plan_batch
-from usp.plan.context import PlannerContext, recipe_precision
+from usp.plan.planner_inputs import PlannerContext, recipe_precision
 from usp.plan.rules import Subject
 from usp.run.names import check_dir_name
 

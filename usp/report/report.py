@@ -10,8 +10,8 @@ from usp.report import plots as P
 from usp.report.expert_plots import plot_expert_load
 from usp.report.heatmap import heatmap_grid
 from usp.report.overlap import overlap_markdown
-from usp.report.profile import read_profile
 from usp.report.profile_plots import plot_step_breakdown
+from usp.report.profiler_ops import read_profile
 from usp.report.runs import RunData, is_run_dir, load_run, unique_labels
 from usp.report.sweep_plots import plot_heatmap, plot_scaling
 from usp.report.sweep_tables import batch_guidance, scaling, sweep_rows

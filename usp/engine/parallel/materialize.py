@@ -20,7 +20,7 @@ from usp.engine.parallel.mesh import DistContext
 def materialize(model: nn.Module, plan: dict, ctx: DistContext) -> None:
     """Allocate `model`'s (a meta-built Llama or pipeline stage, parallelized or not) parameters on
     this rank's device and initialise them, or load model.init_from into them."""
-    if ctx.device.type == "meta":  # the build check (usp/engine/build_check.py): shapes only, nothing allocated
+    if ctx.device.type == "meta":  # the build check (usp/engine/meta_build.py): shapes only, nothing allocated
         return
     cfg = plan["config"]
     seed = int(cfg["train"]["seed"])

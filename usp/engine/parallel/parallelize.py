@@ -6,7 +6,7 @@ recompute.py, data.py, materialize.py; the FSDP2 policy in precision.py); build.
 per model or pipeline stage, built on the meta device: every step up to FSDP works on shapes, then
 each rank allocates only its own shards. DDP (and plain-DDP ZeRO-1) wraps real parameters: those
 layouts replicate the whole model on every rank anyway, so it is allocated whole just before the wrap.
-On the meta device (`usp plan --build-check`, usp/engine/build_check.py) nothing is allocated and DDP
+On the meta device (`usp plan --build-check`, usp/engine/meta_build.py) nothing is allocated and DDP
 is left out."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, plan: dict, ctx: DistContext) -> nn.Module:
 
         apply_tensor_parallel(model, ctx.submesh("tp"), plan["model"]["vocab_size"])
     if deg["cp"] > 1:
-        from usp.engine.parallel.context import apply_context_parallel, cp_positions
+        from usp.engine.parallel.context_parallel import apply_context_parallel, cp_positions
 
         positions = cp_positions(int(plan["batch"]["seq_len"]), deg["cp"], ctx.coords["cp"]).to(ctx.device)
         apply_context_parallel(model, ctx.group("cp"), positions)  # a pipeline stage's default positions

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from usp.errors import UspError
 from usp.perf.calibration.measured_runs import MeasuredRun, read_run_dirs, read_sweep_csv
-from usp.perf.profile import Profile, get_profile
 from usp.perf.specs import Hardware, Precision, uses_bf16
+from usp.perf.stack_profile import Profile, get_profile
 from usp.perf.time_constants import Calibrated
 from usp.perf.timing import TimeShape, evaluate, layout_features, mfu, time_shape
 

@@ -38,7 +38,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         console.print(f"[yellow]note:[/] {gpus} NVIDIA GPU(s) visible here, but cluster.device=cpu: "
                       f"cluster=local_gpu cluster.procs_per_node={gpus} trains on them (bf16, NCCL)", highlight=False)
     if prepare_data and not plan.dataset_dir:  # a missing corpus is refused before the run directory is made
-        from usp.data.prepare import dataset_dir  # (the plan found its directory unless the data was missing)
+        from usp.data.tokenized import dataset_dir  # (the plan found its directory unless the data was missing)
 
         dataset_dir(cfg.data)
     made_run_dir = not Path(plan.run_dir).exists()
@@ -71,7 +71,7 @@ def _prepare(plan, cfg, run_dir: Path, console: Console, prepare_data: bool):
 
     if not prepare_data:
         return plan, write_plan(plan, node_plan_path(run_dir, plan))
-    from usp.data.prepare import ensure_dataset
+    from usp.data.tokenized import ensure_dataset
 
     def warn(message: str) -> None:  # stays on the console: the status line is replaced
         console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)

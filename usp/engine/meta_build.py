@@ -1,6 +1,6 @@
 """`usp plan --build-check`: the named ranks' parallel model built for real, allocating nothing.
 
-    python -m usp.engine.build_check --plan <plan.yaml> --ranks 0 511
+    python -m usp.engine.meta_build --plan <plan.yaml> --ranks 0 511
 
 For each rank, one after the other in this process: a fake process group of the plan's world size
 (torch's FakeProcessGroup, as torchtitan's dry run uses it: no peers, a collective does nothing), the

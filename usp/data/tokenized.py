@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from usp.data.corpus import Unit, source_units
-from usp.data.errors import DataError
+from usp.data.data_error import DataError
 from usp.data.tokenizer import PRETRAINED, TOKENIZER_CONFIG, check_tokenizer_config, tokenizer_path
 from usp.data.tokens import ITEMSIZE, UINT16_VOCAB, check_file_size, dtype_for_vocab, looks_like_uint32, meta_dtype
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 
 from usp.errors import PlanError
 from usp.perf.nodes import getter
-from usp.perf.profile import Profile, get_profile
 from usp.perf.specs import Arch, Hardware, Layout, Precision, uses_compile
+from usp.perf.stack_profile import Profile, get_profile
 from usp.plan.rules import Settings, Subject, field_failures
 
 
