@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ORDER = {"config": 0, "plan": 1, "perf": 1, "data": 1, "contract": 1, "engine": 2, "models": 2}
+ORDER = {"config": 0, "plan": 1, "perf": 1, "data": 1, "engine": 2, "models": 2}
 OVERRIDES = ["conf=tiny_ddp", "parallelism.tp=2", "parallelism.dp_replicate=1", "train.name=walk",
              "checkpoint.enabled=false"]
 
@@ -49,13 +49,26 @@ def walk(runs_dir: str) -> list[tuple[str, str, str]]:
         caller = f"{back.f_globals.get('__name__', '?')}.{back.f_code.co_name}" if back else "?"
         calls.append((here, f"{frame.f_globals['__name__']}.{frame.f_code.co_name}", caller))
 
-    from usp.engine.meta_build import check_rank  # torch and the engine imported before tracing
+    from usp.engine.meta_build import check_rank
+
+    _import_everything()  # torch, the engine, every usp module: imports are not the walk
     sys.setprofile(profile)
     try:
         run_flow(runs_dir, check_rank)
     finally:
         sys.setprofile(None)
     return calls
+
+
+def _import_everything() -> None:
+    import importlib
+    import pkgutil
+
+    import usp
+
+    for module in pkgutil.walk_packages(usp.__path__, "usp."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
 
 
 def run_flow(runs_dir: str, check_rank) -> None:

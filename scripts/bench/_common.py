@@ -49,10 +49,11 @@ def step_times(history: list[dict], warmup: int, steps: int) -> list[float]:
     return [at[s + 1] - at[s] for s in range(warmup, warmup + steps)]
 
 
-def plan_for(overrides: list[str], world: int, runs_dir: str) -> dict:
-    """Compose + plan a run in-process (pure Python), with its tokenized data prepared: the
-    same plan.yaml content `usp train` would hand the engine."""
+def plan_for(overrides: list[str], world: int, runs_dir: str):
+    """Compose + plan a run in-process (pure Python), with its tokenized data prepared: the RunPlan
+    `usp train` would hand the engine, as a rank reads it back from plan.yaml."""
     from usp.config.compose import compose_config
+    from usp.contract.plan_file import plan_from_dict
     from usp.data.tokenized import ensure_dataset
     from usp.plan.plan import build_plan
 
@@ -62,7 +63,7 @@ def plan_for(overrides: list[str], world: int, runs_dir: str) -> dict:
     plan = build_plan(cfg, choices)
     path, meta = ensure_dataset(cfg.data)
     plan.dataset_dir, plan.data_meta = str(path), dict(meta)
-    return plan.to_dict()
+    return plan_from_dict(plan.to_dict())
 
 
 def emit(result: dict, args, lines: list[str]) -> None:

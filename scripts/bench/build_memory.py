@@ -170,8 +170,8 @@ def _read_log_times(run_dir: Path, ranks: dict[int, dict]) -> None:
 def planned_per_rank(overrides: list[str], runs_dir: str) -> dict[int, float]:
     """The planner's peak (GiB) of each rank's pipeline stage."""
     plan = _common.plan_for(overrides, WORLD, runs_dir)
-    stages = {s["stage"]: s["total"] / GIB for s in plan["memory"]["stages"]}
-    return {r["rank"]: stages[r["coords"]["pp"]] for r in plan["ranks"]}
+    stages = {s.stage: s.total / GIB for s in plan.memory.stages}
+    return {r.rank: stages[r.coords["pp"]] for r in plan.ranks}
 
 
 def measure(name: str, opts) -> dict:

@@ -82,6 +82,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import mfu  # noqa: E402  (the GPU's cluster group, the fitting micro batch, one measured run)
 
+from usp.contract.plan_file import plan_from_dict  # noqa: E402
+from usp.contract.run_plan import RunPlan  # noqa: E402
+
 WARMUP = mfu.WARMUP  # steps before the timed window (compile happens in the first)
 CORRECTNESS_STEPS, LOSS_STEPS, EAGER_STEPS, SMOKE_STEPS = 20, 50, 10, 5
 LOSS_WINDOW = 10  # FP8 vs bf16: the last steps, past the early loss spikes (module docstring)
@@ -219,32 +222,32 @@ def hardware(case: Case, gpu: tuple[str, float] | None) -> list[str]:
     return mfu.gpu_overrides(*gpu)
 
 
-def plan_case(case: Case, gpu: tuple[str, float] | None, runs: str, like: dict | None = None) -> dict | None:
+def plan_case(case: Case, gpu: tuple[str, float] | None, runs: str, like: RunPlan | None = None) -> RunPlan | None:
     """The case's plan (the fitting model and micro batch, or `like`'s: the plan of the case it is
     compared with, so that FP8 and eager run the bf16 case's batch even where they would fit more), its
     run directory under runs."""
     global_batch = None
     if like is not None and case.own_fit:
-        global_batch = like["batch"]["micro_batch"] * like["batch"]["grad_accum"]
+        global_batch = like.batch.micro_batch * like.batch.grad_accum
         micros = tuple(m for m in case.micros if global_batch % m == 0)
-        case = replace(case, models=(like["model"]["name"],), micros=micros)
+        case = replace(case, models=(like.model.name,), micros=micros)
     elif like is not None:
-        case = replace(case, models=(like["model"]["name"],), micros=(like["batch"]["micro_batch"],),
-                       recomputes=(like["config"]["train"]["recompute"],))
+        case = replace(case, models=(like.model.name,), micros=(like.batch.micro_batch,),
+                       recomputes=(like.config.train.recompute,))
     run = [f"train.steps={case.steps}", "train.log_interval=1", "train.eval_batches=1",
            f"train.name={case.name.replace(' ', '_')}"]
     return mfu.fitting_plan(run + list(case.overrides) + hardware(case, gpu), list(case.models), runs,
                             case.micros, global_batch=global_batch, accum=case.accum, recomputes=case.recomputes)
 
 
-def estimate_s(case: Case, plan: dict) -> float:
+def estimate_s(case: Case, plan: RunPlan) -> float:
     """Seconds the case's process should take (ESTIMATE_S + the planner's steps + one eval)."""
     e = ESTIMATE_S
-    params_b = plan["model"]["params"] / 1e9
+    params_b = plan.model.params / 1e9
     compile_s = 0.0
     if case.compiled:
         compile_s = e["compile_tiny"] if params_b < 0.1 else e["compile_fp8"] if case.fp8 else e["compile"]
-    steps_s = plan["timing"]["step_s"] * (case.steps + 0.5)  # + the eval's forward
+    steps_s = plan.timing.step_s * (case.steps + 0.5)  # + the eval's forward
     return e["margin"] * (e["process"] + e["build_per_b"] * params_b + compile_s + e["first_steps"] + steps_s)
 
 
@@ -252,16 +255,16 @@ def estimate_s(case: Case, plan: dict) -> float:
 
 def run_plan(path: str) -> dict:
     """The child: train the plan here (mfu.measure: tokens/s, MFU, HFU, peak memory, losses)."""
-    plan = json.loads(Path(path).read_text())
-    timed = max(1, int(plan["config"]["train"]["steps"]) - WARMUP - 1)
+    plan = plan_from_dict(json.loads(Path(path).read_text()))
+    timed = max(1, int(plan.config.train.steps) - WARMUP - 1)
     result = mfu.measure(plan, timed)
     from usp.run.files import profile_dir
 
-    profiled = profile_dir(plan["run_dir"])
+    profiled = profile_dir(plan.run_dir)
     if (profiled / "rank_0.json").is_file():
         result["kernels"] = kernel_time(profiled / "rank_0.json")
         if os.environ.get("OUT"):  # the summary beside the JSONL (the trace itself is too large to carry back)
-            shutil.copyfile(profiled / "summary_rank_0.txt", Path(os.environ["OUT"]) / f"profile_{plan['name']}.txt")
+            shutil.copyfile(profiled / "summary_rank_0.txt", Path(os.environ["OUT"]) / f"profile_{plan.name}.txt")
     return {**result, **_common.machine()}
 
 
@@ -289,9 +292,9 @@ def kernel_time(trace: Path, top: int = 25) -> dict:
             "top": [{"name": n[:160], "ms": t, "calls": calls[n]} for n, t in ms.most_common(top)]}
 
 
-def run_child(plan: dict, timeout_s: float, env: dict, work: Path) -> dict:
-    path = work / f"{plan['name']}.plan.json"
-    path.write_text(json.dumps(plan, default=float))
+def run_child(plan: RunPlan, timeout_s: float, env: dict, work: Path) -> dict:
+    path = work / f"{plan.name}.plan.json"
+    path.write_text(json.dumps(plan.to_dict(), default=float))
     cmd = [sys.executable, __file__, "--run-plan", str(path)]
     # its own process group: at the budget the case goes with everything it started (inductor's compile
     # workers would otherwise hold its output pipes open, and this process would wait on them)
@@ -402,8 +405,8 @@ def session(args, cases: list[tuple[int, Case, str]], gpu: tuple[str, float] | N
                 r = run_child(plan, left, env, Path(runs))
                 r["elapsed_s"] = time.perf_counter() - t0
             if plan is not None:
-                r.update(model=plan["model"]["name"], micro_batch=plan["batch"]["micro_batch"],
-                         grad_accum=plan["batch"]["grad_accum"], recompute=plan["config"]["train"]["recompute"],
+                r.update(model=plan.model.name, micro_batch=plan.batch.micro_batch,
+                         grad_accum=plan.batch.grad_accum, recompute=plan.config.train.recompute,
                          estimate_s=est, hardware=hardware(case, gpu))
             r["check"], r["note"] = check(case, r, done), note
             done[case.name] = r
@@ -442,16 +445,16 @@ def plan_only(args, cases: list[tuple[int, Case, str]], gpu: tuple[str, float] |
             lines.append(f"{i:>2} {case.name:<34} the planner predicts no micro batch fits")
             continue
         total += est
-        t, peak = plan["timing"], plan["memory"]["stages"][plan["memory"]["peak_stage"]]
-        tensor = (peak["total"] - peak["overhead"]) / 2**30
+        t, peak = plan.timing, plan.memory.stages[plan.memory.peak_stage]
+        tensor = (peak.total - peak.overhead) / 2**30
         fits = total <= args.budget_s
-        out[case.name] = {"n": i, "model": plan["model"]["name"], "micro_batch": plan["batch"]["micro_batch"],
-                          "grad_accum": plan["batch"]["grad_accum"], "steps": case.steps, "estimate_s": est,
-                          "cumulative_s": total, "in_budget": fits, "predicted_tokens_per_s": t["tokens_per_s"],
-                          "predicted_mfu": t["mfu"], "predicted_tensor_gib": tensor, "on_cpu": case.on_cpu}
-        lines.append(f"{i:>2} {case.name:<34} {plan['model']['name']:<12} {plan['batch']['micro_batch']:>2} x "
-                     f"{plan['batch']['grad_accum']:<2} {case.steps:>3} steps  {t['tokens_per_s']:>9,.0f} tok/s "
-                     f"{t['mfu']:>6.1%} {tensor:>6.1f} GiB  ~{est:>4.0f} s (total {total:>4.0f} s"
+        out[case.name] = {"n": i, "model": plan.model.name, "micro_batch": plan.batch.micro_batch,
+                          "grad_accum": plan.batch.grad_accum, "steps": case.steps, "estimate_s": est,
+                          "cumulative_s": total, "in_budget": fits, "predicted_tokens_per_s": t.tokens_per_s,
+                          "predicted_mfu": t.mfu, "predicted_tensor_gib": tensor, "on_cpu": case.on_cpu}
+        lines.append(f"{i:>2} {case.name:<34} {plan.model.name:<12} {plan.batch.micro_batch:>2} x "
+                     f"{plan.batch.grad_accum:<2} {case.steps:>3} steps  {t.tokens_per_s:>9,.0f} tok/s "
+                     f"{t.mfu:>6.1%} {tensor:>6.1f} GiB  ~{est:>4.0f} s (total {total:>4.0f} s"
                      f"{'' if fits else ', past the budget'}) {note}".rstrip())
     head = [f"budget {args.budget_s:.0f} s; per case: model, micro batch x accumulation, steps, the planner's "
             "tokens/s, MFU and tensor memory, the time estimate (ESTIMATE_S + the planned steps)"]
@@ -498,7 +501,7 @@ def eager_fit(rows: dict, runs: str) -> list[str]:
         pairs = []
         for _, eager, compiled in matched:
             plan = _common.plan_for(_row_overrides(compiled), 1, runs)
-            logits = plan["timing"]["tokens_per_step"] * plan["model"]["vocab_size"]
+            logits = plan.timing.tokens_per_step * plan.model.vocab_size
             pairs.append((compiled["step_s"], logits, eager["step_s"] - compiled["step_s"]))
         # the normal equations of extra = overhead x step + per_logit x logits
         (tt, tn, tx), (nt, nn, nx) = [[sum(p[i] * p[j] for p in pairs) for j in (0, 1, 2)] for i in (0, 1)]
@@ -519,13 +522,12 @@ def _row_overrides(r: dict, *extra: str) -> list[str]:
 
 
 def _planned_tensor_gib(r: dict, runs: str) -> float:
-    memory = _common.plan_for(_row_overrides(r), 1, runs)["memory"]
-    stage = memory["stages"][memory["peak_stage"]]
-    return (stage["total"] - stage["overhead"]) / 2**30
+    memory = _common.plan_for(_row_overrides(r), 1, runs).memory
+    return (memory.peak.total - memory.peak.overhead) / 2**30
 
 
 def _predicted_tokens_per_s(r: dict, runs: str, *extra: str) -> float:
-    return _common.plan_for(_row_overrides(r, *extra), 1, runs)["timing"]["tokens_per_s"]
+    return _common.plan_for(_row_overrides(r, *extra), 1, runs).timing.tokens_per_s
 
 
 def _fp8_efficiency(r: dict, ref: dict, speedup: float, runs: str) -> float:

@@ -46,11 +46,11 @@ import sys, numpy as np, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM
 from usp.data.sampler import BatchSampler, TokenFile, get_batch
-from usp.run.files import read_plan
+from usp.contract.plan_file import read_plan
 plan = read_plan(Path(sys.argv[1]) / "plan.yaml")
-seq, batch = int(plan["batch"]["seq_len"]), int(plan["batch"]["global_batch"])
-tokens = TokenFile(Path(plan["dataset_dir"]) / plan["data_meta"]["train_bin"])
-starts = BatchSampler(len(tokens), seq, batch, batch, 0, 1, int(plan["config"]["train"]["seed"])).micro_batches(0)
+seq, batch = int(plan.batch.seq_len), int(plan.batch.global_batch)
+tokens = TokenFile(Path(plan.dataset_dir) / plan.data_meta["train_bin"])
+starts = BatchSampler(len(tokens), seq, batch, batch, 0, 1, int(plan.config.train.seed)).micro_batches(0)
 x, y = (torch.from_numpy(a) for a in get_batch(tokens, np.concatenate(starts), seq))
 with torch.no_grad():
     logits = AutoModelForCausalLM.from_pretrained(sys.argv[2])(x).logits
@@ -78,11 +78,12 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 from usp.engine.export import load_model_state
 from usp.models.llama import Llama, LlamaArgs
-from usp.run.files import list_checkpoints, read_plan
+from usp.contract.plan_file import read_plan
+from usp.run.files import list_checkpoints
 run = Path(sys.argv[1])
 plan = read_plan(run / "plan.yaml")
 ckpt = [c for c in list_checkpoints(run / "checkpoints") if c.complete][-1].path
-args = LlamaArgs.from_config(type("M", (), plan["config"]["model"]), int(plan["model"]["vocab_size"]))
+args = LlamaArgs.from_config(plan.config.model, int(plan.model.vocab_size))
 with torch.device("meta"):  # the checkpoint's tensors become the parameters (assign): one copy of the model
     ours = Llama(args, max_seq_len=64)
 ours.load_state_dict(load_model_state(ckpt), strict=False, assign=True)
@@ -109,7 +110,7 @@ def python(code: str, *args: str, timeout: float = 3600) -> str:
 def make_hf(directory: Path, runs: str) -> Path:
     if (directory / "config.json").is_file():  # made by an earlier call with the same --work
         return directory
-    vocab = int(_common.plan_for(["model=tiny", "optimizer=sgd"], bm.WORLD, runs)["model"]["vocab_size"])
+    vocab = int(_common.plan_for(["model=tiny", "optimizer=sgd"], bm.WORLD, runs).model.vocab_size)
     python(MAKE_HF, str(directory), json.dumps({**HF_SHAPE, "vocab_size": vocab}))
     return directory
 

@@ -73,7 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="usp-malloc-cpu-") as tmp:
         runs = Path(tmp)
         plan = _common.plan_for(["model=tiny", *BIG, *RUN], WORLD, str(runs / "plans"))
-        planned = plan["memory"]["stages"][0]["total"]
+        planned = plan.memory.stages[0].total
         for i, threshold in enumerate(opts.thresholds):
             base = run(opts.usp, threshold, runs, f"base{i}", [])
             big = run(opts.usp, threshold, runs, f"run{i}", BIG)

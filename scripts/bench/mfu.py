@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+from usp.contract.run_plan import RunPlan  # noqa: E402
+
 # torch.cuda.get_device_name() substring -> the cluster group holding that GPU's figures, first
 # match wins. None: a variant with other clocks and no group yet (H100 PCIe ~756, NVL ~835 TFLOP/s).
 GPU_GROUPS = (("H200", "h200"), ("H100 PCIe", None), ("H100 NVL", None), ("H100", "slurm_h100"),
@@ -96,7 +98,7 @@ def cases(only: str | None, steps: int, smoke: bool = False) -> list[tuple[str, 
 
 
 def fitting_plan(overrides: list[str], models: list[str | None], runs: str, micros: tuple = (8, 4, 2, 1),
-                 global_batch: int | None = 8, accum: int = 1, recomputes: tuple = (None,)) -> dict | None:
+                 global_batch: int | None = 8, accum: int = 1, recomputes: tuple = (None,)) -> RunPlan | None:
     """The first model (largest first), then the least recomputation (of `recomputes`; None: the
     overrides' own), then the largest micro batch (of `micros`) the planner predicts to fit
     (build_plan refuses a predicted OOM); global batch 8, or None: `accum` micro batches per step."""
@@ -115,7 +117,7 @@ def fitting_plan(overrides: list[str], models: list[str | None], runs: str, micr
     return None
 
 
-def measure(plan: dict, steps: int) -> dict:
+def measure(plan: RunPlan, steps: int) -> dict:
     """One case, in this process: what usp.engine.worker.run_worker does on one GPU."""
     import torch
 
@@ -124,7 +126,7 @@ def measure(plan: dict, steps: int) -> dict:
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
-    torch.manual_seed(int(plan["config"]["train"]["seed"]))
+    torch.manual_seed(int(plan.config.train.seed))
     apply_determinism(plan)
     udist.init_process_group(plan)
     try:
@@ -137,18 +139,18 @@ def measure(plan: dict, steps: int) -> dict:
     # none on CPU, which has no caching allocator to ask
     peaks = [r["memory_peak_gib"] for r in trainer.history if r.get("memory_peak_gib")]
     peak_gib = max(peaks) if peaks else None
-    t, peak_stage = plan["timing"], plan["memory"]["stages"][plan["memory"]["peak_stage"]]
-    tokens_per_s = t["tokens_per_step"] / step_s
-    peak = t["peak_tflops"] * 1e12
+    t, peak_stage = plan.timing, plan.memory.stages[plan.memory.peak_stage]
+    tokens_per_s = t.tokens_per_step / step_s
+    peak = t.peak_tflops * 1e12
     return {"tokens_per_s": tokens_per_s, "step_s": step_s,
-            "mfu": tokens_per_s * t["model_flops_per_token"] / peak,
-            "hfu": tokens_per_s * t["hw_flops_per_token"] / peak,
+            "mfu": tokens_per_s * t.model_flops_per_token / peak,
+            "hfu": tokens_per_s * t.hw_flops_per_token / peak,
             "peak_memory_gib": peak_gib, "probe_peak_gib": (summary or {}).get("memory_measured_peak_gib"),
             "losses": [r["loss"] for r in trainer.history],
-            "predicted": {"tokens_per_s": t["tokens_per_s"], "mfu": t["mfu"], "hfu": t["hfu"],
-                          "peak_memory_gib": plan["memory"]["peak_gib"],
+            "predicted": {"tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "hfu": t.hfu,
+                          "peak_memory_gib": plan.memory.peak_gib,
                           # tensors only, what the allocator's peak measures (no overhead allowance)
-                          "tensor_gib": (peak_stage["total"] - peak_stage["overhead"]) / 2**30}}
+                          "tensor_gib": (peak_stage.total - peak_stage.overhead) / 2**30}}
 
 
 def run_case(name: str, args) -> dict:
@@ -164,12 +166,12 @@ def run_case(name: str, args) -> dict:
         plan = fitting_plan(case[1] + hardware, case[2], runs)
         if plan is None:
             return {"error": "the planner predicts no micro batch fits"}
-        out = {"model": plan["model"]["name"], "micro_batch": plan["batch"]["micro_batch"],
-               "grad_accum": plan["batch"]["grad_accum"]}
+        out = {"model": plan.model.name, "micro_batch": plan.batch.micro_batch,
+               "grad_accum": plan.batch.grad_accum}
         if args.plan_only:
-            t = plan["timing"]
-            return {**out, "predicted_mfu": t["mfu"], "predicted_tokens_per_s": t["tokens_per_s"],
-                    "predicted_peak_gib": plan["memory"]["peak_gib"]}
+            t = plan.timing
+            return {**out, "predicted_mfu": t.mfu, "predicted_tokens_per_s": t.tokens_per_s,
+                    "predicted_peak_gib": plan.memory.peak_gib}
         return {**out, **measure(plan, args.steps)}
 
 

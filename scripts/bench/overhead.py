@@ -26,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+from usp.contract.run_plan import RunPlan  # noqa: E402
+
 TARGET = 0.97
 
 
@@ -52,12 +54,12 @@ def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
             first, second = (_usp_round, _hand_round) if r % 2 == 0 else (_hand_round, _usp_round)
             for fn in (first, second):
                 (usp if fn is _usp_round else hand).append(fn(plan, warmup, steps))
-    tokens = int(plan["batch"]["global_batch"]) * int(plan["batch"]["seq_len"])
+    tokens = int(plan.batch.global_batch) * int(plan.batch.seq_len)
     return {"usp_tokens_per_s": usp, "hand_tokens_per_s": hand, "tokens_per_step": tokens,
             "threads_per_rank": torch.get_num_threads(), **_common.machine()}
 
 
-def _usp_round(plan: dict, warmup: int, steps: int) -> list[float]:
+def _usp_round(plan: RunPlan, warmup: int, steps: int) -> list[float]:
     """What usp.engine.worker.run_worker does, minus the process-group teardown (kept for the
     next round). Tokens/s of each step after the warm-up."""
     import contextlib
@@ -68,7 +70,7 @@ def _usp_round(plan: dict, warmup: int, steps: int) -> list[float]:
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
-    torch.manual_seed(int(plan["config"]["train"]["seed"]))
+    torch.manual_seed(int(plan.config.train.seed))
     apply_determinism(plan)
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):  # the console lines: written, not shown
         trainer = Trainer(plan, make_context(plan))
@@ -78,34 +80,33 @@ def _usp_round(plan: dict, warmup: int, steps: int) -> list[float]:
     return [tokens / t for t in _common.step_times(history, warmup, steps)]
 
 
-def _hand_round(plan: dict, warmup: int, steps: int) -> list[float]:
+def _hand_round(plan: RunPlan, warmup: int, steps: int) -> list[float]:
     """The loop one would write by hand: nanoGPT-style random windows, no framework."""
     import numpy as np
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from omegaconf import OmegaConf
 
     from usp.models.llama import Llama, LlamaArgs
 
-    cfg, batch = plan["config"], plan["batch"]
-    world = int(plan["world_size"])
+    cfg, batch = plan.config, plan.batch
+    world = int(plan.world_size)
     rank = dist.get_rank() if world > 1 else 0
-    device = torch.device("cuda", torch.cuda.current_device()) if plan["device"] == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if plan.device == "cuda" else torch.device("cpu")
     torch.use_deterministic_algorithms(False)  # PyTorch's default
-    torch.manual_seed(int(cfg["train"]["seed"]))
-    seq, micro = int(batch["seq_len"]), int(batch["global_batch"]) // world
-    args = LlamaArgs.from_config(OmegaConf.create(cfg["model"]), int(plan["model"]["vocab_size"]))
+    torch.manual_seed(int(cfg.train.seed))
+    seq, micro = int(batch.seq_len), int(batch.global_batch) // world
+    args = LlamaArgs.from_config(cfg.model, int(plan.model.vocab_size))
     model = Llama(args, max_seq_len=seq)
-    model.init_weights(seed=int(cfg["train"]["seed"]))
+    model.init_weights(seed=int(cfg.train.seed))
     model = model.to(device)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    opt_cfg = cfg["optimizer"]
-    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg["lr"], betas=(opt_cfg["beta1"], opt_cfg["beta2"]),
-                            eps=opt_cfg["eps"], weight_decay=opt_cfg["weight_decay"], fused=device.type == "cuda")
-    data = np.memmap(Path(plan["dataset_dir"]) / plan["data_meta"]["train_bin"], dtype=np.uint16, mode="r")
-    rng = np.random.default_rng(int(cfg["train"]["seed"]) + rank)
+    opt_cfg = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2),
+                            eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay, fused=device.type == "cuda")
+    data = np.memmap(Path(plan.dataset_dir) / plan.data_meta["train_bin"], dtype=np.uint16, mode="r")
+    rng = np.random.default_rng(int(cfg.train.seed) + rank)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     times, last = [], time.perf_counter()
     for step in range(warmup + steps):
@@ -115,7 +116,7 @@ def _hand_round(plan: dict, warmup: int, steps: int) -> list[float]:
             logits = model(rows[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), float(opt_cfg["grad_clip"]))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float(opt_cfg.grad_clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0:
@@ -126,7 +127,7 @@ def _hand_round(plan: dict, warmup: int, steps: int) -> list[float]:
         times.append(now - last)
         last = now
     del model
-    return [int(batch["global_batch"]) * seq / t for t in times[warmup:]]
+    return [int(batch.global_batch) * seq / t for t in times[warmup:]]
 
 
 def summarise(raw: dict) -> dict:

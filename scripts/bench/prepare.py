@@ -62,7 +62,7 @@ def bench_tokenizer(directory: Path) -> Path:
 
 PREPARE = """
 import json, resource, sys, time
-from usp.config.schema import DataConfig
+from usp.contract.config_schema import DataConfig
 from usp.data.tokenized import ensure_dataset
 cfg = DataConfig(name="bench", source="files", paths=[sys.argv[1]], tokenizer="hf" if sys.argv[3] else "bytes",
                  tokenizer_path=sys.argv[3] or None, cache_dir=sys.argv[2], workers=int(sys.argv[4]))

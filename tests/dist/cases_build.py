@@ -138,9 +138,9 @@ def reference(plan: dict, ctx, init_from: str | None = None) -> Llama:
     included), initialised by the model itself or loaded from the checkpoint whole."""
     shape = model_factory(plan, ctx)()
     model = Llama(shape.args, max_seq_len=shape.max_seq_len)
-    model.init_weights(int(plan["config"]["train"]["seed"]))
+    model.init_weights(int(plan.config.train.seed))
     if init_from:
-        load_hf_weights(model, init_from, seed=int(plan["config"]["train"]["seed"]))
+        load_hf_weights(model, init_from, seed=int(plan.config.train.seed))
     return model
 
 
@@ -168,7 +168,7 @@ def compare(overrides: list[str], tmp: str, init_from: str | None = None, train:
     covered = set().union(*(set(n) for n, _, _ in everyone))
     return {"unequal": sorted({n for _, u, _ in everyone for n in u}), "meta_params": sum(m for *_, m in everyone),
             "missing": sorted(set(ref) - covered), "compared": len(covered), "n_ref": len(ref),
-            "local_names_rank0": len(names), "rope_type": plan["config"]["model"]["rope_type"]}
+            "local_names_rank0": len(names), "rope_type": plan.config.model.rope_type}
 
 
 # MEMORY_MODEL's shape as a Hugging Face checkpoint (untied: the LM head is read too): 143 MB in fp32

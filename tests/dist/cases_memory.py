@@ -113,7 +113,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         plan = plan_dict(STEPS + overrides, world, tmp)
-        memory = plan["memory"]
+        memory = plan.memory
         trainer = Trainer(plan, make_context(plan), write_outputs=False)
         summary = trainer.fit()
         record = next(r for r in trainer.history if "memory_measured_gib" in r)
@@ -125,7 +125,7 @@ def measure_layout(world: int, overrides: list[str]) -> dict:
             "rank0_measured_gib": record["memory_measured_gib"], "rank0_predicted_gib": record["memory_predicted_gib"],
             "measured_breakdown_gib": record["memory_measured_breakdown_gib"],
             "predicted_breakdown_gib": record["memory_predicted_breakdown_gib"],
-            "peak_phase": memory["stages"][memory["peak_stage"]]["peak_phase"],
+            "peak_phase": memory.peak.peak_phase,
             "optimizer_state_bytes": optimizer_bytes,
             "step_time_measured_s": summary.get("step_time_measured_s"),
             "step_time_predicted_s": summary.get("step_time_predicted_s")}

@@ -8,16 +8,19 @@ import tempfile
 import torch.distributed as dist
 
 from usp.config.reference import reference_grad_accum, reference_overrides
+from usp.contract.run_plan import RunPlan
 from usp.engine.verify_worker import train_reference, verify_against
 
 
-def plan_dict(overrides: list[str], world: int, runs_dir: str, train: dict | None = None) -> dict:
-    """Compose + plan in-process (the plan layer is pure Python) with the dataset prepared. `train`:
-    train.* values set in the plan after planning, for what the planner refuses on CPU but the
-    engine runs here all the same (train.fp8: torch's CPU _scaled_mm)."""
+def plan_dict(overrides: list[str], world: int, runs_dir: str, train: dict | None = None) -> RunPlan:
+    """Compose + plan in-process (the plan layer is pure Python) with the dataset prepared, as a rank
+    reads it back from plan.yaml. `train`: train.* values set in the plan after planning (and the
+    engine's choices decided again from them), for what the planner refuses on CPU but the engine
+    runs here all the same (train.fp8: torch's CPU _scaled_mm)."""
     from usp.config.compose import compose_config
+    from usp.contract.plan_file import plan_from_dict
     from usp.data.tokenized import ensure_dataset
-    from usp.plan.plan import build_plan
+    from usp.plan.plan import build_plan, decisions
 
     base = [f"cluster.procs_per_node={world}", "cluster.nodes=1", f"train.runs_dir={runs_dir}",
             "logging.console=quiet", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
@@ -26,9 +29,10 @@ def plan_dict(overrides: list[str], world: int, runs_dir: str, train: dict | Non
     plan = build_plan(cfg, choices)
     path, meta = ensure_dataset(cfg.data)
     plan.dataset_dir, plan.data_meta = str(path), dict(meta)
-    out = plan.to_dict()
-    out["config"]["train"].update(train or {})
-    return out
+    for key, value in (train or {}).items():
+        setattr(plan.config.train, key, value)
+    plan.decisions = decisions(plan.config, plan.degrees, plan.device, plan.run_dir, plan.model.vocab_size)
+    return plan_from_dict(plan.to_dict())
 
 
 _REFERENCES: dict[tuple, tuple] = {}  # reference overrides -> (metrics, parameters), rank 0 of one launch
@@ -40,7 +44,7 @@ def verify_case(overrides: list[str], world: int, train: dict | None = None) -> 
     `train`: plan_dict's train.* values, set in both."""
     with tempfile.TemporaryDirectory() as tmp:
         plan = _planned_once(overrides, world, tmp, train)
-        accum = reference_grad_accum(plan["config"]["model"], int(plan["batch"]["grad_accum"]))
+        accum = reference_grad_accum(plan.config.model, int(plan.batch.grad_accum))
         ref_overrides = reference_overrides(overrides, accum)
         key = (*ref_overrides, *sorted((train or {}).items()))
         ref = None
@@ -51,7 +55,7 @@ def verify_case(overrides: list[str], world: int, train: dict | None = None) -> 
         return verify_against(plan, ref)
 
 
-def _planned_once(overrides: list[str], world: int, runs_dir: str, train: dict | None = None) -> dict:
+def _planned_once(overrides: list[str], world: int, runs_dir: str, train: dict | None = None) -> RunPlan:
     """Rank 0 composes and plans (Hydra's compose is ~0.2-0.4 s a call, measured), the others
     receive its plan: one compose per case instead of one per rank."""
     box = [plan_dict(overrides, world, runs_dir, train) if dist.get_rank() == 0 else None]

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.engine.test_checkpoint import _no_nan
-from tests.helpers import USP, losses, run_usp, train_in_process, usp_env
+from tests.helpers import REPO, USP, losses, run_usp, train_in_process, usp_env
 from usp.engine.observe.metrics import read_metrics
 from usp.run.files import list_checkpoints
 
@@ -267,7 +268,7 @@ def test_tied_embeddings_under_pp_stored_once_and_resharded(tmp_path, shakespear
     train_here(tmp_path, *base, "train.name=tied_single")
     proc = train(tmp_path, *base, *pp2, "train.name=tied_single_to_pp2",
                  f"checkpoint.resume={tmp_path / 'tied_single' / 'checkpoints' / 'step_00000003'}")
-    assert "saved under one process, now pp=2" in proc.stdout
+    assert "saved under single process, now pp=2" in proc.stdout
     assert_same(losses(tmp_path / "tied_single"), losses(tmp_path / "tied_single_to_pp2"), range(4, 7), 1e-5)
     assert_same(losses(tmp_path / "tied_single"), losses(tmp_path / "tied_pp2"), range(1, 7), 1e-5)
     assert export_model(tmp_path / "tied_pp2").tied == {"output.weight": "tok_embeddings.weight"}
@@ -443,9 +444,42 @@ def test_a_resume_trains_at_the_planned_learning_rate(tmp_path, shakespeare):
     assert "optimizer.lr is now 1e-05 (the checkpoint was saved at 0.003)" in said
     records = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "lr" / "metrics.jsonl")}
     from usp.config.compose import compose_config
-    from usp.plan.optimizer import OptimSettings, lr_factor
+    from usp.contract.schedule import OptimSettings, lr_factor
 
     cfg, _ = compose_config(None, ["train.steps=6", "optimizer.lr=1e-5"])
     settings = OptimSettings.from_config(cfg.optimizer, 6)
     # a record's lr is the scheduler's after its step: the next step's
     assert [records[s] for s in (5, 6)] == pytest.approx([1e-5 * lr_factor(s, settings) for s in (5, 6)])
+
+
+@pytest.mark.slow
+def test_a_run_directory_of_the_previous_plan_format_resumes(tmp_path, shakespeare):
+    """A run stopped at step 2 whose plan.yaml and checkpoint plan are version 1 (tests/golden/plan_v1.yaml,
+    as usp wrote them before version 2, its paths moved here): a rank started on it directly (a Slurm job
+    requeued after an upgrade) resumes and reproduces the uninterrupted run's losses."""
+    import yaml
+
+    from usp.contract.plan_file import read_plan
+
+    train_here(tmp_path, "train.steps=4", "checkpoint.interval=2", "train.name=v1run")
+    run = tmp_path / "v1run"
+    whole = losses(run)
+    shutil.rmtree(run / "checkpoints" / "step_00000004")  # as if it had stopped after step 2
+    now = read_plan(run / "plan.yaml")
+    old = yaml.safe_load((REPO / "tests" / "golden" / "plan_v1.yaml").read_text())
+    old.update(run_dir=now.run_dir, dataset_dir=now.dataset_dir, data_meta=now.data_meta)
+    old["config"]["train"]["runs_dir"] = now.config.train.runs_dir
+    assert old["version"] == 1 and old["config"]["data"] == now.to_dict()["config"]["data"]
+    step = run / "checkpoints" / "step_00000002"
+    for where in (run, step):
+        (where / "plan.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    sizes = {p.name: p.stat().st_size for p in step.iterdir() if p.name != "manifest.json"}  # no checksums then
+    (step / "manifest.json").write_text(json.dumps({"step": 2, "files": sizes}))
+    proc = subprocess.run([sys.executable, "-m", "usp.engine.worker", "--plan", str(run / "plan.yaml")],
+                          env=usp_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "step_00000002 has no checksums (saved by an earlier usp): loading it unverified" in proc.stdout
+    assert "resumed from" in proc.stdout and "(step 2," in proc.stdout, proc.stdout[-2000:]
+    resumed = sorted(step for step in losses(run) if step > 2)  # the golden plan logs every 10th step and the last
+    assert resumed[-1] == 4
+    assert_same(whole, losses(run), resumed, 1e-6)

@@ -103,14 +103,15 @@ def test_sharded_exports_load_back(trained, exported):
     from huggingface_hub import load_torch_model
     from transformers import AutoModelForCausalLM
 
+    from usp.contract.plan_file import read_plan
     from usp.engine.export import load_model_state
     from usp.models.llama import Llama, LlamaArgs
-    from usp.run.files import list_checkpoints, read_plan
+    from usp.run.files import list_checkpoints
 
     plan = read_plan(trained / "plan.yaml")
     ckpt = [c for c in list_checkpoints(trained / "checkpoints") if c.complete][-1].path
     state = load_model_state(ckpt)
-    args = LlamaArgs.from_config(type("M", (), plan["config"]["model"]), int(plan["model"]["vocab_size"]))
+    args = LlamaArgs.from_config(plan.config.model, int(plan.model.vocab_size))
     ours = Llama(args, max_seq_len=64)
     ours.load_state_dict(state)
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(4))

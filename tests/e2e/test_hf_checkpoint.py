@@ -15,7 +15,7 @@ import torch
 from tests.data_builders import WORDS, trained_tiktoken_file, word_corpus
 from tests.engine.test_hf_checkpoint import OWN_SHAPE, TOL, USP_DIMS, hf_logits, make_hf
 from tests.helpers import hf_tensors, losses, run_usp, usp_cli
-from usp.run.files import read_plan
+from usp.contract.plan_file import read_plan
 
 QUIET = ["logging.console=plain", "train.sample_tokens=0", "train.log_interval=1", "train.eval_interval=0",
          "checkpoint.enabled=true", "train.steps=3", "train.global_batch=8", "train.seq_len=64"]
@@ -36,9 +36,9 @@ def _first_batch_loss(run_dir: Path, hf_dir: Path) -> float:
     from usp.data.sampler import BatchSampler, TokenFile, get_batch
 
     plan = read_plan(run_dir / "plan.yaml")
-    seq, batch = int(plan["batch"]["seq_len"]), int(plan["batch"]["global_batch"])
-    tokens = TokenFile(Path(plan["dataset_dir"]) / plan["data_meta"]["train_bin"])
-    starts = BatchSampler(len(tokens), seq, batch, batch, 0, 1, int(plan["config"]["train"]["seed"])).micro_batches(0)
+    seq, batch = int(plan.batch.seq_len), int(plan.batch.global_batch)
+    tokens = TokenFile(Path(plan.dataset_dir) / plan.data_meta["train_bin"])
+    starts = BatchSampler(len(tokens), seq, batch, batch, 0, 1, int(plan.config.train.seed)).micro_batches(0)
     x, y = (torch.from_numpy(a) for a in get_batch(tokens, np.concatenate(starts), seq))
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir)(x).logits
@@ -53,15 +53,11 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
     plan = read_plan(run_dir / "plan.yaml")
     ckpt = [c for c in list_checkpoints(run_dir / "checkpoints") if c.complete][-1].path
-    model = Llama(LlamaArgs.from_config(_Attrs(plan["config"]["model"]), int(plan["model"]["vocab_size"])),
+    model = Llama(LlamaArgs.from_config(plan.config.model, int(plan.model.vocab_size)),
                   max_seq_len=64)
     model.load_state_dict(load_model_state(ckpt), strict=False)  # a tied head is stored once
     with torch.no_grad():
         return model(tokens)
-
-
-class _Attrs(dict):
-    __getattr__ = dict.__getitem__
 
 
 def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
@@ -86,7 +82,7 @@ def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
     assert torch.allclose(ours, theirs, rtol=0, atol=TOL), (ours - theirs).abs().max()
     plan = read_plan(run_dir / "plan.yaml")
     text = "To be, or not to be: that is the question."
-    assert AutoTokenizer.from_pretrained(out).encode(text) == load_tokenizer(plan["dataset_dir"]).encode(text)
+    assert AutoTokenizer.from_pretrained(out).encode(text) == load_tokenizer(plan.dataset_dir).encode(text)
 
 
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama3", True), ("mixtral", False)])
@@ -103,20 +99,20 @@ def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare,
     vocab = int(shakespeare[1]["vocab_size"])
     src = make_hf(tmp_path / f"hf_{kind}", kind, vocab, tied, **OWN_SHAPE)
     run = _train(tmp_path, "run", f"model.init_from={src}")
-    model = read_plan(run / "plan.yaml")["config"]["model"]
+    model = read_plan(run / "plan.yaml").config.model
     hf = AutoConfig.from_pretrained(src)
     rope = hf.rope_parameters
-    assert (model["name"], model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"], model["ffn_dim"],
-            model["vocab_size"], model["tie_embeddings"], model["rope_theta"], model["norm_eps"], model["rope_type"]) \
+    assert (model.name, model.dim, model.n_layers, model.n_heads, model.n_kv_heads, model.ffn_dim,
+            model.vocab_size, model.tie_embeddings, model.rope_theta, model.norm_eps, model.rope_type) \
         == (f"hf_{kind}", hf.hidden_size, 3, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size,
             vocab, tied, 500000.0, 1e-6, rope["rope_type"])
-    assert (model["n_experts"], model["top_k"]) == ((4, 2) if kind == "mixtral" else (0, 2))
+    assert (model.n_experts, model.top_k) == ((4, 2) if kind == "mixtral" else (0, 2))
     if kind == "llama3":
-        assert [model[f"rope_{k}"] for k in ("factor", "low_freq_factor", "high_freq_factor",
+        assert [getattr(model, f"rope_{k}") for k in ("factor", "low_freq_factor", "high_freq_factor",
                                             "original_max_positions")] == [8.0, 1.0, 4.0, 32]
     first = _first_batch_loss(run, src)
     assert abs(losses(run)[1] - first) <= TOL * first, (losses(run), first)
-    ours = Llama(LlamaArgs.from_config(_Attrs(model), vocab), max_seq_len=64)
+    ours = Llama(LlamaArgs.from_config(model, vocab), max_seq_len=64)
     load_hf_weights(ours, src)
     tokens = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -176,7 +172,7 @@ def test_a_tiktoken_run_exports_the_tokenizer_transformers_loads(tmp_path):
                  "data.tokenizer=tiktoken", f"data.tokenizer_path={model_file}", "data.val_fraction=0.3", *USP_DIMS)
     _check_export(tmp_path, run, tied=True, kind="llama")
     out = run / "export" / "hf_step00000003"
-    ours = load_tokenizer(read_plan(run / "plan.yaml")["dataset_dir"])
+    ours = load_tokenizer(read_plan(run / "plan.yaml").dataset_dir)
     theirs = AutoTokenizer.from_pretrained(out)
     for text in [*MIXED_TEXT, texts[0][:2000]]:
         ids = ours.encode(text)

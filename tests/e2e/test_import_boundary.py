@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from usp.plan.hf_config import hf_config
+from usp.contract.config_schema import ModelConfig
+from usp.contract.hf_shape import hf_config
 from usp.run import checksums
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,8 +119,8 @@ def work(tmp_path_factory) -> Path:
         1, {"__0_0.distcp": 256 * 64}, checksums.digests(step, ["__0_0.distcp"]))))
     (work / "hf").mkdir()  # the tiny model group as a Hugging Face config.json
     (work / "hf" / "config.json").write_text(json.dumps(hf_config(
-        {"dim": 128, "n_layers": 2, "n_heads": 4, "ffn_dim": 384, "tie_embeddings": True, "rope_theta": 10000.0,
-         "norm_eps": 1e-5}, vocab=4096, max_seq_len=128, dtype="float32")))
+        ModelConfig(dim=128, n_layers=2, n_heads=4, ffn_dim=384, tie_embeddings=True, rope_theta=10000.0,
+                    norm_eps=1e-5), vocab=4096, max_seq_len=128, dtype="float32")))
     rng = random.Random(0)
     words = "the king queen of and to a in is that my love".split()
     (work / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(20000)))

@@ -14,7 +14,7 @@ import torch
 
 from tests.e2e.test_checkpoint import assert_same, kill_rank1_and_restart, spawn, train, train_here
 from tests.helpers import losses, usp_cli
-from usp.run.files import read_plan
+from usp.contract.plan_file import read_plan
 
 # Each test trains 2 to 4 runs of 2 or 4 processes: the first (with the module's ep2 run) took 152 s,
 # the file ~6 min, on the shared 2-core machine at load average ~12 (measured).
@@ -123,8 +123,7 @@ def test_ep_run_exports_to_mixtral_with_usp_logits(tmp_path, shakespeare):
     assert type(hf).__name__ == "MixtralForCausalLM"
     assert (hf.config.num_local_experts, hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == (4, 2, False)
     plan = read_plan(run_dir / "plan.yaml")
-    model_cfg = {**plan["config"]["model"], "vocab_size": int(plan["model"]["vocab_size"])}
-    args = LlamaArgs(**{k: v for k, v in model_cfg.items() if k in LlamaArgs.__dataclass_fields__})
+    args = LlamaArgs.from_config(plan.config.model, int(plan.model.vocab_size))
     model = Llama(args, max_seq_len=64)
     model.load_state_dict(_model_tensors(_step(run_dir, 4)))
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))

@@ -212,7 +212,8 @@ def _model_nodes_sweep(sweep_dir: Path, root: Path, with_mfu: bool = True) -> Pa
             mfus = {"mfu": [0.01, mfu, mfu, mfu]} if with_mfu else {}
             records = _records(4, tokens_per_s=[1.0, tps, tps, tps], **mfus)
             _fake_run(sweep_dir, root / pid, records, {"final_loss": 5.0}, name=pid, world_size=int(nodes),
-                      model__name=model, model__params=PARAMS[model], **({} if with_mfu else {"timing": {}}))
+                      degrees__dp_replicate=int(nodes), mesh_shape=[1, int(nodes), 1, 1, 1], model__name=model,
+                      model__params=PARAMS[model], **({} if with_mfu else {"timing": None}))
         points.append(point)
     sweep = {"version": 1, "name": "hm", "dir": str(root), "launcher": "local", "points": points,
              "swept": {"model": ["big", "small"], "cluster.nodes": ["1", "2"], "train.micro_batch": ["4", "8"]}}

@@ -166,16 +166,16 @@ def test_two_nodes_rendezvous_on_the_head_node_as_the_plan_says(slurm, runs, ref
     job_id, run_dir = submit(runs, "two_nodes", "cluster.nodes=2")
     state = wait_for(job_id)
     assert state["JobState"] == "COMPLETED" and state["NodeList"] == "node[1-2]", state
-    import yaml
+    from usp.contract.plan_file import read_plan
 
-    plan = yaml.safe_load((run_dir / "plan.yaml").read_text())
-    assert plan["world_size"] == 4 and plan["nodes"] == 2
-    for entry in plan["ranks"]:
-        log = (run_dir / "logs" / f"rank_{entry['rank']}.log").read_text()
+    plan = read_plan(run_dir / "plan.yaml")
+    assert plan.world_size == 4 and plan.nodes == 2
+    for entry in plan.ranks:
+        log = (run_dir / "logs" / f"rank_{entry.rank}.log").read_text()
         placed = log.split("placement: ", 1)[1].split("\n", 1)[0]
         # torchrun's node rank and local rank are the plan's, and node rank 0 is the first node
-        assert f"local_rank {entry['local_rank']} node_rank {entry['node']} " in placed, placed
-        assert f"slurm_node node{entry['node'] + 1} " in placed, placed
+        assert f"local_rank {entry.local_rank} node_rank {entry.node} " in placed, placed
+        assert f"slurm_node node{entry.node + 1} " in placed, placed
     # the default rendezvous port is the job's own (20000 + job id % 10000)
     assert f"rendezvous node1:{20000 + int(job_id) % 10000};" in (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
     assert_close(losses(run_dir), reference, rtol=1e-5)

@@ -74,7 +74,7 @@ def test_record_failure_file_and_log_line(tmp_path, monkeypatch):
     rec = json.loads(path.read_text())
     assert (rec["rank"], rec["node"], rec["local_rank"]) == (3, 0, 3)
     assert rec["coords"] == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
-    assert rec["stages"] == [1]  # plan["pipeline"]["rank_stages"][pp=1]
+    assert rec["stages"] == [1]  # plan.pipeline.rank_stages[pp=1]
     assert rec["error_class"] == OOM and rec["exception_type"] == "torch.OutOfMemoryError"
     assert rec["message"].startswith("CUDA out of memory") and len(rec["message"]) == 2000
     assert "raise exc" in rec["traceback"] and rec["last_completed_step"] == 7
@@ -166,8 +166,8 @@ def test_train_failure_summary_and_stale_records(tmp_path):
 def _model_for(plan: dict):
     from usp.models.llama import Llama, LlamaArgs
 
-    args = LlamaArgs.from_config(type("M", (), plan["config"]["model"]), int(plan["model"]["vocab_size"]))
-    return Llama(args, max_seq_len=int(plan["batch"]["seq_len"]))
+    args = LlamaArgs.from_config(plan.config.model, int(plan.model.vocab_size))
+    return Llama(args, max_seq_len=int(plan.batch.seq_len))
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, plan_path: Path) -> Path:

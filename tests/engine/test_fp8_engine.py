@@ -6,7 +6,7 @@ engine reads, after planning: what `usp train` would hand the engine on a GPU. t
 `make setup` (tests/e2e/test_missing_packages.py checks the engine without it)."""
 from __future__ import annotations
 
-import copy
+import dataclasses
 import tempfile
 
 import pytest
@@ -20,6 +20,7 @@ from usp.engine.parallel.mesh import make_context
 from usp.engine.parallel.parallelize import parallelize
 from usp.engine.trainer import Trainer
 from usp.models.llama import Llama, LlamaArgs
+from usp.plan.plan import decisions
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 RUN = ["model=tiny", "train.seq_len=64", "train.global_batch=8", "train.steps=4", "optimizer.warmup_steps=2",
@@ -41,8 +42,8 @@ def test_fp8_converts_the_blocks_linears_but_not_the_head_or_odd_sizes():
 
 def _train(fp8: str, *overrides: str) -> tuple[list[float], Trainer]:
     with tempfile.TemporaryDirectory() as runs:
-        plan = plan_dict([*RUN, *overrides, f"train.name=fp8_{fp8}"], 1, runs)
-        plan["config"]["train"]["fp8"] = fp8  # the rule refuses FP8 on CPU; the engine runs it all the same
+        # the rule refuses FP8 on CPU; the engine runs it all the same (torch's CPU _scaled_mm)
+        plan = plan_dict([*RUN, *overrides, f"train.name=fp8_{fp8}"], 1, runs, train={"fp8": fp8})
         torch.manual_seed(1234)
         udist.init_process_group(plan)
         trainer = Trainer(plan, make_context(plan), write_outputs=False)
@@ -66,14 +67,18 @@ def test_fp8_trains_next_to_fp32_with_unchanged_parameters_and_keys(recipe, shak
 
 
 def test_compile_auto_wraps_blocks_on_cuda_only(shakespeare):
-    """parallelize resolves train.compile through usp.perf.specs.uses_compile: auto compiles each block
-    for a CUDA plan, not for a CPU one (torch.compile wraps lazily: nothing compiles here)."""
+    """The planner resolves train.compile=auto (usp/contract/decide.py) to on for a CUDA plan, off for a CPU
+    one, and parallelize compiles each block as the plan decided (torch.compile wraps lazily: nothing
+    compiles here)."""
     with tempfile.TemporaryDirectory() as runs:
         plan = plan_dict(RUN, 1, runs)
-    assert plan["config"]["train"]["compile"] == "auto"
+    assert plan.config.train.compile == "auto"
     ctx = make_context(plan)
     for device, compiled in (("cpu", False), ("cuda", True)):
         model = Llama(LlamaArgs())
-        parallelize(model, {**copy.deepcopy(plan), "device": device}, ctx)
+        on = dataclasses.replace(plan, device=device, decisions=decisions(plan.config, plan.degrees, device,
+                                                                          plan.run_dir, plan.model.vocab_size))
+        assert on.decisions.compile is compiled
+        parallelize(model, on, ctx)
         kinds = {type(block).__name__ for block in model.layers.values()}
         assert kinds == ({"OptimizedModule"} if compiled else {"TransformerBlock"}), (device, kinds)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.helpers import hf_tensors, usp_cli
-from usp.run.files import read_plan
+from usp.contract.config_schema import ModelConfig
+from usp.contract.plan_file import read_plan
 
 DIMS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.1)
@@ -80,12 +81,12 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     assert (model.output.weight is model.tok_embeddings.weight) == tied
 
     # usp -> HF again, in two shards: the same tensors under the same names, the index naming each
-    plan = {"batch": {"seq_len": 64}, "dataset_dir": str(tmp_path / "no-dataset")}
-    cfg = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "vocab_size": 100,
-           "tie_embeddings": tied, "rope_theta": 10000.0, "norm_eps": 1e-5, "n_experts": 4 if kind == "mixtral" else 0,
-           "top_k": 2, "moe_ffn_dim": 0, **(USP_LLAMA3 if kind == "llama3" else {})}
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, tie_embeddings=tied, rope_theta=10000.0,
+                      norm_eps=1e-5, n_experts=4 if kind == "mixtral" else 0, top_k=2, moe_ffn_dim=0,
+                      **(USP_LLAMA3 if kind == "llama3" else {}))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    write_hf(state, cfg, plan, tmp_path / "ckpt", 0, tmp_path / "back", max_shard_mb=0.1)
+    write_hf(state, cfg, 100, 64, str(tmp_path / "no-dataset"), tmp_path / "ckpt", 0, tmp_path / "back",
+             max_shard_mb=0.1)
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     original, back = hf_tensors(src), hf_tensors(tmp_path / "back")
@@ -110,7 +111,7 @@ def test_config_mismatch_is_refused_before_launch(tmp_path):
                    "train.name=p", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # relative to where `usp plan` ran; the plan holds it absolute (ranks may start elsewhere)
-    assert read_plan(tmp_path / "saved" / "p" / "plan.yaml")["config"]["model"]["init_from"] == str(src.resolve())
+    assert read_plan(tmp_path / "saved" / "p" / "plan.yaml").config.model.init_from == str(src.resolve())
     cases = [(["model.n_heads=8"], "num_attention_heads=4", "model.n_heads=4"),
              (["model.ffn_dim=128"], "intermediate_size=96", "model.ffn_dim=96"),
              (["model.vocab_size=1024"], "vocab_size=512", "model.vocab_size=512"),
@@ -162,5 +163,5 @@ def test_an_explicit_key_that_disagrees_is_refused(tmp_path):
     agreeing = ["model.n_layers=3", "model.rope_factor=8.0", "model.norm_eps=1e-6", "model.n_kv_heads=2"]
     proc = usp_cli("plan", "--save", *base, *agreeing, "train.name=ok", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    model = read_plan(tmp_path / "runs" / "ok" / "plan.yaml")["config"]["model"]
-    assert (model["dim"], model["n_layers"], model["tie_embeddings"], model["vocab_size"]) == (64, 3, False, 512)
+    model = read_plan(tmp_path / "runs" / "ok" / "plan.yaml").config.model
+    assert (model.dim, model.n_layers, model.tie_embeddings, model.vocab_size) == (64, 3, False, 512)

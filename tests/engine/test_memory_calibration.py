@@ -66,20 +66,20 @@ def test_metrics_and_summary_hold_predicted_and_measured(shakespeare):
         plan = plan_dict(["train.steps=3", "optimizer.warmup_steps=1", "train.eval_batches=1",
                           "train.log_interval=10"], 1, tmp)
         Trainer(plan, make_context(plan)).fit()
-        run = Path(plan["run_dir"])
+        run = Path(plan.run_dir)
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((run / "summary.json").read_text())
     assert [r["step"] for r in records] == [1, 2, 3]  # step 2 is logged because it is measured
     measured = records[1]
     assert measured["memory_measured_by"] == "MemTracker"
-    assert measured["memory_predicted_gib"] == pytest.approx(predicted_tensor_bytes(plan["memory"]["stages"][0])
+    assert measured["memory_predicted_gib"] == pytest.approx(predicted_tensor_bytes(plan.memory.stages[0])
                                                              / 2 ** 30)
     assert abs(measured["memory_error"]) <= TOLERANCE
     assert all("memory_measured_gib" not in r for r in (records[0], records[2]))
-    assert all(r["step_time_predicted_s"] == plan["timing"]["step_s"] for r in records)
+    assert all(r["step_time_predicted_s"] == plan.timing.step_s for r in records)
     assert summary["memory_measured_peak_gib"] == pytest.approx(measured["memory_measured_gib"])
     assert summary["memory_predicted_peak_gib"] == pytest.approx(measured["memory_predicted_gib"])
-    assert summary["step_time_measured_s"] > 0 and summary["step_time_predicted_s"] == plan["timing"]["step_s"]
+    assert summary["step_time_measured_s"] > 0 and summary["step_time_predicted_s"] == plan.timing.step_s
 
 
 def test_measure_memory_off(shakespeare):

@@ -17,8 +17,10 @@ def test_export_out_to_an_unwritable_place_before_loading(tmp_path):
 
 
 def test_an_edited_plan_is_refused_by_the_engine_in_one_line(tmp_path, shakespeare):
-    """The engine's second line (issue 31 item 3): plan.yaml's values against the same field rules as
-    `usp plan`'s, in a real worker process: one message naming the key and a fix, no traceback."""
+    """A rank reads plan.yaml back as a RunPlan (usp/contract/plan_file.py): a value of the wrong type, an
+    inconsistent layout or another version is refused in a real worker process with one message naming
+    the key and the fix (plan again), no traceback, before torch does any work. (Each value's range is a
+    plan-time rule; the engine trusts the plan for those.)"""
     import io
     import subprocess
     import sys
@@ -34,13 +36,18 @@ def test_an_edited_plan_is_refused_by_the_engine_in_one_line(tmp_path, shakespea
     plan, path = prepare_run(cfg, choices, console=Console(file=io.StringIO()))
     release(plan.run_dir)
     saved = yaml.safe_load(path.read_text())
-    for section, key, bad in (("train", "nan_policy", "ignore"), ("train", "seed", -1),
-                              ("checkpoint", "async_mode", "maybe")):
+    edits = [(("config", "train", "nan_policy"), "ignore"), (("config", "checkpoint", "async_mode"), "maybe"),
+             (("world_size",), 3), (("version",), 0), (("config", "train", "seed"), "1234")]
+    for keys, bad in edits:
         edited = yaml.safe_load(path.read_text())
-        edited["config"][section][key] = bad
+        node = edited
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = bad
         path.write_text(yaml.safe_dump(edited))
         proc = subprocess.run([sys.executable, "-m", "usp.engine.worker", "--plan", str(path)], cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
-        assert f"usp: error on rank 0: {section}.{key}={bad!r}" in proc.stderr and "fix:" in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+        said = " ".join(proc.stderr.split())
+        assert f"usp: error on rank 0: {'.'.join(keys)}={bad!r}" in said and "fix: plan the run again" in said, said
         path.write_text(yaml.safe_dump(saved))

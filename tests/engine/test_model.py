@@ -84,7 +84,7 @@ def test_param_count_matches_math(tie, dim, n_layers, n_heads, n_kv_heads, ffn_d
 
 
 def test_tiny_default_param_count():
-    from usp.config.schema import ModelConfig
+    from usp.contract.config_schema import ModelConfig
 
     cfg = ModelConfig(vocab_size=4096)
     assert Arch.from_model(cfg).total_params == 950_912

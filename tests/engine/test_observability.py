@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import train_in_process
+from usp.contract.plan_file import read_plan
 from usp.engine.observe.metrics import read_metrics
-from usp.run.files import read_plan
 
 FAST = ["train.global_batch=4", "train.seq_len=64", "train.sample_tokens=0", "train.log_interval=1",
         "train.eval_interval=0", "train.eval_batches=1", "logging.console=plain"]
@@ -52,10 +52,10 @@ def observed(tmp_path_factory, shakespeare, offline_wandb):
 def test_records_carry_mfu_data_wait_and_restart_count(observed):
     run_dir, _, metrics = observed
     plan = read_plan(run_dir / "plan.yaml")
-    peak, flops = plan["timing"]["peak_tflops"] * 1e12, plan["timing"]["model_flops_per_step"]
+    peak, flops = plan.timing.peak_tflops * 1e12, plan.timing.model_flops_per_step
     assert [r["step"] for r in metrics] == [1, 2, 3, 4]
     for r in metrics:
-        assert r["mfu"] == pytest.approx(flops / (r["step_time_s"] * plan["world_size"] * peak), rel=1e-9)
+        assert r["mfu"] == pytest.approx(flops / (r["step_time_s"] * plan.world_size * peak), rel=1e-9)
         assert 0 < r["data_wait_s"] < r["step_time_s"]
         assert r["slurm_restart_count"] == 2
 

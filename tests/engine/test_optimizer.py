@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from usp.config.compose import compose_config
-from usp.plan.optimizer import OptimSettings, lr_factor
+from usp.contract.schedule import OptimSettings, lr_factor
 
 
 def test_weight_decay_skips_norms_and_biases():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.data_builders import WORDS, big_wordlevel_tokenizer, word_corpus
-from usp.config.schema import DataConfig
+from usp.contract.config_schema import DataConfig
 from usp.data.tokenized import ensure_dataset
 
 

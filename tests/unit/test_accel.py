@@ -5,15 +5,20 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from usp.config.compose import compose_config
 from usp.launch.local import worker_env
 from usp.plan.plan import build_plan, engine_support_errors
 
 
 def plan_of(*overrides: str, obj: bool = False):
+    """The plan of a config; obj=False: as a rank reads it back from plan.yaml's values."""
+    from usp.contract.plan_file import plan_from_dict
+
     cfg, choices = compose_config(None, list(overrides))
     plan = build_plan(cfg, choices, training=False)
-    return plan if obj else plan.to_dict()
+    return plan if obj else plan_from_dict(plan.to_dict())
 
 
 def test_flash_attn_plan_errors_name_the_key():
@@ -26,18 +31,24 @@ def test_flash_attn_plan_errors_name_the_key():
 
 
 def test_backend_follows_the_device():
-    assert plan_of("cluster=local_gpu")["backend"] == "nccl"
-    assert plan_of("cluster=mi300x", "cluster.nodes=1")["device"] == "cuda"  # ROCm: device type cuda, RCCL as nccl
-    assert plan_of("cluster=mi300x", "cluster.nodes=1")["backend"] == "nccl"
+    assert plan_of("cluster=local_gpu").backend == "nccl"
+    assert plan_of("cluster=mi300x", "cluster.nodes=1").device == "cuda"  # ROCm: device type cuda, RCCL as nccl
+    assert plan_of("cluster=mi300x", "cluster.nodes=1").backend == "nccl"
     xpu = plan_of("cluster=supermuc_ng_p2")
-    assert (xpu["device"], xpu["backend"]) == ("xpu", "xccl")
-    assert plan_of()["backend"] == "gloo"
+    assert (xpu.device, xpu.backend) == ("xpu", "xccl")
+    assert plan_of().backend == "gloo"
 
 
 def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None, max_restarts: int = 0):
-    return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1,
-                           config={"cluster": {"env": env or {}, "launcher": "local", "nodes": 1},
-                                   "train": {"deterministic": deterministic, "max_restarts": max_restarts}})
+    """The parts of a RunPlan the launcher's environment reads (the decision as the planner makes it)."""
+    from usp.contract.config_schema import UspConfig
+    from usp.contract.decide import uses_deterministic
+
+    config = UspConfig()
+    config.cluster.env, config.train.deterministic, config.train.max_restarts = dict(env or {}), deterministic, \
+        max_restarts
+    return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1, config=config,
+                           decisions=SimpleNamespace(deterministic=uses_deterministic(deterministic, device)))
 
 
 def test_ranks_share_the_agents_store_with_or_without_restarts(monkeypatch):
@@ -99,3 +110,26 @@ def test_a_cpu_run_on_a_machine_with_gpus_says_how_to_use_them(tmp_path, monkeyp
     assert "visible here" not in note("cluster=local_gpu")
     monkeypatch.setattr(prepare, "NVIDIA_GPUS", tmp_path / "none")  # no driver: no note
     assert "visible here" not in note()
+
+
+@pytest.mark.parametrize("dtype,device,bf16", [("auto", "cuda", True), ("auto", "xpu", True), ("auto", "cpu", False),
+                                               ("fp32", "cuda", False), ("bf16", "cpu", True)])
+def test_uses_bf16(dtype, device, bf16):
+    from usp.contract.decide import uses_bf16
+
+    assert uses_bf16(dtype, device) is bf16
+
+
+@pytest.mark.parametrize("configured,device,on", [(None, "cpu", True), (None, "cuda", False), (None, "xpu", False),
+                                                  (True, "cuda", True), (False, "cpu", False)])
+def test_deterministic_by_default_on_cpu_only(configured, device, on):
+    """Parity tests and exact resume need it on CPU (where it costs nothing measurable); on a GPU
+    its deterministic kernels (embedding backward, scatter) cost speed, so only when asked. The plan
+    records the decision the ranks and the launcher's environment act on."""
+    from usp.contract.decide import uses_deterministic
+
+    assert uses_deterministic(configured, device) is on
+    gpu = ["cluster=local_gpu"] if device == "cuda" else []
+    if device != "xpu":
+        det = [] if configured is None else [f"train.deterministic={str(configured).lower()}"]
+        assert plan_of(*gpu, *det).decisions.deterministic is on

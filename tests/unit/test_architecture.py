@@ -33,18 +33,19 @@ ALLOWED = {
     "usp.run.checksums": {"usp.run.files"},
     "usp.run.state": BASE,
     "usp.run.sweep_record": BASE | {"usp.run.state"},
-    "usp.config": {"usp.errors", "usp.run", "usp.run.files", "usp.run.writable"},
+    "usp.contract": {"usp.errors", "usp.run", "usp.run.files"},
+    "usp.config": {"usp.errors", "usp.run", "usp.run.files", "usp.run.writable", "usp.contract"},
     "usp.data": {"usp.errors", "usp.run", "usp.run.files"},
     "usp.models": set(),
-    "usp.perf": {"usp.errors"},
-    "usp.perf.calibration": {"usp.errors", "usp.config", "usp.perf"},
-    "usp.plan": BASE | {"usp.config", "usp.data", "usp.perf"},
-    "usp.report": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.plan"},
-    "usp.launch": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.plan", "usp.perf", "usp.data",
-                          "usp.engine"},
-    "usp.engine": BASE | {"usp.plan", "usp.perf", "usp.data", "usp.models"},
-    "usp.cli": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.plan", "usp.perf",
-                       "usp.perf.calibration", "usp.data", "usp.launch", "usp.report", "usp.engine"},
+    "usp.perf": {"usp.errors", "usp.contract"},
+    "usp.perf.calibration": {"usp.errors", "usp.config", "usp.contract", "usp.perf"},
+    "usp.plan": BASE | {"usp.config", "usp.contract", "usp.data", "usp.perf"},
+    "usp.report": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan"},
+    "usp.launch": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan",
+                          "usp.perf", "usp.data", "usp.engine"},
+    "usp.engine": BASE | {"usp.contract", "usp.data", "usp.models"},
+    "usp.cli": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan",
+                       "usp.perf", "usp.perf.calibration", "usp.data", "usp.launch", "usp.report", "usp.engine"},
 }
 TORCH_FREE = tuple(p for p in ALLOWED if p not in ("usp.engine", "usp.models"))
 DOC = USP.parent / "docs" / "architecture.md"
@@ -241,3 +242,33 @@ def test_no_two_modules_share_a_name():
         if path.name not in ("__init__.py", "__main__.py"):
             seen.setdefault(path.name, []).append(str(path.relative_to(USP)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_the_engine_reads_decisions_and_never_decides():
+    """The engine acts on what the plan records (RunPlan.decisions): no engine file imports the rules
+    behind them (usp/contract/decide.py), the planner or its performance model."""
+    for path in (USP / "engine").rglob("*.py"):
+        found = {m for m in _imports(path) if m.startswith(("usp.plan", "usp.perf", "usp.contract.decide"))}
+        assert not found, f"{path.relative_to(USP.parent)} imports {sorted(found)}"
+
+
+def test_a_rank_loads_no_planner_code():
+    """What a rank imports, in a fresh interpreter: the worker's module tree holds no usp.plan, usp.perf,
+    usp.config or usp.launch module."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, usp.engine.worker; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('usp.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = json.loads(out)
+    assert [m for m in loaded if m.startswith(("usp.plan", "usp.perf", "usp.config", "usp.launch"))] == []
+    assert "usp.contract.run_plan" in loaded
+
+
+def test_every_file_the_docs_name_exists():
+    """A renamed or deleted module leaves no stale path in README or docs/."""
+    docs = [USP.parent / "README.md", *sorted((USP.parent / "docs").glob("*.md"))]
+    named = {(doc.name, m.group(0)) for doc in docs for m in re.finditer(r"\busp/[\w/]+\.(?:py|j2)\b", doc.read_text())}
+    assert named and [(doc, path) for doc, path in sorted(named) if not (USP.parent / path).exists()] == []

@@ -12,8 +12,9 @@ from functools import partial
 import pytest
 
 from tests.helpers import plan_for, usp_cli
+from usp.contract.dims import shard_index
+from usp.contract.hf_shape import hf_config
 from usp.errors import PlanError
-from usp.perf.layout import shard_index
 from usp.perf.memory import (
     DTENSOR_TRANSIENT,
     _held,
@@ -25,7 +26,7 @@ from usp.perf.memory import (
 )
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, optimizer_states
 from usp.perf.stack_profile import PROFILES
-from usp.plan.hf_config import checkpoint_value_bytes, hf_config
+from usp.plan.hf_config import checkpoint_value_bytes
 from usp.plan.planner_inputs import planned_local_bytes
 from usp.plan.rules import Settings
 from usp.plan.search import enumerate_layouts, search
@@ -169,8 +170,7 @@ def test_a_plan_with_init_from_counts_the_checkpoints_dtype(tmp_path):
     plain = plan_for(*base)
     ckpt = tmp_path / "hf"
     ckpt.mkdir()
-    model = dict(plain.config["model"])
-    (ckpt / "config.json").write_text(json.dumps(hf_config(model, 512, 128, "bfloat16")))
+    (ckpt / "config.json").write_text(json.dumps(hf_config(plain.config.model, 512, 128, "bfloat16")))
     loaded = plan_for(*base, f"model.init_from={ckpt}")
     b = loaded.memory.stages[0].build
     assert b.read_buffer == b.transient == 2 * 512 * 128 / 2  # bf16, the embedding's half on each of 2 ranks

@@ -18,7 +18,7 @@ import yaml
 
 from tests.helpers import usp_cli
 from usp.perf.calibration.calibrate import Problem, score
-from usp.perf.calibration.measured_runs import BF16, SWEEP_CSV, read_sweep_csv
+from usp.perf.calibration.measured_runs import BF16, SWEEP_CSV, cluster_group, read_sweep_csv
 from usp.perf.specs import Hardware
 from usp.perf.stack_profile import PROFILES
 from usp.perf.timing import evaluate, mfu, pipeline_stall_s, time_shape
@@ -29,7 +29,7 @@ FITTED = ROOT / "conf" / "cluster" / "h100_playbook.yaml"
 
 
 def _hw(path: Path) -> Hardware:
-    return Hardware.from_cluster(yaml.safe_load(path.read_text()))
+    return Hardware.from_cluster(cluster_group(yaml.safe_load(path.read_text()), path))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_calibrate_command_writes_a_cluster_group(tmp_path, runs):
     cal = written["timing"]["calibrated"]
     assert cal["runs"] == sum(1 for row in rows[1:200:4] if ",ok," in row)
     assert written["name"] == "slurm_h100" and written["procs_per_node"] == 8  # the rest of the group kept
-    hw = Hardware.from_cluster(written)
+    hw = Hardware.from_cluster(cluster_group(written, out))
     assert hw.timing.calibrated.nodes == tuple(sorted(cal["nodes"]))
     assert "# NVIDIA H100 SXM nodes" in out.read_text()  # comments kept
     bad = usp_cli("calibrate", str(tmp_path / "missing.csv"), "--cluster", "slurm_h100", cwd=tmp_path)
@@ -134,8 +134,8 @@ def test_nanotron_stages_split_by_matmul_cost_and_the_loss_costs_per_logit(runs)
     assert s1.logits_mb == one.layout.micro_batch * one.seq_len * 131072
     assert s2.logits_mb == two.layout.micro_batch * two.seq_len * 131072 / 2
     assert hw.timing.loss_ps_per_logit > 0
-    off = Hardware.from_cluster({**yaml.safe_load(FITTED.read_text()),
-                                 "timing": {**yaml.safe_load(FITTED.read_text())["timing"], "loss_ps_per_logit": 0}})
+    off = Hardware.from_cluster(cluster_group({**yaml.safe_load(FITTED.read_text()), "timing": {
+        **yaml.safe_load(FITTED.read_text())["timing"], "loss_ps_per_logit": 0}}, FITTED))
     extra = one.layout.grad_accum * 1e-12 * hw.timing.loss_ps_per_logit * s1.logits_mb
     assert evaluate(s1, hw).step_s - evaluate(s1, off).step_s == pytest.approx(extra, rel=0.05)  # + its dp window
 

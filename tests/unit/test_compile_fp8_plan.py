@@ -9,9 +9,10 @@ import pytest
 
 from tests.helpers import plan_for
 from usp.config.compose import compose_config
+from usp.contract.decide import compile_choice, uses_compile
 from usp.errors import PlanError
 from usp.perf.memory import fp8_layer_params
-from usp.perf.specs import GIB, Arch, Layout, compile_choice, uses_compile
+from usp.perf.specs import GIB, Arch, Layout
 from usp.plan.plan import checked_plan, plan_with_failures
 
 H100_ONE = ("cluster=slurm_h100", "cluster.procs_per_node=1", "model=llama3_2_1b", "train.seq_len=2048",

@@ -15,6 +15,7 @@ from usp.config import schema
 from usp.config.catalogue import copy_recipe, show_item
 from usp.config.compose import compose_config, resolve_primary
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
+from usp.contract.config_schema import ModelConfig
 from usp.errors import ConfigError, UspError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -289,7 +290,7 @@ def test_show_group_option():
     assert "dim: 128" in text
     body = yaml.safe_load(text)
     assert body["name"] == "tiny" and body["rope_theta"] == 10000.0  # composed with schema defaults
-    assert set(body) == set(schema.schema_fields(schema.ModelConfig))
+    assert set(body) == set(schema.schema_fields(ModelConfig))
 
 
 def test_show_recipe_names_picked_groups():

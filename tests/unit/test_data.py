@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from usp.config.schema import DataConfig
+from usp.contract.config_schema import DataConfig
 from usp.data import corpus
 from usp.data.corpus import load_documents
 from usp.data.data_error import DataError

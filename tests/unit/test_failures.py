@@ -10,14 +10,14 @@ import pytest
 
 from tests.helpers import usp_cli
 from usp.config.compose import compose_config
+from usp.contract.plan_file import read_plan, write_plan
+from usp.contract.run_plan import RunPlan
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir
-from usp.plan.io import write_plan
 from usp.plan.plan import build_plan
-from usp.run.files import read_plan
 
 
-def make_run(tmp_path: Path, *overrides: str, name: str = "run") -> tuple[Path, dict]:
+def make_run(tmp_path: Path, *overrides: str, name: str = "run") -> tuple[Path, RunPlan]:
     """A run directory with the real plan.yaml of `overrides`."""
     cfg, choices = compose_config(None, [f"train.runs_dir={tmp_path / 'runs'}", f"train.name={name}", *overrides])
     plan = build_plan(cfg, choices, training=False)
@@ -69,5 +69,5 @@ def test_checkpoint_dir_needs_room_for_keep_last_plus_one(tmp_path):
     assert f"{need - 1:,} bytes" in msg and f"{need:,} bytes" in msg
     assert "checkpoint.keep_last=1" in msg and "checkpoint.enabled=false" in msg
     assert check_checkpoint_dir(plan, disk_free=lambda path: need) == tmp_path / "x" / "checkpoints"
-    plan.config["checkpoint"]["enabled"] = False
+    plan.config.checkpoint.enabled = False
     assert check_checkpoint_dir(plan, disk_free=lambda path: 0) is None

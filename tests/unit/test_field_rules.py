@@ -114,13 +114,14 @@ def test_a_choice_outside_its_enum_is_refused_when_composing(override, choices):
 
 def test_enum_values_reach_plan_yaml_as_strings():
     plan = plan_for("train.nan_policy=skip", "checkpoint.async_mode=async", "logging.console=plain")
-    text = yaml.safe_dump(plan.to_dict())  # the engine reads plain strings: safe_dump refuses an Enum
+    text = yaml.safe_dump(plan.to_dict())  # plan.yaml holds plain strings: safe_dump refuses an Enum
     assert "nan_policy: skip" in text and "async_mode: async" in text
-    assert type(plan.config["train"]["nan_policy"]) is str
+    assert type(plan.to_dict()["config"]["train"]["nan_policy"]) is str
+    assert plan.config.train.nan_policy == "skip"  # typed (a StrEnum) in the RunPlan, equal to its string
 
 
 def test_a_plain_dict_is_checked_too_enum_values_included():
-    """What the engine runs again on plan.yaml (usp.engine.worker.check_values): a partial dict checks only
+    """A partial dict (the Slurm settings a saved plan holds, usp/launch/slurm_script.py) checks only
     what it holds."""
     found = rules.field_failures({"train": {"nan_policy": "ignore", "seed": -3}, "checkpoint": {"async_mode": "x"}})
     assert [(e.key, e.value) for e in found] == [("train.seed", -3), ("train.nan_policy", "ignore"),

@@ -21,7 +21,7 @@ def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
     """The catalogue's Llama 3.1 / 3.2 groups agree with Meta's config.json, RoPE scaling included: an
     import of the real checkpoint under the group plans, and without it takes the group's values."""
     from usp.config.compose import compose_config
-    from usp.config.init_from import CHECKPOINT_KEYS
+    from usp.contract.hf_shape import CHECKPOINT_KEYS
     from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
 
     rope_scaling = {"factor": META_SCALING[group], "low_freq_factor": 1.0, "high_freq_factor": 4.0,

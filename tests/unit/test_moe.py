@@ -35,9 +35,10 @@ def test_reference_keeps_the_micro_batch_steps_only_for_the_balancing_loss():
     """One process equals a layout's MoE load-balancing loss only with the same micro-batch steps;
     every other reference takes the global batch in one forward (which also checks accumulation)."""
     from usp.config.reference import reference_grad_accum, reference_overrides
+    from usp.contract.config_schema import ModelConfig
 
-    assert reference_grad_accum({"n_experts": 4, "aux_loss_coef": 0.01}, 4) == 4
-    assert reference_grad_accum({"n_experts": 4, "aux_loss_coef": 0.0, "router_bias_update_rate": 1e-3}, 4) == -1
-    assert reference_grad_accum({"n_experts": 0, "aux_loss_coef": 0.01}, 4) == -1
+    assert reference_grad_accum(ModelConfig(n_experts=4, aux_loss_coef=0.01), 4) == 4
+    assert reference_grad_accum(ModelConfig(n_experts=4, aux_loss_coef=0.0, router_bias_update_rate=1e-3), 4) == -1
+    assert reference_grad_accum(ModelConfig(n_experts=0, aux_loss_coef=0.01), 4) == -1
     ov = reference_overrides(["model=moe_tiny", "parallelism.ep=2", "train.grad_accum=4", "train.micro_batch=2"], 4)
     assert ov[0] == "model=moe_tiny" and ov[-2:] == ["train.micro_batch=-1", "train.grad_accum=4"]

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import usp_cli
 from usp.config.compose import compose_config
-from usp.plan.optimizer import OptimSettings, lr_factor
+from usp.contract.schedule import OptimSettings, lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def curve(steps: int, **kw) -> list[float]:
 def test_settings_are_the_schema_fields_and_defaults_plus_steps():
     from dataclasses import fields
 
-    from usp.config.schema import OptimizerConfig, TrainConfig
+    from usp.contract.config_schema import OptimizerConfig, TrainConfig
 
     schema = {f.name: getattr(OptimizerConfig(), f.name) for f in fields(OptimizerConfig)}
     settings = {f.name: getattr(OptimSettings(), f.name) for f in fields(OptimSettings)}

@@ -8,17 +8,19 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import plan_for, usp_cli
 from usp.config.compose import compose_config
-from usp.config.schema import ParallelismConfig, TrainConfig
+from usp.contract.config_schema import ParallelismConfig, TrainConfig
+from usp.contract.dims import MESH_DIMS, ParallelDims, RankInfo, rank_table
+from usp.contract.plan_file import read_plan, write_plan
+from usp.contract.run_plan import PLAN_VERSION
 from usp.errors import PlanError, UspError
-from usp.perf.layout import MESH_DIMS, layout_tag, rank_table, resolve_degrees
 from usp.perf.specs import Arch
 from usp.plan.batch import plan_batch
-from usp.plan.io import write_plan
 from usp.plan.plan import build_plan, engine_support_errors
-from usp.run.files import read_plan, write_text_atomic
+from usp.run.files import write_text_atomic
 
 TINY_PARAMS = 950_912  # tiny model, vocab 4096 (README: "~0.95 M parameters")
 
@@ -33,7 +35,7 @@ def plan_error(*overrides: str) -> PlanError:
     return info.value
 
 
-# --- resolve_degrees -------------------------------------------------------------------------
+# --- ParallelDims.resolve -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("par,world,expected", [
     ({}, 1, dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1)),
@@ -50,7 +52,7 @@ def plan_error(*overrides: str) -> PlanError:
     (dict(dp_replicate=2, dp_shard=2, cp=2, tp=2, pp=2), 32, dict(pp=2, dp_replicate=2, dp_shard=2, cp=2, tp=2)),
 ])
 def test_resolve_degrees(par, world, expected):
-    degrees = resolve_degrees(ParallelismConfig(**par), world)
+    degrees = ParallelDims.resolve(ParallelismConfig(**par), world).mesh
     assert degrees == expected
     assert list(degrees) == list(MESH_DIMS)
     assert math.prod(degrees.values()) == world
@@ -71,7 +73,7 @@ def test_resolve_degrees(par, world, expected):
 ])
 def test_resolve_degrees_errors(par, world, key, words):
     with pytest.raises(PlanError) as info:
-        resolve_degrees(ParallelismConfig(**par), world)
+        ParallelDims.resolve(ParallelismConfig(**par), world)
     assert info.value.key == key
     assert words in str(info.value)
     assert info.value.fix
@@ -79,14 +81,14 @@ def test_resolve_degrees_errors(par, world, key, words):
 
 def test_resolve_degrees_no_minus_one_fix_names_world():
     with pytest.raises(PlanError) as info:
-        resolve_degrees(ParallelismConfig(dp_replicate=2), 8)
+        ParallelDims.resolve(ParallelismConfig(dp_replicate=2), 8)
     assert "-1" in info.value.fix and "procs_per_node=2" in info.value.fix
 
 
 # --- rank table ---------------------------------------------------------------------------------
 
 def test_rank_table_two_nodes_tp2():
-    degrees = resolve_degrees(ParallelismConfig(tp=2), 8)
+    degrees = ParallelDims.resolve(ParallelismConfig(tp=2), 8).mesh
     assert degrees["dp_replicate"] == 4
     table = rank_table(degrees, procs_per_node=4)
     assert [r.rank for r in table] == list(range(8))
@@ -130,8 +132,10 @@ def test_rank_table_covers_every_coordinate_once(degrees, per_node):
     (dict(pp=1, dp_replicate=2, dp_shard=1, cp=1, tp=2), "dp2-tp2"),
     (dict(pp=2, dp_replicate=1, dp_shard=4, cp=2, tp=1), "pp2-fsdp4-cp2"),
 ])
-def test_layout_tag(degrees, tag):
-    assert layout_tag(degrees) == tag
+def test_layout_label(degrees, tag):
+    assert ParallelDims.of(degrees).label() == tag
+    assert ParallelDims.of(degrees, ep=2).label() == ("ep2" if tag == "single" else f"{tag}-ep2")
+    assert ParallelDims.of(degrees, ep=2).label(with_ep=False) == tag  # run names: as earlier usp versions
 
 
 # --- batch math -------------------------------------------------------------------------------------
@@ -233,7 +237,7 @@ def test_default_plan(tmp_path):
     assert plan.model.params == TINY_PARAMS and plan.model.vocab_size == 4096
     assert plan.batch.global_batch == 16 and plan.batch.grad_accum == 1
     assert plan.mesh_dims == list(MESH_DIMS) and plan.mesh_shape == [1] * 5
-    assert plan.choices["model"] == "tiny" and plan.config["train"]["steps"] == 150
+    assert plan.choices["model"] == "tiny" and plan.config.train.steps == 150
     assert plan.warnings == [] and engine_support_errors(plan) == []
 
 
@@ -420,12 +424,12 @@ def test_plan_yaml_round_trip_and_atomic_write(tmp_path):
     assert path == Path(plan.run_dir) / "plan.yaml"
     text = path.read_text()
     assert text.startswith("# ")
-    loaded = read_plan(path)
-    assert loaded == plan.to_dict()
-    assert loaded["batch"]["global_batch_tokens"] == plan.batch.global_batch_tokens
-    assert loaded["ranks"][1] == {"rank": 1, "node": 0, "local_rank": 1,
-                                  "coords": dict(pp=0, dp_replicate=1, dp_shard=0, cp=0, tp=0)}
-    assert loaded["config"]["cluster"]["env"] == {"A": "b"}
+    loaded = read_plan(path)  # typed both ways: the same RunPlan back
+    assert loaded == plan and loaded.to_dict() == plan.to_dict()
+    assert yaml.safe_load(text)["batch"]["global_batch_tokens"] == plan.batch.global_batch_tokens
+    assert loaded.ranks[1] == RankInfo(rank=1, node=0, local_rank=1,
+                                       coords=dict(pp=0, dp_replicate=1, dp_shard=0, cp=0, tp=0))
+    assert loaded.config.cluster.env == {"A": "b"}
     write_plan(plan)  # overwrite in place
     assert sorted(p.name for p in path.parent.iterdir()) == ["plan.yaml"]  # no leftover temp files
 
@@ -433,7 +437,7 @@ def test_plan_yaml_round_trip_and_atomic_write(tmp_path):
 def test_write_plan_to_explicit_path(tmp_path):
     plan = plan_for(runs_dir=tmp_path / "runs")
     path = write_plan(plan, tmp_path / "deep" / "p.yaml")
-    assert path == tmp_path / "deep" / "p.yaml" and read_plan(path)["name"] == "tiny-single"
+    assert path == tmp_path / "deep" / "p.yaml" and read_plan(path).name == "tiny-single"
     assert not (tmp_path / "runs").exists()
 
 
@@ -467,8 +471,8 @@ def test_cli_plan_save_writes_plan_yaml(tmp_path):
     path = runs / "tiny-single" / "plan.yaml"
     assert path.is_file() and "plan written to" in out.stdout and str(path) in out.stdout
     saved = read_plan(path)
-    assert saved["name"] == "tiny-single" and saved["model"]["params"] == TINY_PARAMS
-    assert saved["world_size"] == 1 and saved["version"] == 1
+    assert saved.name == "tiny-single" and saved.model.params == TINY_PARAMS
+    assert saved.world_size == 1 and saved.version == PLAN_VERSION
     assert not (tmp_path / "cache").exists()
 
 

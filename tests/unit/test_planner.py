@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers import plan_for, usp_cli
 from usp.config.compose import compose_config
+from usp.contract.dims import rank_table
 from usp.errors import PlanError
-from usp.perf.layout import rank_table
 from usp.perf.memory import in_flight, memory_plan, stage_memory
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.perf.stack_profile import PROFILES
@@ -490,10 +490,10 @@ def test_plan_carries_memory_and_timing(tmp_path):
     data = plan.to_dict()
     assert data["memory"]["stages"][0]["total"] == plan.memory.stages[0].total
     assert data["timing"]["comm"][0]["name"].startswith("FSDP")
-    from usp.plan.io import write_plan
-    from usp.run.files import read_plan
+    from usp.contract.plan_file import read_plan, write_plan
 
-    assert read_plan(write_plan(plan, tmp_path / "plan.yaml")) == data
+    back = read_plan(write_plan(plan, tmp_path / "plan.yaml"))
+    assert back == plan and back.to_dict() == data
 
 
 def test_pipeline_batch_derivation_fills_the_pipeline():

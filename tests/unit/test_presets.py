@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.config.paths import group_options, recipe_names
-from usp.perf.layout import data_parallel_kind
+from usp.contract.dims import data_parallel_kind
 from usp.plan.plan import checked_plan
 
 # preset -> (the model and nodes of 8 x H100 it is checked on, the degrees it must produce, its DP flavour)
@@ -66,4 +66,4 @@ def test_recipe_plans_and_dry_run_submits(recipe, tmp_path):
     script = (tmp_path / recipe / "job.sbatch").read_text()
     assert re.search(rf"^#SBATCH --nodes={RECIPES[recipe]}$", script, re.M), script[:800]
     # every recipe checkpoints (Mixtral's expert-parallel run included: experts saved whole)
-    assert plan.config["checkpoint"]["enabled"] and re.search(r"checkpoints\s*│ every \d+ steps", r.stdout), r.stdout
+    assert plan.config.checkpoint.enabled and re.search(r"checkpoints\s*│ every \d+ steps", r.stdout), r.stdout

@@ -149,7 +149,7 @@ def test_rope_types_other_than_default_and_llama3_are_refused_by_name():
     llama3 = ["model.rope_type=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
               "model.rope_high_freq_factor=4", "model.rope_original_max_positions=8192"]
     plan, errors = _plan(*llama3)
-    assert plan is not None and errors == [] and plan.config["model"]["rope_type"] == "llama3"
+    assert plan is not None and errors == [] and plan.config.model.rope_type == "llama3"
     for bad, key in [("model.rope_factor=null", "model.rope_factor"), ("model.rope_factor=0.5", "model.rope_factor"),
                      ("model.rope_low_freq_factor=0", "model.rope_low_freq_factor"),
                      ("model.rope_high_freq_factor=1", "model.rope_high_freq_factor"),

@@ -144,9 +144,9 @@ def test_a_saved_plan_is_checked_again_before_its_script_is_written():
     from usp.errors import LaunchError
     from usp.launch.slurm_script import check_slurm_settings
 
-    cluster = OmegaConf.to_container(compose_config(None, ["cluster=local_slurm"])[0].cluster)
+    cluster = OmegaConf.to_object(compose_config(None, ["cluster=local_slurm"])[0]).cluster
     check_slurm_settings(cluster)
-    cluster["env"] = {"GOOD_KEY": "1", "1BAD": "x"}
+    cluster.env = {"GOOD_KEY": "1", "1BAD": "x"}
     with pytest.raises(LaunchError) as err:
         check_slurm_settings(cluster)
     assert (err.value.key, err.value.value) == ("cluster.env.1BAD", "1BAD") and err.value.fix

@@ -12,7 +12,7 @@ import pytest
 
 from tests.data_builders import WORDS, word_corpus
 from tests.helpers import usp_cli
-from usp.config.schema import DataConfig
+from usp.contract.config_schema import DataConfig
 from usp.data.data_error import DataError
 from usp.data.text_check import CHUNK_BYTES, file_problem
 from usp.data.tokenized import ensure_dataset, fingerprint

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import usp_cli
-from usp.config.schema import DataConfig
+from usp.contract.config_schema import DataConfig
 from usp.data import tokenized as prepare
 from usp.data.data_error import DataError
 from usp.data.tokenized import ensure_dataset

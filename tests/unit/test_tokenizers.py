@@ -10,7 +10,7 @@ import pytest
 
 from tests.data_builders import WORDS, big_wordlevel_tokenizer, hf_bpe_tokenizer, tiktoken_file, word_corpus
 from tests.helpers import usp_cli
-from usp.config.schema import DataConfig
+from usp.contract.config_schema import DataConfig
 from usp.data.data_error import DataError
 from usp.data.tokenized import ensure_dataset
 from usp.data.tokenizer import load_tokenizer

@@ -139,7 +139,7 @@ def _build_check(run_plan, ranks: list[int], failures: list) -> None:
         raise LaunchError(f"the plan passed every rule, but the engine can't build it: {len(failed)} of "
                           f"{len(results)} rank(s) failed; rank {first['rank']}: {first['error']}\n"
                           f"{first.get('trace', '')}", key="parallelism",
-                          value=" x ".join(f"{d}={v}" for d, v in run_plan.degrees.items() if v > 1) or "single",
+                          value=run_plan.parallel.describe(),
                           fix="what the error names; if it is the engine's own, a rule is missing: please report "
                               "the layout")
 
@@ -178,7 +178,7 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if save:
         from pathlib import Path
 
-        from usp.plan.io import write_plan
+        from usp.contract.plan_file import write_plan
         from usp.run.lock import refuse_if_locked
         from usp.run.writable import check_writable_dir
 

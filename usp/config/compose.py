@@ -18,6 +18,7 @@ from usp.config.hydra_errors import suggest, translate
 from usp.config.init_from import leave_to_checkpoint
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.config.recipe import check_group_file, check_recipe_file, hydra_primary
+from usp.contract.config_schema import UspConfig
 from usp.errors import ConfigError
 
 
@@ -142,7 +143,7 @@ def _compose_with_hydra(directory: Path, name: str, suffix: str, overrides: list
     with open_dict(cfg):
         del cfg["hydra"]
     # `+key` adds keys even to a typed section: refuse the ones the schema lacks.
-    check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), schema.UspConfig)
+    check_known_keys(typing.cast(dict, OmegaConf.to_container(cfg, resolve=False)), UspConfig)
     return cfg, choices
 
 

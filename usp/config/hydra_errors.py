@@ -15,6 +15,7 @@ import yaml
 from usp.config import schema
 from usp.config.paths import group_options
 from usp.config.recipe import duplicate_key_error, key_line, yaml_syntax_error
+from usp.contract.config_schema import UspConfig
 from usp.errors import ConfigError
 
 # What omegaconf says (the first line of its message), and what it means.
@@ -129,7 +130,7 @@ def _key_in_message(message: str) -> re.Match | None:
 
 def _schema_keys(dotted: str) -> list[str]:
     """The keys of a schema section (dotted, list indexes dropped), or [] when it isn't one."""
-    cls: typing.Any = schema.UspConfig
+    cls: typing.Any = UspConfig
     for part in filter(None, re.sub(r"\[\d+\]", "", dotted).split(".")):
         hint = typing.get_type_hints(cls).get(part)
         args = typing.get_args(hint)

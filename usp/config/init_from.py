@@ -12,27 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from usp.config.paths import conf_dir
+from usp.contract.hf_shape import CHECKPOINT_KEYS
 
 MISSING = "???"  # omegaconf's "no value yet"
-# The model keys a checkpoint's config.json decides (usp/plan/hf_config.py usp_values fills each).
-CHECKPOINT_KEYS = ("name", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe_ffn_dim", "vocab_size",
-                   "tie_embeddings", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
-                   "rope_high_freq_factor", "rope_original_max_positions", "norm_eps", "n_experts", "top_k",
-                   "shared_expert")
-
-
-def is_missing(model: Any, key: str) -> bool:
-    """The model key has no value yet (a DictConfig's MISSING; a plain dict or object never has one)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(model, DictConfig):  # (`key in model` is False for a MISSING value)
-        return OmegaConf.is_missing(model, key)
-    return False
-
-
 def explicit_model_keys(recipe: Path, overrides: Sequence[str], model_option: str | None) -> set[str]:
     """The model keys the command line or the recipe file set, directly or through a model group
     they pick (conf/config.yaml itself, whose group is the default, sets none)."""

@@ -23,5 +23,5 @@ def reference_grad_accum(model: Any, grad_accum: int) -> int:
     (docs/moe.md): its one-process equivalent runs the layout's grad_accum micro-batch steps, each
     the union of the ranks' micro batches. Every other loss is a mean over tokens, and its
     reference takes the whole global batch at once (-1), which also checks the accumulation."""
-    moe = int(model.get("n_experts", 0) or 0) > 0 and float(model.get("aux_loss_coef", 0.0) or 0.0) > 0
+    moe = int(model.n_experts or 0) > 0 and float(model.aux_loss_coef or 0.0) > 0
     return grad_accum if moe else -1

@@ -151,12 +151,10 @@ def prepared_meta(data_cfg: Any, directory: str | Path) -> dict[str, Any]:
     return meta
 
 
-def plan_data_meta(plan: dict) -> dict[str, Any]:
+def plan_data_meta(plan) -> dict[str, Any]:
     """The dataset meta a plan's ranks train on: the one `usp train` wrote into plan.yaml, or, for a
     plan saved by `usp plan --save` and started by hand, the prepared dataset's (`usp prepare-data`)."""
-    from types import SimpleNamespace
-
-    return plan.get("data_meta") or prepared_meta(SimpleNamespace(**plan["config"]["data"]), plan["dataset_dir"])
+    return plan.data_meta or prepared_meta(plan.config.data, plan.dataset_dir)
 
 
 def ensure_dataset(data_cfg: Any, progress: Progress = None, show_progress: bool = False,

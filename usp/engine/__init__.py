@@ -1,4 +1,4 @@
-"""The engine: what runs on every rank, reading only plan.yaml (usp.run.files names its files).
+"""The engine: what runs on every rank, reading only plan.yaml as a RunPlan (usp/contract/).
 
 Top level: the entry points (worker.py, verify_worker.py, and agent.py: torchrun's own entry,
 without its tracebacks on a stop signal or a failed rank), the training loop (trainer.py with
@@ -6,8 +6,8 @@ optim.py, grad_norm.py, signals.py, sample.py and accel.py's device/dtype choice
 checkpointing (checkpoint.py, export.py; diskfull.py says when the disk filled up). parallel/ turns
 a model into a parallel one; observe/ is what a run shows and records (console, metrics, trackers,
 profiler, memory probe, failures).
-The engine imports usp.run, usp.plan, usp.perf, usp.data, usp.models and usp.errors, never
-usp.launch or usp.report.
+The engine imports usp.run, usp.contract (the plan's types), usp.data, usp.models and usp.errors;
+never the planner (usp.plan, usp.perf), usp.launch or usp.report.
 
 A rank that torchrun starts (`python -m usp.engine.worker`) catches the stop signals from here on,
 before torch loads: usp/engine/signals.py. Every entry (`python -m usp.engine.<entry>`) imports torch

@@ -24,27 +24,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usp.engine.parallel.precision import fsdp_mixed_precision
-from usp.perf.specs import ATTENTION_CHOICES, autocast_weight_cache, uses_bf16, uses_deterministic
+from usp.contract.run_plan import RunPlan
 
 FUSED_ADAMW_DEVICES = ("cuda", "xpu")  # PyTorch's fused AdamW kernels; CPU keeps the default (parity with past runs)
 
 
-def autocast_context(plan: dict, device: torch.device):
-    """Around forward + loss: bf16 autocast unless fp32, or unless FSDP2 already computes in bf16."""
-    if not uses_bf16(str(plan["config"]["train"]["dtype"]), device.type) or fsdp_mixed_precision(plan):
+def autocast_context(plan: RunPlan, device: torch.device):
+    """Around forward + loss: bf16 autocast where the plan decided so (not under fp32, nor where FSDP2
+    already computes in bf16)."""
+    if not plan.decisions.autocast:
         return contextlib.nullcontext()
-    cache = autocast_weight_cache(str(plan["config"]["train"]["recompute"]))
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16,
+                          cache_enabled=plan.decisions.autocast_weight_cache)
 
 
-def deterministic(plan: dict) -> bool:
-    return uses_deterministic(plan["config"]["train"].get("deterministic"), plan["device"])
-
-
-def apply_determinism(plan: dict) -> None:
-    """Deterministic algorithms as train.deterministic asks (warn, not fail, where an op has none)."""
-    torch.use_deterministic_algorithms(deterministic(plan), warn_only=True)
+def apply_determinism(plan: RunPlan) -> None:
+    """Deterministic algorithms as the plan decided (warn, not fail, where an op has none)."""
+    torch.use_deterministic_algorithms(plan.decisions.deterministic, warn_only=True)
 
 
 def fused_adamw(device_type: str) -> bool:
@@ -69,8 +65,6 @@ def sdpa_backends(device_type: str):
 def attention_core(name: str, device_type: str):
     """The (q, k, v) -> o function for Attention.core_attention ((b, heads, s, head_dim), causal),
     or None for the model's built-in SDPA call."""
-    if name not in ATTENTION_CHOICES:
-        raise ValueError(f"model.attention={name!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
     if name == "flash_attn":
         return _flash_attn_core()
     backends = sdpa_backends(device_type)

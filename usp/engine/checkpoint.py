@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from usp.contract.dims import describe
+from usp.contract.run_plan import RunPlan
 from usp.engine.checkpoint_tensors import MetadataOnce
 from usp.engine.diskfull import disk_full_error, is_disk_full
 from usp.engine.parallel.expert import global_expert_state
@@ -39,7 +41,6 @@ from usp.run.files import (
     MANIFEST,
     PLAN,
     TRAINER_STATE,
-    checkpoint_dir,
     list_checkpoints,
     plan_path,
     step_dir_name,
@@ -60,19 +61,19 @@ def single_process_is_intended():
 
 
 class Checkpointer:
-    def __init__(self, plan: dict, ctx, parts, optimizers: list, schedulers: list, sampler, log):
-        cfg = plan["config"]["checkpoint"]
+    def __init__(self, plan: RunPlan, ctx, parts, optimizers: list, schedulers: list, sampler, log):
+        cfg = plan.config.checkpoint
         self.plan, self.ctx, self.parts, self.optimizers = plan, ctx, parts, optimizers
         self.schedulers, self.sampler, self.log = schedulers, sampler, log
-        self.enabled, self.interval = bool(cfg["enabled"]), int(cfg["interval"])
-        self.keep_last, self.async_mode, self.resume_mode = int(cfg["keep_last"]), cfg["async_mode"], cfg["resume"]
-        self.dir = checkpoint_dir(plan)
+        self.enabled, self.interval = bool(cfg.enabled), int(cfg.interval)
+        self.keep_last, self.async_mode, self.resume_mode = int(cfg.keep_last), str(cfg.async_mode), str(cfg.resume)
+        self.dir = Path(plan.decisions.checkpoint_dir)
         self.last_saved: int | None = None
         self._pending = None  # (future, tmp dir, step) of an async save
         self.retain = True  # False once a save must delete nothing (a non-finite loss's stop)
         self.resumed_from: Path | None = None
-        self.tie = bool(plan["config"]["model"].get("tie_embeddings"))
-        self.ep = int(plan["config"]["parallelism"].get("ep", 1) or 1)
+        self.tie = bool(plan.config.model.tie_embeddings)
+        self.ep = plan.parallel.ep
         self._async_group = self._background_group()
 
     def _background_group(self):
@@ -125,8 +126,8 @@ class Checkpointer:
             torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
             if self.ctx.is_main:  # now, as the tensors: an async save publishes a step or more later
                 self._write_trainer_state(tmp, step)
-                if plan_path(self.plan["run_dir"]).exists():
-                    shutil.copyfile(plan_path(self.plan["run_dir"]), tmp / PLAN)
+                if plan_path(self.plan.run_dir).exists():
+                    shutil.copyfile(plan_path(self.plan.run_dir), tmp / PLAN)
             started = time.perf_counter()
             if self.async_mode == "async" and not blocking:
                 with single_process_is_intended():
@@ -159,7 +160,7 @@ class Checkpointer:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
             raise disk_full_error(f"writing checkpoint step {step} to", self.dir, key="checkpoint.dir",
-                                  value=self.plan["config"]["checkpoint"].get("dir"),
+                                  value=self.plan.config.checkpoint.dir,
                                   fix="free up space there, or checkpoint.dir=<a disk with room> / "
                                       "checkpoint.keep_last=1; then run the same command: it resumes from "
                                       "the last complete checkpoint") from None
@@ -283,8 +284,9 @@ class Checkpointer:
             dcp.load(loaded, storage_reader=reader)  # tensors in place, into `state`'s storage
         state = _with_loaded_values(state, loaded)
         if checkpoint_rope_layout(path) != ROPE_LAYOUT:  # written before usp's RoPE layout change
-            converted = upgrade_rope_rows(state["model"], self.plan["config"]["model"])
-            converted += upgrade_rope_rows(state["optim"], self.plan["config"]["model"])
+            model = self.plan.config.model
+            converted = upgrade_rope_rows(state["model"], model.n_heads, model.n_kv_heads)
+            converted += upgrade_rope_rows(state["optim"], model.n_heads, model.n_kv_heads)
             self._say(f"{path.name} predates usp's RoPE layout change: {len(converted)} q/k tensors "
                       "(weights and optimizer states) converted to the rotate-half layout")
         for module, optimizer in zip(self.parts.modules, self.optimizers):
@@ -304,7 +306,7 @@ class Checkpointer:
         self.last_saved = int(trainer_state["step"])
         self.resumed_from = path
         self._say(f"resumed from {path} (step {trainer_state['step']}, saved under "
-                  f"{_layout(trainer_state['degrees'])}, now {_layout(self.ctx.degrees)})")
+                  f"{describe(trainer_state['degrees'])}, now {describe(self.ctx.degrees)})")
         return int(trainer_state["step"])
 
     def _apply_planned_hyperparameters(self, planned: list, saved_base_lrs) -> None:
@@ -379,10 +381,6 @@ def _with_loaded_values(state: dict, loaded: dict) -> dict:
     betas, ...: not tensors) taken from `loaded`, a copy of it (_saved_state, _present)."""
     return {part: {k: v if isinstance(v, torch.Tensor) else loaded[part].get(k, v) for k, v in sd.items()}
             for part, sd in state.items()}
-
-
-def _layout(degrees: dict) -> str:
-    return " x ".join(f"{k}={v}" for k, v in degrees.items() if v > 1) or "one process"
 
 
 def _fsync_dir(path: Path) -> None:

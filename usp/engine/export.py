@@ -22,26 +22,28 @@ is refused unless force (usp.run.writable.check_new_output)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from usp.contract.plan_file import read_plan
+from usp.contract.run_plan import RunPlan
 from usp.engine.checkpoint_tensors import checkpoint_tensors
 from usp.engine.hf_checkpoint import DEFAULT_SHARD_MB, HFExportResult, write_hf
 from usp.engine.rope_upgrade import checkpoint_rope_layout, upgrade_rope_rows
 from usp.engine.tensor_stream import TensorStream, meta_like, write_shards
 from usp.errors import UspError
+from usp.models.llama import LlamaArgs
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run import checksums
 from usp.run.files import (
     CHECKPOINTS,
     MANIFEST,
     check_manifest,
-    checkpoint_dir,
     list_checkpoints,
     plan_path,
-    read_plan,
+    run_checkpoint_dir,
     staged,
 )
 from usp.run.writable import check_new_output
@@ -118,34 +120,36 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
     _refuse_damaged(ckpt)
     plan = _plan_of(ckpt, run_dir)
     ckpt_step = int(json.loads((ckpt / MANIFEST).read_text()).get("step", _dir_step(ckpt)))
-    model_cfg = _model_config(plan)
-    stream, padding = model_stream(ckpt, model_cfg)
+    shape = model_args(plan)
+    stream, padding = model_stream(ckpt, shape)
     target = Path(out) if out else run_dir / "export" / f"{fmt}_step{ckpt_step:08d}"
     if fmt == "hf":
         _check_hf_exportable(stream.shapes)
     shard_mb = max_shard_mb or DEFAULT_SHARD_MB
     with staged(target) as tmp:  # swapped into place as the block ends (a return included)
         if fmt == "hf":
-            return replace(write_hf(stream, model_cfg, plan, ckpt, ckpt_step, tmp, shard_mb), path=target)
-        result = _write_portable(stream, model_cfg, plan, ckpt, ckpt_step, padding, fmt, tmp, shard_mb)
+            result_hf = write_hf(stream, plan.config.model, plan.model.vocab_size, plan.batch.seq_len, plan.dataset_dir,
+                                 ckpt, ckpt_step, tmp, shard_mb)
+            return replace(result_hf, path=target)
+        result = _write_portable(stream, shape, plan, ckpt, ckpt_step, padding, fmt, tmp, shard_mb)
     return replace(result, path=target / result.path.name, config_path=target / CONFIG,
                    files=[target / f.name for f in result.files])
 
 
-def model_stream(ckpt: Path, model_cfg: dict) -> tuple[TensorStream, int]:
+def model_stream(ckpt: Path, shape: LlamaArgs) -> tuple[TensorStream, int]:
     """The checkpoint's model tensors, one at a time, as every format writes them: the q/k rows of a
     checkpoint from before the RoPE layout change converted, the rows tensor parallelism padded the
     vocabulary with removed. Returns the stream and how many rows were removed."""
     raw = checkpoint_tensors(ckpt)
     if not raw.shapes:
         raise ExportError(f"{ckpt} has no model state (expected the key 'model' in the DCP save)")
-    vocab = int(model_cfg["vocab_size"])
+    vocab = int(shape.vocab_size)
     legacy = checkpoint_rope_layout(ckpt) != ROPE_LAYOUT  # written before usp's RoPE layout change
 
     def read(name: str) -> torch.Tensor:
         t = raw.read(name)
         if legacy:
-            upgrade_rope_rows({name: t}, model_cfg)
+            upgrade_rope_rows({name: t}, shape.n_heads, shape.n_kv_heads)
         return _unpadded(name, t, vocab)
 
     padding = max([raw.shapes[k].shape[0] - vocab for k in (EMB, HEAD) if k in raw.shapes] + [0])
@@ -169,22 +173,22 @@ def _out_dir(out, fmt: str) -> Path:
     return out
 
 
-def _write_portable(stream: TensorStream, model_cfg: dict, plan: dict, ckpt: Path, ckpt_step: int, padding: int,
+def _write_portable(stream: TensorStream, shape: LlamaArgs, plan: RunPlan, ckpt: Path, ckpt_step: int, padding: int,
                     fmt: str, directory: Path, shard_mb: float) -> ExportResult:
     """The weights file(s) and usp's config.json in `directory` (created here)."""
     directory.mkdir()
-    stream, tied, aliases = _tie_embeddings(stream, model_cfg, fmt)
+    stream, tied, aliases = _tie_embeddings(stream, shape.tie_embeddings, fmt)
     stream, non_finite = _watch_finite(stream)
     files = write_shards(stream, directory, PATTERNS[fmt], shard_mb, _saver(fmt, tied), aliases=aliases)
     weights = files[0] if len(files) == 1 else f"{PATTERNS[fmt].format(suffix='')}.index.json"
     config = {
         "architecture": "llama (usp.models.llama.Llama: RMSNorm, RoPE, GQA attention, SwiGLU)",
-        "model": model_cfg,
-        "max_seq_len": int(plan["batch"]["seq_len"]),
+        "model": asdict(shape),
+        "max_seq_len": int(plan.batch.seq_len),
         "dtype": str(next(iter(stream.shapes.values())).dtype).replace("torch.", ""),
         "weights": weights, "weights_format": fmt, "tied_weights": tied,
         "vocab_padding_removed": padding, "n_params": stream.numel(), "step": ckpt_step,
-        "source_checkpoint": str(ckpt), "run": plan.get("name"), "model_name": plan["config"]["model"].get("name"),
+        "source_checkpoint": str(ckpt), "run": plan.name, "model_name": plan.config.model.name,
         "rope_layout": ROPE_LAYOUT,  # q/k rows as usp.models.llama.Llama rotates them (usp/models/rope_layout.py)
     }
     if len(files) > 1:
@@ -216,11 +220,11 @@ def _check_hf_exportable(names) -> None:
                           value="hf", fix="--format safetensors or --format torch (usp's own model keeps the bias)")
 
 
-def _tie_embeddings(stream: TensorStream, model_cfg: dict, fmt: str) -> tuple[TensorStream, dict, dict]:
+def _tie_embeddings(stream: TensorStream, tie: bool, fmt: str) -> tuple[TensorStream, dict, dict]:
     """A tied LM head stored once: torch saves it as an alias of the embedding (one storage, written
     once, in the embedding's file), safetensors drops the key. Returns the stream without the head,
     {tied key: the key it shares} (or {}) and the aliases to save."""
-    if not (model_cfg.get("tie_embeddings") and EMB in stream.shapes):
+    if not (tie and EMB in stream.shapes):
         return stream, {}, {}
     if HEAD in stream.shapes:  # a checkpoint holding both copies: tied only if they are equal
         head, emb = stream.read(HEAD), stream.read(EMB)
@@ -252,17 +256,9 @@ def _saver(fmt: str, tied: dict):
     return lambda shard, path: save_file(shard, str(path), metadata=metadata)
 
 
-def _model_config(plan: dict) -> dict:
-    """The architecture as the keyword arguments of usp.models.llama.LlamaArgs, vocab resolved."""
-    from usp.models.llama import LlamaArgs
-
-    cfg = dict(plan["config"]["model"])
-    cfg["vocab_size"] = int(plan["model"]["vocab_size"])
-    names = [f.name for f in fields(LlamaArgs)]
-    out = {k: cfg[k] for k in names if k in cfg}
-    if out.get("n_kv_heads") is None:
-        out["n_kv_heads"] = out.get("n_heads")
-    return out
+def model_args(plan: RunPlan) -> LlamaArgs:
+    """The architecture the checkpoint was trained with (the plan's model, its vocabulary unpadded)."""
+    return LlamaArgs.from_config(plan.config.model, plan.model.vocab_size)
 
 
 def _pick_checkpoint(source: Path, step: int | None) -> tuple[Path, Path]:
@@ -277,7 +273,8 @@ def _pick_checkpoint(source: Path, step: int | None) -> tuple[Path, Path]:
     if not source.is_dir():
         raise ExportError(f"no such run directory {source}", key="RUN_DIR", value=str(source))
     plan_file = plan_path(source)
-    where = checkpoint_dir(read_plan(plan_file)) if plan_file.is_file() else source / CHECKPOINTS
+    configured = read_plan(plan_file).config.checkpoint.dir if plan_file.is_file() else None
+    where = run_checkpoint_dir(source, configured)
     found = list_checkpoints(where)
     complete = [c for c in found if c.complete]
     if step is not None:
@@ -306,7 +303,7 @@ def _refuse_damaged(ckpt: Path) -> None:
                                                       "lists the checkpoints that verify)")
 
 
-def _plan_of(ckpt: Path, run_dir: Path) -> dict:
+def _plan_of(ckpt: Path, run_dir: Path) -> RunPlan:
     for path in (plan_path(ckpt), plan_path(run_dir)):
         if path.is_file():
             return read_plan(path)

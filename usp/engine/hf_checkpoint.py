@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from usp.contract.config_schema import ModelConfig
+from usp.contract.hf_shape import hf_config
 from usp.data.tiktoken_file import TIKTOKEN_FILE, TIKTOKEN_META, hf_tokenizer_json, read_ranks
 from usp.engine.parallel.local_part import local_index, local_tensor
 from usp.engine.tensor_stream import TensorStream, meta_like, write_shards
 from usp.errors import UspError
 from usp.models.hf_convert import hf_names, hf_tensors, read_part, usp_shape
-from usp.plan.hf_config import hf_config
 
 PATTERN = "model{suffix}.safetensors"  # huggingface_hub's and transformers' file names
 INDEX = "model.safetensors.index.json"
@@ -62,25 +63,26 @@ class HFExportResult:
 
 # ------------------------------------------------------------------------------- out
 
-def write_hf(tensors: TensorStream | dict[str, torch.Tensor], model_cfg: dict, plan: dict, ckpt: Path, step: int,
-             out: Path, max_shard_mb: float = DEFAULT_SHARD_MB) -> HFExportResult:
+def write_hf(tensors: TensorStream | dict[str, torch.Tensor], model: ModelConfig, vocab: int, max_seq_len: int,
+             dataset_dir: str, ckpt: Path, step: int, out: Path,
+             max_shard_mb: float = DEFAULT_SHARD_MB) -> HFExportResult:
     """Write `tensors` (usp FQNs, whole tensors, vocabulary padding removed: a stream read one tensor
     at a time, or a dict) as the new HF directory `out` (usp export writes it under a temporary name
     and swaps it into place): safetensors files of at most max_shard_mb MiB, always with the index."""
     from safetensors.torch import save_file
 
     stream = tensors if isinstance(tensors, TensorStream) else TensorStream.of(tensors)
-    tied = bool(model_cfg.get("tie_embeddings"))
+    tied = bool(model.tie_embeddings)
     if tied:  # stored once, as the embedding (transformers re-ties it)
         stream = TensorStream({k: v for k, v in stream.shapes.items() if k != "output.weight"}, stream.read)
     hf = hf_stream(stream)
     dtype = str(next(iter(hf.shapes.values())).dtype).replace("torch.", "")
-    config = hf_config(model_cfg, int(model_cfg["vocab_size"]), int(plan["batch"]["seq_len"]), dtype)
+    config = hf_config(model, int(vocab), int(max_seq_len), dtype)
     out.mkdir(parents=True)
     shards = write_shards(hf, out, PATTERN, max_shard_mb, always_index=True,
                           save=lambda shard, path: save_file(shard, str(path), metadata={"format": "pt"}))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copied = _copy_tokenizer(Path(plan.get("dataset_dir", "")), out)
+    copied = _copy_tokenizer(Path(dataset_dir), out)
     return HFExportResult(out, ckpt, step, shards, hf.numel(), config["architectures"][0], tied, copied)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from usp.perf.specs import uses_compile
+from usp.contract.run_plan import RunPlan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -27,10 +27,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten())
 
 
-def training_loss(plan: dict) -> LossFn:
+def training_loss(plan: RunPlan) -> LossFn:
     """The plan's loss: lm_loss, compiled when the blocks are and the logits are plain tensors
-    (not vocab-sharded under TP; module docstring)."""
-    compiled = uses_compile(plan["config"]["train"].get("compile", "auto"), plan["device"])
-    if compiled and int(plan["degrees"]["tp"]) == 1:
-        return torch.compile(lm_loss)
-    return lm_loss
+    (not vocab-sharded under TP; module docstring): RunPlan.decisions.compiled_loss."""
+    return torch.compile(lm_loss) if plan.decisions.compiled_loss else lm_loss

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from usp.contract.plan_file import read_plan
+from usp.contract.run_plan import RunPlan
 from usp.engine.optim import build_optimizer
 from usp.engine.parallel.build import ModelParts, build_model
 from usp.engine.parallel.local_part import local_tensor
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.startup_gc import freeze_imports
-from usp.perf.layout import data_parallel_kind
-from usp.run.files import read_plan
 
 META = torch.device("meta")
 
@@ -47,23 +47,22 @@ def _bytes(tensors) -> int:
     return sum(local_tensor(t).untyped_storage().nbytes() for t in tensors)
 
 
-def meta_context(plan: dict, rank: int) -> DistContext:
+def meta_context(plan: RunPlan, rank: int) -> DistContext:
     """This rank's DistContext on the meta device, its mesh over the fake process group."""
-    world = int(plan["world_size"])
-    mesh = init_device_mesh("cpu", tuple(plan["mesh_shape"]), mesh_dim_names=tuple(plan["mesh_dims"])) \
+    world = int(plan.world_size)
+    mesh = init_device_mesh("cpu", tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_dims)) \
         if world > 1 else None
-    return DistContext(rank, world, 0, META, dict(plan["degrees"]), dict(plan["ranks"][rank]["coords"]), mesh)
+    return DistContext(rank, world, 0, META, dict(plan.degrees), dict(plan.ranks[rank].coords), mesh)
 
 
-def optimizer_state_bytes(plan: dict, ctx: DistContext, parts: ModelParts) -> int:
+def optimizer_state_bytes(plan: RunPlan, ctx: DistContext, parts: ModelParts) -> int:
     """One step of the plan's optimizer, as the trainer builds it (one per part), over meta gradients;
     the bytes of the states torch creates. A parameter's states follow its local shape and dtype
     (torch makes a DTensor's with its local shape), so one stand-in per distinct local shape steps and
     counts for all of its kind: on meta each tensor op runs torch's Python meta kernels, ~10 ms apiece,
     and a 70B rank holds 723 parameters (one AdamW step over all of them: 5-12 s). ZeRO-1's
     ZeroRedundancyOptimizer partitions the whole list by size: it steps every parameter."""
-    kind = data_parallel_kind(ctx.degrees, bool(plan["config"]["parallelism"]["zero1"]))
-    zero1 = ctx.group("dp_replicate") if kind == "zero1" else None
+    zero1 = ctx.group("dp_replicate") if plan.decisions.dp_kind == "zero1" else None
     total = 0
     for module in parts.modules:
         kinds: dict[tuple, list] = {}
@@ -74,7 +73,7 @@ def optimizer_state_bytes(plan: dict, ctx: DistContext, parts: ModelParts) -> in
                      for key in kinds]
         for p in stand_ins:
             p.grad = torch.zeros_like(p)
-        optimizer = build_optimizer(stand_ins, plan["config"]["optimizer"], META, zero1_group=zero1)
+        optimizer = build_optimizer(stand_ins, plan.decisions.optimizer, META, zero1_group=zero1)
         optimizer.step()
         local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's partition
         for same, p in zip(kinds.values(), stand_ins):
@@ -92,12 +91,12 @@ def largest_parameter(parts: ModelParts) -> tuple[str, int]:
     return best
 
 
-def check_rank(plan: dict, rank: int) -> dict:
+def check_rank(plan: RunPlan, rank: int) -> dict:
     """Build `rank`'s part on meta under a fake process group; its local sizes, or the error."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    start, world = time.perf_counter(), int(plan["world_size"])
-    coords = dict(plan["ranks"][rank]["coords"])
+    start, world = time.perf_counter(), int(plan.world_size)
+    coords = dict(plan.ranks[rank].coords)
     out: dict = {"rank": rank, "pp": coords["pp"]}
     if world > 1:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

@@ -1,12 +1,12 @@
 """The optimizer (AdamW, Adam or SGD: PyTorch's own) and its learning-rate schedule (LambdaLR over
-the curve in usp.plan.optimizer, which the plan's rules checked); ZeRO-1 shards the optimizer's
-states over the data-parallel ranks with ZeroRedundancyOptimizer."""
+usp/contract/schedule.py's curve), as the plan records them (RunPlan.decisions.optimizer); ZeRO-1
+shards the optimizer's states over the data-parallel ranks with ZeroRedundancyOptimizer."""
 from __future__ import annotations
 
 import torch
 
+from usp.contract.schedule import OptimSettings, lr_factor
 from usp.engine.accel import fused_adamw
-from usp.plan.optimizer import OptimSettings, lr_factor
 
 
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -30,9 +30,8 @@ def optimizer_class_and_args(o: OptimSettings, device: torch.device) -> tuple[ty
     raise ValueError(f"optimizer.name={o.name!r}: the plan's rules should have refused it")
 
 
-def build_optimizer(params: list[torch.nn.Parameter], opt, device: torch.device,
+def build_optimizer(params: list[torch.nn.Parameter], o: OptimSettings, device: torch.device,
                     zero1_group=None) -> torch.optim.Optimizer:
-    o = OptimSettings.from_config(opt, steps=1)  # the step count shapes only the schedule
     cls, kw = optimizer_class_and_args(o, device)
     groups = param_groups(params, o.weight_decay)
     if zero1_group is not None:
@@ -43,6 +42,5 @@ def build_optimizer(params: list[torch.nn.Parameter], opt, device: torch.device,
     return cls(groups, **kw)
 
 
-def build_scheduler(optimizer, opt, total_steps: int):
-    o = OptimSettings.from_config(opt, total_steps)
+def build_scheduler(optimizer, o: OptimSettings):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, o))

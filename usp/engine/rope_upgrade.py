@@ -24,14 +24,13 @@ def checkpoint_rope_layout(ckpt: Path) -> str:
 
 
 @torch.no_grad()
-def upgrade_rope_rows(tensors: dict, model_cfg: dict) -> list[str]:
+def upgrade_rope_rows(tensors: dict, n_heads: int, n_kv_heads: int | None) -> list[str]:
     """In place: every q/k tensor of `tensors` (parameters by FQN, or flattened optimizer states of
     them; plain tensors or DTensors) from the legacy interleaved layout to rotate_half. Returns the
     keys converted. A DTensor's shard may cut through a head, so it is gathered whole, converted,
     and this rank's part kept: one q/k matrix at a time is the transient, and every rank of its mesh
     goes through the same keys in the same order (the state dicts of one pipeline stage's ranks)."""
-    n_heads = int(model_cfg["n_heads"])
-    n_kv_heads = int(model_cfg.get("n_kv_heads") or n_heads)
+    n_kv_heads = int(n_kv_heads or n_heads)
     done = []
     for key, t in tensors.items():
         heads = qk_heads(key, n_heads, n_kv_heads)

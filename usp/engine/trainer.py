@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
+from usp.contract.run_plan import RunPlan
 from usp.data.blend import make_sampler
 from usp.data.sampler import EvalBatches, TokenFile, get_batch
 from usp.data.tokenized import plan_data_meta
@@ -36,7 +36,6 @@ from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
 from usp.errors import UspError
-from usp.perf.layout import data_parallel_kind
 from usp.run.files import (
     SPAN_BACKWARD,
     SPAN_FORWARD,
@@ -49,46 +48,46 @@ from usp.run.files import (
 
 
 class Trainer:
-    def __init__(self, plan: dict, ctx: DistContext, write_outputs: bool = True):
+    def __init__(self, plan: RunPlan, ctx: DistContext, write_outputs: bool = True):
         self.plan, self.ctx = plan, ctx
-        self.cfg = OmegaConf.create(plan["config"])
-        self.run_dir = Path(plan["run_dir"])
+        self.cfg = plan.config
+        self.run_dir = Path(plan.run_dir)
         self.log = rank_logger(self.run_dir, ctx.rank)
-        train, batch = self.cfg.train, plan["batch"]
-        self.steps, self.seq_len = int(train.steps), int(batch["seq_len"])
-        self.micro, self.accum = int(batch["micro_batch"]), int(batch["grad_accum"])
-        self.global_tokens = int(batch["global_batch"]) * self.seq_len
+        train, batch = self.cfg.train, plan.batch
+        self.steps, self.seq_len = int(train.steps), int(batch.seq_len)
+        self.micro, self.accum = int(batch.micro_batch), int(batch.grad_accum)
+        self.global_tokens = int(batch.global_batch) * self.seq_len
         self.autocast = autocast_context(plan, ctx.device)  # bf16 on GPU: autocast, or FSDP2's policy
         deg = ctx.degrees
         self.cp, self.cp_rank = deg["cp"], ctx.coords["cp"]
         self.loss_parallel = deg["tp"] > 1
         self._loss = training_loss(plan)  # compiled with the blocks (usp/engine/loss.py)
 
-        dataset, self.meta = Path(plan["dataset_dir"]), plan_data_meta(plan)  # a saved plan: the prepared data's
+        dataset, self.meta = Path(plan.dataset_dir), plan_data_meta(plan)  # a saved plan: the prepared data's
         dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
         self.train_tokens = TokenFile(dataset / self.meta["train_bin"], dtype,  # absolute for token_files
                                       self.meta.get("n_train_tokens"), "data.train_bin")
         self.val_tokens = TokenFile(dataset / self.meta["val_bin"], dtype, self.meta.get("n_val_tokens"),
                                     "data.val_bin")
-        self.sampler = make_sampler(self.meta, self.seq_len, int(batch["global_batch"]), self.micro,  # or a blend
+        self.sampler = make_sampler(self.meta, self.seq_len, int(batch.global_batch), self.micro,  # or a blend
                                     ctx.dp_rank, ctx.dp_size, int(train.seed))
         # Validation uses global-batch-sized batches so every layout evaluates the same sequences.
-        self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch["global_batch"]),
+        self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch.global_batch),
                                         int(train.eval_batches), ctx.dp_rank, ctx.dp_size)
 
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
         self.experts = expert_clip_args(self.parts.modules, ctx, int(self.cfg.parallelism.ep))
-        self.moe = int(self.cfg.model.get("n_experts", 0) or 0) > 0
+        self.moe = plan.decisions.moe
         self.step_load: dict = {}  # MoE: the last step's tokens per expert of this rank's layers
         # One optimizer (and LR schedule) per model part: pipeline ranks may hold several stages,
         # and checkpoints map each optimizer's state to its part's parameter names.
         # plain-DDP ZeRO-1 (ZeroRedundancyOptimizer); with TP/PP, FSDP2 already shards the states
-        kind = data_parallel_kind(ctx.degrees, bool(self.cfg.parallelism.zero1))
-        zero1 = ctx.group("dp_replicate") if kind == "zero1" else None
-        self.optimizers = [build_optimizer(list(m.parameters()), self.cfg.optimizer, ctx.device, zero1_group=zero1)
+        zero1 = ctx.group("dp_replicate") if plan.decisions.dp_kind == "zero1" else None
+        settings = plan.decisions.optimizer
+        self.optimizers = [build_optimizer(list(m.parameters()), settings, ctx.device, zero1_group=zero1)
                            for m in self.parts.modules]
-        self.schedulers = [build_scheduler(o, self.cfg.optimizer, self.steps) for o in self.optimizers]
+        self.schedulers = [build_scheduler(o, settings) for o in self.optimizers]
         self.scheduler = self.schedulers[0]
         self.checkpointer = Checkpointer(plan, ctx, self.parts, self.optimizers, self.schedulers, self.sampler,
                                          self.log)
@@ -321,10 +320,10 @@ class Trainer:
         cluster.peak_tflops_*, a placeholder on CPU), peak device memory since the last record (max
         over ranks; CUDA/XPU allocator), data-loader wait, and the Slurm requeue count."""
         out = {"data_wait_s": data_wait}
-        timing = self.plan.get("timing") or {}
-        flops = timing.get("model_flops_per_step") or self.plan["model"]["flops_per_step"]
-        if timing.get("peak_tflops"):
-            out["mfu"] = flops / (dt * self.ctx.world_size * timing["peak_tflops"] * 1e12)
+        timing = self.plan.timing
+        if timing is not None and timing.peak_tflops:
+            flops = timing.model_flops_per_step or self.plan.model.flops_per_step
+            out["mfu"] = flops / (dt * self.ctx.world_size * timing.peak_tflops * 1e12)
         accel = getattr(torch, self.ctx.device.type, None) if self.ctx.device.type in ("cuda", "xpu") else None
         if accel is not None:
             peak = torch.tensor([float(accel.max_memory_allocated(self.ctx.device))], device=self.ctx.device)

@@ -15,17 +15,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from usp.contract.plan_file import read_plan
+from usp.contract.run_plan import RunPlan
 from usp.engine.accel import apply_determinism
 from usp.engine.parallel import mesh as udist
 from usp.engine.startup_gc import freeze_imports
 from usp.engine.trainer import Trainer
 from usp.models.moe import GroupedExperts
-from usp.run.files import read_plan, write_text_atomic
+from usp.run.files import write_text_atomic
 
 _STRIP = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
 
-def run_layout(plan: dict) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def run_layout(plan: RunPlan) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Train under `plan` on the current process group; return (metrics, full parameters)."""
     ctx = udist.make_context(plan)
     trainer = Trainer(plan, ctx, write_outputs=False)
@@ -113,10 +115,10 @@ def routing_divergence(reference: list[dict], layout: list[dict]) -> dict | None
     return None
 
 
-def verify_plans(plan: dict, reference: dict) -> dict:
+def verify_plans(plan: RunPlan, reference: RunPlan) -> dict:
     """Rank 0 trains the single-process reference, then every rank trains the layout; rank 0
     returns the comparison (other ranks return {})."""
-    ref = train_reference(reference) if plan["world_size"] == 1 or dist.get_rank() == 0 else None
+    ref = train_reference(reference) if plan.world_size == 1 or dist.get_rank() == 0 else None
     return verify_against(plan, ref)
 
 
@@ -130,7 +132,7 @@ def train_reference(reference: dict) -> tuple[list[dict], dict[str, torch.Tensor
     return ref
 
 
-def verify_against(plan: dict, ref: tuple | None) -> dict:
+def verify_against(plan: RunPlan, ref: tuple | None) -> dict:
     """Every rank trains the layout; rank 0 (holding `ref`) returns the comparison, the others {}."""
     history, params = run_layout(plan)
     return {} if ref is None else compare(ref[0], history, ref[1], params)

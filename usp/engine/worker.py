@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from usp.contract.plan_file import read_plan
+from usp.contract.run_plan import RunPlan
+from usp.contract.typed import PlanFileError
 from usp.data.data_error import DataError
 from usp.data.tokenized import plan_data_meta
 from usp.engine import signals
@@ -22,8 +25,7 @@ from usp.engine.observe.failure import record_failures, recorded
 from usp.engine.parallel import mesh as udist
 from usp.engine.startup_gc import freeze_imports
 from usp.engine.trainer import Stopped, Trainer
-from usp.errors import PlanError, UspError
-from usp.plan.rules import field_failures
+from usp.errors import UspError
 from usp.run import lock as runlock
 from usp.run.files import (
     EXIT_INTERRUPTED,
@@ -33,7 +35,6 @@ from usp.run.files import (
     STOP_EVENT,
     SUMMARY_BY_LAUNCHER_ENV,
     events_path,
-    read_plan,
 )
 
 
@@ -42,16 +43,14 @@ from usp.run.files import (
 @record_failures  # ... and logs/failure_rank<R>.json says where and why (read by `usp status`)
 def run_worker(plan_path: str) -> int:
     """Train one rank; returns 0, or after a stop signal EXIT_INTERRUPTED (SIGINT) or EXIT_PREEMPTED."""
-    plan = read_plan(Path(plan_path))
-    check_values(plan)
-    cfg = plan["config"]["train"]
-    torch.manual_seed(int(cfg["seed"]))
+    plan = read_plan(Path(plan_path))  # rebuilt and checked against its types (usp/contract/plan_file.py)
+    torch.manual_seed(int(plan.config.train.seed))
     apply_determinism(plan)
     ctx = udist.setup(plan)
     clean, code, lock = False, 0, None
     try:
         if ctx.is_main:  # the launcher's run lock kept alive, or taken here (a Slurm job, torchrun by hand)
-            lock = runlock.acquire(plan["run_dir"], token=os.environ.get(runlock.TOKEN_ENV))
+            lock = runlock.acquire(plan.run_dir, token=os.environ.get(runlock.TOKEN_ENV))
             lock.start_heartbeat()
         trainer = Trainer(plan, ctx)
         _log_placement(ctx, plan)
@@ -79,33 +78,22 @@ def run_worker(plan_path: str) -> int:
     return code
 
 
-def check_values(plan: dict) -> None:
-    """The second line behind `usp plan`'s: plan.yaml's values against the field rules (a plan edited by
-    hand, or written by another usp version), refused as one PlanError naming the key, before torch works."""
-    found = field_failures(plan["config"])
-    if found:
-        raise found[0]
-    if int(plan["threads_per_proc"]) < 1:
-        raise PlanError("must be at least 1", key="threads_per_proc", value=plan["threads_per_proc"],
-                        fix="plan the run again (usp train): cluster.threads_per_proc=0 derives it")
-
-
-def _log_placement(ctx, plan: dict) -> None:
+def _log_placement(ctx, plan: RunPlan) -> None:
     """Where this rank landed (as torchrun/Slurm placed it) next to where the plan put it, and
     the cluster.env values as this process sees them: the first thing to read when a multi-node
     launch misbehaves."""
     import logging
 
     rank, log = ctx.rank, logging.getLogger(f"usp.rank{ctx.rank}")  # logs/rank_<R>.log (usp.engine.observe.console)
-    planned = plan["ranks"][rank] if rank < len(plan.get("ranks", [])) else {}
+    planned = plan.ranks[rank]
     env = os.environ
     log.info("placement: rank %d local_rank %s node_rank %s host %s slurm_node %s slurm_restart %s | plan: "
              "node %s local_rank %s", rank, env.get("LOCAL_RANK", "0"), env.get("GROUP_RANK", "0"),
              os.uname().nodename, env.get("SLURMD_NODENAME", "-"), env.get("SLURM_RESTART_COUNT", "-"),
-             planned.get("node"), planned.get("local_rank"))
+             planned.node, planned.local_rank)
     log.info("garbage collector: %s, %d objects frozen at start-up (usp/engine/startup_gc.py)",
              "on" if gc.isenabled() else "OFF", gc.get_freeze_count())
-    for key in plan["config"]["cluster"].get("env", {}):
+    for key in plan.config.cluster.env:
         value = env.get(key)
         if value is not None and _SECRET.search(key):  # logs get shared in bug reports: never a token
             value = f"<{len(value)} characters, hidden>"
@@ -161,7 +149,7 @@ def _sample_text(trainer: Trainer) -> str | None:
         return None
     if not _whole_model_on_rank0(trainer):
         return None
-    tok = load_tokenizer(Path(trainer.plan["dataset_dir"]))
+    tok = load_tokenizer(Path(trainer.plan.dataset_dir))
     prompt = tok.encode(train.sample_prompt)
     out = generate(trainer.raw_model, prompt, int(train.sample_tokens), trainer.seq_len, int(train.seed))
     text = train.sample_prompt + tok.decode(out)
@@ -171,22 +159,19 @@ def _sample_text(trainer: Trainer) -> str | None:
 
 def _whole_model_on_rank0(trainer: Trainer) -> bool:
     """Sampling runs on rank 0 alone: only when its model is whole (not sharded or pipelined)."""
-    from usp.perf.layout import data_parallel_kind
-
     deg = trainer.ctx.degrees
     return (trainer.raw_model is not None and max(deg["tp"], deg["pp"], deg["cp"]) == 1
-            and int(trainer.cfg.parallelism.ep) == 1
-            and data_parallel_kind(deg, bool(trainer.cfg.parallelism.zero1)) in ("none", "ddp", "zero1"))
+            and trainer.plan.parallel.ep == 1 and trainer.plan.decisions.dp_kind in ("none", "ddp", "zero1"))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="usp.engine.worker")
     parser.add_argument("--plan", required=True, help="path to plan.yaml")
     path = parser.parse_args(argv).plan
-    try:
-        plan_data_meta(read_plan(Path(path)))  # a saved plan without its data: say so before starting
-    except DataError as exc:
-        print(f"usp: error: {exc}", file=sys.stderr, flush=True)
+    try:  # a plan.yaml this usp can't read, or a saved plan without its data: say so before starting
+        plan_data_meta(read_plan(Path(path)))
+    except (DataError, PlanFileError) as exc:
+        print(f"usp: error on rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     try:
         sys.exit(run_worker(path))

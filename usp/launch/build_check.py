@@ -10,9 +10,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from usp.contract.plan_file import write_plan
 from usp.errors import LaunchError, PlanError
 from usp.launch.local import require_torch
-from usp.plan.io import write_plan
 
 ENGINE_MODULE = "usp.engine.meta_build"
 

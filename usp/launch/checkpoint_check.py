@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from usp.contract.plan_file import read_plan_if_any
 from usp.errors import LaunchError
 from usp.run import checksums
 from usp.run.files import (
@@ -18,7 +19,6 @@ from usp.run.files import (
     CheckpointInfo,
     check_manifest,
     list_checkpoints,
-    read_plan_if_any,
     run_checkpoint_dir,
 )
 from usp.run.state import resolve_run_dir
@@ -36,7 +36,8 @@ def checkpoints_of(target: str | None, step: int | None) -> tuple[Path, list[Che
         where = path.parent
     else:
         plan = read_plan_if_any(path)
-        where = run_checkpoint_dir(path, plan) if plan or (path / CHECKPOINTS).is_dir() else path
+        configured = plan.config.checkpoint.dir if plan is not None else None
+        where = run_checkpoint_dir(path, configured) if plan or (path / CHECKPOINTS).is_dir() else path
         found = list_checkpoints(where)
     if step is not None:
         found = [c for c in found if c.step == step]

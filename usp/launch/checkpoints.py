@@ -10,8 +10,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from usp.errors import LaunchError
-from usp.run.files import PLAN, TRAINER_STATE, checkpoint_dir, latest_complete, plan_field, read_plan
+from usp.contract.plan_file import read_plan
+from usp.contract.run_plan import RunPlan
+from usp.errors import LaunchError, PlanError
+from usp.run.files import PLAN, TRAINER_STATE, latest_complete
 
 # Bytes per parameter in a checkpoint: fp32 weights (4) + AdamW's first and second moments (4 + 4).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 8
@@ -25,16 +27,16 @@ def _disk_free(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_checkpoint_dir(plan, disk_free: Callable[[Path], int] = _disk_free) -> Path | None:
+def check_checkpoint_dir(plan: RunPlan, disk_free: Callable[[Path], int] = _disk_free) -> Path | None:
     """Before launch: the checkpoint directory must be creatable and writable, and have room for
     keep_last + 1 checkpoints (the newest is written before the oldest is deleted). Returns the
     directory, or None when checkpointing is off. `disk_free(path) -> bytes` is injectable.
     Directories made only to check are removed again (the first checkpoint makes them): a launch
     that fails later leaves no empty checkpoints/ behind."""
-    ckpt = plan_field(plan, "config").get("checkpoint") or {}
-    if not ckpt.get("enabled", True):
+    ckpt = plan.config.checkpoint
+    if not ckpt.enabled:
         return None
-    path = checkpoint_dir(plan)
+    path = Path(plan.decisions.checkpoint_dir)
     made = [p for p in (path, *path.parents) if not p.exists()]
     try:
         return _check_room(path, ckpt, plan, disk_free)
@@ -44,7 +46,7 @@ def check_checkpoint_dir(plan, disk_free: Callable[[Path], int] = _disk_free) ->
                 directory.rmdir()
 
 
-def _check_room(path: Path, ckpt: dict, plan, disk_free: Callable[[Path], int]) -> Path:
+def _check_room(path: Path, ckpt, plan: RunPlan, disk_free: Callable[[Path], int]) -> Path:
     off = "or checkpoint.enabled=false (no checkpoints)"
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -53,10 +55,10 @@ def _check_room(path: Path, ckpt: dict, plan, disk_free: Callable[[Path], int]) 
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise LaunchError(f"the checkpoint directory {path} can't be created or written to: {reason}",
-                          key="checkpoint.dir", value=ckpt.get("dir"),
+                          key="checkpoint.dir", value=ckpt.dir,
                           fix=f"checkpoint.dir=<a writable directory>, {off}") from None
-    keep = max(1, int(ckpt.get("keep_last", 2)))
-    params = int(plan_field(plan_field(plan, "model"), "params"))
+    keep = max(1, int(ckpt.keep_last))
+    params = int(plan.model.params)
     one = predicted_checkpoint_bytes(params)
     need, free = (keep + 1) * one, int(disk_free(path))
     if free < need:
@@ -64,7 +66,7 @@ def _check_room(path: Path, ckpt: dict, plan, disk_free: Callable[[Path], int]) 
             f"the checkpoint directory {path} has {_bytes(free)} free, but keep_last + 1 = {keep + 1} checkpoints "
             f"need {_bytes(need)}: {params:,} parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes (fp32 weights 4 + "
             f"AdamW m and v 8) = {_bytes(one)} per checkpoint",
-            key="checkpoint.dir", value=ckpt.get("dir"),
+            key="checkpoint.dir", value=ckpt.dir,
             fix=f"free up space, checkpoint.dir=<a disk with more room>, checkpoint.keep_last=1, {off}")
     return path
 
@@ -86,30 +88,30 @@ class RunAlreadyDone(Exception):
     """The checkpoint to resume is already at train.steps or beyond: nothing to train, nothing written."""
 
 
-def model_shape(plan) -> dict:
-    """SHAPE_KEYS of a plan (RunPlan or plan.yaml's dict), defaults resolved (vocab from the plan)."""
-    model = dict(plan_field(plan, "config")["model"])
-    shape = {k: model.get(k) for k in SHAPE_KEYS}
-    shape["n_kv_heads"] = model.get("n_kv_heads") or model.get("n_heads")
-    shape["vocab_size"] = plan_field(plan_field(plan, "model"), "vocab_size")
-    shape["moe_ffn_dim"] = (model.get("moe_ffn_dim") or model.get("ffn_dim")) if model.get("n_experts") else None
+def model_shape(plan: RunPlan) -> dict:
+    """SHAPE_KEYS of a plan, defaults resolved (the vocabulary the plan's)."""
+    model = plan.config.model
+    shape = {k: getattr(model, k) for k in SHAPE_KEYS}
+    shape["n_kv_heads"] = model.n_kv_heads or model.n_heads
+    shape["vocab_size"] = plan.model.vocab_size
+    shape["moe_ffn_dim"] = (model.moe_ffn_dim or model.ffn_dim) if model.n_experts else None
     return shape
 
 
-def resume_source(plan) -> Path | None:
+def resume_source(plan: RunPlan) -> Path | None:
     """The checkpoint directory the engine would resume from (None: none, or checkpoint.resume=never)."""
-    ckpt = plan_field(plan, "config").get("checkpoint") or {}
-    resume = str(ckpt.get("resume", "auto"))
-    if not ckpt.get("enabled", True) or resume == "never":
+    ckpt = plan.config.checkpoint
+    resume = str(ckpt.resume)
+    if not ckpt.enabled or resume == "never":
         return None
     if resume == "auto":
-        found = latest_complete(checkpoint_dir(plan))
+        found = latest_complete(plan.decisions.checkpoint_dir)
         return found.path if found else None
     path = Path(resume).expanduser()
     return path if path.is_dir() else None
 
 
-def check_resume(plan) -> None:
+def check_resume(plan: RunPlan) -> None:
     """Before anything is written: refuse a checkpoint saved with another model shape (naming the
     saved and the new values); raise RunAlreadyDone when it is at train.steps or beyond."""
     source = resume_source(plan)
@@ -117,8 +119,9 @@ def check_resume(plan) -> None:
         return
     fixes = ("checkpoint.resume=never (train from scratch here; this run's checkpoints are replaced as new ones "
              "are saved), or train.name=<a new name> (a new run directory)")
-    if (source / PLAN).is_file():
-        saved, new = model_shape(read_plan(source / PLAN)), model_shape(plan)
+    saved_plan = _saved_plan(source)
+    if saved_plan is not None:
+        saved, new = model_shape(saved_plan), model_shape(plan)
         diffs = [k for k in SHAPE_KEYS if saved[k] != new[k]]
         if diffs:
             what = ", ".join(f"model.{k}: saved {saved[k]!r}, now {new[k]!r}" for k in diffs)
@@ -130,9 +133,20 @@ def check_resume(plan) -> None:
         step = int(json.loads((source / TRAINER_STATE).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return  # the engine reads it again, and says what is wrong with it
-    steps = int(plan_field(plan, "config")["train"]["steps"])
+    steps = int(plan.config.train.steps)
     if step >= steps:
-        run_dir = plan_field(plan, "run_dir")
+        run_dir = plan.run_dir
         raise RunAlreadyDone(f"usp: {run_dir} is already at step {step} (checkpoint {source.name}), "
                              f"and train.steps={steps}: nothing to train, nothing was changed. To train on: "
                              f"train.steps=<more than {step}>; to start over: {fixes}")
+
+
+def _saved_plan(checkpoint: Path) -> RunPlan | None:
+    """The plan a checkpoint was saved under; None without one, or when it can't be read (a damaged
+    checkpoint: the engine checks its files and falls back to an older one)."""
+    if not (checkpoint / PLAN).is_file():
+        return None
+    try:
+        return read_plan(checkpoint / PLAN)
+    except PlanError:
+        return None

@@ -18,13 +18,11 @@ from pathlib import Path
 
 from usp.launch.rendezvous import is_multinode_local, rendezvous, torchrun_rendezvous_args
 from usp.launch.stop_signals import StopForwarder
-from usp.perf.specs import uses_deterministic
 from usp.run.files import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     FAILURE_GLOB,
     SUMMARY_BY_LAUNCHER_ENV,
-    checkpoint_dir,
     list_checkpoints,
     logs_dir,
     summary_path,
@@ -55,7 +53,7 @@ def require_torch(command: str) -> None:
 
 def worker_env(plan) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({str(k): str(v) for k, v in plan.config["cluster"]["env"].items()})
+    env.update({str(k): str(v) for k, v in plan.config.cluster.env.items()})
     env.setdefault("OMP_NUM_THREADS", str(plan.threads_per_proc))
     env["PYTHONUNBUFFERED"] = "1"
     env[SUMMARY_BY_LAUNCHER_ENV] = "1"  # `usp train` prints the root cause: ranks and agent keep theirs in the logs
@@ -95,7 +93,7 @@ def accelerator_env(device: str, deterministic: bool = False) -> dict[str, str]:
 
 
 def plan_accelerator_env(plan) -> dict[str, str]:
-    return accelerator_env(plan.device, uses_deterministic(plan.config["train"].get("deterministic"), plan.device))
+    return accelerator_env(plan.device, plan.decisions.deterministic)
 
 
 def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
@@ -136,7 +134,7 @@ def launch_local(plan, plan_path: Path) -> int:
         rdzv = rendezvous(plan)
         print(f"usp: node {rdzv.node_rank} of {rdzv.nodes}, rendezvous {rdzv.endpoint} (run id {rdzv.run_id}); "
               f"waiting for the other nodes", file=sys.stderr, flush=True)
-    cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config["train"]["max_restarts"]))
+    cmd = torchrun_command(plan, plan_path, max_restarts=int(plan.config.train.max_restarts))
     started = time.time()
     # A session of its own: only usp passes signals on to torchrun, once (see the module's docstring).
     proc = subprocess.Popen(cmd, env=worker_env(plan), preexec_fn=_die_with_parent, start_new_session=True)
@@ -174,7 +172,7 @@ def _since(paths, started: float) -> bool:
 
 
 def _last_checkpoint(plan) -> str:
-    complete = [c for c in list_checkpoints(checkpoint_dir(plan)) if c[2]]
+    complete = [c for c in list_checkpoints(plan.decisions.checkpoint_dir) if c.complete]
     return str(complete[-1][1]) if complete else "the start (no checkpoint yet)"
 
 

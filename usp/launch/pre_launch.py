@@ -10,10 +10,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from usp.contract.plan_file import write_plan
 from usp.errors import LaunchError
 from usp.launch.checkpoints import check_checkpoint_dir, check_resume
 from usp.launch.rendezvous import node_plan_path, node_rank
-from usp.plan.io import write_plan
 from usp.plan.plan import checked_plan
 from usp.plan.render import render_plan
 from usp.run import lock as runlock
@@ -33,7 +33,7 @@ def prepare_run(cfg, choices: dict, console: Console | None = None, prepare_data
         render_plan(plan, console)
     if check is not None:
         check(plan)
-    gpus = visible_nvidia_gpus() if plan.device == "cpu" and plan.config["cluster"]["launcher"] == "local" else 0
+    gpus = visible_nvidia_gpus() if plan.device == "cpu" and plan.config.cluster.launcher == "local" else 0
     if gpus:
         console.print(f"[yellow]note:[/] {gpus} NVIDIA GPU(s) visible here, but cluster.device=cpu: "
                       f"cluster=local_gpu cluster.procs_per_node={gpus} trains on them (bf16, NCCL)", highlight=False)

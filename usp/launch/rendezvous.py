@@ -15,8 +15,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from usp.contract.typed import plain
 from usp.plan.rules import RDZV_ENDPOINT
-from usp.run.files import plan_field, plan_path
+from usp.run.files import plan_path
 
 PORT_BASE, PORT_SPAN = 20000, 10000  # as the Slurm script: 20000 + job id % 10000
 
@@ -36,25 +37,25 @@ class Rendezvous:
 
 def is_multinode_local(plan) -> bool:
     """Several machines started by hand (launcher local, nodes > 1)."""
-    cluster = plan_field(plan, "config")["cluster"]
-    return cluster.get("launcher") == "local" and int(cluster.get("nodes", 1)) > 1
+    cluster = plan.config.cluster
+    return cluster.launcher == "local" and int(cluster.nodes) > 1
 
 
 def node_rank(plan) -> int:
     """This machine's node rank (0 when the run has one node or is not started by hand)."""
-    value = plan_field(plan, "config")["cluster"].get("node_rank")
+    value = plan.config.cluster.node_rank
     return int(value) if value is not None and is_multinode_local(plan) else 0
 
 
 def rendezvous(plan) -> Rendezvous:
     """Where and how this node meets the others. The plan has passed the plan-time rules
     (usp.plan.rules: local_multinode_rendezvous), so both keys are set and well formed."""
-    cluster = plan_field(plan, "config")["cluster"]
-    match = RDZV_ENDPOINT.match(str(cluster["rdzv_endpoint"]))
+    cluster = plan.config.cluster
+    match = RDZV_ENDPOINT.match(str(cluster.rdzv_endpoint))
     assert match is not None, "checked at plan time"
     run_id = _run_id(plan)
     port = int(match["port"]) if match["port"] else PORT_BASE + int(run_id.rsplit("-", 1)[1], 16) % PORT_SPAN
-    return Rendezvous(match["host"].strip("[]"), port, run_id, int(cluster["node_rank"]), int(cluster["nodes"]))
+    return Rendezvous(match["host"].strip("[]"), port, run_id, int(cluster.node_rank), int(cluster.nodes))
 
 
 def torchrun_rendezvous_args(plan) -> list[str]:
@@ -77,8 +78,8 @@ def node_plan_path(run_dir, plan) -> Path:
 def _run_id(plan) -> str:
     """usp-<name>-<hash of the config without the node rank>: a node started with another config
     gets another id (and, without a port, another port), so it can't join this run by mistake."""
-    config = json.loads(json.dumps(plan_field(plan, "config"), default=str))
+    config = plain(plan.config)
     config["cluster"].pop("node_rank", None)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(plan_field(plan, "name")))[:48]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(plan.name))[:48]
     return f"usp-{name}-{digest}"

@@ -11,9 +11,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from usp.contract.config_schema import SlurmConfig
+from usp.contract.typed import plain
 from usp.errors import LaunchError
 from usp.launch.local import plan_accelerator_env
-from usp.perf.layout import layout_tag
 from usp.plan.rules import field_failures
 from usp.run.files import EXIT_PREEMPTED, logs_dir
 
@@ -26,8 +27,8 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
     must ask for the same nodes and processes). `command` is the usp command line, shown in
     a comment only."""
     first = plans[0]
-    cluster = first.config["cluster"]
-    slurm = cluster["slurm"]
+    cluster = first.config.cluster
+    slurm = cluster.slurm
     check_slurm_settings(cluster)
     for p in plans[1:]:
         if (p.nodes, p.procs_per_node) != (first.nodes, first.procs_per_node):
@@ -38,7 +39,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
     options = _sbatch_options(first, slurm)
     if is_array:
         options.append(f"--array=0-{len(plans) - 1}" + (f"%{array_limit}" if array_limit else ""))
-    lead = int(slurm["signal_lead_s"])
+    lead = int(slurm.signal_lead_s)
     context = {
         "title": title or f"run {first.name}",
         "nodes": first.nodes, "procs_per_node": first.procs_per_node, "world_size": first.world_size,
@@ -46,16 +47,16 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
         "command": _comment(shlex.join(command)),
         "job_name": _job_name(title or first.name),
         "sbatch_options": options,
-        "sbatch_extra": list(slurm["sbatch_extra"]),
+        "sbatch_extra": list(slurm.sbatch_extra),
         "output": str(log_dir / ("slurm-%A_%a.out" if is_array else "slurm-%j.out")),
         "signal_lead_s": lead,
-        "setup": list(slurm["setup"]),
+        "setup": list(slurm.setup),
         "threads_per_proc": first.threads_per_proc,
-        "env": sorted({**plan_accelerator_env(first), **{str(k): str(v) for k, v in cluster["env"].items()}}.items()),
+        "env": sorted({**plan_accelerator_env(first), **{str(k): str(v) for k, v in cluster.env.items()}}.items()),
         "plans": [str(Path(p).resolve()) for p in plan_paths],
-        "python": slurm.get("python") or sys.executable,
-        "max_requeues": int(slurm["max_requeues"]),
-        "rdzv_port": slurm["rdzv_port"],
+        "python": slurm.python or sys.executable,
+        "max_requeues": int(slurm.max_requeues),
+        "rdzv_port": slurm.rdzv_port,
         "shutdown_timeout_s": max(30, lead - 30),  # leave the ranks time to checkpoint before SIGKILL
         "srun_options": _srun_options(slurm),
         "exit_preempted": EXIT_PREEMPTED,  # "try again later": resubmitting resumes from the checkpoint
@@ -65,7 +66,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
 
 def default_log_dir(plan) -> Path:
     """cluster.slurm.log_dir (absolute: job.json is read from other directories), or <run_dir>/logs."""
-    configured = plan.config["cluster"]["slurm"].get("log_dir")
+    configured = plan.config.cluster.slurm.log_dir
     return Path(configured).expanduser().resolve() if configured else logs_dir(plan.run_dir)
 
 
@@ -73,42 +74,41 @@ def check_slurm_settings(cluster) -> None:
     """Refuse, before anything is written or submitted, what sbatch would reject or misread: the
     cluster.slurm and cluster.env rules of usp.plan.rules (the plan checked them too; a saved plan
     is checked again)."""
-    found = field_failures({"cluster": {"launcher": "slurm", "slurm": cluster["slurm"], "env": cluster["env"]}})
+    found = field_failures({"cluster": {"launcher": "slurm", "slurm": plain(cluster.slurm), "env": dict(cluster.env)}})
     if found:
         raise LaunchError(found[0].why, key=found[0].key, value=found[0].value, fix=found[0].fix)
 
 
-def _sbatch_options(plan, slurm: dict) -> list[str]:
-    out = [f"--{flag}={slurm[key]}" for key, flag in (("partition", "partition"), ("account", "account"),
-                                                     ("qos", "qos")) if slurm.get(key)]
-    out.append(f"--time={slurm['time']}")
-    cpus = int(slurm["cpus_per_task"]) or plan.procs_per_node * plan.threads_per_proc
+def _sbatch_options(plan, slurm: SlurmConfig) -> list[str]:
+    out = [f"--{key}={getattr(slurm, key)}" for key in ("partition", "account", "qos") if getattr(slurm, key)]
+    out.append(f"--time={slurm.time}")
+    cpus = int(slurm.cpus_per_task) or plan.procs_per_node * plan.threads_per_proc
     out.append(f"--cpus-per-task={cpus}")
-    if slurm.get("mem") is not None:
-        out.append(f"--mem={slurm['mem']}")
-    if plan.device != "cpu" and slurm["gpu_request"] == "gpus_per_node":
+    if slurm.mem is not None:
+        out.append(f"--mem={slurm.mem}")
+    if plan.device != "cpu" and slurm.gpu_request == "gpus_per_node":
         out.append(f"--gpus-per-node={plan.procs_per_node}")
-    elif plan.device != "cpu" and slurm["gpu_request"] == "gres":
+    elif plan.device != "cpu" and slurm.gpu_request == "gres":
         out.append(f"--gres=gpu:{plan.procs_per_node}")
-    if slurm.get("constraint"):
-        out.append(f"--constraint={slurm['constraint']}")
-    if slurm["exclusive"]:
+    if slurm.constraint:
+        out.append(f"--constraint={slurm.constraint}")
+    if slurm.exclusive:
         out.append("--exclusive")
     return out
 
 
-def _srun_options(slurm: dict) -> list[str]:
+def _srun_options(slurm: SlurmConfig) -> list[str]:
     out = []
-    if slurm.get("container_image"):
-        out.append(f"--container-image={slurm['container_image']}")
-    if slurm.get("container_mounts"):
-        out.append(f"--container-mounts={slurm['container_mounts']}")
-    return out + [shlex.quote(str(o)) for o in slurm["srun_extra"]]
+    if slurm.container_image:
+        out.append(f"--container-image={slurm.container_image}")
+    if slurm.container_mounts:
+        out.append(f"--container-mounts={slurm.container_mounts}")
+    return out + [shlex.quote(str(o)) for o in slurm.srun_extra]
 
 
 def _layout(plan) -> str:
     b = plan.batch
-    return (f"layout {layout_tag(plan.degrees)}; global batch {b.global_batch} = micro {b.micro_batch} "
+    return (f"layout {plan.parallel.label(with_ep=False)}; global batch {b.global_batch} = micro {b.micro_batch} "
             f"x grad-accum {b.grad_accum} x dp {b.dp}; {plan.device}/{plan.backend}")
 
 

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from usp.contract.plan_file import read_plan_if_any
+from usp.contract.run_plan import RunPlan
 from usp.launch.jobs import slurm_table
 from usp.run import checksums
 from usp.run.files import (
@@ -22,7 +24,6 @@ from usp.run.files import (
     rank_log,
     read_jobs,
     read_jsonl,
-    read_plan_if_any,
     run_checkpoint_dir,
 )
 from usp.run.lock import LockInfo, read_lock
@@ -50,10 +51,10 @@ def _coords(coords: dict | None, degrees: dict | None) -> str:
     return " ".join(f"{d}={c}" for d, c in shown.items()) or "single process"
 
 
-def _stages(record: dict, plan: dict | None) -> str:
+def _stages(record: dict, plan: RunPlan | None) -> str:
     stages = record.get("stages")
-    if stages is None and plan and (plan.get("pipeline") or {}).get("rank_stages") and record.get("coords"):
-        stages = plan["pipeline"]["rank_stages"][int(record["coords"].get("pp", 0))]
+    if stages is None and plan is not None and plan.pipeline is not None and record.get("coords"):
+        stages = plan.pipeline.rank_stages[int(record["coords"].get("pp", 0))]
     return ", ".join(str(s) for s in stages) if stages else "-"
 
 
@@ -91,9 +92,9 @@ def _ranks(items: list) -> str:
 
 # -- rendering -------------------------------------------------------------------------------
 
-def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, console: Console) -> None:
+def render_failure(run_dir: Path, plan: RunPlan | None, report: FailureReport, console: Console) -> None:
     """The root cause as a table, then what followed from it."""
-    degrees = (plan or {}).get("degrees")
+    degrees = plan.degrees if plan is not None else None
     root = report.root
     show_root = root is not None and not (root.get("error_class") == LOST_PEER and report.silent)
     if show_root and root is not None:
@@ -121,7 +122,7 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
             f"rank {f.get('rank')}: {f.get('error_class')} after step {f.get('last_completed_step', '-')} "
             f"({_first_line(f.get('message'), 80)})" for f in others), highlight=False)
     if report.silent:
-        ranks = [int(r["rank"]) for r in report.silent]
+        ranks = [r.rank for r in report.silent]
         primary = root is not None and root.get("error_class") != LOST_PEER
         also = f", or torchrun stopping the other ranks after rank {(root or {}).get('rank')} failed" if primary else ""
         style = "bold red" if report.lost_peer_seen and not primary else "yellow"
@@ -135,9 +136,9 @@ def render_failure(run_dir: Path, plan: dict | None, report: FailureReport, cons
         for col in ("rank", "node", "local rank", "mesh coordinates", "pipeline stage", "last log line"):
             table.add_column(col, overflow="fold")
         for r in report.silent[:16]:
-            table.add_row(str(r["rank"]), str(r.get("node")), str(r.get("local_rank")),
-                          _coords(r.get("coords"), degrees), _stages({"coords": r.get("coords")}, plan),
-                          _last_log_line(run_dir, int(r["rank"])))
+            table.add_row(str(r.rank), str(r.node), str(r.local_rank),
+                          _coords(r.coords, degrees), _stages({"coords": r.coords}, plan),
+                          _last_log_line(run_dir, r.rank))
         if len(report.silent) > 16:
             table.caption = f"{len(report.silent)} ranks; first 16 shown"
         console.print(table)
@@ -204,18 +205,16 @@ def _stop_text(stop: dict, slurm: bool) -> str:
     return f"{what} {when}; {how}"
 
 
-def _run_table(run_dir: Path, plan: dict | None, state: str, report: FailureReport, events: list[dict]) -> Table:
-    table = Table(title=escape(f"run: {(plan or {}).get('name', run_dir.name)}"), show_header=False,
+def _run_table(run_dir: Path, plan: RunPlan | None, state: str, report: FailureReport, events: list[dict]) -> Table:
+    table = Table(title=escape(f"run: {plan.name if plan is not None else run_dir.name}"), show_header=False,
                   title_justify="left")
     table.add_column(style="bold cyan")
     table.add_column(overflow="fold")
     table.add_row("run dir", escape(str(run_dir)))
-    if plan:
-        degrees = plan.get("degrees") or {}
-        layout = " x ".join(f"{d}={v}" for d, v in degrees.items() if int(v) > 1) or "single process"
-        table.add_row("world", f"{plan.get('world_size')} = {plan.get('nodes')} node(s) x "
-                               f"{plan.get('procs_per_node')} process(es), {plan.get('device')}/{plan.get('backend')}")
-        table.add_row("layout", layout)
+    if plan is not None:
+        table.add_row("world", f"{plan.world_size} = {plan.nodes} node(s) x {plan.procs_per_node} process(es), "
+                               f"{plan.device}/{plan.backend}")
+        table.add_row("layout", plan.parallel.describe())
     else:
         table.add_row("plan", "no plan.yaml (not a run directory, or not launched yet)")
     table.add_row("state", state)
@@ -227,11 +226,11 @@ def _run_table(run_dir: Path, plan: dict | None, state: str, report: FailureRepo
     return table
 
 
-def _last_step(run_dir: Path, plan: dict | None) -> str:
+def _last_step(run_dir: Path, plan: RunPlan | None) -> str:
     metrics = [m for m in read_jsonl(metrics_path(run_dir)) if "step" in m]
     if not metrics:
         return f"none (no {METRICS} yet)"
-    total = ((plan or {}).get("config") or {}).get("train", {}).get("steps")
+    total = plan.config.train.steps if plan is not None else None
     last = metrics[-1]
     loss = last.get("loss")
     if not isinstance(loss, (int, float)):
@@ -253,12 +252,11 @@ def _event_rows(table: Table, events: list[dict]) -> None:
                                                                  if k not in ("event", "time")) for e in others[-5:])))
 
 
-def _render_checkpoints(run_dir: Path, plan: dict | None, console: Console) -> None:
-    ckpt_cfg = ((plan or {}).get("config") or {}).get("checkpoint") or {}
-    if plan and not ckpt_cfg.get("enabled", True):
+def _render_checkpoints(run_dir: Path, plan: RunPlan | None, console: Console) -> None:
+    if plan is not None and not plan.config.checkpoint.enabled:
         console.print("checkpoints: disabled (checkpoint.enabled=false)")
         return
-    where = run_checkpoint_dir(run_dir, plan)
+    where = run_checkpoint_dir(run_dir, plan.config.checkpoint.dir if plan is not None else None)
     found = list_checkpoints(where)
     if not found:
         console.print(f"checkpoints: none in {escape(str(where))}", highlight=False)

@@ -15,7 +15,7 @@ from usp.run.files import JOB_SCRIPT, LOGS
 def check_submittable(plan) -> None:
     """Before plan.yaml is written: settings sbatch would reject, and a job of this run that is
     still queued or running (its next requeue would read the new plan)."""
-    check_slurm_settings(plan.config["cluster"])
+    check_slurm_settings(plan.config.cluster)
     slurm.refuse_if_active(Path(plan.run_dir))
 
 

@@ -22,11 +22,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from usp.contract.plan_file import read_plan_if_any
 from usp.data.data_error import DataError
 from usp.errors import LaunchError, UspError, one_line
 from usp.launch.checkpoints import RunAlreadyDone
 from usp.run import lock as runlock
-from usp.run.files import EXIT_INTERRUPTED, STOP_CODES, logs_dir, read_plan_if_any
+from usp.run.files import EXIT_INTERRUPTED, STOP_CODES, logs_dir
 from usp.run.names import check_dir_name
 from usp.run.state import analyse_failures
 from usp.run.sweep_record import Sweep, SweepPoint, layout_text, read_sweep, refresh_statuses
@@ -135,7 +136,7 @@ def plan_grid(conf: str | None, grid: list[list[str]], sweep_name: str, runs_dir
 
 def _plan_info(plan) -> dict:
     tensor = max((s.total - s.overhead for s in plan.memory.stages), default=None)
-    degrees = {**plan.degrees, "ep": int(plan.config["parallelism"]["ep"])}  # ep is carved out of dp, not a mesh dim
+    degrees = {**plan.degrees, "ep": int(plan.config.parallelism.ep)}  # ep is carved out of dp, not a mesh dim
     return {"world_size": plan.world_size, "nodes": plan.nodes, "params": plan.model.params,
             "degrees": degrees, "micro_batch": plan.batch.micro_batch,
             "grad_accum": plan.batch.grad_accum, "global_batch": plan.batch.global_batch,

@@ -88,11 +88,12 @@ in flight, no bf16 gradient) or its end (one less, all of them) (docs/planner.md
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
-from usp.perf.layout import bf16_by_fsdp_policy
-from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, autocast_weight_cache, optimizer_state_label
+from usp.contract.decide import autocast_weight_cache, bf16_by_fsdp_policy, compiles_loss, padded_vocab
+from usp.contract.predictions import TERMS, BuildMemory, LocalBytes, MemoryPlan, StageMemory
+from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, optimizer_state_label
 from usp.perf.stack_profile import PROFILES, Profile
 
 FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
@@ -120,96 +121,6 @@ LOSS_FORWARD_EXTRA_BYTES = 6  # per logit at the loss forward, besides the kept 
 # and keeps no weight cast. The H100 rows it predicts (2026-11-27, docs/benchmarks.md "GPU session"; tensors,
 # measured / planned): 1B 8 x 1 1.002, 8 x 4 1.002, 3B 2 x 4 1.001, 1 x 4 1.009, FP8 2 x 4 1.00.
 AUTOCAST_RESIDUAL_BYTES = 4  # the residual stream under autocast: fp32 (the embedding's output, each residual add)
-
-TERMS = ("parameters", "gradients", "optimizer", "activations", "logits", "gathered", "copies", "comm_buffers",
-         "overhead")
-TERM_LABELS = {
-    "parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer states",
-    "activations": "activations", "logits": "logits + loss", "gathered": "FSDP all-gathered params",
-    "copies": "bf16 weight copies (autocast)",
-    "comm_buffers": "comm buffers (DDP buckets)", "overhead": "framework overhead",
-}
-
-
-@dataclass
-class LocalBytes:
-    """What one rank allocates for its model states, each whole, whatever the peak phase: what
-    `usp plan --build-check` measures on the engine's real (meta) build."""
-
-    params: float  # elements of its parameters: its shards under FSDP2 (ZeRO-2/3, HSDP), else whole tensors
-    parameters: float  # bytes
-    gradients: float  # bytes of their gradients after the step's reduction (each shaped as its parameter)
-    optimizer: float  # bytes of the optimizer's states (sharded under ZeRO-1/2/3)
-
-
-@dataclass
-class StageMemory:
-    stage: int  # pp rank
-    first_rank: int
-    n_ranks: int  # ranks of this pp rank (all with the same memory)
-    virtual_stages: list[int]
-    layers: int
-    holds_embedding: bool
-    holds_head: bool
-    params: int  # parameters on one rank of this stage (after TP / EP slicing, before data-parallel sharding)
-    in_flight: float  # micro batches alive at the peak (units of this rank's layers)
-    activation_per_layer: float  # bytes, one layer, one micro batch (stored between forward and backward)
-    peak_phase: str = ""  # "loss backward" | "layer backward": the moment of the peak (module docstring)
-    parameters: float = 0.0
-    gradients: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    logits: float = 0.0
-    gathered: float = 0.0
-    copies: float = 0.0
-    comm_buffers: float = 0.0
-    overhead: float = 0.0
-    total: float = 0.0
-    build: BuildMemory | None = None  # while the engine builds (and loads) this rank's part: memory_plan
-    local: LocalBytes | None = None  # its model states as allocated (the build check's comparison)
-
-    def top(self, n: int = 3) -> list[tuple[str, float]]:
-        terms = sorted(((TERM_LABELS[t], getattr(self, t)) for t in TERMS), key=lambda kv: -kv[1])
-        return terms[:n]
-
-    def key(self) -> tuple:
-        return (*(round(getattr(self, t)) for t in TERMS), round(self.build.total) if self.build else 0)
-
-
-@dataclass
-class MemoryPlan:
-    dtype: str
-    dp_kind: str
-    zero_stage: int
-    shard_degree: int
-    recompute: str
-    capacity_gib: float
-    device_name: str
-    stages: list[StageMemory]
-    peak_stage: int
-    peak_gib: float
-    fits: bool
-    activation_formula: str
-    assumptions: list[str] = field(default_factory=list)
-    build_peak_stage: int = 0  # the pp rank whose build needs the most (StageMemory.build)
-    build_peak_gib: float = 0.0
-    build_fits: bool = True
-
-    @property
-    def peak(self) -> StageMemory:
-        return self.stages[self.peak_stage]
-
-    def distinct_stages(self) -> list[StageMemory]:
-        """Stage 0, the peak and the last stage, without repeats (what the tables show)."""
-        picks = sorted({0, self.peak_stage, len(self.stages) - 1})
-        out, seen = [], set()
-        for i in picks:
-            key = self.stages[i].key()
-            if key not in seen:
-                seen.add(key)
-                out.append(self.stages[i])
-        return out
-
 
 # --- pipeline stages ---------------------------------------------------------------------------------
 
@@ -357,7 +268,7 @@ def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, s
     held = ranks[r]
     layers = sum(counts[i] for i in held)
     holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
-    vocab_pad = -(-arch.vocab_size // t) * t
+    vocab_pad = padded_vocab(arch.vocab_size, t)
     # a MoE layer is not TP-sliced (router, experts and shared expert replicated over tp); EP slices the experts
     dense_layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
         + arch.norm_params
@@ -477,7 +388,7 @@ def _logits(arch: Arch, layout: Layout, seq_len: int, prec: Precision, h: _Held,
 def compiled_loss(layout: Layout, prec: Precision) -> bool:
     """Does the engine compile the loss? With the blocks (train.compile), unless TP shards the vocabulary
     (usp/engine/loss.py)."""
-    return prec.compiled and layout.tp == 1
+    return compiles_loss(prec.compiled, layout.tp)
 
 
 def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
@@ -608,22 +519,6 @@ BUILD_PARAM_BYTES = 4
 # CPU (VmHWM growth over the value alone, MALLOC_MMAP_THRESHOLD_=131072): Shard(0) over 8 ranks 1.25x
 # the value, Shard x Shard over 2 x 2 1.75x, Replicate 2.0x. A plain parameter takes the value in place: 1x.
 DTENSOR_TRANSIENT = 2.0
-
-
-@dataclass
-class BuildMemory:
-    """One rank of a pp rank while the engine builds its part (usp/engine/parallel/materialize.py:
-    its shards allocated, then every parameter's whole value made and cut one at a time), or loads
-    model.init_from into them, each rank reading its own part (usp/engine/hf_checkpoint.py)."""
-
-    params: float  # elements this rank allocates: its shards (FSDP2 kinds), else its stages whole
-    parameters: float  # their bytes (fp32)
-    largest: str  # the largest parameter the rank holds, by name (its whole tensor is made at once)
-    largest_params: int  # that whole tensor's elements
-    read_buffer: float  # model.init_from: the largest part of a parameter as read (stacked experts: twice)
-    transient: float  # bytes alive besides the parameters: the whole fp32 value (x DTENSOR_TRANSIENT), or the load's
-    overhead: float
-    total: float
 
 
 def largest_parameter(arch: Arch, h: _Held) -> tuple[str, int]:

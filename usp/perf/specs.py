@@ -8,15 +8,14 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
-from usp.perf.layout import MESH_DIMS, data_parallel_kind  # one rule, shared with the engine
-from usp.perf.nodes import getter as _getter
+from usp.contract.decide import uses_bf16
+from usp.contract.dims import MESH_DIMS, ParallelDims, data_parallel_kind
 from usp.perf.time_constants import TimeConstants
 
 GIB = 1024 ** 3
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
 FP8_RECIPES = ("off", "tensorwise", "rowwise")  # train.fp8: torchao.float8's recipe names (usp/engine/parallel/fp8.py)
-COMPILE_CHOICES = ("auto", "true", "false")  # train.compile
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,10 @@ class Arch:
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
-        g = _getter(m)
+        """From a model group (a ModelConfig or a composed config's node)."""
+        def g(key: str, default=None):
+            return getattr(m, key, default)
+
         return cls(name=str(g("name", "model")), dim=int(g("dim")), n_layers=int(g("n_layers")),
                    n_heads=int(g("n_heads")),
                    n_kv_heads=int(g("n_heads") if g("n_kv_heads") is None else g("n_kv_heads")),
@@ -194,7 +196,10 @@ class Hardware:
 
     @classmethod
     def from_cluster(cls, c) -> Hardware:
-        g = _getter(c)
+        """From a cluster group (a ClusterConfig or a composed config's node)."""
+        def g(key: str, default=None):
+            return getattr(c, key, default)
+
         return cls(device=str(g("device", "cpu")), device_name=str(g("device_name", "cpu")),
                    memory_gib=float(g("device_memory_gb", 24.0)), peak_tflops_bf16=float(g("peak_tflops_bf16", 0.15)),
                    peak_tflops_fp32=float(g("peak_tflops_fp32", 0.15)),
@@ -283,45 +288,6 @@ def optimizer_state_label(prec: Precision) -> str:
     return f"{prec.optim} B/param of optimizer state ({' + '.join(parts)})"
 
 
-ATTENTION_CHOICES = ("sdpa", "flash_attn")  # model.attention (usp/engine/accel.py installs them)
-
-
-def uses_bf16(dtype: str, device: str) -> bool:
-    """train.dtype=auto means bf16 on an accelerator, fp32 on CPU (the planner and the engine)."""
-    return dtype == "bf16" or (dtype == "auto" and device != "cpu")
-
-
-def compile_choice(value) -> str | None:
-    """train.compile as one of COMPILE_CHOICES ("auto", "true", "false"), or None for anything else
-    (YAML and the command line give booleans; a string works too)."""
-    text = str(value).lower()
-    return text if text in COMPILE_CHOICES else None
-
-
-def uses_compile(value, device: str) -> bool:
-    """train.compile: per-block torch.compile, or eager. auto is on for CUDA, where it measured faster
-    (Llama-3.2 1B on an H200: 49.0 % MFU compiled, 40.8 % eager, docs/benchmarks.md), and off elsewhere:
-    on CPU inductor's C++ build costs more than a short run gains, XPU was never measured. The one
-    place the setting is resolved (the planner and the engine)."""
-    choice = compile_choice(value)
-    return choice == "true" or (choice == "auto" and device == "cuda")
-
-
-def autocast_weight_cache(recompute: str) -> bool:
-    """Does the trainer's autocast keep its cache of bf16 weight copies (each weight cast once per
-    forward, the copy held until the context exits)? Only without recompute: a recomputed layer
-    casts again anyway, and a cache would hold every layer's copy through the loss (a pipeline's
-    context: the whole step). Without recompute each linear saves its copy for backward anyway,
-    and a pipeline's in-flight micro batches share the cached one."""
-    return recompute == "none"
-
-
-def uses_deterministic(configured: bool | None, device: str) -> bool:
-    """train.deterministic, or by default: on for CPU (exact parity, resume), off on an accelerator
-    (its deterministic kernels are slower). The engine sets the flag, the launcher its environment."""
-    return device == "cpu" if configured is None else bool(configured)
-
-
 @dataclass(frozen=True)
 class Layout:
     """One parallel layout: degrees, data-parallel flavour, pipeline schedule, batch split, recompute."""
@@ -345,7 +311,10 @@ class Layout:
 
     @classmethod
     def from_config(cls, degrees: dict, par, batch, recompute: str) -> Layout:
-        g = _getter(par)
+        """From parallelism.* (a ParallelismConfig or a composed config's node) and the batch split."""
+        def g(key: str, default=None):
+            return getattr(par, key, default)
+
         pp_layers = g("pp_layers", None)
         return cls(pp=int(degrees["pp"]), dp_replicate=int(degrees["dp_replicate"]), dp_shard=int(degrees["dp_shard"]),
                    cp=int(degrees["cp"]), tp=int(degrees["tp"]), ep=int(g("ep", 1)), zero1=bool(g("zero1", False)),
@@ -406,9 +375,7 @@ class Layout:
         return self.dp_replicate * self.dp_shard * self.cp
 
     def label(self) -> str:
-        names = (("pp", "pp"), ("dp_replicate", "dp"), ("dp_shard", "fsdp"), ("cp", "cp"), ("tp", "tp"), ("ep", "ep"))
-        parts = [f"{n}{getattr(self, d)}" for d, n in names if getattr(self, d) > 1]
-        return "-".join(parts) or "single"
+        return ParallelDims.of(self.degrees, self.ep).label()
 
     def dp_label(self) -> str:
         kind = self.dp_kind

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from usp.perf.nodes import getter as _getter
-
 
 @dataclass(frozen=True)
 class Calibrated:
@@ -61,7 +59,9 @@ class TimeConstants:
     def from_config(cls, node) -> TimeConstants:
         if node is None:
             return cls()
-        g = _getter(node)
+        def g(key: str, default=None):
+            return getattr(node, key, default)
+
         cal = g("calibrated")
         kw = {f.name: float(g(f.name, f.default)) for f in fields(cls) if f.name != "calibrated"}
         return cls(**kw, calibrated=_calibrated(cal))
@@ -74,7 +74,9 @@ class TimeConstants:
 def _calibrated(node) -> Calibrated:
     if node is None:
         return Calibrated()
-    g = _getter(node)
+    def g(key: str, default=None):
+        return getattr(node, key, default)
+
     return Calibrated(source=str(g("source", "") or ""), runs=int(g("runs", 0) or 0),
                       nodes=tuple(int(n) for n in (g("nodes", ()) or ())),
                       features=tuple(str(f) for f in (g("features", ()) or ())),

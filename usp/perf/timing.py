@@ -43,59 +43,15 @@ Model, per optimizer step:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
+from usp.contract.dims import MESH_DIMS
+from usp.contract.predictions import CommTerm, TimingPlan
 from usp.errors import PlanError
-from usp.perf.layout import MESH_DIMS
 from usp.perf.memory import ZERO_BUBBLE, compiled_loss, peak_bytes, stage_layer_counts
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.perf.stack_profile import PROFILES, Profile
-
-
-@dataclass
-class CommTerm:
-    name: str
-    dims: str  # mesh dims of the group
-    group: int  # ranks in the group
-    crosses_nodes: bool
-    gbps: float  # the bandwidth the group's traffic runs at, per rank
-    calls: int  # collective calls per step
-    bytes_per_step: float  # on the wire, per rank
-    seconds: float
-    window_s: float  # compute it can hide behind
-    exposed_s: float
-
-
-@dataclass
-class TimingPlan:
-    dtype: str
-    peak_tflops: float
-    tokens_per_step: int
-    model_flops_per_token: float  # 6·N_active + 12·L·h·s (the MFU numerator)
-    hw_flops_per_token: float  # + the recomputed forward
-    model_flops_per_step: float
-    hw_flops_per_step: float
-    efficiency: float  # FLOPs / (peak x matmul time) on the busiest pp rank
-    efficiency_terms: dict
-    micro_batch_s: float  # busiest pp rank, one micro batch forward + backward (+ recompute) + fixed cost
-    compute_s: float  # m micro batches on the busiest pp rank
-    bubble_fraction: float
-    bubble_s: float
-    comm: list[CommTerm]
-    exposed_path_comm_s: float  # TP / CP / EP / PP, on the pipeline's critical path
-    exposed_dp_comm_s: float
-    fixed_s: float  # optimizer step + per-step fixed cost
-    step_s: float
-    tokens_per_s: float
-    tokens_per_s_per_device: float
-    mfu: float
-    hfu: float
-    world: int
-    profile: str = "usp"
-    mfu_band: tuple | None = None  # (low, high) from the calibration's residuals; None = never calibrated
-    calibration: list[str] = field(default_factory=list)  # how far to trust the figures (calibration notes)
-    assumptions: list[str] = field(default_factory=list)
 
 
 def _sat(x: float, half: float) -> float:

@@ -1,26 +1,8 @@
 """Batch math: global batch = micro batch x grad-accum steps x data-parallel degree."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from usp.contract.run_plan import BatchPlan
 from usp.errors import PlanError
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    seq_len: int
-    micro_batch: int  # sequences per forward/backward on one rank
-    grad_accum: int  # micro batches per optimizer step on one rank
-    dp: int  # data-parallel degree (dp_replicate x dp_shard)
-    global_batch: int  # sequences per optimizer step, whole job
-
-    @property
-    def global_batch_tokens(self) -> int:
-        return self.global_batch * self.seq_len
-
-    @property
-    def tokens_per_rank_step(self) -> int:
-        return self.micro_batch * self.grad_accum * self.seq_len
 
 
 def plan_batch(train, dp: int) -> BatchPlan:

@@ -57,7 +57,7 @@ def estimate(cfg, choices: dict | None = None, *, hours: float | None = None, de
     plan = plan or build_plan(cfg, choices, force=True, training=False)
     ctx = planner_context(cfg, plan.model.vocab_size)
     hw = ctx.hw
-    tokens = cfg.train.get("tokens") if hasattr(cfg.train, "get") else getattr(cfg.train, "tokens", None)
+    tokens = cfg.train.tokens
     tokens = float(tokens) if tokens is not None else None
     if tokens is not None and tokens <= 0:
         raise PlanError("the token budget must be positive", key="train.tokens", value=tokens, fix="train.tokens=1e12")

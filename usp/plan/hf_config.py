@@ -1,24 +1,9 @@
-"""Hugging Face `config.json` <-> usp's model group, in pure Python (no torch, no transformers).
-
-Used at plan time to give a `model.init_from` run the checkpoint's shape (the model keys no recipe
-or command line set, left MISSING by usp/config/init_from.py, are filled from config.json) and to
-refuse a key that was set and disagrees (`usp plan` and `usp train` refuse it before launch), and by
-`usp export --format hf` to write the config.json that transformers reads. Two HF architectures map
-onto usp's Llama:
-
-  model_type "llama"    LlamaForCausalLM     the dense model (model.n_experts = 0)
-  model_type "mixtral"  MixtralForCausalLM   top-k routed SwiGLU experts (model.n_experts > 0)
-
-Field by field (HF -> usp): hidden_size -> dim, num_hidden_layers -> n_layers,
-num_attention_heads -> n_heads, num_key_value_heads -> n_kv_heads, intermediate_size -> ffn_dim
-(Mixtral: the expert's hidden size, moe_ffn_dim or ffn_dim), vocab_size -> the model's
-vocabulary, tie_word_embeddings -> tie_embeddings, rope_theta (or rope_parameters.rope_theta) ->
-rope_theta, rope_scaling / rope_parameters (rope_type, factor, low_freq_factor, high_freq_factor,
-original_max_position_embeddings) -> rope_type, rope_factor, rope_low_freq_factor,
-rope_high_freq_factor, rope_original_max_positions, rms_norm_eps -> norm_eps, num_local_experts ->
-n_experts, num_experts_per_tok -> top_k; a field config.json leaves out has transformers' default
-for that model type. What usp's model can't express (biases, another activation, a RoPE type other
-than default and llama3, sliding windows, a shared expert) is refused by name."""
+"""A Hugging Face checkpoint's `config.json` against usp's model group, at plan time (pure Python):
+a `model.init_from` run takes the checkpoint's shape (the model keys no recipe or command line set,
+left MISSING by usp/config/init_from.py, are filled from config.json), and a key that was set and
+disagrees is refused before launch. The field mapping is usp/contract/hf_shape.py's; what usp's
+model can't express (biases, another activation, a RoPE type other than default and llama3, sliding
+windows, a shared expert) is refused by name."""
 from __future__ import annotations
 
 import json
@@ -26,21 +11,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from usp.config.init_from import CHECKPOINT_KEYS, is_missing
-from usp.config.schema import ModelConfig
+from omegaconf import DictConfig, OmegaConf
+
+from usp.contract.config_schema import ModelConfig
+from usp.contract.hf_shape import ARCHITECTURES, CHECKPOINT_KEYS, CONFIG, HF_DEFAULTS, HF_ROPE, usp_fields
 from usp.errors import PlanError
-from usp.perf.nodes import getter
 from usp.plan.rules import ROPE_TYPES
 from usp.run.names import name_problem
-
-CONFIG = "config.json"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
-# transformers' LlamaConfig / MixtralConfig defaults for the fields a config.json may leave out
-HF_DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-               "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}}
-# config.json's name of each RoPE scaling value (model.rope_<usp name>)
-HF_ROPE = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
-           "original_max_positions": "original_max_position_embeddings"}
 
 
 def read_hf_config(path: str | Path, key: str = "model.init_from") -> dict:
@@ -85,25 +62,6 @@ def hf_rope(config: dict) -> dict:
     return out
 
 
-def usp_fields(model: Any, vocab: int) -> dict:
-    """The architecture of a model group (a ModelConfig, or the plan's dict) in HF's terms."""
-    get = getter(model)
-    n_heads, n_experts = int(get("n_heads")), int(get("n_experts") or 0)
-    out = {
-        "model_type": "mixtral" if n_experts > 0 else "llama",
-        "hidden_size": int(get("dim")), "num_hidden_layers": int(get("n_layers")),
-        "num_attention_heads": n_heads, "num_key_value_heads": int(get("n_kv_heads") or n_heads),
-        "head_dim": int(get("dim")) // n_heads,
-        "intermediate_size": int((get("moe_ffn_dim") or get("ffn_dim")) if n_experts else get("ffn_dim")),
-        "vocab_size": int(vocab), "tie_word_embeddings": bool(get("tie_embeddings")),
-        "rope_theta": float(get("rope_theta")), "rms_norm_eps": float(get("norm_eps")),
-        "rope_parameters.rope_type": str(get("rope_type") or "default"),
-    }
-    if out["rope_parameters.rope_type"] == "llama3":
-        out.update({f"rope_parameters.{hf}": get(f"rope_{k}") for k, hf in HF_ROPE.items()})
-    if n_experts:
-        out.update(num_local_experts=n_experts, num_experts_per_tok=int(get("top_k")))
-    return out
 
 
 # HF field -> the usp key that sets it (what the error tells the user to change)
@@ -121,7 +79,7 @@ def check_hf_config(config: dict, model: Any, vocab: int, path: str) -> None:
     recipe or the command line set; the others were filled from config.json) or that usp's model
     can't express."""
     _check_supported(config, path)
-    if config.get("model_type") == "mixtral" and getter(model)("shared_expert"):
+    if config.get("model_type") == "mixtral" and model.shared_expert:
         raise PlanError("Mixtral has no shared expert", key="model.shared_expert", value=True,
                         fix="model.shared_expert=false")
     want = usp_fields(model, vocab)
@@ -182,7 +140,7 @@ def _check_supported(config: dict, path: str) -> None:
 
 
 def usp_values(config: dict, path: str) -> dict:
-    """The model keys config.json decides (usp/config/init_from.py CHECKPOINT_KEYS) as usp values,
+    """The model keys config.json decides (usp/contract/hf_shape.py CHECKPOINT_KEYS) as usp values,
     transformers' defaults for the fields it leaves out; the model is named after its directory."""
     _check_supported(config, path)
     model_type = config["model_type"]
@@ -213,34 +171,13 @@ def adopt_hf_shape(model: Any) -> dict:
     """Fill the model keys left MISSING for model.init_from's checkpoint (usp/config/init_from.py:
     the keys no recipe or command line set) from its config.json, in place; returns what was filled.
     Idempotent: nothing is missing the second time."""
-    missing = [k for k in CHECKPOINT_KEYS if is_missing(model, k)]
+    if not isinstance(model, DictConfig):  # a typed config has every value
+        return {}
+    missing = [k for k in CHECKPOINT_KEYS if OmegaConf.is_missing(model, k)]  # left for config.json
     if not missing:
         return {}
-    init_from = getter(model)("init_from")
+    init_from = model.init_from
     values = usp_values(read_hf_config(init_from), str(init_from))
     for key in missing:
         model[key] = values[key]
     return {key: values[key] for key in missing}
-
-
-def hf_config(model: dict, vocab: int, max_seq_len: int, dtype: str, extra: dict | None = None) -> dict:
-    """The config.json transformers reads for a usp model (the plan's model section)."""
-    fields = usp_fields(model, vocab)
-    model_type = fields["model_type"]
-    theta = fields.pop("rope_theta")
-    rope = {k.split(".", 1)[1]: fields.pop(k) for k in list(fields) if k.startswith("rope_parameters.")}
-    config = {"architectures": [ARCHITECTURES[model_type]], **fields, "hidden_act": "silu",
-              "max_position_embeddings": int(max_seq_len),
-              # transformers >= 5 reads rope_parameters; older versions the top-level rope_theta and
-              # rope_scaling (which transformers 5 also reads, and prefers)
-              "rope_parameters": {**rope, "rope_theta": theta}, "rope_theta": theta,
-              "initializer_range": float(model.get("init_std", 0.02)), "dtype": dtype, "use_cache": True}
-    if rope["rope_type"] != "default":
-        config["rope_scaling"] = rope
-    if model_type == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
-    else:
-        config.update(sliding_window=None, router_aux_loss_coef=float(model.get("aux_loss_coef", 0.0) or 0.0),
-                      output_router_logits=False)
-    config.update(extra or {})
-    return config

@@ -1,13 +1,6 @@
-"""The optimizer and learning-rate schedule a config may name, and the schedule's curve. Pure Python:
-the plan's rules (usp.plan.rules) check the values, the engine (usp.engine.optim) builds torch's
-optimizer and LambdaLR from them, so both read the same names and the same curve."""
+"""The optimizers and learning-rate schedules a config may name (usp.plan.rules checks the values; the
+settings and the curve the engine builds from are usp/contract/schedule.py's)."""
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass, fields
-
-from usp.config.schema import OptimizerConfig, TrainConfig
-from usp.perf.nodes import getter
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # Known, but refused, with the reason measured (2 ranks, FSDP2 on gloo, torch 2.13).
@@ -17,67 +10,3 @@ REFUSED_OPTIMIZERS = {
                  "operations that require placement changes are not supported\"; the same with foreach)",
 }
 SCHEDULES = ("cosine", "linear", "constant", "wsd")  # wsd: warmup, stable (flat), decay
-
-
-_SCHEMA = OptimizerConfig()  # the defaults live once, in the config schema
-_TRAIN = TrainConfig()
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    """optimizer.* and train.steps, as the rules and the lr curve read them (the schema's fields and
-    defaults: tests/unit/test_optimizer.py checks the two list the same fields)."""
-
-    name: str = _SCHEMA.name
-    schedule: str = _SCHEMA.schedule
-    lr: float = _SCHEMA.lr
-    min_lr_ratio: float = _SCHEMA.min_lr_ratio
-    weight_decay: float = _SCHEMA.weight_decay
-    beta1: float = _SCHEMA.beta1
-    beta2: float = _SCHEMA.beta2
-    eps: float = _SCHEMA.eps
-    momentum: float = _SCHEMA.momentum
-    nesterov: bool = _SCHEMA.nesterov
-    warmup_steps: int = _SCHEMA.warmup_steps
-    decay_fraction: float = _SCHEMA.decay_fraction
-    grad_clip: float = _SCHEMA.grad_clip
-    steps: int = _TRAIN.steps
-
-    @classmethod
-    def from_config(cls, opt, steps: int) -> OptimSettings:
-        """From optimizer.* (a DictConfig, a dict or a namespace); missing keys keep the defaults."""
-        get = getter(opt)
-        values = {f.name: type(getattr(_SCHEMA, f.name))(get(f.name, getattr(_SCHEMA, f.name)))
-                  for f in fields(OptimizerConfig)}
-        return cls(**values, steps=int(steps))
-
-    @property
-    def decay_steps(self) -> int:
-        """wsd: the last steps over which lr decays to lr * min_lr_ratio."""
-        return max(1, round(self.decay_fraction * self.steps))
-
-
-def lr_factor(step: int, o: OptimSettings) -> float:
-    """Multiplier of optimizer.lr at a (0-based) step: linear warmup over warmup_steps, then
-    cosine: half a cosine from 1 to min_lr_ratio at the last step;
-    linear: a straight line from 1 to min_lr_ratio at the last step;
-    constant: 1;
-    wsd: 1 until the last decay_fraction of the steps, then linearly to min_lr_ratio."""
-    if step < o.warmup_steps:
-        return (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return 1.0
-    if o.schedule == "wsd":
-        start = o.steps - o.decay_steps
-        if step < start:
-            return 1.0
-        return _toward_floor(1 - (step - start) / o.decay_steps, o.min_lr_ratio)
-    progress = min(1.0, (step - o.warmup_steps) / max(1, o.steps - o.warmup_steps))
-    if o.schedule == "linear":
-        return _toward_floor(1 - progress, o.min_lr_ratio)
-    return _toward_floor(0.5 * (1 + math.cos(math.pi * progress)), o.min_lr_ratio)
-
-
-def _toward_floor(remaining: float, floor: float) -> float:
-    """remaining goes 1 -> 0; the factor 1 -> floor."""
-    return floor + (1 - floor) * max(0.0, remaining)

@@ -1,64 +1,20 @@
-"""RunPlan: everything that can be known before a device is touched, derived once from the
-composed config. Written to <run_dir>/plan.yaml, the only file the engine reads."""
+"""The planner's entry: a composed config -> a RunPlan (usp/contract/run_plan.py), every rule checked,
+every choice the engine acts on decided and recorded, the predictions attached."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
+from omegaconf import OmegaConf
+
+from usp.contract.config_schema import UspConfig
+from usp.contract.decide import engine_choices
+from usp.contract.dims import MESH_DIMS, ParallelDims
+from usp.contract.run_plan import BatchPlan, Decisions, ModelPlan, RunPlan
+from usp.contract.typed import plain, rebuild
 from usp.errors import PlanError
-from usp.perf.layout import MESH_DIMS, RankInfo, layout_tag, rank_table, resolve_degrees
 from usp.plan import rules
-from usp.plan.batch import BatchPlan
 from usp.plan.pipeline_plan import plan_pipeline
-
-if TYPE_CHECKING:
-    from usp.perf.memory import MemoryPlan
-    from usp.perf.timing import TimingPlan
-
-PLAN_VERSION = 1
-
-
-@dataclass
-class ModelPlan:
-    name: str
-    params: int
-    vocab_size: int
-    flops_per_token: float  # training FLOPs per token: 6N + 12 L h s (usp.perf.specs.Arch.flops_per_token)
-    flops_per_step: float
-
-
-@dataclass
-class RunPlan:
-    name: str
-    run_dir: str
-    world_size: int
-    nodes: int
-    procs_per_node: int
-    device: str
-    backend: str
-    threads_per_proc: int
-    degrees: dict[str, int]
-    mesh_dims: list[str]
-    mesh_shape: list[int]
-    batch: BatchPlan
-    model: ModelPlan
-    dataset_dir: str
-    ranks: list[RankInfo]
-    choices: dict[str, str | None]
-    config: dict  # the resolved config this plan was derived from
-    warnings: list[str] = field(default_factory=list)
-    data_meta: dict = field(default_factory=dict)  # filled in once the dataset is prepared
-    pipeline: dict | None = None  # stage split and schedule when parallelism.pp > 1
-    memory: MemoryPlan | None = None  # predicted memory per rank and stage (usp/perf/memory.py)
-    timing: TimingPlan | None = None  # predicted step time, tokens/s, MFU (usp/perf/timing.py)
-    version: int = PLAN_VERSION
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["batch"]["global_batch_tokens"] = self.batch.global_batch_tokens
-        return out
 
 
 def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *, force: bool = False,
@@ -68,8 +24,6 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     warning, not an error. strict: a TP group across nodes is an error. training=False (`usp plan`,
     `usp estimate`): limits of the data pipeline are warnings. derived: what `_subject` returned for
     this config, when the caller has it already."""
-    from omegaconf import OmegaConf
-
     from usp.plan.validate import analyse, check_run
 
     cluster, train, model = cfg.cluster, cfg.train, cfg.model
@@ -81,26 +35,43 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     per_token = float(arch.flops_per_token(batch.seq_len))
     pipeline = plan_pipeline(cfg.parallelism, arch, degrees, batch.grad_accum)
     nodes, per_node = int(cluster.nodes), int(cluster.procs_per_node)
-    name = f"{model.name}-{layout_tag(degrees)}" if train.name is None else str(train.name)  # "" is refused
+    dims = ParallelDims.of(degrees, int(cfg.parallelism.ep))
+    name = f"{model.name}-{dims.label(with_ep=False)}" if train.name is None else str(train.name)  # "" is refused
     check_run(cfg, name)
-    config = cast(dict, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))  # plan.yaml: plain values
-    if config["model"].get("init_from"):  # the ranks may start in another directory (Slurm): absolute
-        config["model"]["init_from"] = str(Path(config["model"]["init_from"]).expanduser().resolve())
-    if str(config["checkpoint"]["resume"]) not in ("auto", "never"):  # the same for a checkpoint path
-        config["checkpoint"]["resume"] = str(Path(config["checkpoint"]["resume"]).expanduser().resolve())
+    config = typed_config(cfg)
+    if config.model.init_from:  # the ranks may start in another directory (Slurm): absolute
+        config.model.init_from = str(Path(config.model.init_from).expanduser().resolve())
+    if str(config.checkpoint.resume) not in ("auto", "never"):  # the same for a checkpoint path
+        config.checkpoint.resume = str(Path(config.checkpoint.resume).expanduser().resolve())
+    run_dir = str(Path(train.runs_dir).expanduser().resolve() / name)
     data_warnings: list[str] = []
     plan = RunPlan(
-        name=name, run_dir=str(Path(train.runs_dir).expanduser().resolve() / name), world_size=nodes * per_node,
+        name=name, run_dir=run_dir, world_size=nodes * per_node,
         nodes=nodes, procs_per_node=per_node, device=cluster.device, backend=_backend(cluster),
         threads_per_proc=_threads_per_proc(cluster, per_node, cpu_count),
-        degrees=degrees, mesh_dims=list(MESH_DIMS), mesh_shape=[degrees[d] for d in MESH_DIMS],
+        degrees=degrees, mesh_dims=list(MESH_DIMS), mesh_shape=dims.mesh_shape,
         batch=batch, model=ModelPlan(model.name, arch.total_params, arch.vocab_size, per_token,
                                      per_token * batch.global_batch_tokens),
-        dataset_dir=_planned_dataset_dir(cfg.data, data_warnings), ranks=rank_table(degrees, per_node),
-        choices=dict(choices or {}), config=config, pipeline=pipeline, warnings=data_warnings,
+        dataset_dir=_planned_dataset_dir(cfg.data, data_warnings),
+        choices=dict(choices or {}), config=config,
+        decisions=decisions(config, degrees, str(cluster.device), run_dir, arch.vocab_size),
+        pipeline=pipeline, warnings=data_warnings,
     )
     analyse(plan, cfg, subject, force=force, strict=strict, training=training)
     return plan
+
+
+def typed_config(cfg) -> UspConfig:
+    """The resolved config as the schema's dataclasses (a composed DictConfig, a UspConfig, or the plain
+    values of one)."""
+    if OmegaConf.is_config(cfg):
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    return rebuild(UspConfig, plain(cfg))
+
+
+def decisions(config: UspConfig, degrees: dict[str, int], device: str, run_dir: str, vocab: int) -> Decisions:
+    """What the engine does with this config on this layout and device (usp/contract/decide.py's rules)."""
+    return Decisions(**engine_choices(config, degrees, device, vocab, run_dir))
 
 
 def _subject(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
@@ -121,7 +92,7 @@ def _derive(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     from usp.plan.validate import derive_batch
 
     cluster = cfg.cluster
-    degrees = resolve_degrees(cfg.parallelism, int(cluster.nodes) * int(cluster.procs_per_node))
+    degrees = ParallelDims.resolve(cfg.parallelism, int(cluster.nodes) * int(cluster.procs_per_node)).mesh
     batch = derive_batch(cfg.train, degrees)
     model_vocab = int(cfg.model.vocab_size)
     token_vocab = _tokenizer_vocab_here(cfg.data, model_vocab)

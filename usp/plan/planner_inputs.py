@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from usp.contract.decide import uses_compile
 from usp.errors import PlanError
-from usp.perf.nodes import getter
-from usp.perf.specs import Arch, Hardware, Layout, Precision, uses_compile
+from usp.perf.specs import Arch, Hardware, Layout, Precision
 from usp.perf.stack_profile import Profile, get_profile
 from usp.plan.rules import Settings, Subject, field_failures
 
@@ -66,7 +66,7 @@ def planner_context(cfg, vocab: int | None = None) -> PlannerContext:
 def checkpoint_bytes(model) -> int:
     """model.init_from's bytes per value (its config.json's dtype), 0 without one: the build's read
     buffer (usp.perf.memory.build_memory)."""
-    init_from = getter(model)("init_from")
+    init_from = model.init_from
     if not init_from:
         return 0
     from usp.plan.hf_config import checkpoint_value_bytes, read_hf_config
@@ -76,8 +76,7 @@ def checkpoint_bytes(model) -> int:
 
 def settings_of(cfg) -> Settings:
     """Settings.from_config, with model.init_from's bytes per value (read from its config.json)."""
-    model = cfg["model"] if isinstance(cfg, dict) else cfg.model
-    return replace(Settings.from_config(cfg), checkpoint_bytes=checkpoint_bytes(model))
+    return replace(Settings.from_config(cfg), checkpoint_bytes=checkpoint_bytes(cfg.model))
 
 
 def recipe_precision(cfg, device: str) -> tuple[Profile, Precision]:
@@ -86,35 +85,29 @@ def recipe_precision(cfg, device: str) -> tuple[Profile, Precision]:
     profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
     train = cfg.train
     compiled = profile.follows_compile and uses_compile(getattr(train, "compile", "auto"), device)
-    opt = getter(getattr(cfg, "optimizer", None) or {})
     return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params, compiled,
-                                      str(getattr(train, "fp8", "off")), optimizer=str(opt("name", "adamw")),
-                                      momentum=float(opt("momentum", 0.9)))
+                                      str(train.fp8), optimizer=str(cfg.optimizer.name),
+                                      momentum=float(cfg.optimizer.momentum))
 
 
 def rule_subject(cfg, degrees: dict, batch, vocab: int) -> Subject:
-    """The rules' view of a composed config (or of RunPlan.config, a plain dict) with its resolved
-    degrees and batch."""
-    get = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))  # noqa: E731
-    train = get("train")
-    recompute = train["recompute"] if isinstance(train, dict) else train.recompute
-    layout = Layout.from_config(degrees, get("parallelism"), batch, str(recompute))
-    return Subject(Arch.from_model(get("model"), vocab), layout, Hardware.from_cluster(get("cluster")),
-                   settings_of(cfg))
+    """The rules' view of a composed config (or of a plan's, RunPlan.config) with its resolved degrees
+    and batch."""
+    layout = Layout.from_config(degrees, cfg.parallelism, batch, str(cfg.train.recompute))
+    return Subject(Arch.from_model(cfg.model, vocab), layout, Hardware.from_cluster(cfg.cluster), settings_of(cfg))
 
 
 def planned_local_bytes(plan, ranks: list[int]) -> dict:
     """Each rank's model states as the planner counts them (usp.perf.memory.local_bytes at its place
     in its FSDP2 shard group), from a RunPlan's resolved config: what `usp plan --build-check` sets
     beside the engine's real build."""
-    from omegaconf import OmegaConf
 
-    from usp.perf.layout import shard_index
+    from usp.contract.dims import shard_index
     from usp.perf.memory import local_bytes
 
     subject = rule_subject(plan.config, plan.degrees, plan.batch, plan.model.vocab_size)
-    profile, prec = recipe_precision(OmegaConf.create(plan.config), plan.device)
-    zero1 = bool(plan.config["parallelism"].get("zero1", False))
+    profile, prec = recipe_precision(plan.config, plan.device)
+    zero1 = bool(plan.config.parallelism.zero1)
     out = {}
     for rank in ranks:
         coords = plan.ranks[rank].coords

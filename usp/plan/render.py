@@ -4,7 +4,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from usp.run.files import checkpoint_dir
+from usp.contract.config_schema import ModelConfig
+from usp.contract.run_plan import PipelinePlan
 
 MAX_RANK_ROWS = 16
 
@@ -18,7 +19,7 @@ def human(n: float, unit: str = "") -> str:
 
 def _imported(plan) -> str:
     """Where an imported model's weights (and the keys no one set) come from."""
-    source = plan.config["model"].get("init_from")
+    source = plan.config.model.init_from
     return f", imported from {source} (shape: its config.json)" if source else ""
 
 
@@ -28,8 +29,8 @@ def render_plan(plan, console: Console | None = None) -> None:
     summary = Table(title=f"run plan: {plan.name}", show_header=False, title_justify="left")
     summary.add_column(style="bold cyan")
     summary.add_column()
-    layout = " x ".join(f"{d}={v}" for d, v in plan.degrees.items() if v > 1) or "single process"
-    ep = int(plan.config["parallelism"].get("ep", 1) or 1)
+    layout = plan.parallel.describe()
+    ep = plan.parallel.ep
     if ep > 1:
         layout += f", ep={ep} (experts over the dp_shard x cp ranks)"
     rows = [
@@ -46,7 +47,7 @@ def render_plan(plan, console: Console | None = None) -> None:
                     f"{human(m.flops_per_step, 'FLOP')}/step"),
         ("data", plan.dataset_dir or "not prepared (its source is not on this machine)"),
         ("checkpoints", checkpoint_summary(plan)),
-        *([("moe", moe_summary(plan.config["model"]))] if plan.config["model"].get("n_experts") else []),
+        *([("moe", moe_summary(plan.config.model))] if plan.config.model.n_experts else []),
     ]
     for key, value in rows:
         summary.add_row(key, value)
@@ -69,15 +70,15 @@ def render_refusals(errors: list, console: Console | None = None) -> None:
         console.print(f"[bold red]usp train would refuse:[/] {error}", highlight=False)
 
 
-def pipeline_table(pipe: dict) -> Table:
+def pipeline_table(pipe: PipelinePlan) -> Table:
     """Which layers each pipeline stage holds, and which pp rank runs it."""
-    owner = {stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages}
-    n = len(pipe["stage_layers"])
-    table = Table(title=f"pipeline: {pipe['schedule']}, {n} stages, {pipe['n_microbatches']} micro batches per step",
+    owner = {stage: rank for rank, stages in enumerate(pipe.rank_stages) for stage in stages}
+    n = len(pipe.stage_layers)
+    table = Table(title=f"pipeline: {pipe.schedule}, {n} stages, {pipe.n_microbatches} micro batches per step",
                   title_justify="left")
     for col in ("stage", "pp rank", "layers", "also holds"):
         table.add_column(col)
-    for stage, layers in enumerate(pipe["stage_layers"]):
+    for stage, layers in enumerate(pipe.stage_layers):
         extra = ", ".join(x for x, on in (("embedding", stage == 0), ("final norm + LM head", stage == n - 1)) if on)
         span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
         table.add_row(str(stage), str(owner[stage]), f"{span} ({len(layers)})", extra)
@@ -85,22 +86,22 @@ def pipeline_table(pipe: dict) -> Table:
 
 
 def checkpoint_summary(plan) -> str:
-    ckpt = plan.config["checkpoint"]
-    if not ckpt.get("enabled"):
+    ckpt = plan.config.checkpoint
+    if not ckpt.enabled:
         return "off (checkpoint.enabled=false): the run can't resume"
-    interval = int(ckpt.get("interval") or 0)
+    interval = int(ckpt.interval or 0)
     when = f"every {interval} steps and at the end" if interval > 0 else "at the end"
-    return (f"{when}, keep {ckpt.get('keep_last')}, {ckpt.get('async_mode')} -> {checkpoint_dir(plan)} "
-            f"(resume: {ckpt.get('resume')})")
+    return (f"{when}, keep {ckpt.keep_last}, {ckpt.async_mode} -> {plan.decisions.checkpoint_dir} "
+            f"(resume: {ckpt.resume})")
 
 
-def moe_summary(model: dict) -> str:
+def moe_summary(model: ModelConfig) -> str:
     """A MoE model's routing and load balancing (docs/moe.md)."""
-    rate, coef = float(model.get("router_bias_update_rate") or 0.0), float(model.get("aux_loss_coef") or 0.0)
+    rate, coef = float(model.router_bias_update_rate or 0.0), float(model.aux_loss_coef or 0.0)
     balance = [f"aux loss x {coef:g} over the global batch"] if coef > 0 else []
     balance += [f"aux-loss-free bias, rate {rate:g}"] if rate > 0 else []
-    shared = ", 1 shared expert" if model.get("shared_expert") else ""
-    return (f"{model['n_experts']} experts, top-{model['top_k']}{shared}; balancing: "
+    shared = ", 1 shared expert" if model.shared_expert else ""
+    return (f"{model.n_experts} experts, top-{model.top_k}{shared}; balancing: "
             f"{' + '.join(balance) or 'none'}")
 
 
@@ -115,7 +116,8 @@ def rank_table(plan) -> Table:
             table.add_row("…", *[""] * (2 + len(plan.mesh_dims)))
         table.add_row(str(r.rank), str(r.node), str(r.local_rank), *(str(r.coords[d]) for d in plan.mesh_dims))
     if len(ranks) > MAX_RANK_ROWS:
-        table.caption = f"{len(ranks)} ranks; all of them are in plan.yaml"
+        table.caption = (f"{len(ranks)} ranks; rank r runs on node r // {plan.procs_per_node}, its coordinates "
+                         "row-major over the mesh")
     return table
 
 
@@ -127,7 +129,7 @@ def _gib(n: float) -> str:
 
 def memory_table(mem):
     """Memory per device by term, one column per pipeline stage that differs (GiB, predicted)."""
-    from usp.perf.memory import TERM_LABELS, TERMS
+    from usp.contract.predictions import TERM_LABELS, TERMS
 
     stages = mem.distinct_stages()
     table = Table(title=f"memory per device, predicted (GiB; {mem.dtype}, {mem.device_name}: "

@@ -16,7 +16,7 @@ usp.plan.plan.plan_with_failures) and the layout search (usp.plan.search: it kee
 no plan or engine failure, so it never proposes what `usp train` refuses).
 
 Rules checked elsewhere, because the Subject can't be built without them: degrees vs world size
-(usp.perf.layout.resolve_degrees), the global batch split (usp.plan.batch.plan_batch), the tokenizer's
+(usp.contract.dims.ParallelDims.resolve), the global batch split (usp.plan.batch.plan_batch), the tokenizer's
 vocabulary, a Hugging Face model.init_from's config.json (usp.plan.plan._subject, usp.plan.hf_config),
 train.dtype (usp.perf.specs.Precision.resolve); logging / profile settings
 (usp.plan.validate.check_observability); the run's name (one directory name, usp.run.names) and
@@ -35,11 +35,14 @@ import math
 import re
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from usp.config.schema import default_of, enum_keys, schema_keys
+from usp.contract.decide import ATTENTION_CHOICES, compile_choice, uses_compile
+from usp.contract.schedule import OptimSettings
+from usp.contract.typed import plain
 from usp.data.corpus import TEXT_SOURCES
 from usp.data.text_check import TEXT_CHECKS
 from usp.data.tokenizer import BYTE_VOCAB, MAX_VOCAB
@@ -47,18 +50,8 @@ from usp.data.tokenizer import KINDS as TOKENIZERS
 from usp.data.tokens import ITEMSIZE as TOKEN_DTYPES
 from usp.errors import PlanError
 from usp.perf.pipeline_split import check_explicit, validate_schedule
-from usp.perf.specs import (
-    ATTENTION_CHOICES,
-    FP8_RECIPES,
-    RECOMPUTE_MODES,
-    Arch,
-    Hardware,
-    Layout,
-    compile_choice,
-    group_crosses_nodes,
-    uses_compile,
-)
-from usp.plan.optimizer import OPTIMIZERS, REFUSED_OPTIMIZERS, SCHEDULES, OptimSettings
+from usp.perf.specs import FP8_RECIPES, RECOMPUTE_MODES, Arch, Hardware, Layout, group_crosses_nodes
+from usp.plan.optimizer import OPTIMIZERS, REFUSED_OPTIMIZERS, SCHEDULES
 
 KINDS = ("plan", "engine", "warn")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
@@ -81,7 +74,7 @@ class RopeSettings:
 
     @classmethod
     def from_model(cls, model) -> RopeSettings:
-        return cls(str(_get(model, "rope_type", "default")), *(_get(model, f"rope_{k}") for k in ROPE_SCALING))
+        return cls(str(model.rope_type), *(getattr(model, f"rope_{k}") for k in ROPE_SCALING))
 
 
 @dataclass(frozen=True)
@@ -103,22 +96,14 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
-        """From a composed config, or the plain dict of RunPlan.config."""
-        g = lambda section, key, d=None: _get(_get(cfg, section, {}), key, d)  # noqa: E731
-        return cls(seq_len=int(g("train", "seq_len")), dtype=str(g("train", "dtype", "auto")),
-                   launcher=str(g("cluster", "launcher", "local")),
-                   ddp_comm_hook=str(g("parallelism", "ddp_comm_hook", "none")),
-                   optim=OptimSettings.from_config(_get(cfg, "optimizer", {}), int(g("train", "steps", 150))),
-                   tokenizer=str(g("data", "tokenizer", "bpe")),
-                   node_rank=g("cluster", "node_rank"), rdzv_endpoint=g("cluster", "rdzv_endpoint"),
-                   compile=g("train", "compile", "auto"), fp8=str(g("train", "fp8", "off")),
-                   rope=RopeSettings.from_model(_get(cfg, "model", {})))
-
-
-def _get(obj, key: str, default=None):
-    if isinstance(obj, dict):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
+        """From a composed config (or a plan's, RunPlan.config)."""
+        train, cluster = cfg.train, cfg.cluster
+        return cls(seq_len=int(train.seq_len), dtype=str(train.dtype), launcher=str(cluster.launcher),
+                   ddp_comm_hook=str(cfg.parallelism.ddp_comm_hook),
+                   optim=OptimSettings.from_config(cfg.optimizer, int(train.steps)),
+                   tokenizer=str(cfg.data.tokenizer), node_rank=cluster.node_rank,
+                   rdzv_endpoint=cluster.rdzv_endpoint, compile=train.compile, fp8=str(train.fp8),
+                   rope=RopeSettings.from_model(cfg.model))
 
 
 @dataclass(frozen=True)
@@ -556,9 +541,9 @@ assert all(r.kind in KINDS for r in RULES) and len({r.name for r in RULES}) == l
 # --- one config value at a time: ranges, choices, paths, and values that need another one ---------------
 
 class Values:
-    """What the field rules look at: a composed config read by dotted key (a DictConfig or a plain
-    dict, e.g. RunPlan.config or a cluster group's slurm block). A key that isn't there reads as None,
-    and None (an optional value left unset) is never refused."""
+    """What the field rules look at: a config's plain values (field_failures converts a composed one)
+    read by dotted key. A key that isn't there reads as None, and None (an optional value left unset) is
+    never refused."""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
@@ -566,7 +551,7 @@ class Values:
     def __getitem__(self, dotted: str):
         node = self.cfg
         for part in dotted.split("."):
-            node = None if node is None else _get(node, part)
+            node = node.get(part) if isinstance(node, dict) else None
         return node
 
 
@@ -661,7 +646,7 @@ def _backend_problem(v: Values) -> str | None:
 
 def _bad_weight(v: Values) -> int | None:
     """The index of the first data.blend source whose weight isn't a finite number > 0."""
-    weights = [float(_get(source, "weight", 1.0)) for source in v["data.blend"] or []]
+    weights = [float(source.get("weight", 1.0)) for source in v["data.blend"] or []]
     return next((i for i, w in enumerate(weights) if not (math.isfinite(w) and w > 0)), None)
 
 
@@ -796,7 +781,7 @@ DATA_FIELD_RULES = [
          lambda v: _bad_weight(v) is not None,
          "a source's weight must be a finite number > 0 (the weights are normalised over the sources)",
          "data.blend=[{paths: [...], weight: 0.7}, {paths: [...], weight: 0.3}]",
-         lambda v: _get(v["data.blend"][_bad_weight(v)], "weight"), also=("data.blend[].weight",)),
+         lambda v: v["data.blend"][_bad_weight(v)].get("weight"), also=("data.blend[].weight",)),
     _at_least("data.workers", 0, " (0 = one per available core)"),
     _one_of("data.text_check", TEXT_CHECKS, "text check", "data.text_check=strict (or skip, off)"),
     _one_of("data.token_dtype", ("auto", *TOKEN_DTYPES), "token dtype", when=_token_files),
@@ -845,9 +830,12 @@ FIELD_RULES: list[Rule] = [*MODEL_FIELD_RULES, *PARALLEL_FIELD_RULES, *CLUSTER_F
 
 
 def field_failures(cfg) -> list[PlanError]:
-    """Every field rule a composed config (or a plain dict with some of its keys) fails, in table order.
-    A DictConfig is read as a plain dict (its attribute access costs 3x the conversion)."""
-    if not isinstance(cfg, dict) and hasattr(cfg, "_metadata"):
+    """Every field rule a composed config (a DictConfig, a UspConfig, or a plain dict with some of its
+    keys) fails, in table order. Read as plain values: a DictConfig's attribute access costs 3x the
+    conversion."""
+    if is_dataclass(cfg):
+        cfg = plain(cfg)
+    elif not isinstance(cfg, dict) and hasattr(cfg, "_metadata"):
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -915,7 +903,7 @@ BATCH_RULE_FIELDS = ("pp", "pp_schedule", "pp_virtual_stages")
 CHECKED_ELSEWHERE = {
     "model.name": "usp.plan.validate.check_run",  # one directory name (the run's, unless train.name)
     "model.init_from": "usp.plan.hf_config.read_hf_config",  # a Hugging Face directory matching the model group
-    **{f"parallelism.{d}": "usp.perf.layout.resolve_degrees" for d in ("dp", "dp_replicate", "dp_shard", "pp", "cp")},
+    **{f"parallelism.{d}": "usp.contract.dims.ParallelDims" for d in ("dp", "dp_replicate", "dp_shard", "pp", "cp")},
     "data.paths": "usp.data.tokenized.dataset_dir",  # the files exist (usp plan: a warning when not on this machine)
     "data.blend[].paths": "usp.data.tokenized.dataset_dir",
     "data.train_bin": "usp.data.tokenized.dataset_dir",

@@ -17,11 +17,12 @@ import time
 from dataclasses import dataclass, field, replace
 from itertools import product
 
+from usp.contract.predictions import TimingPlan
 from usp.errors import PlanError
 from usp.perf.memory import build_peak, peak_bytes
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision
 from usp.perf.stack_profile import PROFILES, Profile
-from usp.perf.timing import TimingPlan, timing_plan
+from usp.perf.timing import timing_plan
 from usp.plan import rules
 from usp.plan.planner_inputs import config_field_failures, planner_context
 from usp.plan.rules import BATCH_ONLY, BATCH_RULE_FIELDS, LAYOUT_ONLY, Settings, Subject, divisors

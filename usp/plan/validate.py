@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from usp.contract.run_plan import BatchPlan
 from usp.errors import PlanError
 from usp.perf.specs import GIB, Layout
 from usp.plan import rules
-from usp.plan.batch import BatchPlan, plan_batch
+from usp.plan.batch import plan_batch
 from usp.plan.planner_inputs import PlannerContext, recipe_precision
 from usp.plan.rules import Subject
 from usp.run.names import check_dir_name

@@ -71,7 +71,8 @@ def _model_axis(swept: dict, rows: list[dict]) -> dict | None:
 
     params: dict[str, int] = {}
     for r in rows:
-        n = r["info"].get("params") or (row_plan(r).get("model") or {}).get("params")  # planned, or from plan.yaml
+        plan = row_plan(r)
+        n = r["info"].get("params") or (plan.model.params if plan is not None else None)  # planned, or from plan.yaml
         if n:
             params.setdefault(of(r), int(n))
     names = sorted(dict.fromkeys(of(r) for r in rows), key=lambda m: (m not in params, params.get(m, 0)))
@@ -94,7 +95,7 @@ def _scale_axis(swept: dict, rows: list[dict]) -> dict | None:
 
 def _constant_axis(rows: list[dict]) -> dict:
     """One row when nothing else is swept: named after the model of the runs."""
-    names = {(row_plan(r).get("model") or {}).get("name") for r in rows} - {None}
+    names = {plan.model.name for r in rows if (plan := row_plan(r)) is not None}
     name = ", ".join(sorted(str(n) for n in names)) or "all points"
     return {"name": "model", "of": lambda r: name, "values": [name]}
 

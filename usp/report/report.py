@@ -116,17 +116,15 @@ def _num(v, fmt: str = ",.0f") -> str | None:
 def _runs_section(runs: list[RunData]) -> list[str]:
     rows = []
     for r in runs:
-        plan = r.plan or {}
-        batch = plan.get("batch") or {}
-        info = {"degrees": {**(plan.get("degrees") or {}),
-                            "ep": ((plan.get("config") or {}).get("parallelism") or {}).get("ep", 1)},
-                "micro_batch": batch.get("micro_batch"), "grad_accum": batch.get("grad_accum")}
+        plan = r.plan
+        info = {"degrees": {**plan.degrees, "ep": plan.config.parallelism.ep}, "micro_batch": plan.batch.micro_batch,
+                "grad_accum": plan.batch.grad_accum} if plan is not None else {}
         mfu, how = r.mfu()
         memory, memory_how = r.memory_measured()
         predicted = max((v[0] for v in r.memory_predicted_gib().values()), default=None)
-        steps = f"{r.metrics[-1]['step']}/{(plan.get('config') or {}).get('train', {}).get('steps', '?')}" \
+        steps = f"{r.metrics[-1]['step']}/{plan.config.train.steps if plan is not None else '?'}" \
             if r.metrics else f"0 (no {METRICS})"
-        rows.append([r.label, r.world_size, layout_text(info) if plan.get("degrees") else "-", steps,
+        rows.append([r.label, r.world_size, layout_text(info) if plan is not None else "-", steps,
                      _num(r.final_loss(), ".4f"), _num(r.tokens_per_s()),
                      None if mfu is None else f"{100 * mfu:.1f}% ({how})",
                      None if memory is None else f"{memory:.3f} ({memory_how})", _num(predicted, ".3f")])

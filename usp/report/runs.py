@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from usp.contract.plan_file import read_plan_if_any
+from usp.contract.run_plan import RunPlan
 from usp.errors import UspError
 from usp.run.files import (
     PLAN,
@@ -22,7 +24,6 @@ from usp.run.files import (
     plan_path,
     profile_dir,
     read_jsonl,
-    read_plan_if_any,
     summary_path,
 )
 
@@ -35,7 +36,7 @@ _FIX = f"usp report runs/<name> (a directory with {PLAN}) or runs/<sweep> (with 
 class RunData:
     dir: Path
     label: str  # legend name
-    plan: dict | None
+    plan: RunPlan | None
     metrics: list[dict]  # one record per logged step, deduplicated by step
     summary: dict | None
     rank_memory_gib: dict[int, float] = field(default_factory=dict)  # measured, from logs/rank_<R>.log
@@ -49,15 +50,17 @@ class RunData:
 
     @property
     def world_size(self) -> int:
-        return int((self.plan or {}).get("world_size") or (self.summary or {}).get("world_size") or 1)
+        if self.plan is not None:
+            return self.plan.world_size
+        return int((self.summary or {}).get("world_size") or 1)
 
     def profiled_steps(self) -> set[int]:
         """Steps the profiler slowed down: profile.steps [first, last] and the step before it,
         which the profiler's schedule traces as its warm-up (usp/engine/observe/profiler.py)."""
-        cfg = ((self.plan or {}).get("config") or {}).get("profile") or {}
-        if not cfg.get("enabled") or not cfg.get("steps"):
+        cfg = self.plan.config.profile if self.plan is not None else None
+        if cfg is None or not cfg.enabled or not cfg.steps:
             return set()
-        first, last = int(cfg["steps"][0]), int(cfg["steps"][-1])
+        first, last = int(cfg.steps[0]), int(cfg.steps[-1])
         return set(range(max(1, first - 1), last + 1))
 
     def steady_records(self) -> list[dict]:
@@ -78,10 +81,10 @@ class RunData:
         values = [r["mfu"] for r in self.steady_records() if isinstance(r.get("mfu"), (int, float))]
         if values:
             return statistics.median(values), "measured"
-        timing, tps = (self.plan or {}).get("timing") or {}, self.tokens_per_s()
-        if tps is None or not timing.get("peak_tflops") or not timing.get("model_flops_per_token"):
+        timing, tps = self.plan.timing if self.plan is not None else None, self.tokens_per_s()
+        if tps is None or timing is None or not timing.peak_tflops or not timing.model_flops_per_token:
             return None, "-"
-        return tps * timing["model_flops_per_token"] / (timing["peak_tflops"] * 1e12 * self.world_size), "derived"
+        return tps * timing.model_flops_per_token / (timing.peak_tflops * 1e12 * self.world_size), "derived"
 
     def final_loss(self) -> float | None:
         if self.summary and isinstance(self.summary.get("final_loss"), (int, float)):
@@ -106,14 +109,14 @@ class RunData:
     def memory_predicted_gib(self) -> dict[int, tuple[float, float]]:
         """rank -> (predicted tensor memory, predicted total with the overhead allowance), GiB,
         from plan.yaml: the memory of the rank's pipeline stage."""
-        memory, ranks = (self.plan or {}).get("memory"), (self.plan or {}).get("ranks") or []
-        if not memory or not memory.get("stages"):
+        plan = self.plan
+        if plan is None or plan.memory is None or not plan.memory.stages:
             return {}
-        stages, out = memory["stages"], {}
-        for r in ranks:
-            pp = int((r.get("coords") or {}).get("pp", 0))
-            s = stages[pp] if pp < len(stages) else stages[memory.get("peak_stage", 0)]
-            out[int(r["rank"])] = ((s["total"] - s["overhead"]) / GIB, s["total"] / GIB)
+        memory, out = plan.memory, {}
+        for r in plan.ranks:
+            pp = int(r.coords.get("pp", 0))
+            s = memory.stages[pp] if pp < len(memory.stages) else memory.peak
+            out[r.rank] = ((s.total - s.overhead) / GIB, s.total / GIB)
         return out
 
 
@@ -130,7 +133,7 @@ def load_run(path, label: str | None = None) -> RunData:
     plan = read_plan_if_any(path)
     by_step = {int(r["step"]): r for r in read_jsonl(metrics_path(path)) if isinstance(r.get("step"), int)}
     summary = read_json_object(summary_path(path))
-    return RunData(path, label or (plan or {}).get("name") or path.name, plan,
+    return RunData(path, label or (plan.name if plan is not None else path.name), plan,
                    [by_step[s] for s in sorted(by_step)], summary, _rank_memory(path),
                    _per_rank(profile_dir(path), PROFILE_SUMMARY_RE), _per_rank(profile_dir(path), PROFILE_TRACE_RE))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from usp.contract.run_plan import RunPlan
 from usp.report.runs import RunData
 from usp.run.sweep_record import layout_text
 
@@ -42,8 +43,7 @@ def sweep_rows(sweep: dict, runs: dict[str, RunData]) -> list[dict]:
                                 run.memory_measured() if run else (None, "-"))),
                      "memory_predicted_gib": (p.get("predicted") or {}).get("memory_tensor_gib"),
                      "final_loss": run.final_loss() if run and status == "done" else None,
-                     "global_batch_tokens": ((run.plan or {}).get("batch") or {}).get("global_batch_tokens")
-                     if run else None,
+                     "global_batch_tokens": run.plan.batch.global_batch_tokens if run and run.plan else None,
                      "run": run})
     return rows
 
@@ -122,10 +122,11 @@ def batch_guidance(sweep: dict, rows: list[dict]) -> list[str]:
     return out
 
 
-def row_plan(row: dict) -> dict:
-    """The plan.yaml of a row's run ({} without one)."""
-    return (row["run"].plan if row.get("run") else None) or {}
+def row_plan(row: dict) -> RunPlan | None:
+    """The plan of a row's run (None without one)."""
+    return row["run"].plan if row.get("run") else None
 
 
 def _fits(row: dict) -> bool:
-    return bool((row_plan(row).get("memory") or {}).get("fits", True))
+    plan = row_plan(row)
+    return plan is None or plan.memory is None or plan.memory.fits

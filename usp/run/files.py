@@ -119,19 +119,10 @@ def profile_dir(run_dir) -> Path:
     return Path(run_dir) / PROFILE
 
 
-def checkpoint_dir(plan) -> Path:
-    """The checkpoint directory of a plan (RunPlan or the dict of plan.yaml):
-    checkpoint.dir, or <run_dir>/checkpoints when that is unset."""
-    config = plan_field(plan, "config")
-    configured = (config.get("checkpoint") or {}).get("dir")
-    return Path(configured) if configured else Path(plan_field(plan, "run_dir")) / CHECKPOINTS
-
-
-def run_checkpoint_dir(run_dir, plan: dict | None) -> Path:
-    """Where the run directory `run_dir` keeps its checkpoints: its plan's checkpoint.dir, or
-    <run_dir>/checkpoints (not the run_dir plan.yaml names: a run directory copied or moved elsewhere
+def run_checkpoint_dir(run_dir, configured: str | None) -> Path:
+    """Where the run directory `run_dir` keeps its checkpoints: checkpoint.dir (`configured`), or
+    <run_dir>/checkpoints (not the run_dir its plan names: a run directory copied or moved elsewhere
     keeps its own)."""
-    configured = (((plan or {}).get("config") or {}).get("checkpoint") or {}).get("dir")
     return Path(configured) if configured else Path(run_dir) / CHECKPOINTS
 
 
@@ -200,23 +191,6 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write through a temporary file and a rename, so a crash never leaves a half-written file."""
     with staged(path) as tmp:
         tmp.write_text(text)
-
-
-def read_plan(path) -> dict:
-    """plan.yaml as a dict. `path` is the file, or a run directory holding it."""
-    import yaml  # not at import time: pyyaml costs start-up for commands that never read a plan
-
-    path = Path(path)
-    if path.is_dir():
-        path = path / PLAN
-    with open(path) as f:
-        return yaml.safe_load(f)
-
-
-def read_plan_if_any(run_dir) -> dict | None:
-    """The run directory's plan.yaml, or None when there is none."""
-    path = plan_path(run_dir)
-    return read_plan(path) if path.is_file() else None
 
 
 def read_jobs(record_dir) -> list[dict]:
@@ -297,8 +271,3 @@ def list_checkpoints(ckpt_dir) -> list[CheckpointInfo]:
 def latest_complete(ckpt_dir) -> CheckpointInfo | None:
     done = [c for c in list_checkpoints(ckpt_dir) if c.complete]
     return done[-1] if done else None
-
-
-def plan_field(obj, name: str):
-    """A field of a RunPlan, or of the dict plan.yaml reads back as."""
-    return obj[name] if isinstance(obj, dict) else getattr(obj, name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from usp.errors import LaunchError
 from usp.run.files import (
@@ -28,6 +29,10 @@ from usp.run.files import (
 )
 from usp.run.lock import LockInfo
 
+if TYPE_CHECKING:  # the floor reads plans it is handed; it imports no contract code
+    from usp.contract.dims import RankInfo
+    from usp.contract.run_plan import RunPlan
+
 RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"
 
 
@@ -35,7 +40,7 @@ RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped
 class FailureReport:
     root: dict | None = None  # the failure that started it (None: only silent ranks / lost peers)
     secondary: list[dict] = field(default_factory=list)  # failures caused by the root one
-    silent: list[dict] = field(default_factory=list)  # plan rank entries with no failure file
+    silent: list[RankInfo] = field(default_factory=list)  # the plan's ranks with no failure file
     earlier: list[dict] = field(default_factory=list)  # failures before the latest launch or restart
     lost_peer_seen: bool = False
 
@@ -81,7 +86,7 @@ def read_failures(run_dir: Path) -> list[dict]:
     return out
 
 
-def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
+def analyse_failures(run_dir: Path, plan: RunPlan | None) -> FailureReport:
     """Sort the failure files of the latest launch (and attempt) into root cause and consequences."""
     failures = read_failures(run_dir)
     since = launched_at(run_dir)
@@ -97,9 +102,9 @@ def analyse_failures(run_dir: Path, plan: dict | None) -> FailureReport:
     primary = [f for f in active if f.get("error_class") != LOST_PEER]
     report.root = (primary or active)[0] if active else None
     report.secondary = [f for f in active if f is not report.root]
-    if active and plan:
+    if active and plan is not None:
         reported = {int(f.get("rank", -1)) for f in active}
-        report.silent = [r for r in plan.get("ranks", []) if int(r["rank"]) not in reported]
+        report.silent = [r for r in plan.ranks if r.rank not in reported]
     return report
 
 

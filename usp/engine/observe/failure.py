@@ -17,6 +17,9 @@ import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 
+from usp.contract.plan_file import read_plan
+from usp.contract.run_plan import RunPlan
+from usp.contract.typed import PlanFileError
 from usp.run.files import DISK_FULL, LOST_PEER, OOM, PYTHON, TIMEOUT, failure_path, rank_log
 
 # Lower-case message fragments, checked in this order (a lost connection often mentions a timeout).
@@ -53,22 +56,20 @@ def classify(exc: BaseException) -> str:
     return PYTHON
 
 
-def record_failure(run_dir, plan: dict, rank: int, exc: BaseException, last_step: int | None) -> Path:
+def record_failure(run_dir, plan: RunPlan, rank: int, exc: BaseException, last_step: int | None) -> Path:
     """Write logs/failure_rank<rank>.json atomically and append the whole traceback and a one-liner
     to logs/rank_<rank>.log."""
     from usp.run.files import write_text_atomic
 
-    ranks = plan.get("ranks") or []
-    info = ranks[rank] if 0 <= rank < len(ranks) else {}
-    coords = dict(info.get("coords") or {})
-    pipe = plan.get("pipeline") or {}
+    info = plan.ranks[rank] if 0 <= rank < len(plan.ranks) else None
+    coords = dict(info.coords) if info is not None else {}
     stages = None
-    if pipe.get("rank_stages") and "pp" in coords:
-        stages = list(pipe["rank_stages"][coords["pp"]])
+    if plan.pipeline is not None and "pp" in coords:
+        stages = list(plan.pipeline.rank_stages[coords["pp"]])
     now = time.time()
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     record = {
-        "rank": rank, "node": info.get("node"), "local_rank": info.get("local_rank"),
+        "rank": rank, "node": info.node if info else None, "local_rank": info.local_rank if info else None,
         "host": socket.gethostname(), "pid": os.getpid(), "coords": coords, "stages": stages,
         "error_class": classify(exc), "exception_type": _qualname(exc), "message": str(exc)[:2000],
         "traceback": tb[-4000:], "last_completed_step": last_step,
@@ -105,14 +106,12 @@ def record_failures(worker):
         except BaseException as exc:  # torch's CheckpointException is a BaseException
             from usp.engine.signals import interrupted
 
-            if interrupted():  # a peer left because of Ctrl-C: not a failure (usp.engine.signals)
+            if interrupted() or isinstance(exc, PlanFileError):  # a peer's Ctrl-C; a plan.yaml it can't read
                 raise
             try:
-                from usp.run.files import read_plan
-
                 plan = read_plan(Path(plan_path))
                 trainer = _local_of(exc, worker.__code__, "trainer")
-                path = record_failure(plan["run_dir"], plan, int(os.environ.get("RANK", "0")), exc,
+                path = record_failure(plan.run_dir, plan, int(os.environ.get("RANK", "0")), exc,
                                       getattr(trainer, "last_completed_step", None))
                 _recorded[id(exc)] = path
             except Exception as err:  # never hide the real error behind a reporting problem

@@ -38,22 +38,24 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # not an attribute of torch.optim on torch 2.11
 
+from usp.contract.predictions import StageMemory
+from usp.contract.run_plan import RunPlan
+
 GIB = 1024 ** 3
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 
 
-def predicted_stage(plan: dict, pp_rank: int) -> dict | None:
-    """The planner's breakdown for this rank's pipeline stage (plan["memory"]["stages"][pp rank])."""
-    memory = plan.get("memory")
-    if not memory:
+def predicted_stage(plan: RunPlan, pp_rank: int) -> StageMemory | None:
+    """The planner's breakdown for this rank's pipeline stage (plan.memory.stages[pp rank])."""
+    memory = plan.memory
+    if memory is None:
         return None
-    stages = memory["stages"]
-    return stages[pp_rank] if pp_rank < len(stages) else stages[memory["peak_stage"]]
+    return memory.stages[pp_rank] if pp_rank < len(memory.stages) else memory.peak
 
 
-def predicted_tensor_bytes(stage: dict) -> float:
+def predicted_tensor_bytes(stage: StageMemory) -> float:
     """The planner's tensor memory of a stage: its total without the overhead allowance."""
-    return float(stage["total"]) - float(stage["overhead"])
+    return float(stage.total) - float(stage.overhead)
 
 
 def storage_bytes(tensors) -> int:
@@ -221,14 +223,14 @@ class MemoryProbe:
         ctx = trainer.ctx
         self.pp_rank = int(ctx.coords.get("pp", 0))
         self.stage = predicted_stage(trainer.plan, self.pp_rank)
-        timing = trainer.plan.get("timing") or {}
-        self.step_predicted = timing.get("step_s")
+        timing = trainer.plan.timing
+        self.step_predicted = timing.step_s if timing is not None else None
         self.measured: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, trainer) -> MemoryProbe | None:
         train = trainer.cfg.train
-        if not bool(train.get("measure_memory", True)) or trainer.steps < 1:
+        if not bool(train.measure_memory) or trainer.steps < 1:
             return None
         start = int(getattr(trainer, "start_step", 0))
         if start >= trainer.steps:
@@ -243,8 +245,8 @@ class MemoryProbe:
         optimizers = list(getattr(t, "optimizers", None) or [t.optimizer])
         if t.ctx.device.type == "cuda":
             return CudaAllocatorProbe(modules, optimizers, t.ctx.device)
-        par = t.plan["config"]["parallelism"]
-        split_backward = t.ctx.degrees["pp"] > 1 and par["pp_schedule"] in ("interleaved_zb", "zbv")
+        par = t.plan.config.parallelism
+        split_backward = t.ctx.degrees["pp"] > 1 and par.pp_schedule in ("interleaved_zb", "zbv")
         return MemTrackerProbe(modules, optimizers, module_hooks=not split_backward)
 
     def is_measured(self, step: int) -> bool:
@@ -277,13 +279,13 @@ class MemoryProbe:
             return {}
         s = self.stage
         # the probe's "activations" holds the logits and autocast's weight copies too
-        acts = float(s["activations"]) + float(s["logits"]) + float(s.get("copies", 0.0))
+        acts = float(s.activations) + float(s.logits) + float(s.copies)
         return {"memory_predicted_gib": predicted_tensor_bytes(s) / GIB,
-                "memory_predicted_total_gib": float(s["total"]) / GIB,
+                "memory_predicted_total_gib": float(s.total) / GIB,
                 "memory_predicted_breakdown_gib": {
-                    "params": (float(s["parameters"]) + float(s["gathered"])) / GIB,
-                    "grads": float(s["gradients"]) / GIB, "optimizer": float(s["optimizer"]) / GIB,
-                    "activations": acts / GIB, "comm_buffers": float(s["comm_buffers"]) / GIB}}
+                    "params": (float(s.parameters) + float(s.gathered)) / GIB,
+                    "grads": float(s.gradients) / GIB, "optimizer": float(s.optimizer) / GIB,
+                    "activations": acts / GIB, "comm_buffers": float(s.comm_buffers) / GIB}}
 
     def record(self, step: int) -> dict:
         """Fields for the metrics record of `step` (every logged step: the predicted step time;
@@ -308,10 +310,10 @@ class MemoryProbe:
         if self.measured is not None:
             out["memory_measured_peak_gib"] = self.measured["max_over_ranks"] / GIB
             out["memory_measured_by"] = self.measured["by"]
-            memory = self.trainer.plan.get("memory")
-            if memory:
-                out["memory_predicted_peak_gib"] = max(predicted_tensor_bytes(s) for s in memory["stages"]) / GIB
-                out["memory_predicted_peak_total_gib"] = float(memory["peak_gib"])
+            memory = self.trainer.plan.memory
+            if memory is not None:
+                out["memory_predicted_peak_gib"] = max(predicted_tensor_bytes(s) for s in memory.stages) / GIB
+                out["memory_predicted_peak_total_gib"] = float(memory.peak_gib)
         times = [r["step_time_s"] for r in history if r["step"] not in (1, self.at + 1)] or \
             [r["step_time_s"] for r in history]
         if times:

@@ -23,10 +23,10 @@ class StepProfiler:
 
     @classmethod
     def create(cls, trainer) -> StepProfiler | None:
-        cfg = trainer.plan["config"].get("profile") or {}
-        if not cfg.get("enabled"):
+        cfg = trainer.plan.config.profile
+        if not cfg.enabled:
             return None
-        first, last = (int(s) for s in cfg["steps"])
+        first, last = (int(s) for s in cfg.steps)
         if trainer.start_step >= last:
             trainer.log.info("profile: resumed at step %d, after the profiled steps %d-%d", trainer.start_step,
                              first, last)
@@ -40,15 +40,15 @@ class StepProfiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.first = max(first, start_step + 1)  # resumed inside the window: profile what is left
         self.last = last
-        self.memory = bool(cfg.get("memory")) and device.type == "cuda"
-        if cfg.get("memory") and not self.memory and rank == 0:
+        self.memory = bool(cfg.memory) and device.type == "cuda"
+        if cfg.memory and not self.memory and rank == 0:
             warn(f"profile.memory: memory snapshots need a CUDA device; skipped on {device.type}")
         # The schedule counts prof.step() calls from start(): call k runs step start_step + k + 1.
         before = self.first - 1 - start_step
         warmup = 1 if before else 0  # the first recorded step otherwise includes profiler start-up
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.prof = torch.profiler.profile(
-            activities=activities, record_shapes=bool(cfg.get("record_shapes")), on_trace_ready=self._write,
+            activities=activities, record_shapes=bool(cfg.record_shapes), on_trace_ready=self._write,
             schedule=torch.profiler.schedule(wait=before - warmup, warmup=warmup, active=last - self.first + 1,
                                              repeat=1))
         self.prof.start()

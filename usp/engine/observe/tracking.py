@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from usp.contract.run_plan import RunPlan
+from usp.contract.typed import plain
 from usp.engine.observe.metrics import MetricsWriter
 from usp.run.files import METRICS
 
@@ -23,15 +25,15 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def build_trackers(plan: dict, run_dir: Path, resume_step: int = 0,
+def build_trackers(plan: RunPlan, run_dir: Path, resume_step: int = 0,
                    warn: Callable[[str], None] = print) -> Trackers:
     """The backends logging.* asks for. resume_step > 0: a resumed run (records after it from a
     crashed attempt are dropped, the W&B run id is reused)."""
-    cfg = plan["config"].get("logging", {})
+    cfg = plan.config.logging
     extras: list[Tracker] = []
-    if cfg.get("wandb"):
+    if cfg.wandb:
         extras.append(WandbTracker(plan, run_dir, resumed=resume_step > 0, warn=warn))
-    if cfg.get("tensorboard"):
+    if cfg.tensorboard:
         extras.append(TensorBoardTracker(run_dir / "tensorboard", plan, resume_step))
     return Trackers(MetricsWriter(run_dir / METRICS, keep_until=resume_step), extras, warn)
 
@@ -100,19 +102,19 @@ class WandbTracker:
     and then an init that can't reach the server falls back to offline after
     logging.wandb_init_timeout_s."""
 
-    def __init__(self, plan: dict, run_dir: Path, resumed: bool, warn: Callable[[str], None]):
+    def __init__(self, plan: RunPlan, run_dir: Path, resumed: bool, warn: Callable[[str], None]):
         import wandb
 
-        cfg = plan["config"]["logging"]
+        cfg = plan.config.logging
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resumed and id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id + "\n")
-        mode = wandb_mode(cfg.get("wandb_mode"))
-        kwargs = dict(project=cfg.get("wandb_project", "usp"), entity=cfg.get("wandb_entity"), name=plan["name"],
-                      id=run_id, resume="allow", dir=str(run_dir), config=plan,
-                      tags=[str(t) for t in cfg.get("wandb_tags") or []], job_type="train")
+        mode = wandb_mode(str(cfg.wandb_mode) if cfg.wandb_mode else None)
+        kwargs = dict(project=cfg.wandb_project, entity=cfg.wandb_entity, name=plan.name,
+                      id=run_id, resume="allow", dir=str(run_dir), config=plan.to_dict(),
+                      tags=[str(t) for t in cfg.wandb_tags], job_type="train")
         # console="off": our own console prints the progress; W&B would otherwise wrap stdout.
-        settings = wandb.Settings(init_timeout=float(cfg.get("wandb_init_timeout_s", 30.0)), console="off")
+        settings = wandb.Settings(init_timeout=float(cfg.wandb_init_timeout_s), console="off")
         try:
             self.run = wandb.init(mode=mode, settings=settings, **kwargs)
         except Exception as exc:  # noqa: BLE001 - no network, no API key, timeout: all fall back
@@ -134,14 +136,14 @@ class WandbTracker:
 class TensorBoardTracker:
     """Event files in <run_dir>/tensorboard, one scalar per record field (tag = field name)."""
 
-    def __init__(self, log_dir: Path, plan: dict, resume_step: int = 0):
+    def __init__(self, log_dir: Path, plan: RunPlan, resume_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: a resumed run hides the events a crashed attempt wrote after the checkpoint.
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None,
                                     flush_secs=10)
         if not resume_step:
-            self.writer.add_text("config", "```\n" + json.dumps(plan["config"], indent=1) + "\n```")
+            self.writer.add_text("config", "```\n" + json.dumps(plain(plan.config), indent=1) + "\n```")
 
     def log(self, step: int, record: dict) -> None:
         for key, value in scalars(record).items():

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from usp.contract.run_plan import RunPlan
 from usp.engine.accel import set_attention
 from usp.engine.parallel.mesh import DistContext
 from usp.engine.parallel.parallelize import parallelize
 from usp.engine.parallel.tied import tied_embedding
 from usp.models.llama import Llama, LlamaArgs
-from usp.perf.pipeline_split import last_stage_rank
 
 
 @dataclass
@@ -42,27 +42,22 @@ class ModelParts:
             yield from m.parameters()
 
 
-def model_factory(plan: dict, ctx: DistContext):
+def model_factory(plan: RunPlan, ctx: DistContext):
     """A function that builds the whole model on the meta device: shapes only, nothing allocated.
-    parallelize() allocates and initialises each rank's part (parallel/materialize.py)."""
-    cfg = plan["config"]
-    vocab = int(plan["model"]["vocab_size"])
-    if ctx.degrees["tp"] > 1:
-        from usp.engine.parallel.tensor import padded_vocab
-
-        vocab = padded_vocab(vocab, ctx.degrees["tp"])  # padded rows are masked out of the loss
-    args = LlamaArgs.from_config(_Attrs(cfg["model"]), vocab)
+    parallelize() allocates and initialises each rank's part (parallel/materialize.py). The
+    embedding has the plan's rows: the vocabulary padded to a multiple of tp (masked out of the loss)."""
+    args = LlamaArgs.from_config(plan.config.model, plan.decisions.embedding_rows)
 
     def build() -> Llama:
         with torch.device("meta"):
-            model = Llama(args, max_seq_len=int(plan["batch"]["seq_len"]))
-        set_attention(model, str(cfg["model"].get("attention", "sdpa")), ctx.device.type)
+            model = Llama(args, max_seq_len=int(plan.batch.seq_len))
+        set_attention(model, plan.decisions.attention, ctx.device.type)
         return model
 
     return build
 
 
-def build_model(plan: dict, ctx: DistContext) -> ModelParts:
+def build_model(plan: RunPlan, ctx: DistContext) -> ModelParts:
     start = time.perf_counter()
     build = model_factory(plan, ctx)
     if ctx.degrees["pp"] > 1:
@@ -85,32 +80,25 @@ def _log_build(ctx: DistContext, parts: ModelParts, seconds: float) -> None:
         sum(t.numel() for t in local), n_bytes / 2 ** 20)
 
 
-def build_pipeline_parts(plan: dict, ctx: DistContext, build) -> ModelParts:
-    """This rank's stages of plan["pipeline"] and the schedule that runs them."""
+def build_pipeline_parts(plan: RunPlan, ctx: DistContext, build) -> ModelParts:
+    """This rank's stages of plan.pipeline and the schedule that runs them."""
     # imported here: torch.distributed.pipelining costs ~1 s of start-up per process (measured),
     # which only pipelined runs need to pay
     from usp.engine.loss import training_loss
     from usp.engine.parallel.pipeline import build_pipeline
 
-    pipe = plan["pipeline"]
-    mine = pipe["rank_stages"][ctx.coords["pp"]]
-    n_stages = len(pipe["stage_layers"])
+    pipe = plan.pipeline
+    assert pipe is not None, "pp > 1 has a pipeline plan"
+    mine = pipe.rank_stages[ctx.coords["pp"]]
+    n_stages = len(pipe.stage_layers)
 
-    schedule, wrapped = build_pipeline(build, pipe["stage_layers"], mine, ctx.group("pp"), ctx.device,
-                                       int(pipe["n_microbatches"]), pipe["schedule"], training_loss(plan),
+    schedule, wrapped = build_pipeline(build, pipe.stage_layers, mine, ctx.group("pp"), ctx.device,
+                                       int(pipe.n_microbatches), pipe.schedule, training_loss(plan),
                                        parallelize_fn=lambda stage: parallelize(stage, plan, ctx))
-    tied = tied_embedding(ctx, list(mine), wrapped, pipe["rank_stages"], plan["ranks"]) \
-        if plan["config"]["model"].get("tie_embeddings") else None
+    tied = tied_embedding(ctx, list(mine), wrapped, pipe.rank_stages, plan.ranks) \
+        if plan.config.model.tie_embeddings else None
     return ModelParts(
         modules=wrapped, raw=None, schedule=schedule, is_first_stage=0 in mine, is_last_stage=n_stages - 1 in mine,
-        stage_modules=wrapped,
-        last_pp_rank=last_stage_rank(ctx.degrees["pp"], int(pipe["virtual_stages"]), pipe["schedule"]),
-        stage_indices=list(mine),
-        stage_owner={stage: rank for rank, stages in enumerate(pipe["rank_stages"]) for stage in stages},
-        hidden_dim=int(plan["config"]["model"]["dim"]), tied=tied)
-
-
-class _Attrs(dict):
-    """Attribute access on a plain dict (the plan's config section)."""
-
-    __getattr__ = dict.__getitem__
+        stage_modules=wrapped, last_pp_rank=pipe.last_stage_rank, stage_indices=list(mine),
+        stage_owner={stage: rank for rank, stages in enumerate(pipe.rank_stages) for stage in stages},
+        hidden_dim=int(plan.config.model.dim), tied=tied)

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 from torch import nn
 
+from usp.contract.run_plan import RunPlan
 from usp.engine.parallel.local_part import place_local_part
 from usp.engine.parallel.mesh import DistContext
 
 
-def materialize(model: nn.Module, plan: dict, ctx: DistContext) -> None:
+def materialize(model: nn.Module, plan: RunPlan, ctx: DistContext) -> None:
     """Allocate `model`'s (a meta-built Llama or pipeline stage, parallelized or not) parameters on
     this rank's device and initialise them, or load model.init_from into them."""
     if ctx.device.type == "meta":  # the build check (usp/engine/meta_build.py): shapes only, nothing allocated
         return
-    cfg = plan["config"]
-    seed = int(cfg["train"]["seed"])
+    seed = int(plan.config.train.seed)
     model.allocate(ctx.device)
-    init_from = cfg["model"].get("init_from")
+    init_from = plan.config.model.init_from
     if not init_from:
         model.init_weights(seed, place=place_local_part)
         return

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from usp.contract.run_plan import RunPlan
+
 EXPERT_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 EXPERT_CHECKPOINT_DIMS = ("pp", "dp_replicate", "ep", "dp_shard_mod_ep", "tp")
 
@@ -89,18 +91,18 @@ class DistContext:
         return self._flat["ep_checkpoint"]
 
 
-def init_process_group(plan: dict) -> None:
+def init_process_group(plan: RunPlan) -> None:
     """Once per process, before building any context."""
-    torch.set_num_threads(int(plan["threads_per_proc"]))
+    torch.set_num_threads(int(plan.threads_per_proc))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != plan["world_size"]:
-        raise RuntimeError(f"launched with WORLD_SIZE={world} but the plan expects {plan['world_size']} ranks")
+    if world != plan.world_size:
+        raise RuntimeError(f"launched with WORLD_SIZE={world} but the plan expects {plan.world_size} ranks")
     if world > 1 and not dist.is_initialized():
-        device = _device(plan["device"], int(os.environ.get("LOCAL_RANK", "0")))
-        timeout = timedelta(seconds=int(plan["config"]["cluster"].get("timeout_s", 600)))
+        device = _device(plan.device, int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = timedelta(seconds=int(plan.config.cluster.timeout_s))
         store = _attempt_store(world, timeout)
         given = {"store": store, "rank": int(os.environ["RANK"]), "world_size": world} if store else {}
-        dist.init_process_group(backend=plan["backend"], timeout=timeout,
+        dist.init_process_group(backend=plan.backend, timeout=timeout,
                                 device_id=device if device.type != "cpu" else None, **given)
 
 
@@ -118,21 +120,21 @@ def _attempt_store(world: int, timeout: timedelta):
     return dist.PrefixStore(f"usp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
-def make_context(plan: dict) -> DistContext:
+def make_context(plan: RunPlan) -> DistContext:
     """Device and mesh for this rank under `plan` (the process group must already exist for
     several ranks). Can be called again with another plan of the same world size."""
-    world = int(plan["world_size"])
+    world = int(plan.world_size)
     rank = dist.get_rank() if world > 1 else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device(plan["device"], local_rank)
+    device = _device(plan.device, local_rank)
     mesh = None
     if world > 1:
-        mesh = init_device_mesh(device.type, tuple(plan["mesh_shape"]), mesh_dim_names=tuple(plan["mesh_dims"]))
-    coords = dict(plan["ranks"][rank]["coords"])
-    return DistContext(rank, world, local_rank, device, dict(plan["degrees"]), coords, mesh)
+        mesh = init_device_mesh(device.type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_dims))
+    coords = dict(plan.ranks[rank].coords)
+    return DistContext(rank, world, local_rank, device, dict(plan.degrees), coords, mesh)
 
 
-def setup(plan: dict) -> DistContext:
+def setup(plan: RunPlan) -> DistContext:
     init_process_group(plan)
     return make_context(plan)
 

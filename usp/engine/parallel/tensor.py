@@ -27,10 +27,6 @@ from torch.distributed.tensor.parallel import (
 from usp.models.moe import MoE
 
 
-def padded_vocab(vocab: int, tp: int) -> int:
-    return -(-vocab // tp) * tp
-
-
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, real_vocab: int) -> None:
     """Shard `model` (a Llama or a pipeline stage of one) over `tp_mesh` in place."""
     top = {}

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from usp.contract.dims import RankInfo
+
 EMB, HEAD = "tok_embeddings.weight", "output.weight"
 
 
@@ -39,7 +41,7 @@ def _bare(module: nn.Module) -> nn.Module:
 
 
 def tied_embedding(ctx, stage_indices: list[int], modules: list[nn.Module], rank_stages: list[list[int]],
-                   ranks: list[dict]) -> TiedEmbedding:
+                   ranks: list[RankInfo]) -> TiedEmbedding:
     """This rank's copies and its embedding group. Every rank calls it (it creates process groups)."""
     last = sum(len(s) for s in rank_stages) - 1
     copies, head_copy = [], None
@@ -53,7 +55,7 @@ def tied_embedding(ctx, stage_indices: list[int], modules: list[nn.Module], rank
     return TiedEmbedding(copies, head_copy, _embedding_group(ctx, owner[0], owner[last], ranks))
 
 
-def _embedding_group(ctx, first: int, last: int, ranks: list[dict]):
+def _embedding_group(ctx, first: int, last: int, ranks: list[RankInfo]):
     """The group of the pp ranks `first` and `last` of this rank's (dp, cp, tp) slice; all ranks
     create every slice's group in the same order, as torch.distributed requires."""
     if first == last:
@@ -62,8 +64,8 @@ def _embedding_group(ctx, first: int, last: int, ranks: list[dict]):
         return ctx.group("pp")
     slices: dict[tuple, dict[int, int]] = {}
     for r in ranks:
-        c = r["coords"]
-        slices.setdefault(tuple(v for k, v in sorted(c.items()) if k != "pp"), {})[c["pp"]] = r["rank"]
+        c = r.coords
+        slices.setdefault(tuple(v for k, v in sorted(c.items()) if k != "pp"), {})[c["pp"]] = r.rank
     mine = None
     for by_pp in slices.values():
         members = [by_pp[first], by_pp[last]]

@@ -12,9 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from usp.contract.decide import uses_bf16
 from usp.errors import UspError
-from usp.perf.calibration.measured_runs import MeasuredRun, read_run_dirs, read_sweep_csv
-from usp.perf.specs import Hardware, Precision, uses_bf16
+from usp.perf.calibration.measured_runs import MeasuredRun, cluster_group, read_run_dirs, read_sweep_csv
+from usp.perf.specs import Hardware, Precision
 from usp.perf.stack_profile import Profile, get_profile
 from usp.perf.time_constants import Calibrated
 from usp.perf.timing import TimeShape, evaluate, layout_features, mfu, time_shape
@@ -293,8 +294,8 @@ class Calibration:
 
 def calibrate(measured: Path, cluster: str, profile: str, archs: Path | None = None, holdout: int = 0) -> Calibration:
     """Fit `cluster`'s time constants to the measured runs (trained with `profile`'s recipe)."""
-    _, text, group = load_cluster(cluster)
-    hw0 = Hardware.from_cluster(group)
+    path, text, group = load_cluster(cluster)
+    hw0 = Hardware.from_cluster(cluster_group(group, path))
     prof = get_profile(profile)
     prec = Precision.resolve("bf16" if uses_bf16("auto", hw0.device) else "fp32", hw0.device, prof.fp32_params)
     runs = read_runs(measured, archs)

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from usp.contract.config_schema import ClusterConfig
+from usp.contract.run_plan import RunPlan
+from usp.contract.typed import rebuild
 from usp.errors import UspError
 from usp.perf.calibration.csv_rows import read_rows
 from usp.perf.specs import Arch, Hardware, Layout, Precision
@@ -70,8 +73,14 @@ def h100_nodes(nodes: int) -> Hardware:
 
     from usp.config.paths import conf_dir
 
-    group = yaml.safe_load((conf_dir() / "cluster" / f"{PLAYBOOK_CLUSTER}.yaml").read_text())
-    return Hardware.from_cluster(group).with_nodes(nodes)
+    path = conf_dir() / "cluster" / f"{PLAYBOOK_CLUSTER}.yaml"
+    return Hardware.from_cluster(cluster_group(yaml.safe_load(path.read_text()), path)).with_nodes(nodes)
+
+
+def cluster_group(values: dict, path: Path) -> ClusterConfig:
+    """A cluster group's YAML values as the schema's ClusterConfig (the keys it leaves out: their
+    defaults); a key the schema lacks or a value of the wrong type names the file."""
+    return rebuild(ClusterConfig, values, source=str(path))
 
 
 def _float(value: str | None) -> float | None:
@@ -127,7 +136,7 @@ def read_sweep_csv(path: Path = SWEEP_CSV, archs: Path | None = None, key: str =
 def read_run_dirs(root: Path) -> list[MeasuredRun]:
     """usp run directories under `root` (each with plan.yaml and metrics.jsonl): the layout from the
     plan, the measured MFU and tokens/s the median of the logged steps after the first (warm-up)."""
-    import yaml
+    from usp.contract.plan_file import read_plan
 
     out = []
     for plan_path in sorted(root.rglob("plan.yaml")):
@@ -135,12 +144,11 @@ def read_run_dirs(root: Path) -> list[MeasuredRun]:
         if not metrics.is_file():
             continue
         try:
-            plan = yaml.safe_load(plan_path.read_text(encoding="utf-8"))
             rows = [_record(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
             steps = [r for r in rows if isinstance(r.get("mfu"), (int, float))][1:]
-            if steps and isinstance(plan, dict) and plan.get("config"):
-                out.append(_run_from_plan(plan, steps, str(plan_path.parent)))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+            if steps:
+                out.append(_run_from_plan(read_plan(plan_path), steps, str(plan_path.parent)))
+        except (OSError, UnicodeDecodeError, UspError) as exc:
             raise UspError(f"{plan_path.parent} is not a readable usp run ({type(exc).__name__}: {exc})", key="RUNS",
                            value=str(root), fix=f"move {plan_path.parent} out of {root}, or point at a CSV") from None
     return out
@@ -160,22 +168,10 @@ def _median(values: list[float]) -> float:
     return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
-def _run_from_plan(plan: dict, steps: list[dict], source: str) -> MeasuredRun:
-    cfg, batch = plan["config"], plan["batch"]
-    arch = Arch.from_model(cfg["model"], int(plan["model"]["vocab_size"]))
-    degrees = {d: int(v) for d, v in plan["degrees"].items()}
-    lay = Layout.from_config(degrees, _ns(cfg["parallelism"]), _ns(batch), str(cfg["train"]["recompute"]))
+def _run_from_plan(plan: RunPlan, steps: list[dict], source: str) -> MeasuredRun:
+    cfg, batch = plan.config, plan.batch
+    arch = Arch.from_model(cfg.model, plan.model.vocab_size)
+    lay = Layout.from_config(plan.degrees, cfg.parallelism, batch, str(cfg.train.recompute))
     tok = [r["tokens_per_s_per_device"] for r in steps if isinstance(r.get("tokens_per_s_per_device"), (int, float))]
-    return MeasuredRun(str(cfg["model"].get("name", "model")), arch, lay, int(plan["nodes"]), int(batch["seq_len"]),
-                       int(batch["global_batch"]), True, _median([r["mfu"] for r in steps]),
-                       _median(tok) if tok else None, None, source)
-
-
-class _ns(dict):
-    """A plain dict read like a config node (attribute access)."""
-
-    def __getattr__(self, key):
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(key) from None
+    return MeasuredRun(cfg.model.name, arch, lay, plan.nodes, batch.seq_len, batch.global_batch, True,
+                       _median([r["mfu"] for r in steps]), _median(tok) if tok else None, None, source)
