@@ -18,10 +18,6 @@ class BatchPlan:
     def global_batch_tokens(self) -> int:
         return self.global_batch * self.seq_len
 
-    @property
-    def tokens_per_rank_step(self) -> int:
-        return self.micro_batch * self.grad_accum * self.seq_len
-
 
 def plan_batch(train, dp: int) -> BatchPlan:
     seq_len, micro = int(train.seq_len), int(train.micro_batch)
