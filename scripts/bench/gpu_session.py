@@ -52,11 +52,9 @@ process start, model build, compile and first-step allowance per case (ESTIMATE_
 replaced by this session's measured `elapsed_s`); the dataset is prepared once, before the first
 case, by this process.
 
-On the device, one call (the wheelhouse built here and carried as .whl, docs/benchmarks.md; the
-checkout's usp comes first on PYTHONPATH; --plan-only prints it on one line):
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; nvidia-smi -L; \
-      PYTHONUNBUFFERED=1 python3 scripts/bench/gpu_session.py --budget-s 300 2>&1 | tee $OUT/gpu_session.log
+On the device, one call: DEVICE_COMMAND (at the end of this file), which --plan-only prints on one
+line: it installs the wheelhouse built here and carried as .whl (docs/benchmarks.md) into /tmp/site,
+puts the checkout's usp first on PYTHONPATH, and runs this script with --budget-s 300 into $OUT.
 
     python scripts/bench/gpu_session.py [--budget-s 300] [--cases 1-4,6] [--out results.jsonl]
     python scripts/bench/gpu_session.py --plan-only "NVIDIA H100 80GB HBM3" 79.1   # no GPU needed
@@ -603,7 +601,7 @@ def probe_gpu() -> tuple[str, float]:
 DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
                   "--target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit; nvidia-smi -L; "
                   "PYTHONUNBUFFERED=1 python3 scripts/bench/gpu_session.py --budget-s 300 2>&1 "
-                  "| tee $OUT/gpu_session.log")  # the module docstring shows it over three lines
+                  "| tee $OUT/gpu_session.log")
 
 
 if __name__ == "__main__":

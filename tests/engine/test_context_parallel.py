@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from usp.engine.parallel.context_parallel import cp_positions, shard_sequence, unshard_sequence, zigzag_indices
+from usp.engine.parallel.context_parallel import cp_positions, zigzag_indices
 from usp.models.llama import Llama, LlamaArgs
 
 
@@ -28,15 +28,6 @@ def test_zigzag_layout_and_errors():
         zigzag_indices(10, 2, 0)
     with pytest.raises(ValueError, match="out of range"):
         zigzag_indices(8, 2, 2)
-
-
-@pytest.mark.parametrize("cp", [1, 2, 4])
-@pytest.mark.parametrize("dim", [1, 2])
-def test_shard_unshard_round_trip(cp, dim):
-    t = torch.randn(2, 3, 16 * cp, 5).movedim(2, dim)  # sequence on `dim`
-    shards = [shard_sequence(t, cp, r, dim=dim) for r in range(cp)]
-    assert all(s.shape[dim] == t.shape[dim] // cp for s in shards)
-    assert torch.equal(unshard_sequence(shards, cp, dim=dim), t)
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])

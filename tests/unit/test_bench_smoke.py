@@ -1,9 +1,11 @@
-"""scripts/bench/gpu_session.py read in this process (torch-free): its one device command is the
-documented one, and --fit recovers the planner constants the rows were made from (the scripts run
-as they run: tests/e2e/test_bench_smoke.py)."""
+"""scripts/bench/gpu_session.py read in this process (torch-free): --plan-only prints its one device
+command, a valid bash line that runs the script with arguments it accepts, and --fit recovers the
+planner constants the rows were made from (the scripts run as they run: tests/e2e/test_bench_smoke.py)."""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
 
 import pytest
@@ -24,15 +26,25 @@ def gpu_session_module():
     return module
 
 
-def test_gpu_session_device_command_is_the_documented_one():
-    """One command for the device, the same in the script's docstring (over three lines), --plan-only's
-    output and docs/benchmarks.md; it fits the device tool's 2,000 characters."""
+def test_gpu_session_plan_only_prints_the_device_command(monkeypatch, capsys):
+    """--plan-only prints the one command for the device on one line: valid bash that fits the device
+    tool's 2,000 characters, puts the checkout's usp before anything carried, writes under $OUT, and
+    runs this script with arguments its own parser accepts (--budget-s 300)."""
     gs = gpu_session_module()
-    command = gs.DEVICE_COMMAND
-    assert len(command) < 2000 and "--budget-s 300" in command and "$OUT" in command
-    assert " ".join(command.split()) in " ".join(gs.__doc__.replace("\\\n", " ").split())
-    assert command in (REPO / "docs" / "benchmarks.md").read_text()
-    assert "PYTHONPATH=$PWD:/tmp/site" in command  # the checkout's usp before anything carried
+    seen = {}
+    monkeypatch.setattr(gs, "plan_only", lambda args, cases, gpu: seen.update(args=args, gpu=gpu))
+    monkeypatch.setattr(sys, "argv", ["gpu_session.py", "--plan-only", "NVIDIA H100 80GB HBM3", "79.1"])
+    gs.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "device command:" and seen["gpu"] == ("NVIDIA H100 80GB HBM3", 79.1)
+    command = lines[1].strip()
+    assert command == gs.DEVICE_COMMAND and len(command) < 2000
+    assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0
+    assert "export PYTHONPATH=$PWD:/tmp/site" in command and "$OUT/" in command
+    words = shlex.split(command.split("python3 scripts/bench/gpu_session.py", 1)[1].split("2>&1")[0])
+    monkeypatch.setattr(sys, "argv", ["gpu_session.py", *words, "--plan-only", "NVIDIA H100 80GB HBM3", "79.1"])
+    gs.main()  # the script's parser takes the command's own arguments
+    assert seen["args"].budget_s == 300
 
 
 @pytest.mark.slow

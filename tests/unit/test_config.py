@@ -2,6 +2,7 @@
 catalogue, and the config side of the CLI. Real Hydra, real files, real `usp` processes."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -13,7 +14,7 @@ import yaml
 from tests.helpers import usp_cli
 from usp.config import schema
 from usp.config.catalogue import copy_recipe, show_item
-from usp.config.compose import compose_config, resolve_primary
+from usp.config.compose import compose_config, resolve_recipe
 from usp.config.paths import conf_dir, group_options, recipe_names, recipes_dir
 from usp.contract.config_schema import ModelConfig
 from usp.errors import ConfigError, UspError
@@ -91,11 +92,11 @@ def test_recipe_by_name_and_path_agree():
     assert choices_name == choices_path
 
 
-def test_resolve_primary():
-    assert resolve_primary(None) == (conf_dir(), "config")
-    assert resolve_primary("config") == (conf_dir(), "config")
-    assert resolve_primary("tiny_demo") == (recipes_dir(), "tiny_demo")
-    assert resolve_primary(str(REPO / "recipes/tiny_ddp.yaml")) == (recipes_dir(), "tiny_ddp")
+def test_resolve_recipe():
+    assert resolve_recipe(None) == (conf_dir(), "config", ".yaml")
+    assert resolve_recipe("config") == (conf_dir(), "config", ".yaml")
+    assert resolve_recipe("tiny_demo") == (recipes_dir(), "tiny_demo", ".yaml")
+    assert resolve_recipe(str(REPO / "recipes/tiny_ddp.yaml")) == (recipes_dir(), "tiny_ddp", ".yaml")
 
 
 def test_user_overrides_beat_recipe_values():
@@ -290,7 +291,7 @@ def test_show_group_option():
     assert "dim: 128" in text
     body = yaml.safe_load(text)
     assert body["name"] == "tiny" and body["rope_theta"] == 10000.0  # composed with schema defaults
-    assert set(body) == set(schema.schema_fields(ModelConfig))
+    assert set(body) == {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def test_show_recipe_names_picked_groups():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,6 @@ from omegaconf import OmegaConf
 
 from usp.contract.config_schema import DataConfig
 from usp.data import corpus
-from usp.data.corpus import load_documents
 from usp.data.data_error import DataError
 from usp.data.sampler import BatchSampler, EvalBatches, TokenFile, get_batch
 from usp.data.tokenized import dataset_dir, ensure_dataset, load_meta, prepare_dataset
@@ -18,6 +18,18 @@ from usp.data.tokenizer import load_tokenizer, train_tokenizer
 from usp.data.tokens import meta_dtype
 
 SAMPLE = "ROMEO:\nBut, soft! what light through yonder window breaks?\n  Naïve café — “quoted” 日本語 🎭\t end\n"
+
+
+def load_documents(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(file, text) of each document of a source, read as a prepare reads it: its units (input files,
+    sorted) and each unit's pieces (usp.data.corpus.source_units, unit_pieces)."""
+    docs = []
+    for unit in corpus.source_units(cfg):
+        texts: dict[int, list[str]] = {}
+        for i, piece in corpus.unit_pieces(unit):
+            texts.setdefault(i, []).append(piece)
+        docs += [(unit.path, "".join(t)) for t in texts.values()]
+    return docs
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +59,8 @@ def test_shakespeare_corpus(shakespeare_docs):
 
 def test_stdlib_corpus():
     docs = load_documents(DataConfig(source="stdlib"))
-    names = [name for name, _ in docs]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = [Path(name).relative_to(root).as_posix() for name, _ in docs]
     assert names == sorted(names) and "os.py" in names
     assert not any(n.startswith(("test/", "idlelib/", "encodings/")) for n in names)
     assert sum(len(t) for _, t in docs) > 1e6

@@ -1,6 +1,8 @@
 """usp command line. One small function per command; the work happens in usp.config,
 usp.plan, usp.data and usp.launch. Only typer is imported at module level so that
-`usp --help` stays fast; nothing here imports torch."""
+`usp --help` stays fast. torch is imported only inside the commands that run the engine in this
+process: `usp export` (usp.engine.export), and `usp train` and `usp verify` of one rank (the worker
+runs in-process); every other command runs without it."""
 from __future__ import annotations
 
 import functools

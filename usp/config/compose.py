@@ -22,15 +22,9 @@ from usp.contract.config_schema import UspConfig
 from usp.errors import ConfigError
 
 
-def resolve_primary(conf: str | None) -> tuple[Path, str]:
-    """`conf=` value -> (directory, config name). A path (contains '/' or ends in .yaml or .yml)
-    is a recipe file; a bare name is looked up in conf/ and then in recipes/."""
-    directory, name, _ = resolve_recipe(conf)
-    return directory, name
-
-
 def resolve_recipe(conf: str | None) -> tuple[Path, str, str]:
-    """resolve_primary's (directory, name) and the file's suffix (.yaml or .yml)."""
+    """`conf=` value -> (directory, config name, the file's suffix: .yaml or .yml). A path (contains '/'
+    or ends in .yaml or .yml) is a recipe file; a bare name is looked up in conf/ and then in recipes/."""
     if conf is None:
         return conf_dir(), "config", ".yaml"
     looks_like_path = conf.endswith((".yaml", ".yml")) or "/" in conf or os.sep in conf

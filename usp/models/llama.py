@@ -96,19 +96,6 @@ class LlamaArgs:
 
 # ----------------------------------------------------------------------- blocks
 
-def _sdpa_supports_gqa() -> bool:
-    # enable_gqa arrived in torch 2.5; fall back to repeating KV heads on older versions.
-    try:
-        q, kv = torch.zeros(1, 2, 1, 2), torch.zeros(1, 1, 1, 2)
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-        return True
-    except (TypeError, RuntimeError):
-        return False
-
-
-_SDPA_GQA = _sdpa_supports_gqa()
-
-
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -129,15 +116,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, head_dim)
         if self.core_attention is not None:
             o = self.core_attention(q, k, v)
-        elif k.shape[1] != q.shape[1]:
-            if _SDPA_GQA:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                rep = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # fewer KV heads than query heads (GQA): SDPA shares each KV head itself
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -118,15 +118,6 @@ class Arch:
         return self.embed_params + self.n_layers * self.layer_params + self.head_params
 
     @property
-    def active_params(self) -> int:
-        """Parameters one token uses: like total_params but with only top_k routed experts (plus the
-        router and the shared expert) per MoE layer; embedding and LM head included (the convention
-        behind Mixtral-8x7B's "12.9B active"). Equals total_params for a dense model."""
-        p = self.parts
-        per_layer = p["attention"] + p.get("active_mlp", p["mlp"]) + p["norms"]
-        return self.embed_params + self.n_layers * per_layer + self.head_params
-
-    @property
     def matmul_params(self) -> int:
         """Parameters that take part in matmuls: all block projections plus the LM head (counted
         even when tied, since the v x h matmul still runs). The embedding lookup and the norm weights
@@ -368,11 +359,6 @@ class Layout:
         if kind == "zero1_fsdp":
             return self.dp_replicate  # cp = dp_shard = 1 here (else the kind is fsdp / hsdp)
         return 1
-
-    @cached_property
-    def data_group(self) -> int:
-        """Ranks holding the same weights (their gradients are averaged): dp_replicate x dp_shard x cp."""
-        return self.dp_replicate * self.dp_shard * self.cp
 
     def label(self) -> str:
         return ParallelDims.of(self.degrees, self.ep).label()

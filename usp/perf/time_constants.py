@@ -15,7 +15,7 @@ class Calibrated:
     source: str = ""  # "" = never calibrated
     runs: int = 0
     nodes: tuple = ()  # node counts measured
-    features: tuple = ()  # layout features measured (usp.perf.calibration.calibrate.FEATURES)
+    features: tuple = ()  # layout features measured (usp.perf.timing.layout_features of each run)
     mfu_abs_err_p50: float = 0.0  # MFU points, fit residuals
     mfu_abs_err_p90: float = 0.0
     ratio_p10: float = 1.0  # predicted / measured MFU, 10th and 90th percentile

@@ -57,15 +57,6 @@ def shard_sequence(t: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return t.index_select(dim, zigzag_indices(t.shape[dim], cp, rank).to(t.device))
 
 
-def unshard_sequence(shards: list[torch.Tensor], cp: int, dim: int = 1) -> torch.Tensor:
-    """Inverse of `shard_sequence`: reassemble the full sequence from all ranks' shards."""
-    assert len(shards) == cp, f"expected {cp} shards, got {len(shards)}"
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for r, s in enumerate(shards):
-        chunks[r], chunks[2 * cp - 1 - r] = s.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
-
-
 # ------------------------------------------------------------------ block kernels
 
 FULL, DIAG = "full", "diag"
