@@ -249,13 +249,30 @@ def cluster_override(out: str) -> str:
 @handles_errors
 def estimate(overrides: list[str] | None = Overrides,
              hours: float | None = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
-             devices: int | None = typer.Option(None, "--devices", help="device count: how many hours?"),
-             mfu: float | None = typer.Option(None, "--mfu", help="MFU to assume (default: the time model's)")) -> None:
-    """Memory per device, and devices / hours / cost for a token budget (train.tokens=...)."""
-    from usp.plan.estimate import run_estimate
+             gpus: int | None = typer.Option(None, "--gpus", "--devices", help="device count: how many hours?"),
+             mfu: float | None = typer.Option(None, "--mfu", help="MFU to assume instead of planning each size"),
+             scaling: bool = typer.Option(False, "--scaling", help="the best layout per node count, strong and weak "
+                                                                   "scaling, and their efficiency"),
+             max_nodes: int | None = typer.Option(None, "--max-nodes", help="--scaling: the largest node count "
+                                                  "(default: the quoted one, else cluster.nodes x 16)"),
+             plot: str | None = typer.Option(None, "--plot", help="--scaling: also write the table as a PNG heatmap")
+             ) -> None:
+    """Devices, hours and cost for a token budget (train.tokens=...), planned at the size quoted: the best
+    layout `usp plan` accepts there. --scaling: throughput by node count."""
+    from usp.plan.estimate_view import run_estimate, run_scaling
 
     composed, choices = _compose(overrides)
-    run_estimate(composed, choices, hours=hours, devices=devices, mfu=mfu)
+    if plot and not scaling:
+        _fail(ValueError("--plot draws the --scaling table: add --scaling"))
+    est = run_estimate(composed, choices, hours=hours, gpus=gpus, mfu=mfu, command=list(overrides or []))
+    if scaling:
+        rows = run_scaling(composed, choices, max_nodes or est.nodes or composed.cluster.nodes * 16)
+        if plot:
+            from pathlib import Path
+
+            from usp.report.scaling_plot import plot_scaling
+
+            typer.echo(f"scaling plot written to {plot_scaling(rows, est.model, Path(plot))}")
 
 
 DryRunOption = typer.Option(False, "--dry-run", help="Slurm: write runs/<name>/job.sbatch and print it; submit nothing")

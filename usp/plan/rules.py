@@ -93,6 +93,7 @@ class Settings:
     fp8: str = "off"  # train.fp8
     rope: RopeSettings = RopeSettings()
     checkpoint_bytes: int = 0  # model.init_from: bytes per value of its tensors, 0 = no load (usp.plan.planner_inputs)
+    tokens: float | None = None  # train.tokens: the token budget, when one is set
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -103,7 +104,7 @@ class Settings:
                    optim=OptimSettings.from_config(cfg.optimizer, int(train.steps)),
                    tokenizer=str(cfg.data.tokenizer), node_rank=cluster.node_rank,
                    rdzv_endpoint=cluster.rdzv_endpoint, compile=train.compile, fp8=str(train.fp8),
-                   rope=RopeSettings.from_model(cfg.model))
+                   rope=RopeSettings.from_model(cfg.model), tokens=train.tokens)
 
 
 @dataclass(frozen=True)
@@ -505,6 +506,31 @@ def _unused_rope_scaling(s: Subject) -> str | None:
     return next((k for k in ROPE_SCALING if getattr(rope, k) is not None), None) if rope.type == "default" else None
 
 
+# A global batch this many times the fitted optimum (DeepSeek LLM, arXiv 2401.02954, section 3.1: B_opt =
+# 0.2920 C^0.3271 tokens for C training FLOPs) is warned about: near the optimum the loss is flat in the
+# batch size; far past it ("the critical batch size", McCandlish et al. 2018) steps stop paying for tokens.
+CRITICAL_BATCH_FACTOR = 4.0
+
+
+def _batch_tokens(s: Subject) -> int:
+    lay = s.layout
+    return lay.micro_batch * lay.grad_accum * lay.dp * s.settings.seq_len
+
+
+def _optimal_batch_tokens(s: Subject) -> float:
+    flops = s.arch.flops_per_token(s.settings.seq_len) * float(s.settings.tokens or 0.0)
+    return 0.2920 * flops ** 0.3271
+
+
+def _past_critical_batch(s: Subject) -> float | None:
+    """How many times the optimal batch the global batch is, when past CRITICAL_BATCH_FACTOR (a token
+    budget set), else None."""
+    if not s.settings.tokens:
+        return None
+    ratio = _batch_tokens(s) / _optimal_batch_tokens(s)
+    return ratio if ratio > CRITICAL_BATCH_FACTOR else None
+
+
 WARN_RULES = [
     Rule("rope_scaling_unused", "warn", lambda s: f"model.rope_{_unused_rope_scaling(s)}",
          lambda s: _unused_rope_scaling(s) is not None,
@@ -527,6 +553,13 @@ WARN_RULES = [
          lambda s: s.layout.tp > 1 and group_crosses_nodes(s.layout.degrees, s.hw.procs_per_node, ("tp",)),
          _tp_across_nodes, lambda s: f"parallelism.tp in {divisors(s.hw.procs_per_node)} (a divisor of "
                                      "cluster.procs_per_node), or drop --strict", lambda s: s.layout.tp),
+    Rule("batch_past_critical", "warn", "train.global_batch", lambda s: _past_critical_batch(s) is not None,
+         lambda s: f"{_batch_tokens(s):,} tokens per step is {_past_critical_batch(s):.0f}x the batch DeepSeek's "
+                   f"scaling law fits as optimal for this compute budget ({_optimal_batch_tokens(s):,.0f} tokens, "
+                   "B_opt = 0.292 C^0.3271): past a few times it, more tokens per step buy fewer steps, not more "
+                   "learning", lambda s: f"train.global_batch_tokens near {_optimal_batch_tokens(s):,.0f} (more "
+                   "steps, fewer devices per step), or drop --strict",
+         lambda s: _batch_tokens(s) // s.settings.seq_len),
     # the engine builds MoE x TP without expert tensor parallelism (usp/engine/parallel/tensor.py)
     Rule("moe_replicated_over_tp", "warn", "parallelism.tp", lambda s: s.arch.moe and s.layout.tp > 1,
          lambda s: f"MoE layers are not tensor-parallel (no expert TP): each of the {s.layout.tp} TP ranks runs the "
