@@ -221,6 +221,12 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
     for line in report(result):
         typer.echo(line)
+    if Path(measured).is_dir():  # run directories: their restart and checkpoint costs too (docs/faults.md)
+        from usp.perf.calibration.restarts import restart_costs_yaml
+
+        result.yaml, lines = restart_costs_yaml(Path(measured), cluster, result.yaml)
+        for line in lines:
+            typer.echo(line)
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
     if out:

@@ -10,7 +10,7 @@ from functools import cached_property
 
 from usp.contract.config_schema import UspConfig
 from usp.contract.dims import ParallelDims, RankInfo
-from usp.contract.predictions import MemoryPlan, TimingPlan
+from usp.contract.predictions import GoodputPlan, MemoryPlan, TimingPlan
 from usp.contract.schedule import OptimSettings
 from usp.contract.typed import plain
 
@@ -104,6 +104,7 @@ class RunPlan:
     pipeline: PipelinePlan | None = None  # stage split and schedule when parallelism.pp > 1
     memory: MemoryPlan | None = None  # predicted memory per rank and stage (usp/perf/memory.py)
     timing: TimingPlan | None = None  # predicted step time, tokens/s, MFU (usp/perf/timing.py)
+    goodput: GoodputPlan | None = None  # failures, checkpoint costs, the interval (usp/perf/goodput.py)
     version: int = PLAN_VERSION
 
     @property

@@ -37,11 +37,13 @@ from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
 from usp.errors import UspError
 from usp.run.files import (
+    ATTEMPT_EVENT,
     SPAN_BACKWARD,
     SPAN_FORWARD,
     SPAN_OPTIMIZER,
     SPAN_PIPELINE,
     SUMMARY,
+    append_event,
     step_dir_name,
     write_text_atomic,
 )
@@ -49,6 +51,7 @@ from usp.run.files import (
 
 class Trainer:
     def __init__(self, plan: RunPlan, ctx: DistContext, write_outputs: bool = True):
+        building = time.perf_counter()
         self.plan, self.ctx = plan, ctx
         self.cfg = plan.config
         self.run_dir = Path(plan.run_dir)
@@ -91,12 +94,18 @@ class Trainer:
         self.scheduler = self.schedulers[0]
         self.checkpointer = Checkpointer(plan, ctx, self.parts, self.optimizers, self.schedulers, self.sampler,
                                          self.log)
+        loading = time.perf_counter()
         self.start_step = self.checkpointer.resume()
+        # this launch's start-up phases, logged with its first step (ATTEMPT_EVENT; the worker adds its own)
+        self.startup: dict = {"build_s": loading - building, "load_s": time.perf_counter() - loading,
+                              "loaded_bytes": self.checkpointer.resumed_bytes}
         self.last_completed_step = self.start_step
         self.console = Console(self.cfg.logging.console, self.steps, enabled=ctx.is_main, start_step=self.start_step)
         # metrics.jsonl (+ W&B, TensorBoard): rank 0 only
         self.trackers = build_trackers(plan, self.run_dir, self.start_step, warn=self.warn) \
             if ctx.is_main and write_outputs else None
+        if self.trackers is not None:
+            self.startup["previous_progress"] = self.trackers.jsonl.previous_progress
         self.probe = MemoryProbe.create(self)  # None unless train.measure_memory
         self.profiler = StepProfiler.create(self) if write_outputs else None  # None unless profile.enabled
         self.data_wait_s = 0.0  # time spent getting this step's batches (reading tokens, copying to device)
@@ -225,7 +234,9 @@ class Trainer:
             for step in range(self.start_step, self.steps):
                 self._stop_if_signalled(step)
                 loss, val_loss = self._fit_step(step, started)
-                first_loss = loss if first_loss is None else first_loss
+                if first_loss is None:
+                    first_loss = loss
+                    self._log_attempt(time.perf_counter() - started)
             self.checkpointer.save(self.steps, blocking=True)
         finally:
             self._close_outputs()
@@ -249,7 +260,8 @@ class Trainer:
                       "tokens": done * self.global_tokens, "step_time_s": dt,
                       "tokens_per_s": self.global_tokens / dt,
                       "tokens_per_s_per_device": self.global_tokens / dt / self.ctx.world_size,
-                      "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait),
+                      "elapsed_s": time.perf_counter() - started, "time": time.time(),
+                      **self._performance(dt, data_wait),
                       **self._expert_load()}
             self._log_record(step, record)
         self.console.step(done, record)
@@ -257,6 +269,13 @@ class Trainer:
         if self.checkpointer.due(done):
             self.checkpointer.save(done)
         return loss, val_loss
+
+    def _log_attempt(self, first_step_s: float) -> None:
+        """Rank 0: this launch's start-up phases and its first step, in logs/events.jsonl."""
+        if self.ctx.is_main:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
+            append_event(self.run_dir, ATTEMPT_EVENT, attempt=int(attempt), resumed_from_step=self.start_step,
+                         first_step_s=first_step_s, **self.startup)
 
     def _log_record(self, step: int, record: dict) -> None:
         """A logged step: the memory probe's fields, the history, the rank log, the trackers."""

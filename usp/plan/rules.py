@@ -763,6 +763,14 @@ CLUSTER_FIELD_RULES = [
     *(_real(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<GB/s per device, one direction>")
       for k in ("intra_node_gbps", "inter_node_gbps")),
     _real("cluster.price_per_device_hour", 0, meaning=" (0 = unknown)"),
+    _real("cluster.reliability.node_mtbf_hours", 0, lo_open=True, meaning=" (mean hours between one node's failures)",
+          fix="cluster.reliability.node_mtbf_hours=6335 (Llama 3's fleet; docs/faults.md)"),
+    *(_real(f"cluster.reliability.{k}", 0, meaning=" (seconds)") for k in (
+        "job_start_s", "rendezvous_s", "build_s", "checkpoint_overhead_s")),
+    *(_real(f"cluster.storage.{k}", 0, lo_open=True, meaning=" (GB/s)") for k in (
+        "write_gbps_per_node", "read_gbps_per_node", "host_copy_gbps")),
+    *(_real(f"cluster.storage.{k}", 0, meaning=" (GB/s; 0 = no limit past the nodes')") for k in (
+        "write_gbps_total", "read_gbps_total")),
     _real(f"{TIMING}kernel_efficiency", 0, 1, lo_open=True, meaning=" (a share of the peak)"),
     *(_real(f"{TIMING}{k}", 0) for k in (
         "kernel_half_tokens", "kernel_half_dim", "intra_hop_us", "inter_hop_us", "call_overhead_us", "p2p_us",
@@ -840,7 +848,9 @@ TRAIN_FIELD_RULES = [
     _at_least("train.max_restarts", 0),
 ]
 CHECKPOINT_FIELD_RULES = [
-    _at_least("checkpoint.interval", 0, " (0 = only at the end)"),
+    _field("checkpoint.interval", lambda x: x != "auto" and _ints(0)(x),
+           "must be auto (the Young–Daly interval for the cluster's failure rate) or a number of steps >= 0 "
+           "(0 = only at the end)", "checkpoint.interval=auto"),
     _at_least("checkpoint.keep_last", 0, " (0 = keep every one)"),
     Rule("checkpoint.resume", "plan", "checkpoint.resume",
          lambda v: bool(v["checkpoint.enabled"]) and _resume_problem(v["checkpoint.resume"]) is not None,

@@ -40,6 +40,11 @@ EVENTS = "events.jsonl"
 # "step", "signal" (SIGINT, SIGTERM, SIGUSR1), "checkpoint" (the state after that step is saved)}.
 # "preempted" (no signal) is the same, written by earlier versions for SIGTERM and SIGUSR1.
 STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
+# logs/events.jsonl's other events: "restart" (a torchrun restart: its count, the step resumed);
+# "attempt" (rank 0 after each launch's first step: how long its start-up phases took, what it loaded);
+# "checkpoint" (each published save: step, bytes, seconds blocked and in all). The goodput model's
+# costs are fitted from them (usp/perf/calibration/restarts.py, docs/faults.md).
+RESTART_EVENT, ATTEMPT_EVENT, CHECKPOINT_EVENT = "restart", "attempt", "checkpoint"
 PROFILE = "profile"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -197,6 +202,16 @@ def read_jobs(record_dir) -> list[dict]:
     """The Slurm submissions recorded in <dir>/job.json (a run dir, or a sweep dir); [] without one."""
     path = Path(record_dir) / JOB_RECORD
     return json.loads(path.read_text())["jobs"] if path.is_file() else []
+
+
+def append_event(run_dir, event: str, **fields) -> None:
+    """One line of logs/events.jsonl (rank 0 writes them), stamped with the time."""
+    import time
+
+    path = events_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 def read_jsonl(path) -> list[dict]:
