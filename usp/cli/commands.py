@@ -294,11 +294,11 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-    from usp.launch.local import launch_local, require_torch
+    from usp.launch.local import check_launchable, launch_local, require_torch
     from usp.run.lock import release
 
     require_torch("train")
-    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
+    run_plan, plan_path = prepare_run(composed, choices, check=check_launchable)  # holds the run lock from here on
 
     failure = None
     try:

@@ -344,7 +344,7 @@ class FaultToleranceConfig:
     is back."""
     kind: FaultToleranceKind = FaultToleranceKind.none
     min_replicas: int = 1  # replica groups a step needs to commit (fewer: the step waits)
-    timeout_s: int = 60  # a collective between replica groups that takes longer fails (the step is retried)
+    timeout_s: int = 30  # a collective between replica groups that takes longer fails (the step is retried)
     heartbeat_timeout_s: float = 2.0  # a group whose heartbeat stops this long is out of the quorum
     quorum_timeout_s: int = 600  # a group that can't join a quorum for this long fails
     join_timeout_s: float = 5.0  # the lighthouse waits this long for a heartbeating group that hasn't asked

@@ -107,10 +107,22 @@ def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
     ]
 
 
+def check_launchable(plan) -> None:
+    """Before anything is written: what this machine lacks for the plan (torchft for fault_tolerance=torchft)."""
+    if plan.fault_tolerance is not None:
+        from usp.launch.lighthouse import require_torchft
+
+        require_torchft()
+
+
 def launch_local(plan, plan_path: Path) -> int:
     """Run the plan here and return the exit code of the run: 0 = success; after a stop signal
     (run the same command again to resume) EXIT_INTERRUPTED (SIGINT, or stopped at once by a
     second signal) or EXIT_PREEMPTED (SIGTERM, SIGUSR1, SIGHUP)."""
+    if plan.fault_tolerance is not None:  # one torchrun per replica group, and torchft's lighthouse
+        from usp.launch.ft_local import launch_replica_groups
+
+        return launch_replica_groups(plan, plan_path)
     from usp.engine.observe.terminal import survive_a_lost_terminal
 
     survive_a_lost_terminal()  # a terminal that goes away stops the run (SIGHUP) instead of failing it

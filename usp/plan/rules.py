@@ -457,7 +457,8 @@ FT_RULES = [  # fault_tolerance=torchft (docs/fault_tolerance.md)
          lambda s: _ft(s) and s.settings.ft.min_replicas > s.layout.dp_replicate,
          lambda s: f"a step needs more replica groups than the run has (parallelism.dp_replicate="
                    f"{s.layout.dp_replicate}): no step could commit",
-         lambda s: f"fault_tolerance.min_replicas=1 (at most {s.layout.dp_replicate})", lambda s: s.settings.ft.min_replicas),
+         lambda s: f"fault_tolerance.min_replicas=1 (at most {s.layout.dp_replicate})",
+         lambda s: s.settings.ft.min_replicas),
     Rule("ft_groups_on_nodes", "plan", "cluster.nodes", lambda s: _ft(s) and not _ft_groups_placed(s),
          lambda s: f"each of the {s.layout.dp_replicate} replica groups is a job of its own: it needs whole nodes "
                    f"(cluster.nodes a multiple of {s.layout.dp_replicate}), or the groups share one node evenly "
@@ -468,9 +469,11 @@ FT_RULES = [  # fault_tolerance=torchft (docs/fault_tolerance.md)
          "ZeRO-1 shards the optimizer states over the replicated ranks; under torchft each replica group keeps "
          "a whole copy (a lost group heals from a live one)", "parallelism.zero1=false (shard inside each group: "
          "parallelism.dp_shard=<ranks>)", True),
-    Rule("ft_comm_hook", "engine", "parallelism.ddp_comm_hook", lambda s: _ft(s) and s.settings.ddp_comm_hook != "none",
+    Rule("ft_comm_hook", "engine", "parallelism.ddp_comm_hook",
+         lambda s: _ft(s) and s.settings.ddp_comm_hook != "none",
          "DDP's communication hooks compress DDP's all-reduce; under torchft the gradients between replica "
-         "groups go through torchft's all-reduce", "parallelism.ddp_comm_hook=none", lambda s: s.settings.ddp_comm_hook),
+         "groups go through torchft's all-reduce", "parallelism.ddp_comm_hook=none",
+         lambda s: s.settings.ddp_comm_hook),
     Rule("ft_dense_only", "engine", "model.n_experts", lambda s: _ft(s) and s.arch.moe,
          "MoE's load-balancing statistics are summed over the global batch inside the forward, across the replica "
          "groups, which torchft's per-step all-reduce of gradients does not carry", f"a dense model, or {FT_FIX}",
