@@ -163,7 +163,11 @@ def _watch(run_dir: Path, array_job: str | None, max_requeues: int, started: flo
             return 1
         if array_job is None:
             continue
-        tasks = job_states(array_job)
+        try:
+            tasks = job_states(array_job)
+        except LaunchError as exc:  # slurmctld busy: ask again at the next poll
+            print(f"usp: {exc}", file=sys.stderr, flush=True)
+            continue
         if not tasks:
             return 0
         done = _completed(run_dir, started)
@@ -171,15 +175,19 @@ def _watch(run_dir: Path, array_job: str | None, max_requeues: int, started: flo
         if not live:
             return 0
         for task in tasks:
-            state, job_id = task.get("JobState"), task.get("JobId", "")
-            if done or state not in FINISHED_STATES or state == "COMPLETED":
+            state, index = task.get("JobState"), task.get("ArrayTaskId", "")
+            if done or state not in FINISHED_STATES or state == "COMPLETED" or not index.isdigit():
                 continue
-            if requeued.get(job_id, 0) >= max_requeues:
+            name = f"{array_job}_{index}"  # the task: a bare job id of the array's first task names every task
+            if requeued.get(name, 0) >= max_requeues:
                 continue
-            requeued[job_id] = requeued.get(job_id, 0) + 1
-            print(f"usp: replica group {task.get('ArrayTaskId')} (job {job_id}) ended {state} before the run "
-                  f"completed: requeueing it ({requeued[job_id]} of at most {max_requeues})", flush=True)
-            requeue(job_id)
+            requeued[name] = requeued.get(name, 0) + 1
+            print(f"usp: replica group {index} (job {name}) ended {state} before the run completed: requeueing it "
+                  f"({requeued[name]} of at most {max_requeues})", flush=True)
+            try:
+                requeue(name)
+            except LaunchError as exc:  # the lighthouse must outlive a failed requeue: the others train on
+                print(f"usp: {exc}", file=sys.stderr, flush=True)
 
 
 def _completed(run_dir: Path, started: float) -> bool:
