@@ -302,7 +302,12 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
 
     failure = None
     try:
-        code = launch_local(run_plan, plan_path)
+        if run_plan.fault_tolerance is not None:  # one torchrun per replica group, and torchft's lighthouse
+            from usp.launch.ft_local import launch_replica_groups
+
+            code = launch_replica_groups(run_plan, plan_path)
+        else:
+            code = launch_local(run_plan, plan_path)
     except Exception as exc:  # one rank runs in-process: the same summary as torchrun's below
         failure, code = exc, 1
     finally:

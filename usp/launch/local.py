@@ -119,10 +119,6 @@ def launch_local(plan, plan_path: Path) -> int:
     """Run the plan here and return the exit code of the run: 0 = success; after a stop signal
     (run the same command again to resume) EXIT_INTERRUPTED (SIGINT, or stopped at once by a
     second signal) or EXIT_PREEMPTED (SIGTERM, SIGUSR1, SIGHUP)."""
-    if plan.fault_tolerance is not None:  # one torchrun per replica group, and torchft's lighthouse
-        from usp.launch.ft_local import launch_replica_groups
-
-        return launch_replica_groups(plan, plan_path)
     from usp.engine.observe.terminal import survive_a_lost_terminal
 
     survive_a_lost_terminal()  # a terminal that goes away stops the run (SIGHUP) instead of failing it
