@@ -300,15 +300,20 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-    from usp.launch.local import launch_local, require_torch
+    from usp.launch.local import check_launchable, launch_local, require_torch
     from usp.run.lock import release
 
     require_torch("train")
-    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
+    run_plan, plan_path = prepare_run(composed, choices, check=check_launchable)  # holds the run lock from here on
 
     failure = None
     try:
-        code = launch_local(run_plan, plan_path)
+        if run_plan.fault_tolerance is not None:  # one torchrun per replica group, and torchft's lighthouse
+            from usp.launch.ft_local import launch_replica_groups
+
+            code = launch_replica_groups(run_plan, plan_path)
+        else:
+            code = launch_local(run_plan, plan_path)
     except Exception as exc:  # one rank runs in-process: the same summary as torchrun's below
         failure, code = exc, 1
     finally:

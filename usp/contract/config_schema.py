@@ -44,6 +44,12 @@ class NanPolicy(StrEnum):
 AsyncMode = StrEnum("AsyncMode", [("none", "none"), ("async", "async")])  # type: ignore[misc]
 
 
+class FaultToleranceKind(StrEnum):
+    """fault_tolerance.kind: how a run survives a lost rank (docs/fault_tolerance.md)."""
+    none = "none"  # a lost rank stops the job; it restarts whole from the last checkpoint
+    torchft = "torchft"  # each replica group (dp_replicate) is its own job; the others train on
+
+
 class ConsoleMode(StrEnum):
     auto = "auto"  # rich on a TTY, plain otherwise
     rich = "rich"
@@ -359,6 +365,23 @@ class ProfileConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """fault_tolerance=torchft (docs/fault_tolerance.md): the dp_replicate ranks become replica groups,
+    each launched and restarted on its own; torchft's lighthouse forms a quorum of the live groups every
+    step, a lost group is dropped (that step's global batch is smaller) and heals from a live one when it
+    is back."""
+    kind: FaultToleranceKind = FaultToleranceKind.none
+    min_replicas: int = 1  # replica groups a step needs to commit (fewer: the step waits)
+    timeout_s: int = 30  # a collective between replica groups that takes longer fails (the step is retried)
+    heartbeat_timeout_s: float = 2.0  # a group whose heartbeat stops this long is out of the quorum
+    quorum_timeout_s: int = 600  # a group that can't join a quorum for this long fails
+    join_timeout_s: float = 5.0  # the lighthouse waits this long for a heartbeating group that hasn't asked
+    start_timeout_s: int = 600  # a fresh start waits this long for every group (then starts with those there)
+    max_group_restarts: int = 3  # local launcher: restarts of each lost group (Slurm: cluster.slurm.max_requeues)
+    lighthouse_port: int = 0  # 0 = a free port
+
+
+@dataclass
 class PlannerConfig:
     # Whose training recipe the planner predicts (usp/perf/stack_profile.py): usp (this engine) | nanotron
     # (the settings of the Ultra-Scale Playbook's benchmark runs).
@@ -377,3 +400,4 @@ class UspConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

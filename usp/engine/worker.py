@@ -45,16 +45,21 @@ def run_worker(plan_path: str) -> int:
     """Train one rank; returns 0, or after a stop signal EXIT_INTERRUPTED (SIGINT) or EXIT_PREEMPTED."""
     plan = read_plan(Path(plan_path))  # rebuilt and checked against its types (usp/contract/plan_file.py)
     imported = time.time()
+    ft = _replica_group(plan)  # fault_tolerance=torchft: this process trains in one replica group
+    if ft is not None:
+        plan = ft.group_plan(plan)
     torch.manual_seed(int(plan.config.train.seed))
     apply_determinism(plan)
     ctx = udist.setup(plan)
+    if ft is not None:
+        ctx = ft.group_context(ctx, plan, ft.replica_group(plan))
     met = time.time()
     clean, code, lock = False, 0, None
     try:
         if ctx.is_main:  # the launcher's run lock kept alive, or taken here (a Slurm job, torchrun by hand)
             lock = runlock.acquire(plan.run_dir, token=os.environ.get(runlock.TOKEN_ENV))
             lock.start_heartbeat()
-        trainer = Trainer(plan, ctx)
+        trainer = ft.ReplicaGroupTrainer(plan, ctx) if ft is not None else Trainer(plan, ctx)
         trainer.startup.update(process_started=PROCESS_STARTED, imports_s=imported - PROCESS_STARTED,
                                rendezvous_s=met - imported)
         _log_placement(ctx, plan)
@@ -80,6 +85,15 @@ def run_worker(plan_path: str) -> int:
             lock.release()
         udist.teardown(clean)
     return code
+
+
+def _replica_group(plan: RunPlan):
+    """usp/engine/fault_tolerance.py when the plan says fault_tolerance=torchft, else None."""
+    if plan.fault_tolerance is None:
+        return None
+    from usp.engine import fault_tolerance
+
+    return fault_tolerance
 
 
 def _log_placement(ctx, plan: RunPlan) -> None:

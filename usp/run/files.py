@@ -69,6 +69,14 @@ DISK_FULL = "disk full"  # ENOSPC / EDQUOT while writing (usp.engine.diskfull)
 # torchrun agent keep their tracebacks in the logs then, instead of printing them before it.
 SUMMARY_BY_LAUNCHER_ENV = "USP_SUMMARY_BY_LAUNCHER"
 
+# -- fault_tolerance=torchft (usp/launch/ft_local.py, the Slurm scripts, usp/engine/fault_tolerance.py) ----------
+FT_REPLICA_GROUP_ENV = "USP_FT_REPLICA_GROUP"  # this process's replica group, 0 .. dp_replicate - 1
+FT_LAUNCH_ENV = "USP_FT_LAUNCH"  # one id per launch of the whole run: the groups' start barrier is under it
+FT_ATTEMPT_ENV = "USP_FT_ATTEMPT"  # 0 for a group's first start in a launch, then its restarts
+FT_LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's http://host:port
+FT_DIR = "ft"  # <run_dir>/ft: the lighthouse's address (Slurm) and the start barrier
+LIGHTHOUSE_FILE = "lighthouse.json"  # {"address": "http://host:port", "job": ..., "token": the run lock's}
+
 # -- profiler span names: the trainer records them, `usp report` reads them ---------------------
 SPAN_PREFIX = "usp_"  # every span the engine records starts with it
 SPAN_FORWARD, SPAN_BACKWARD, SPAN_OPTIMIZER = "usp_forward", "usp_backward", "usp_optimizer"
@@ -102,6 +110,15 @@ def metrics_path(run_dir) -> Path:
 
 def summary_path(run_dir) -> Path:
     return Path(run_dir) / SUMMARY
+
+
+def ft_start_dir(run_dir, launch: str) -> Path:
+    """Where the replica groups of one launch say they are up (fault_tolerance=torchft)."""
+    return Path(run_dir) / FT_DIR / f"start_{launch}"
+
+
+def lighthouse_path(run_dir) -> Path:
+    return Path(run_dir) / FT_DIR / LIGHTHOUSE_FILE
 
 
 def logs_dir(run_dir) -> Path:
