@@ -172,3 +172,14 @@ def test_usp_plan_prints_failures_save_interval_and_goodput(tmp_path):
     for text in ("failures / day", "save blocks", "restart", "checkpoint every", "Young–Daly", "goodput",
                  "MFU x goodput"):
         assert text in out, text
+
+
+def test_under_torchft_the_plan_expects_torchfts_goodput():
+    plan = plan_of("fault_tolerance=torchft", "cluster=slurm_h100", "model=llama3_1_8b", "cluster.nodes=64",
+                   "parallelism.dp_replicate=64", "parallelism.dp_shard=8", "train.global_batch=1024")
+    gp = plan.goodput
+    assert gp.mode == "torchft" and gp.torchft.groups == plan.fault_tolerance.replica_groups == 64
+    assert gp.expected == gp.torchft.goodput > gp.goodput
+    restart_only = plan_of("cluster=slurm_h100", "model=llama3_1_8b", "cluster.nodes=64", "parallelism.dp_replicate=64",
+                           "parallelism.dp_shard=8", "train.global_batch=1024").goodput
+    assert restart_only.mode == "restart" and restart_only.expected == restart_only.goodput

@@ -185,6 +185,12 @@ class GoodputPlan:
     young_daly_s: float  # √(2 · save_blocking_s · job_mtbf_s)
     young_daly_steps: int
     lost_per_failure_s: float  # the restart plus half a checkpoint period
-    goodput: float  # expected training time / wall time
+    goodput: float  # expected training time / wall time when every failure restarts the job
     torchft: TorchftGoodput | None = None  # a layout with replica groups: the same with torchft
     notes: list[str] = field(default_factory=list)
+    mode: str = "restart"  # restart (every rank restarts from the checkpoint) | torchft (fault_tolerance=torchft)
+
+    @property
+    def expected(self) -> float:
+        """The goodput this run expects: torchft's under fault_tolerance=torchft, else restart-only's."""
+        return self.torchft.goodput if self.mode == "torchft" and self.torchft is not None else self.goodput

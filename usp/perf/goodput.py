@@ -79,11 +79,14 @@ def state_bytes(memory, params: int, prec) -> tuple[float, float, float]:
 def plan_goodput(plan, prec, cluster) -> GoodputPlan:
     """goodput_plan for a RunPlan whose memory and timing are predicted."""
     written, read, rank = state_bytes(plan.memory, plan.model.params, prec)
-    return goodput_plan(nodes=plan.nodes, step_s=plan.timing.step_s,
-                        steps=int(plan.config.train.steps), written_bytes=written, read_bytes=read, rank_bytes=rank,
-                        reliability=cluster.reliability, storage=cluster.storage, checkpoint=plan.config.checkpoint,
-                        replica_groups=int(plan.degrees.get("dp_replicate", 1)),
-                        inter_node_gbps=float(cluster.inter_node_gbps))
+    ft = plan.fault_tolerance  # fault_tolerance=torchft: the run trains through a lost group
+    planned = goodput_plan(nodes=plan.nodes, step_s=plan.timing.step_s, steps=int(plan.config.train.steps),
+                           written_bytes=written, read_bytes=read, rank_bytes=rank, reliability=cluster.reliability,
+                           storage=cluster.storage, checkpoint=plan.config.checkpoint,
+                           replica_groups=ft.replica_groups if ft else int(plan.degrees.get("dp_replicate", 1)),
+                           inter_node_gbps=float(cluster.inter_node_gbps))
+    planned.mode = "torchft" if ft is not None else "restart"
+    return planned
 
 
 def goodput_plan(*, nodes: int, step_s: float, steps: int, written_bytes: float,

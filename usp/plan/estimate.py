@@ -179,12 +179,12 @@ def _configured(plan, ctx, cfg, choices, est: Estimate, progress) -> Sized | Non
 
 def _hours(est: Estimate, tokens_per_s: float, plan) -> float:
     """Wall hours for the token budget at this throughput, the plan's failures counted."""
-    return float(est.tokens or 0) / tokens_per_s / plan.goodput.goodput / 3600
+    return float(est.tokens or 0) / tokens_per_s / plan.goodput.expected / 3600
 
 
 def _count_failures(est: Estimate, plan) -> None:
     gp = plan.goodput
-    est.goodput, est.failures_per_day = gp.goodput, gp.failures_per_day
+    est.goodput, est.failures_per_day = gp.expected, gp.failures_per_day
     est.failures = float(est.hours or 0.0) * 3600 / gp.job_mtbf_s
 
 

@@ -236,14 +236,20 @@ def goodput_table(gp, tim, nodes: int):
         ("restart", _duration(gp.restart_s), terms),
         ("checkpoint every", *interval),
         ("lost per failure", _duration(gp.lost_per_failure_s), "the restart + half a checkpoint period"),
-        ("[bold]goodput[/]", f"[bold]{gp.goodput:.1%}[/]", "training time / wall time (Daly's model)"),
-        ("MFU x goodput", f"{tim.mfu * gp.goodput:.1%}", f"MFU {tim.mfu:.1%} over the wall time, failures counted"),
+        ("[bold]goodput[/]" if gp.mode == "restart" else "goodput, restarting every rank",
+         f"[bold]{gp.goodput:.1%}[/]" if gp.mode == "restart" else f"{gp.goodput:.1%}",
+         "training time / wall time (Daly's model): every failure restarts the job"),
     ]
     if gp.torchft is not None:
         ft = gp.torchft
-        rows.append(("goodput with torchft", f"{ft.goodput:.1%}",
+        chosen = gp.mode == "torchft"
+        rows.append(("[bold]goodput with torchft[/]" if chosen else "goodput with torchft",
+                     f"[bold]{ft.goodput:.1%}[/]" if chosen else f"{ft.goodput:.1%}",
                      f"{ft.groups} replica groups: a failure restarts one group ({_duration(ft.group_restart_s)}, "
-                     f"healing {_duration(ft.heal_s)}) while the others train on"))
+                     f"healing {_duration(ft.heal_s)}) while the others train on"
+                     + ("" if chosen else " (fault_tolerance=torchft)")))
+    rows.append(("MFU x goodput", f"{tim.mfu * gp.expected:.1%}",
+                 f"MFU {tim.mfu:.1%} over the wall time, failures counted"))
     for row in rows:
         table.add_row(*row)
     return _with_notes(table, gp.notes)
