@@ -199,7 +199,8 @@ def main() -> None:
     result = {**machine(), "ranks": ranks, "mtbf_s": mtbf, "seed": args.seed, "interval_steps": interval,
               "interval_s": tau, "probe": costs, "kills": failures, "missed_kills": len(injector.missed),
               "measured": measured, "predicted": predicted, "predicted_at_realised_mtbf": predicted_realised,
-              "realised_mtbf_s": realised_mtbf, "kill_times": injector.kills, "error": measured["goodput"] / predicted - 1,
+              "realised_mtbf_s": realised_mtbf, "kill_times": injector.kills,
+              "error": measured["goodput"] / predicted - 1,
               "error_at_realised_mtbf": measured["goodput"] / predicted_realised - 1,
               "total_s": time.time() - started, "runs_dir": str(runs_dir)}
     m = measured

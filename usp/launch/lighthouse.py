@@ -133,16 +133,20 @@ def serve(run_dir: Path, array_job: str | None = None, poll_s: float = 2.0) -> i
     from usp.run.files import plan_path
 
     plan = read_plan(plan_path(run_dir))
+    ft = plan.fault_tolerance
+    if ft is None:
+        raise SystemExit(f"usp: {run_dir}'s plan has no fault_tolerance section; the lighthouse serves "
+                         "fault_tolerance=torchft runs only")
     lock = runlock.acquire(run_dir)
     lock.start_heartbeat()
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     started = time.time()
     try:
-        with Lighthouse(plan.fault_tolerance, run_dir, host=host) as lighthouse:
+        with Lighthouse(ft, run_dir, host=host) as lighthouse:
             write_text_atomic(lighthouse_path(run_dir), json.dumps(
                 {"address": lighthouse.address, "job": os.environ.get("SLURM_JOB_ID"), "token": lock.token,
                  "started": started}) + "\n")
-            print(f"usp: lighthouse {lighthouse.address} for {plan.fault_tolerance.replica_groups} replica groups",
+            print(f"usp: lighthouse {lighthouse.address} for {ft.replica_groups} replica groups",
                   flush=True)
             return _watch(run_dir, array_job, int(plan.config.cluster.slurm.max_requeues), started, lighthouse,
                           poll_s)
