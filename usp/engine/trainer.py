@@ -66,18 +66,7 @@ class Trainer:
         self.loss_parallel = deg["tp"] > 1
         self._loss = training_loss(plan)  # compiled with the blocks (usp/engine/loss.py)
 
-        dataset, self.meta = Path(plan.dataset_dir), plan_data_meta(plan)  # a saved plan: the prepared data's
-        dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
-        self.train_tokens = TokenFile(dataset / self.meta["train_bin"], dtype,  # absolute for token_files
-                                      self.meta.get("n_train_tokens"), "data.train_bin")
-        self.val_tokens = TokenFile(dataset / self.meta["val_bin"], dtype, self.meta.get("n_val_tokens"),
-                                    "data.val_bin")
-        self.sampler = make_sampler(self.meta, self.seq_len, int(batch.global_batch), self.micro,  # or a blend
-                                    ctx.dp_rank, ctx.dp_size, int(train.seed))
-        # Validation uses global-batch-sized batches so every layout evaluates the same sequences.
-        self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch.global_batch),
-                                        int(train.eval_batches), ctx.dp_rank, ctx.dp_size)
-
+        self._open_data(plan, ctx)
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
         self.experts = expert_clip_args(self.parts.modules, ctx, int(self.cfg.parallelism.ep))
@@ -111,6 +100,21 @@ class Trainer:
         self.data_wait_s = 0.0  # time spent getting this step's batches (reading tokens, copying to device)
         restarts = os.environ.get("SLURM_RESTART_COUNT")  # set by Slurm on a requeued job
         self.slurm_restart_count = int(restarts) if restarts and restarts.isdigit() else None
+
+    def _open_data(self, plan: RunPlan, ctx: DistContext) -> None:
+        """The token files, this data-parallel rank's sampler and the validation batches."""
+        train, batch = self.cfg.train, plan.batch
+        dataset, self.meta = Path(plan.dataset_dir), plan_data_meta(plan)  # a saved plan: the prepared data's
+        dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
+        self.train_tokens = TokenFile(dataset / self.meta["train_bin"], dtype,  # absolute for token_files
+                                      self.meta.get("n_train_tokens"), "data.train_bin")
+        self.val_tokens = TokenFile(dataset / self.meta["val_bin"], dtype, self.meta.get("n_val_tokens"),
+                                    "data.val_bin")
+        self.sampler = make_sampler(self.meta, self.seq_len, int(batch.global_batch), self.micro,  # or a blend
+                                    ctx.dp_rank, ctx.dp_size, int(train.seed))
+        # Validation uses global-batch-sized batches so every layout evaluates the same sequences.
+        self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch.global_batch),
+                                        int(train.eval_batches), ctx.dp_rank, ctx.dp_size)
 
     # -- one optimizer step ------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float]:
