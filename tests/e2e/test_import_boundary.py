@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from usp.contract.config_schema import ModelConfig
 from usp.contract.hf_shape import hf_config
@@ -122,6 +124,7 @@ def work(tmp_path_factory) -> Path:
     (work / "hf" / "config.json").write_text(json.dumps(hf_config(
         ModelConfig(dim=128, n_layers=2, n_heads=4, ffn_dim=384, tie_embeddings=True, rope_theta=10000.0,
                     norm_eps=1e-5), vocab=4096, max_seq_len=128, dtype="float32")))
+    save_file({"model.norm.weight": np.ones(128, np.float32)}, str(work / "hf" / "model.safetensors"))  # headers read
     rng = random.Random(0)
     words = "the king queen of and to a in is that my love".split()
     (work / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(20000)))

@@ -9,7 +9,9 @@ import json
 from dataclasses import replace
 from functools import partial
 
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from tests.helpers import plan_for, usp_cli
 from usp.contract.dims import shard_index
@@ -171,6 +173,7 @@ def test_a_plan_with_init_from_counts_the_checkpoints_dtype(tmp_path):
     ckpt = tmp_path / "hf"
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps(hf_config(plain.config.model, 512, 128, "bfloat16")))
+    save_file({"model.norm.weight": np.ones(128, np.float32)}, str(ckpt / "model.safetensors"))  # headers read
     loaded = plan_for(*base, f"model.init_from={ckpt}")
     b = loaded.memory.stages[0].build
     assert b.read_buffer == b.transient == 2 * 512 * 128 / 2  # bf16, the embedding's half on each of 2 ranks

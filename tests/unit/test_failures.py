@@ -57,6 +57,14 @@ def test_status_completed_run(tmp_path):
     assert "step_00000020" in out and "complete" in out and "resumed from step 10" in out
 
 
+def test_status_refuses_a_directory_that_is_no_run(tmp_path):
+    """A directory no launch wrote into is named as such (it printed a 'stopped' run and exited 0)."""
+    (tmp_path / "notes").mkdir()
+    proc = usp_cli("status", str(tmp_path / "notes"), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "is not a run directory" in proc.stdout + proc.stderr and "stopped" not in proc.stdout
+
+
 def test_checkpoint_dir_needs_room_for_keep_last_plus_one(tmp_path):
     cfg, choices = compose_config(None, [f"train.runs_dir={tmp_path}", "train.name=x", "checkpoint.keep_last=2"])
     plan = build_plan(cfg, choices, training=False)

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from usp.errors import PlanError
+
 # Meta's published config.json of Llama 3.1 8B and Llama 3.2 1B (the fields usp reads, as released).
 META = {"llama3_1_8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                             num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
@@ -36,3 +38,24 @@ def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
     adopt_hf_shape(alone.model)
     assert {k: alone.model[k] for k in CHECKPOINT_KEYS if k != "name"} == \
         {k: explicit.model[k] for k in CHECKPOINT_KEYS if k != "name"}
+
+
+@pytest.mark.parametrize("field,value,says", [("head_dim", 32, "the file's own fields disagree"),
+                                              ("num_hidden_layers", -2, "a positive integer"),
+                                              ("vocab_size", True, "a positive integer")])
+def test_a_config_json_at_odds_with_itself_is_blamed_on_config_json(tmp_path, field, value, says):
+    """Values that came from config.json are not blamed on "the command line, the recipe or the model
+    group" (which set none of them)."""
+    from usp.config.compose import compose_config
+    from usp.plan.hf_config import adopt_hf_shape
+
+    fields = {**META_COMMON, **META["llama3_2_1b"], "num_attention_heads": 32, "hidden_size": 512, field: value}
+    if field != "head_dim":
+        del fields["head_dim"]  # 1B's 64 would disagree with 512 / 32
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
+    with pytest.raises(PlanError) as err:
+        adopt_hf_shape(alone.model)
+    message = str(err.value)
+    assert f"config.json has {field}={value!r}" in message and says in message
+    assert "command line" not in message

@@ -88,6 +88,8 @@ RECIPE_MISTAKES = [  # (the recipe's last lines, the key named, what the message
     ("train:\n  nan_policy: ignore\n", "train.nan_policy", "not one of stop, skip, set at {file}:5",
      "train.nan_policy=stop"),
     ("profile:\n  steps: 3\n", "profile.steps", "expects a list, set at {file}:5", "profile.steps expects list"),
+    ("model: 3\n", "model", "`model: 3` makes the model section a number; it is a mapping of model.* keys, set at "
+     "{file}:4", "put its keys under `model:`"),  # was Hydra's ConfigCompositionException
     ("train:\n  steps: 7\n  seed: 1\n  steps: 8\n", "train.steps", "set twice in {file}, at lines 5 and 7",
      "keep one of lines 5 and 7 of mine.yaml"),
 ]
@@ -130,3 +132,16 @@ def test_a_group_file_mistake_names_it_with_the_groups_key_path(tmp_path):
     tiny.write_text("\n".join(lines[:-1]) + "\nffn_dm: 64\n")
     out = _flat(usp_cli("plan", cwd=tmp_path, env={"USP_CONF_DIR": str(conf)}, columns=400).stderr)
     assert f"error: model.ffn_dm: unknown key, set at {tiny}:{len(lines)}" in out and "'model.ffn_dim'" in out, out
+
+
+@pytest.mark.parametrize("override,says,fix", [
+    ("train.name=ünïcødé", "letters beyond ASCII; a name becomes a directory", "train.name=my_run"),
+    ("data.tokenizer_path=/tmp/tökenizer", "an unquoted override can't", "quote the value"),
+])
+def test_an_override_with_letters_beyond_ascii_names_its_key(tmp_path, override, says, fix):
+    """Hydra's lexer refuses them unquoted ('LexerNoViableAltException'); usp names the key and the fix."""
+    proc = usp_cli("plan", override, cwd=tmp_path, columns=400)
+    out = _flat(proc.stderr)
+    key = override.split("=")[0]
+    assert proc.returncode == 2 and "Exception" not in out, out
+    assert f"error: {key}=" in out and says in out and f"fix: {fix}" in out, out

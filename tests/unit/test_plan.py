@@ -302,6 +302,15 @@ def test_dataset_dir_under_cache(tmp_path):
     assert plan_for("data.vocab_size=2048").dataset_dir != from_env.dataset_dir
 
 
+def test_divisors_are_every_divisor_ascending_and_fast_on_a_huge_batch():
+    from usp.plan.rules import divisors
+
+    for n in range(1, 400):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    # a global batch of 10^15: O(n) took hours (10^9 took 28 s in usp plan); O(sqrt n), a fraction of a second
+    assert len(divisors(10**15)) == 16 * 16 and divisors(10**15)[-2] == 10**15 // 2
+
+
 def test_threads_and_backend(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg, choices = compose_config(None, ["cluster=local_cpu2", "parallelism=ddp", "train.micro_batch=8"])
@@ -311,6 +320,13 @@ def test_threads_and_backend(monkeypatch):
     assert build_plan(cfg, choices, cpu_count=8).threads_per_proc == 3
     cfg, choices = compose_config(None, ["cluster.threads_per_proc=5"])  # and the config's over both
     assert build_plan(cfg, choices, cpu_count=64).threads_per_proc == 5
+    with pytest.raises(PlanError) as err:  # more than the machine has: refused (100,000 segfaulted a run)
+        build_plan(cfg, choices, cpu_count=4)
+    assert err.value.key == "cluster.threads_per_proc" and "4 CPUs" in str(err.value)
+    cfg, choices = compose_config(None, ["cluster=slurm_h100", "cluster.slurm.cpus_per_task=8",
+                                         "cluster.threads_per_proc=9"])
+    with pytest.raises(PlanError, match="cpus_per_task gives a task 8 CPUs"):
+        build_plan(cfg, choices)
     assert plan_for("cluster=local_gpu").backend == "nccl"
     assert plan_for("cluster.backend=mpi").backend == "mpi"
 

@@ -50,10 +50,27 @@ def translate(exc: Exception, config_file: Callable[[str], Path | None]) -> Conf
     inner = _inner_message(exc, cause)
     if found_key:
         return _key_error(str(found_key), inner, text, where)
+    unquoted = _unquoted_override(str(exc))
+    if unquoted is not None:
+        return unquoted
     return ConfigError(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
                        + (f" ({inner})" if cause is not exc else ""),
                        fix=_known_fix(str(exc)) or "check the override syntax: key=value, +key=value to add, "
                                                    "~key to delete")
+
+
+def _unquoted_override(message: str) -> ConfigError | None:
+    """An override whose value holds characters Hydra's grammar takes only quoted (train.name=ünïcødé: the
+    lexer's 'LexerNoViableAltException'), named with its key and the quoting that lets it through."""
+    found = re.search(r"LexerNoViableAltException: ([\w.+~/]+)=(.*)$", message.strip().splitlines()[0])
+    if found is None or found.group(2).isascii():
+        return None
+    key, value = found.group(1).lstrip("+~"), found.group(2)
+    if key.endswith(".name"):  # a run's or a model's name becomes a directory: ASCII only, quoted or not
+        return ConfigError(f"{value!r} holds letters beyond ASCII; a name becomes a directory", key=key, value=value,
+                           fix=f"{key}=my_run (letters, digits, '.', '_', '-')")
+    return ConfigError(f"{value!r} holds characters an unquoted override can't (letters beyond ASCII)", key=key,
+                       value=value, fix=f"quote the value, as '{key}=\"{value}\"'")
 
 
 def _inner_message(exc: Exception, cause: BaseException) -> str:

@@ -27,6 +27,34 @@ def check_recipe_file(path: Path) -> None:
     if not isinstance(data.get("defaults"), list):
         raise ConfigError(f"{path} has no `defaults:` list, so it would not build on usp's config", key="conf",
                           value=str(path), fix=DEFAULTS_FIX)
+    not_a_section = next(((k, v) for k, v in data.items() if k in _sections() and not isinstance(v, dict | None)),
+                         None)
+    if not_a_section is not None:
+        key, value = not_a_section
+        kind = {bool: "true/false", int: "number", float: "number", str: "string", list: "list"}.get(type(value))
+        raise ConfigError(f"`{key}: {value!r}` makes the {key} section a {kind or type(value).__name__}; it is a "
+                          f"mapping of {key}.* keys, set at {path}:{_line_of(path, key)}", key=key, value=value,
+                          fix=f"put its keys under `{key}:`, one per line, indented (`  <key>: <value>`), or pick "
+                              f"a {key} option in the defaults list (`- override {key}: <option>`)")
+
+
+def _sections() -> set[str]:
+    """The config's top-level sections (each a mapping: model, parallelism, train, ...)."""
+    from dataclasses import MISSING, fields
+
+    from usp.contract.config_schema import UspConfig
+
+    return {f.name for f in fields(UspConfig) if f.default_factory is not MISSING}
+
+
+def _line_of(path: Path, key: str) -> int:
+    """The line (1-based) of a top-level key of the YAML file."""
+    import yaml
+
+    node = _tree(path)
+    lines = [k.start_mark.line + 1 for k, _ in node.value if str(k.value) == key] \
+        if isinstance(node, yaml.MappingNode) else []
+    return lines[0] if lines else 0
 
 
 def check_group_file(path: Path, group: str) -> None:

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 
-from usp.run.files import EXIT_INTERRUPTED
+from usp.run.files import EXIT_INTERRUPTED, stop_again_hint
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 _requested = {"signal": 0}  # the first stop signal this process got (0: none)
@@ -65,7 +65,7 @@ def _on_stop_signal(signum, frame) -> None:
             "received %s: stopping after this step with a checkpoint", name)
         if not under_torchrun():  # the launcher says it for several ranks
             _say(f"usp: {name}: stopping after the current step with a checkpoint "
-                 f"(send {name} again to stop at once, without one)")
+                 f"({stop_again_hint(name)})")
         return
     if not under_torchrun() and signum in (signal.SIGINT, signal.SIGTERM) and not _interrupted.is_set():
         _interrupted.set()

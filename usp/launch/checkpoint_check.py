@@ -29,7 +29,7 @@ VERIFIED, UNVERIFIED, DAMAGED, INCOMPLETE = "verified", "unverified", "damaged",
 def checkpoints_of(target: str | None, step: int | None) -> tuple[Path, list[CheckpointInfo]]:
     """(where, checkpoints) of a run directory, a checkpoints directory or one step_<N> directory;
     `step` picks one."""
-    path = resolve_run_dir(target)
+    path = resolve_run_dir(target, any_dir=True)
     if (path / "manifest.json").is_file() or path.name.startswith("step_"):
         problem = check_manifest(path)
         found = [CheckpointInfo(_step_of(path), path, problem is None, problem)]

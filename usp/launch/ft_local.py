@@ -31,6 +31,7 @@ from usp.run.files import (
     FT_REPLICA_GROUP_ENV,
     STOP_CODES,
     events_path,
+    stop_again_hint,
     summary_path,
 )
 
@@ -67,7 +68,7 @@ class _StopAll(StopForwarder):
         live = [g.proc.pid for g in self.groups if g.proc is not None and g.proc.poll() is None]
         if self.first is None:
             self.first = name
-            _say(f"usp: {name}: every replica group stops after its current step (send {name} again to stop at once)")
+            _say(f"usp: {name}: every replica group stops after its current step ({stop_again_hint(name)})")
             for pid in live:
                 _signal(pid, signum)
         elif self.second is None and signum != signal.SIGHUP:

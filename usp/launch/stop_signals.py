@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import Self
 
+from usp.run.files import stop_again_hint
+
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # torchrun passes each on to its ranks
 
 
@@ -44,7 +46,7 @@ class StopForwarder:
         if self.first is None:
             self.first = name
             _say(f"usp: {name}: every rank stops after its current step and writes a checkpoint "
-                 f"(send {name} again to stop at once, without one)")
+                 f"({stop_again_hint(name)})")
             _signal(self.proc.pid, signum)
         elif self.second is None and signum != signal.SIGHUP:  # a hangup may come twice (the kernel, the shell)
             self.second = name

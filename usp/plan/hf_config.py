@@ -135,8 +135,13 @@ def _check_supported(config: dict, path: str) -> None:
     if config.get("sliding_window") is not None:
         raise refuse("sliding_window", config["sliding_window"], "usp's attention is full causal attention")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int):
-            raise refuse(field, config.get(field), "usp reads the model's shape from it: an integer")
+        value = config.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise refuse(field, value, "usp reads the model's shape from it: a positive integer")
+    head_dim, derived = config.get("head_dim"), config["hidden_size"] // config["num_attention_heads"]
+    if head_dim is not None and head_dim != derived:
+        raise refuse("head_dim", head_dim, f"usp's attention heads are hidden_size / num_attention_heads = {derived} "
+                                           "wide (the file's own fields disagree)")
 
 
 def usp_values(config: dict, path: str) -> dict:

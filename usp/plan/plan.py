@@ -55,7 +55,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
         dataset_dir=_planned_dataset_dir(cfg.data, data_warnings),
         choices=dict(choices or {}), config=config,
         decisions=decisions(config, degrees, str(cluster.device), run_dir, arch.vocab_size),
-        pipeline=pipeline, warnings=data_warnings,
+        pipeline=pipeline, warnings=data_warnings + _unused_rows(cfg, int(cfg.model.vocab_size)),
     )
     ft = fault_tolerance_plan(config, degrees, nodes, per_node)
     plan.fault_tolerance = FaultTolerancePlan(**ft) if ft is not None else None
@@ -110,9 +110,24 @@ def _derive(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
     init_from = getattr(cfg.model, "init_from", None)
     if init_from:  # a Hugging Face checkpoint to start from: its config.json must be this model group
         from usp.plan.hf_config import check_hf_config, read_hf_config
+        from usp.plan.hf_files import check_hf_files
 
         check_hf_config(read_hf_config(init_from), cfg.model, vocab, str(init_from))
+        check_hf_files(init_from)
     return rule_subject(cfg, degrees, batch, vocab), degrees, batch
+
+
+def _unused_rows(cfg, model_vocab: int) -> list[str]:
+    """A checkpoint's embedding with more rows than the tokenizer has ids: legal (vocabularies are
+    padded, Qwen's 151,936 rows for 151,669 ids), but worth a line when the tokenizer may be the wrong one."""
+    if not getattr(cfg.model, "init_from", None):
+        return []
+    token_vocab = _tokenizer_vocab_here(cfg.data, model_vocab)
+    if 0 < token_vocab < model_vocab:
+        return [f"the checkpoint's embedding has {model_vocab:,} rows (config.json's vocab_size) and the tokenizer "
+                f"{token_vocab:,} ids: rows from {token_vocab:,} on are never an input (padding, or the checkpoint's "
+                f"own tokenizer is another: data.tokenizer=hf data.tokenizer_path={cfg.model.init_from})"]
+    return []
 
 
 def _tokenizer_vocab_here(data, model_vocab: int) -> int:
@@ -192,7 +207,7 @@ def _threads_per_proc(cluster, per_node: int, cpu_count: int | None) -> int:
     unless OMP_NUM_THREADS is set here (as every OpenMP program, and torchrun, honour it: e.g. several
     jobs sharing a machine, where a second thread per process only spins)."""
     if int(cluster.threads_per_proc):
-        return int(cluster.threads_per_proc)
+        return _bounded_threads(cluster, int(cluster.threads_per_proc), cpu_count)
     if cluster.launcher != "slurm":
         omp = os.environ.get("OMP_NUM_THREADS", "")
         if omp.isdigit() and int(omp) > 0:
@@ -204,6 +219,26 @@ def _threads_per_proc(cluster, per_node: int, cpu_count: int | None) -> int:
                         fix=f"cluster.slurm.cpus_per_task=<CPUs per node> (split over {per_node} processes), "
                             "or cluster.threads_per_proc=<threads per process>")
     return max(1, int(cluster.slurm.cpus_per_task) // per_node)
+
+
+# more threads than any node has CPUs (a Slurm node's count is unknown here without cpus_per_task)
+MAX_THREADS_PER_NODE = 1024
+
+
+def _bounded_threads(cluster, threads: int, cpu_count: int | None) -> int:
+    """cluster.threads_per_proc, refused above the CPUs one process can use: this machine's for a
+    local run, the job's cpus_per_task on Slurm (a run with 100,000 threads per process segfaults)."""
+    if cluster.launcher != "slurm":
+        cpus, where = cpu_count or os.cpu_count() or 1, "this machine has"
+    elif int(cluster.slurm.cpus_per_task):
+        cpus, where = int(cluster.slurm.cpus_per_task), "cluster.slurm.cpus_per_task gives a task"
+    else:
+        cpus, where = MAX_THREADS_PER_NODE, "no node has more than"
+    if threads > cpus:
+        raise PlanError(f"{threads} threads per process, but {where} {cpus} CPUs", key="cluster.threads_per_proc",
+                        value=threads, fix=f"cluster.threads_per_proc=<1..{cpus}>, or 0 to split the CPUs over "
+                                           "the processes")
+    return threads
 
 
 def engine_support_errors(plan: RunPlan) -> list[PlanError]:

@@ -179,7 +179,9 @@ class Rule:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending, in O(sqrt(n)): a global batch of 10^9 is refused in milliseconds."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 # --- config values (no layout needed) --------------------------------------------------------------------

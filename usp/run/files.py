@@ -60,7 +60,18 @@ PROFILE_SUMMARY_RE = r"summary_rank_(\d+)\.txt"
 EXIT_OK = 0
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after a checkpoint; "try again later" (requeue)
 EXIT_INTERRUPTED = 130  # stopped by SIGINT (128 + SIGINT), at a step boundary or, on a second one, at once
+
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
+
+
+def stop_again_hint(name: str) -> str:
+    """What a second signal does, as the first one's message says it: a second SIGINT or SIGTERM stops
+    at once (no checkpoint); a second SIGHUP changes nothing (a closed terminal's shell may pass the
+    kernel's hangup on again), so SIGHUP's message points at the other two."""
+    if name == "SIGHUP":
+        return "send SIGINT or SIGTERM to stop at once, without one"
+    return f"send {name} again to stop at once, without one"
+
 
 # -- failure classes written by the engine's failure summary, read by `usp status` -------------
 OOM, TIMEOUT, LOST_PEER, PYTHON = "OOM", "collective timeout", "lost peer", "Python error"

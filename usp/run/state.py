@@ -23,6 +23,7 @@ from usp.run.files import (
     STOP_EVENT,
     events_path,
     logs_dir,
+    metrics_path,
     plan_path,
     read_jsonl,
     summary_path,
@@ -49,12 +50,18 @@ class FailureReport:
         return self.root is not None or bool(self.secondary)
 
 
-def resolve_run_dir(arg: str | None, runs_dir: str | Path = "runs") -> Path:
-    """RUN_DIR, or the most recently modified directory under ./runs."""
+def resolve_run_dir(arg: str | None, runs_dir: str | Path = "runs", any_dir: bool = False) -> Path:
+    """RUN_DIR, or the most recently modified directory under ./runs. A given directory that holds
+    nothing a launch writes (plan.yaml, logs/, metrics.jsonl, checkpoints/) is refused unless
+    `any_dir` (commands that also take a checkpoint directory)."""
     if arg:
         path = Path(arg)
         if not path.is_dir():
             raise LaunchError(f"no run directory {path}", key="RUN_DIR", fix="usp status runs/<name>")
+        if not any_dir and not is_run_dir(path):
+            raise LaunchError(f"{path} is not a run directory: it has no plan.yaml, logs/, metrics.jsonl or "
+                              "checkpoints/", key="RUN_DIR", value=str(path),
+                              fix="name the directory `usp train` / `usp submit` printed (runs/<name>)")
         return path
     runs = Path(runs_dir)
     candidates = [p for p in runs.iterdir() if p.is_dir()] if runs.is_dir() else []
@@ -62,6 +69,11 @@ def resolve_run_dir(arg: str | None, runs_dir: str | Path = "runs") -> Path:
         raise LaunchError(f"no run directory given and {runs}/ has none", key="RUN_DIR",
                           fix="usp status <run dir> (e.g. runs/<name>)")
     return max(candidates, key=lambda p: p.stat().st_mtime)
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether a launch has written into `path`."""
+    return any(p.exists() for p in (plan_path(path), logs_dir(path), metrics_path(path), path / "checkpoints"))
 
 
 def _mtime(path: Path) -> float | None:
