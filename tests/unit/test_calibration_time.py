@@ -91,24 +91,67 @@ def test_residuals_on_the_tables_the_constants_were_fitted_on():
     assert len(tt.measured) == 10 and tt.rel_err_p50 <= 0.05 and tt.rel_err_max <= 0.15
 
 
+# The published runs beyond 15 % today (docs/planner.md "Time on real runs: published runs at 48-16,384 GPUs"):
+# torchtitan at 131k-262k tokens with CP 4-8 and its 8B at 64 GPUs over-predicted, Megatron's 177B at 4,608 GPUs
+# under-predicted. A run not named here that leaves the 15 % band is a regression.
+MISSES_EVAL = {"tt_8b_cp4_s131072", "tt_8b_cp8_s262144", "tt_405b_4d_cp8", "tt_8b_64_bf16_vanillaTP",
+               "tt_8b_64_bf16_asyncTP", "mlm_h100_177B_strong_4608"}
+
+
+def _published(use: str):
+    return P.predict([r for r in P.published() if r.use == use])
+
+
+def _misses(sc, beyond: float = 0.15) -> set[str]:
+    return {r.run_id for r, p in zip(sc.runs, sc.predicted) if abs(p / r.mfu - 1) > beyond}
+
+
 def test_the_published_runs_none_was_fitted_on():
     """calibration/published_runs.csv's bf16 runs marked eval (none fitted: the stacks' fitted runs are marked
-    fit), each on its catalogue cluster group with its stack's profile, by stack and by scale."""
-    ev = P.predict([r for r in P.published() if r.use == "eval"])
+    fit), each on its catalogue cluster group with its stack's profile, by stack and by scale. Issue #38's
+    targets: median |error| <= 10 % (met: 8.3 %), >= 80 % within 15 % (missed: 17 of 23, 74 %), max <= 25 %
+    (missed: 26.1 %). The bounds are the figures achieved with a small margin, so a regression fails."""
+    ev = _published("eval")
     s = ev.scored
     print("\n" + _line("published eval (bf16)", s))
     for name, sc in ev.by(lambda r: r.profile).items():
         print(_line(f"  {name}", sc.scored))
     for name, sc in ev.by(lambda r: P.scale(r.layout.world)).items():
         print(_line(f"  {name} GPUs", sc.scored))
-    for use in ("fit", "eval_fp8", "eval_lowconf"):
-        print(_line(f"published {use}", P.predict([r for r in P.published() if r.use == use]).scored))
     assert len(ev.runs) == 23 and {r.profile for r in ev.runs} == {"megatron", "megatron_legacy", "meta_llama3",
                                                                      "torchtitan"}
     assert max(r.layout.world for r in ev.runs) == 16384
-    assert s.rel_err_p50 <= 0.10 and s.within_15 >= 0.7 and s.rel_err_max <= 0.3
-    by_stack = ev.by(lambda r: r.profile)
-    assert by_stack["megatron"].scored.rel_err_p50 <= 0.10 and by_stack["megatron_legacy"].scored.rel_err_max <= 0.1
+    assert s.rel_err_p50 <= 0.09 and s.within_15 >= 17 / 23 and s.rel_err_max <= 0.27
+    assert _misses(ev) <= MISSES_EVAL, _misses(ev) - MISSES_EVAL
+    by_stack = {k: v.scored for k, v in ev.by(lambda r: r.profile).items()}
+    assert by_stack["megatron"].rel_err_p50 <= 0.06 and by_stack["megatron_legacy"].rel_err_max <= 0.06
+    assert by_stack["meta_llama3"].rel_err_max <= 0.14 and by_stack["torchtitan"].rel_err_p50 <= 0.14
+    big = ev.by(lambda r: P.scale(r.layout.world))[">2048"]
+    assert len(big.runs) == 7 and big.scored.rel_err_p50 <= 0.06 and big.scored.within_15 >= 6 / 7
+    # Llama 3 405B on 16,384 H100 (its published layout: tp8 pp16 v8 dp128, seq 8,192): 40.4 % published
+    llama = next(p for r, p in zip(ev.runs, ev.predicted) if r.run_id == "llama3_405b_16384_cp1")
+    assert 0.43 <= llama <= 0.47
+
+
+def test_the_published_fp8_and_low_confidence_runs():
+    """Scored apart from the bf16 set: the FP8 runs (NeMo / Megatron-Bridge Llama 3 8B-405B on 8-1,024 H100,
+    torchtitan float8 tensorwise and rowwise) and the low-confidence rows (Megatron's 2021 A100 table with an
+    inferred tp / pp, Llama 3's CP16 row whose FLOP convention at 131k tokens is unstated). Figures achieved,
+    with a small margin: FP8 is the model's weak spot (rowwise scaling's cost is not modelled)."""
+    fp8, low = _published("eval_fp8"), _published("eval_lowconf")
+    print("\n" + _line("published eval_fp8", fp8.scored))
+    for name, sc in fp8.by(lambda r: r.profile).items():
+        print(_line(f"  {name}", sc.scored))
+    print(_line("published eval_lowconf", low.scored))
+    print(_line("published fit (fitted on)", _published("fit").scored))
+    assert len(fp8.runs) == 18 and len(low.runs) == 11
+    assert fp8.scored.rel_err_p50 <= 0.19 and fp8.scored.within_15 >= 7 / 18 and fp8.scored.rel_err_max <= 0.72
+    nemo = fp8.by(lambda r: r.profile)["megatron"].scored
+    assert nemo.rel_err_p50 <= 0.17 and nemo.rel_err_max <= 0.21
+    rowwise = {r.run_id for r in fp8.runs if "rowwise" in r.run_id}
+    assert _misses(fp8, 0.25) <= rowwise  # only rowwise scaling beyond 25 %
+    assert low.scored.rel_err_p50 <= 0.13 and low.scored.rel_err_max <= 0.5
+    assert _misses(low, 0.25) == {"llama3_405b_16384_cp16"}
 
 
 def test_the_normalised_runs_csvs_are_the_scripts_output():

@@ -121,14 +121,14 @@ class Profile:
 # fitting the GPU's; scripts/fit_time_model.py stage A, docs/planner.md). Its host costs stand in for every eager
 # PyTorch launch path whose own runs cannot separate them (borrowed: _BORROWED_HOST).
 _NANOTRON_TIME = StackTime(
-    elementwise_factor=0.5, attention_efficiency=1.0, loss_bytes_per_logit=161.9, layer_us=45.57,
-    micro_batch_ms=6.016, step_ms=0.1031, accum_bytes_per_param=10.0, tp_overlap=0.001006, pp_p2p_us=857.6,
-    dp_overlap=1.0, p2p_stall_ms=315.9, p2p_stall_nodes=32.76, p2p_stall_headroom=0.144, p2p_stall_exp=8.0)
+    elementwise_factor=0.5, attention_efficiency=1.0, loss_bytes_per_logit=168.1, layer_us=41.39,
+    micro_batch_ms=6.026, step_ms=5.492, accum_bytes_per_param=10.0, tp_overlap=0.001006, pp_p2p_us=836.7,
+    dp_overlap=1.0, p2p_stall_ms=316.5, p2p_stall_nodes=32.67, p2p_stall_headroom=0.1439, p2p_stall_exp=8.0)
 _BORROWED_HOST = dict(layer_us=_NANOTRON_TIME.layer_us, micro_batch_ms=_NANOTRON_TIME.micro_batch_ms,
                       step_ms=_NANOTRON_TIME.step_ms, pp_p2p_us=_NANOTRON_TIME.pp_p2p_us)
 # Megatron-Core's element-wise factor, fitted on five of its published H100 runs (calibration/published_runs.csv,
 # use=fit: stage M); Llama 3's stack borrows it
-_MEGATRON_ELEMENTWISE = 3.433
+_MEGATRON_ELEMENTWISE = 3.594
 
 _BF16_STORING: dict[str, Any] = dict(
     fp32_params=False, fp32_grad_accum=True, data_parallel="nanotron", follows_compile=False, reduce_bytes=4,
@@ -138,7 +138,7 @@ PROFILES = {
     "usp": Profile(
         "usp", "usp's own engine (this repository), as it trains",
         time=StackTime(attention_efficiency=0.95, loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0,
-                       optimizer_hbm_share=0.372, fp8_cast_bytes=11.76, **_BORROWED_HOST),
+                       optimizer_hbm_share=0.372, fp8_cast_bytes=11.68, **_BORROWED_HOST),
         fitted_on="not fitted: usp's engine has no multi-GPU run measured yet (attention, the loss and the optimizer "
                   "measured on one H200; host costs nanotron's, borrowed; docs/planner.md)",
         missing_overlaps=("TP collectives (no async TP, no communication-overlapped linears)",
@@ -175,7 +175,7 @@ PROFILES = {
         "baseline): TP, PP and data-parallel communication all exposed",
         **_BF16_STORING, pp_split="even", fused_projections=True, selective="attention", cp_ring="kv",
         zero1="distributed",
-        time=StackTime(elementwise_factor=6.938, attention_efficiency=0.95,
+        time=StackTime(elementwise_factor=7.046, attention_efficiency=0.95,
                        loss_bytes_per_logit=_NANOTRON_TIME.loss_bytes_per_logit, dp_overlap=0.0,
                        **{**_BORROWED_HOST, "step_ms": 1516.0}),
         fitted_on="elementwise_factor and step_ms on 4 of MegaScale's 8 baseline runs (calibration/published_runs.csv, "
@@ -195,8 +195,8 @@ PROFILES = {
         "torchtitan", "torchtitan (PyTorch's reference stack): FSDP2 (bf16 gathers, fp32 reduce-scatters), "
         "optional async TP, op-level selective recompute, torch.compile, torch.distributed.pipelining",
         pp_split="even", selective="op", cp_ring="kv", fsdp_reduce_per_micro_batch=True, reduce_bytes=4,
-        time=StackTime(elementwise_factor=1.0, eager_elementwise_factor=3.103, attention_efficiency=0.5468,
-                       loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0, async_tp_overlap=0.7895,
+        time=StackTime(elementwise_factor=1.0, eager_elementwise_factor=3.116, attention_efficiency=0.5383,
+                       loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0, async_tp_overlap=0.8314,
                        **_BORROWED_HOST),
         fitted_on="eager_elementwise_factor, attention_efficiency, async_tp_overlap on torchtitan's 2024-12 tables "
                   "(10 runs) + one published run; host costs nanotron's (borrowed)",
@@ -205,7 +205,7 @@ PROFILES = {
         "llmfoundry", "MosaicML llm-foundry (Composer, FSDP FULL_SHARD, flash attention)",
         **{**_BF16_STORING, "data_parallel": "usp", "fp32_params": True}, fused_projections=True,
         selective="attention",
-        time=StackTime(elementwise_factor=3.464, attention_efficiency=0.539, loss_bytes_per_logit=67.0, layer_us=300.0,
+        time=StackTime(elementwise_factor=3.454, attention_efficiency=0.5397, loss_bytes_per_logit=67.0, layer_us=300.0,
                        micro_batch_ms=0.01061, step_ms=0.1031),
         fitted_on="llm-foundry's bf16 tables (H100, A100 40/80 GB: 209 runs), with the playbook's even rows"),
 }

@@ -886,8 +886,8 @@ def _calibration(layout: Layout, hw: Hardware, mfu_value: float, profile: Profil
     cal = hw.timing.calibrated
     notes = [f"profile {profile.name}'s time constants: {profile.fitted_on}"] if profile.fitted_on else []
     if not cal.source:
-        return None, notes + [f"cluster {hw.device_name}: time constants never calibrated (`usp calibrate`): the "
-                              "time figures are uncalibrated estimates"]
+        return None, notes + [f"cluster {hw.device_name}: never calibrated on runs of its own (`usp calibrate`): no "
+                              "MFU band; where its GPU and network constants come from: docs/hardware.md"]
     band = (mfu_value / cal.ratio_p90, mfu_value / cal.ratio_p10)
     notes.append(f"calibrated on {cal.runs} runs ({cal.source}): MFU |error| median {cal.mfu_abs_err_p50:.1f} points, "
                  f"p90 {cal.mfu_abs_err_p90:.1f}; band = 10th-90th percentile of predicted/measured")
