@@ -24,8 +24,8 @@ USP = str(Path(sys.executable).parent / "usp")
 COMMANDS = {  # name -> (argv, target seconds)
     "usp --help": (["--help"], 0.3),
     "usp plan": (["plan"], 0.8),
-    "usp estimate": (["estimate", "model=llama3_1_8b", "train.tokens=1e12", "cluster=slurm_h100", "--devices", "64"],
-                     0.8),
+    # the configured layout only: --gpus / --hours add a layout search per node count (docs/planner.md)
+    "usp estimate": (["estimate", "model=llama3_1_8b", "train.tokens=1e12", "cluster=slurm_h100"], 0.8),
 }
 
 

@@ -61,8 +61,9 @@ CASES = [  # (argv, modules that must not be imported)
     # own files: planned from their names and sizes, nothing read or tokenized
     pytest.param(["plan", "data=files", f"data.paths=[{C}]", f"train.runs_dir={R}"],
                  NO_NUMPY | {"tokenizers", "datasets", "tiktoken", "pyarrow"}, id="plan-files"),
-    pytest.param(["estimate", "model=llama3_1_70b", "train.tokens=15e12", "cluster=slurm_h100", "--hours", "720"],
-                 NO_NUMPY, id="estimate"),
+    pytest.param(["estimate", "conf=llama3_1_8b", "train.tokens=1e12", "--gpus", "64"], NO_NUMPY, id="estimate"),
+    pytest.param(["estimate", "conf=llama3_1_8b", "train.tokens=1e12", "--scaling", "--max-nodes", "2"], NO_NUMPY,
+                 id="estimate-scaling"),
     # The runs directory holds no measured metrics.jsonl: usp calibrate refuses (exit 2) after its imports.
     pytest.param(["calibrate", R, "--cluster", "slurm_h100"], NO_NUMPY, id="calibrate", marks=pytest.mark.may_refuse),
     pytest.param(["train", "--cfg", "job"], NO_NUMPY, id="train-cfg"),

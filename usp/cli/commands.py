@@ -222,7 +222,6 @@ def calibrate(measured: str = typer.Argument(..., help="a runs CSV (like calibra
     from usp.perf.calibration.calibrate import calibrate as fit_cluster
     from usp.perf.calibration.calibrate import parse_groups, report
     from usp.perf.calibration.measured_runs import archs_csv
-    from usp.run.files import write_text_atomic
     from usp.run.writable import check_new_output
 
     stack_out = profile_out or (str(Path(out).with_suffix(f".{Path(profile).stem}.yaml")) if out else None)
@@ -235,8 +234,23 @@ def calibrate(measured: str = typer.Argument(..., help="a runs CSV (like calibra
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout, fit_groups)
     for line in report(result):
         typer.echo(line)
+    if Path(measured).is_dir():  # run directories: their restart and checkpoint costs too (docs/faults.md)
+        from usp.perf.calibration.restarts import restart_costs_yaml
+
+        result.yaml, lines = restart_costs_yaml(Path(measured), cluster, result.yaml)
+        for line in lines:
+            typer.echo(line)
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
+    _write_calibration(result, out, stack_out)
+
+
+def _write_calibration(result, out: str | None, stack_out: str | None) -> None:
+    """`usp calibrate`'s outputs: the cluster group and the profile file, or both printed."""
+    from pathlib import Path
+
+    from usp.run.files import write_text_atomic
+
     if out:
         write_text_atomic(Path(out), result.yaml)
         typer.echo(f"cluster group written to {out}")
@@ -269,13 +283,30 @@ def cluster_override(out: str) -> str:
 @handles_errors
 def estimate(overrides: list[str] | None = Overrides,
              hours: float | None = typer.Option(None, "--hours", help="wall-clock budget: how many devices?"),
-             devices: int | None = typer.Option(None, "--devices", help="device count: how many hours?"),
-             mfu: float | None = typer.Option(None, "--mfu", help="MFU to assume (default: the time model's)")) -> None:
-    """Memory per device, and devices / hours / cost for a token budget (train.tokens=...)."""
-    from usp.plan.estimate import run_estimate
+             gpus: int | None = typer.Option(None, "--gpus", "--devices", help="device count: how many hours?"),
+             mfu: float | None = typer.Option(None, "--mfu", help="MFU to assume instead of planning each size"),
+             scaling: bool = typer.Option(False, "--scaling", help="the best layout per node count, strong and weak "
+                                                                   "scaling, and their efficiency"),
+             max_nodes: int | None = typer.Option(None, "--max-nodes", help="--scaling: the largest node count "
+                                                  "(default: the quoted one, else cluster.nodes x 16)"),
+             plot: str | None = typer.Option(None, "--plot", help="--scaling: also write the table as a PNG heatmap")
+             ) -> None:
+    """Devices, hours and cost for a token budget (train.tokens=...), planned at the size quoted: the best
+    layout `usp plan` accepts there. --scaling: throughput by node count."""
+    from usp.plan.estimate_view import run_estimate, run_scaling
 
     composed, choices = _compose(overrides)
-    run_estimate(composed, choices, hours=hours, devices=devices, mfu=mfu)
+    if plot and not scaling:
+        _fail(ValueError("--plot draws the --scaling table: add --scaling"))
+    est = run_estimate(composed, choices, hours=hours, gpus=gpus, mfu=mfu, command=list(overrides or []))
+    if scaling:
+        rows = run_scaling(composed, choices, max_nodes or est.nodes or composed.cluster.nodes * 16)
+        if plot:
+            from pathlib import Path
+
+            from usp.report.scaling_plot import plot_scaling
+
+            typer.echo(f"scaling plot written to {plot_scaling(rows, est.model, Path(plot))}")
 
 
 DryRunOption = typer.Option(False, "--dry-run", help="Slurm: write runs/<name>/job.sbatch and print it; submit nothing")
@@ -297,15 +328,20 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-    from usp.launch.local import launch_local, require_torch
+    from usp.launch.local import check_launchable, launch_local, require_torch
     from usp.run.lock import release
 
     require_torch("train")
-    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
+    run_plan, plan_path = prepare_run(composed, choices, check=check_launchable)  # holds the run lock from here on
 
     failure = None
     try:
-        code = launch_local(run_plan, plan_path)
+        if run_plan.fault_tolerance is not None:  # one torchrun per replica group, and torchft's lighthouse
+            from usp.launch.ft_local import launch_replica_groups
+
+            code = launch_replica_groups(run_plan, plan_path)
+        else:
+            code = launch_local(run_plan, plan_path)
     except Exception as exc:  # one rank runs in-process: the same summary as torchrun's below
         failure, code = exc, 1
     finally:

@@ -88,3 +88,24 @@ def engine_choices(config: UspConfig, degrees: dict[str, int], device: str, voca
             "optimizer": OptimSettings.from_config(config.optimizer, config.train.steps),
             "checkpoint_dir": str(Path(config.checkpoint.dir or Path(run_dir) / "checkpoints").expanduser()),
             "tokenizer": str(config.data.tokenizer)}
+
+
+def fault_tolerance_plan(config: UspConfig, degrees: dict[str, int], nodes: int, procs_per_node: int) -> dict | None:
+    """RunPlan.fault_tolerance's fields (None for fault_tolerance=none): the dp_replicate ranks become
+    replica groups, each a job of its own with the rest of the layout (the rules have checked that the
+    groups fill whole nodes, or share one node evenly)."""
+    ft = config.fault_tolerance
+    if str(ft.kind) != "torchft":
+        return None
+    groups = int(degrees["dp_replicate"])
+    group = {**degrees, "dp_replicate": 1}
+    group_world = nodes * procs_per_node // groups
+    group_nodes = nodes // groups if nodes >= groups else 1
+    return {"kind": "torchft", "replica_groups": groups, "min_replicas": int(ft.min_replicas),
+            "group_world_size": group_world, "group_nodes": group_nodes,
+            "group_procs_per_node": group_world // group_nodes, "group_degrees": group,
+            "group_dp_kind": data_parallel_kind(group, bool(config.parallelism.zero1)),
+            "timeout_s": int(ft.timeout_s), "heartbeat_timeout_s": float(ft.heartbeat_timeout_s),
+            "quorum_timeout_s": int(ft.quorum_timeout_s), "join_timeout_s": float(ft.join_timeout_s),
+            "start_timeout_s": int(ft.start_timeout_s), "max_group_restarts": int(ft.max_group_restarts),
+            "lighthouse_port": int(ft.lighthouse_port)}

@@ -1,6 +1,8 @@
 """Batch math: global batch = micro batch x grad-accum steps x data-parallel degree."""
 from __future__ import annotations
 
+import math
+
 from usp.contract.run_plan import BatchPlan
 from usp.errors import PlanError
 
@@ -26,7 +28,8 @@ def plan_batch(train, dp: int) -> BatchPlan:
         if micro < 1:
             raise PlanError(f"the global batch of {global_batch} sequences is smaller than the data-parallel "
                             f"degree x grad-accum ({dp} x {max(accum, 1)})", key="train.global_batch",
-                            value=global_batch, fix=f"train.global_batch={dp * max(accum, 1)} or more")
+                            value=global_batch, fix=f"train.global_batch={dp * max(accum, 1)} or more, "
+                            f"{fewer_data_parallel(global_batch, dp)}")
     elif micro < 1:
         raise PlanError("must be a positive integer or -1 (derive)", key="train.micro_batch", value=micro,
                         fix="train.micro_batch=-1")
@@ -37,8 +40,9 @@ def plan_batch(train, dp: int) -> BatchPlan:
             raise PlanError("is not divisible by train.micro_batch x data-parallel degree = "
                             f"{micro} x {dp} = {per_step}",
                             key="train.global_batch", value=global_batch,
-                            fix=f"train.global_batch={lower} or {lower + per_step}, or a micro batch that divides "
-                            f"{global_batch // dp if global_batch % dp == 0 else 'it'}")
+                            fix=f"train.global_batch={lower} or {lower + per_step}, " + (
+                                f"or a micro batch that divides {global_batch // dp}" if global_batch % dp == 0
+                                else fewer_data_parallel(global_batch, dp)))
         accum = global_batch // per_step
     elif accum < 1:
         raise PlanError("must be a positive integer or -1 (derive)", key="train.grad_accum", value=accum,
@@ -48,3 +52,12 @@ def plan_batch(train, dp: int) -> BatchPlan:
                         f"!= train.global_batch={global_batch}", key="train.grad_accum", value=accum,
                         fix="train.grad_accum=-1 to derive it, or change train.global_batch")
     return BatchPlan(seq_len, micro, accum, dp, global_batch)
+
+
+def fewer_data_parallel(global_batch: int, dp: int) -> str:
+    """The other fix of a global batch that doesn't split over `dp` data-parallel ranks: the same
+    devices with more model parallelism, so that the data-parallel degree divides the batch."""
+    fits = math.gcd(dp, global_batch)  # the largest data-parallel degree both allow
+    return (f"or {dp // fits}x more model parallelism on the same devices (parallelism.tp / pp / cp: "
+            f"data-parallel degree {dp} -> {fits}, which divides {global_batch}); `usp plan --search` ranks "
+            "the layouts that fit this batch")
