@@ -486,22 +486,32 @@ def fit(paths: list[str]) -> list[str]:
     return out
 
 
+def compute_share(row: dict, runs: str) -> float:
+    """The share of the compiled step the planner puts in the micro batches' compute (the rest: the
+    optimizer step, the fixed cost), the part eager_overhead scales."""
+    timing = _common.plan_for(_row_overrides(row), 1, runs).timing
+    return timing.compute_s / timing.step_s
+
+
 def eager_fit(rows: dict, runs: str) -> list[str]:
-    """cluster.timing.eager_overhead per model (compiled over eager tokens/s, same model and batch: the
-    eager blocks and the eager loss together), and, with two models or more, the two apart: the eager
-    step's extra time = eager_overhead x the compiled step + eager_loss_ps_per_logit x the step's logits
-    (least squares; the loss's share differs between models, the blocks' should not)."""
+    """cluster.timing.eager_overhead per model (the eager step's extra time over the compiled step's compute,
+    same model and batch: the eager blocks and the eager loss together), and, with two models or more, the
+    two apart: the eager step's extra time = eager_overhead x the compiled step's compute (its share planned)
+    + eager_loss_ps_per_logit x the step's logits (least squares; the loss's share differs between models,
+    the blocks' should not)."""
     matched = [(model, rows.get(f"{model} eager"), rows.get(f"{model} compiled")) for model in ("1b", "largest")]
     matched = [(m, e, c) for m, e, c in matched if e and c and e["model"] == c["model"]]
-    out = [f"{m} ({e['model']}): cluster.timing.eager_overhead = {c['tokens_per_s'] / e['tokens_per_s'] - 1:.3f} "
-           "(blocks and loss together)" for m, e, c in matched]
+    out = [f"{m} ({e['model']}): cluster.timing.eager_overhead = "
+           f"{(e['step_s'] - c['step_s']) / (c['step_s'] * compute_share(c, runs)):.3f} (blocks and loss together)"
+           for m, e, c in matched]
     if len(matched) >= 2:
         pairs = []
         for _, eager, compiled in matched:
             plan = _common.plan_for(_row_overrides(compiled), 1, runs)
             logits = plan.timing.tokens_per_step * plan.model.vocab_size
-            pairs.append((compiled["step_s"], logits, eager["step_s"] - compiled["step_s"]))
-        # the normal equations of extra = overhead x step + per_logit x logits
+            share = plan.timing.compute_s / plan.timing.step_s
+            pairs.append((compiled["step_s"] * share, logits, eager["step_s"] - compiled["step_s"]))
+        # the normal equations of extra = overhead x compute + per_logit x logits
         (tt, tn, tx), (nt, nn, nx) = [[sum(p[i] * p[j] for p in pairs) for j in (0, 1, 2)] for i in (0, 1)]
         det = tt * nn - tn * nt
         overhead, per_logit = (tx * nn - tn * nx) / det, (tt * nx - tx * nt) / det

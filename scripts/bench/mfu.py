@@ -61,12 +61,12 @@ def gpu_overrides(name: str, mem_gib: float) -> list[str]:
         raise SystemExit(f"no cluster group holds the figures of {name!r}: add one to conf/cluster "
                          f"(peak_tflops_bf16 from the vendor's sheet) and map it in GPU_GROUPS ({__file__})")
     c = compose_config(None, [f"cluster={group}"])[0].cluster
+    timing = [f"cluster.timing.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in c.timing.items()
+              if k != "calibrated"]  # the GPU's time constants (its network's are not used on one node)
     return ["cluster=local_gpu", f"cluster.device_name={name.replace(' ', '_')}",
             f"cluster.peak_tflops_bf16={c.peak_tflops_bf16}", f"cluster.peak_tflops_fp32={c.peak_tflops_fp32}",
             f"cluster.peak_tflops_fp8={c.peak_tflops_fp8}", f"cluster.intra_node_gbps={c.intra_node_gbps}",
-            f"cluster.device_memory_gb={mem_gib:.1f}", f"cluster.timing.eager_overhead={c.timing.eager_overhead}",
-            f"cluster.timing.eager_loss_ps_per_logit={c.timing.eager_loss_ps_per_logit}",
-            f"cluster.timing.fp8_efficiency={c.timing.fp8_efficiency}"]
+            f"cluster.hbm_gbps={c.hbm_gbps}", f"cluster.device_memory_gb={mem_gib:.1f}", *timing]
 
 
 def this_gpu() -> tuple[str, float]:

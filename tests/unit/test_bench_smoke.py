@@ -49,10 +49,10 @@ def test_gpu_session_plan_only_prints_the_device_command(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_gpu_session_fit_recovers_the_planner_constants(shakespeare, tmp_path):
-    """--fit on a session's rows (two JSONLs, as two device calls write them): eager_overhead = compiled /
-    eager tokens/s - 1 per model; with two models, the eager blocks and the eager loss apart (rows made
-    with 0.25 and 10 ps per logit); the fp8_efficiency at which the planner predicts the measured FP8 /
-    bf16 speedup (rows made from the planner at 0.6)."""
+    """--fit on a session's rows (two JSONLs, as two device calls write them): eager_overhead = the eager
+    step's extra time over the compiled step's compute (its planned share) per model; with two models, the
+    eager blocks and the eager loss apart (rows made with 0.25 and 10 ps per logit); the fp8_efficiency at
+    which the planner predicts the measured FP8 / bf16 speedup (rows made from the planner at 0.6)."""
     gs = gpu_session_module()
     hardware = gs.mfu.gpu_overrides("NVIDIA H100 80GB HBM3", 79.1)
     base = {"hardware": hardware, "model": "llama3_2_1b", "micro_batch": 8, "grad_accum": 1}
@@ -65,17 +65,20 @@ def test_gpu_session_fit_recovers_the_planner_constants(shakespeare, tmp_path):
     largest = {**bf16, "case": "largest compiled", "model": "llama3_2_3b", "micro_batch": 2, "grad_accum": 4}
     rows = [bf16, fp8, largest]
     step_1b = 8 * 2048 / bf16["tokens_per_s"]  # the FP8 row's reference keeps its planned tokens/s
-    for r, step_s in ((bf16, step_1b), (largest, 0.8)):  # eager = 1.25 x compiled + 10 ps x the step's logits
+    shares = {}
+    for r, step_s in ((bf16, step_1b), (largest, 0.8)):  # eager = compiled + 0.25 x its compute + 10 ps x logits
         tokens = r["micro_batch"] * r["grad_accum"] * 2048
         r.update(step_s=step_s, tokens_per_s=tokens / step_s)
-        eager_s = 1.25 * step_s + 10e-12 * tokens * 128256
+        shares[r["case"]] = share = gs.compute_share(r, runs)
+        assert 0.5 < share < 1  # the optimizer step and the fixed cost are the rest
+        eager_s = step_s + 0.25 * share * step_s + 10e-12 * tokens * 128256
         rows.append({**r, "case": r["case"].replace("compiled", "eager"), "step_s": eager_s,
                      "tokens_per_s": tokens / eager_s})
     paths = [tmp_path / "run1.jsonl", tmp_path / "run2.jsonl"]
     for path, part in zip(paths, (rows[:3], rows[3:])):
         path.write_text("".join(json.dumps(r) + "\n" for r in part))
     lines = gs.fit([str(p) for p in paths])
-    eager_1b = 1.25 + 10e-12 * 8 * 2048 * 128256 / step_1b - 1
+    eager_1b = 0.25 + 10e-12 * 8 * 2048 * 128256 / (step_1b * shares["1b compiled"])
     assert f"1b (llama3_2_1b): cluster.timing.eager_overhead = {eager_1b:.3f} (blocks and loss together)" in lines
     assert ("eager blocks and eager loss apart (2 models): cluster.timing.eager_overhead = 0.250, "
             "cluster.timing.eager_loss_ps_per_logit = 10.00") in lines

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import usp_cli
 from usp.config.compose import compose_config
 from usp.errors import ConfigError, UspError
-from usp.perf.calibration.calibrate import PARAMS
+from usp.perf.calibration.calibrate import params_for
 from usp.perf.calibration.measured_runs import SWEEP_CSV, read_sweep_csv
 
 ROWS = SWEEP_CSV.read_text().splitlines()
@@ -28,6 +28,7 @@ def folder(tmp_path) -> Path:
 
 MALFORMED = [  # (the file's bytes, what the error says)
     (b"model,nodes\n1.34B,1\n", "its header lacks the column(s) dp, tp, pp, gas, mbs, zero (it has: model, nodes)"),
+    ((HEADER + ",dp_kind\n" + OK_ROWS[0] + ",fsdp3\n").encode(), "runs.csv:2: column dp_kind is 'fsdp3', not one of"),
     ((HEADER + "\n" + OK_ROWS[0].replace("1.34B,1,", "1.34B,one,", 1) + "\n").encode(),
      "runs.csv:2: column nodes is 'one', not an integer >= 1"),
     ((HEADER + "\n" + OK_ROWS[0] + "\n" + ",".join(OK_ROWS[1].split(",")[:11] + ["abc"] + OK_ROWS[1].split(",")[12:])
@@ -63,14 +64,25 @@ def test_a_malformed_archs_csv_names_it(folder):
     assert err.value.key == "--archs" and "column tie_word_embeddings is 'yes', not true or false" in str(err.value)
 
 
+def _constants(runs_csv: Path, fit: str = "network,stack") -> int:
+    """How many constants `usp calibrate --fit <fit>` moves for these runs (the stack's pipeline ones only
+    when a run is pipelined)."""
+    return len(params_for(tuple(fit.split(",")), "slurm_h100", "usp", read_sweep_csv(runs_csv)))
+
+
 def test_fewer_layouts_than_constants_are_refused_and_nothing_is_written(folder):
     runs, out = folder / "runs.csv", folder / "mine.yaml"
     runs.write_text(HEADER + "\n" + OK_ROWS[0] + "\n")
+    k = _constants(runs)
+    assert k == 8  # the cluster's 2 latencies + the stack's 6 (no pipeline: not its 4 pipeline constants)
     proc = usp_cli("calibrate", str(runs), "--cluster", "slurm_h100", "--out", str(out), cwd=folder, columns=400)
     said = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "Traceback" not in said and not out.exists(), said
-    assert f"1 measured run(s), 1 distinct (model, nodes, layout): too few to fit the time model's {len(PARAMS)} " \
-           "constants" in said and f"fix: measure at least {len(PARAMS)} different layouts" in said, said
+    assert f"1 measured run(s), 1 distinct (model, nodes, layout): too few to fit the time model's {k} " \
+           "constants" in said and f"fix: measure at least {k} different layouts" in said, said
+    assert not list(folder.glob("mine*.yaml"))  # neither the cluster group nor the profile file
+    proc = usp_cli("calibrate", str(runs), "--cluster", "slurm_h100", "--fit", "network", cwd=folder, columns=400)
+    assert proc.returncode == 2 and "too few to fit the time model's 2 constants" in " ".join(proc.stderr.split())
     runs.write_text(HEADER + "\n" + "\n".join([OK_ROWS[0]] * 40) + "\n")  # the same layout 40 times: still 1
     proc = usp_cli("calibrate", str(runs), "--cluster", "slurm_h100", cwd=folder, columns=400)
     assert proc.returncode == 2 and "40 measured run(s), 1 distinct" in " ".join(proc.stderr.split())
@@ -78,20 +90,27 @@ def test_fewer_layouts_than_constants_are_refused_and_nothing_is_written(folder)
 
 @pytest.mark.parametrize("out", ["fitted/mine.yaml", "mine"])
 def test_few_runs_warn_and_the_printed_command_runs(folder, out):
-    """30 layouts for 17 constants: fitted, with a warning; the advice is a command, run here as printed."""
+    """30 layouts for 12 constants: fitted, with a warning; the advice is a command (the cluster group and the
+    profile file the fit wrote), run here as printed."""
     runs = folder / "runs.csv"
     runs.write_text(HEADER + "\n" + "\n".join(OK_ROWS[::34][:30]) + "\n")
     (folder / "fitted").mkdir()
+    k = _constants(runs)
+    assert k == 12 and 30 < 3 * k  # network 2 + stack 6 + pipeline 4: below 3 layouts per constant
     proc = usp_cli("calibrate", str(runs), "--cluster", "slurm_h100", "--out", out, cwd=folder, columns=400)
     assert proc.returncode == 0, proc.stderr
-    assert "warning: only 30 measured run(s), 30 distinct (model, nodes, layout) for 17 fitted constants" \
-           in proc.stderr and "--holdout" in proc.stderr
+    assert f"warning: only 30 measured run(s), 30 distinct (model, nodes, layout) for {k} fitted constants" \
+           in " ".join(proc.stderr.split()) and "--holdout" in proc.stderr
     advice = next(line for line in proc.stdout.splitlines() if "use it: " in line)
     command = shlex.split(advice.split("use it: ", 1)[1].split(" (or ")[0])
     assert command[:2] == ["usp", "plan"] and command[2] in (f"cluster={out}", f"cluster=./{out}")
+    stack = str(Path(out).with_suffix(".usp.yaml"))  # the stack's constants: a profile file beside the group
+    assert command[3] == f"planner.profile={stack}" and (folder / stack).is_file()
+    assert f"stack constants written to {stack}" in proc.stdout
     plan = usp_cli(*command[1:], cwd=folder, columns=200)
     assert plan.returncode == 0, plan.stderr
-    assert "calibrated on 30 runs (runs.csv, profile usp)" in " ".join(plan.stdout.split())
+    said = " ".join(plan.stdout.split())
+    assert "calibrated on 30 runs (runs.csv, profile usp)" in said and "runs.csv, profile usp: 30 runs" in said
     assert f"cluster={(folder / out).resolve()}" in "".join(plan.stdout.split())
 
 

@@ -52,7 +52,7 @@ def test_usp_status_and_report_read_a_previous_version_run_directory(tmp_path):
     assert "| v1run |" in (run / "report" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("version", [0, 3, None])
+@pytest.mark.parametrize("version", [0, 4, None])
 def test_another_version_is_refused_wherever_it_is_read(tmp_path, version):
     text = GOLDEN_V1.read_text().replace("\nversion: 1\n", f"\nversion: {version if version is not None else 'null'}\n")
     run = _run_dir_with(tmp_path, text)
@@ -64,7 +64,7 @@ def test_another_version_is_refused_wherever_it_is_read(tmp_path, version):
         said = " ".join(proc.stderr.split())
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         named = f"version={version!r}" if version is not None else "version: "
-        assert named in said and f"a plan of version {version!r}; this usp reads versions 1, 2" in said, said
+        assert named in said and f"a plan of version {version!r}; this usp reads versions 1, 2, 3" in said, said
         assert "fix: plan the run again" in said, said
 
 
@@ -94,3 +94,21 @@ def test_a_value_of_the_wrong_type_names_its_key(tmp_path):
     with pytest.raises(PlanFileError) as err:
         read_plan(path)
     assert err.value.key == "nonsense"
+
+
+def test_a_version_2_plan_reads_with_its_timing_constants_renamed_or_dropped(tmp_path):
+    """Version 2's cluster.timing held the previous time model's constants: those that kept their meaning are
+    renamed (kernel_efficiency -> gemm_efficiency, the ring steps' latencies), the others dropped."""
+    plan = plan_for(*V1_OVERRIDES, runs_dir=tmp_path)
+    data = plan.to_dict()
+    data["version"] = 2
+    data["config"]["cluster"]["timing"] = {"kernel_efficiency": 0.6, "kernel_half_tokens": 128.0, "intra_hop_us": 7.0,
+                                           "call_overhead_us": 130.0, "eager_overhead": 0.2,
+                                           "calibrated": {"source": "old.csv", "runs": 3}}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    back = read_plan(path)
+    timing = back.config.cluster.timing
+    assert back.version == PLAN_VERSION and (timing.gemm_efficiency, timing.intra_latency_us) == (0.6, 7.0)
+    assert timing.eager_overhead == 0.2 and timing.calibrated.source == "old.csv" and timing.calibrated.runs == 3
+    assert back.decisions == plan.decisions and back.timing == plan.timing

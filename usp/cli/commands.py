@@ -192,33 +192,46 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
 
 @app.command()
 @handles_errors
-def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layouts (like calibration/playbook_h100/"
-                                               "playbook_sweep_calibration.csv) or a directory of usp runs"),
+def calibrate(measured: str = typer.Argument(..., help="a runs CSV (like calibration/published_runs.csv or "
+                                               "calibration/playbook_h100/playbook_sweep_calibration.csv; its columns: "
+                                               "docs/planner.md) or a directory of usp runs"),
               cluster: str = typer.Option(..., "--cluster", help="the cluster group to fit: a name in conf/cluster "
-                                                                  "or a YAML path"),
-              profile: str = typer.Option("usp", "--profile", help="the recipe the runs were trained with "
-                                                                    "(planner.profile: usp | nanotron)"),
+                                                                  "or a YAML path (also the runs' default)"),
+              profile: str = typer.Option("usp", "--profile", help="the stack the runs were trained with, where a row "
+                                                                    "names none (planner.profile: usp | nanotron | "
+                                                                    "megatron | torchtitan | ...)"),
+              fit_groups: str = typer.Option("network,stack", "--fit", help="what to fit: network (the cluster's "
+                                                                             "latencies), gpu (its matmul "
+                                                                             "efficiency, kernel cost, "
+                                                                             "interference), stack (the profile's "
+                                                                             "constants)"),
               out: str | None = typer.Option(None, "--out", help="write the fitted cluster group here (e.g. "
                                                                   "conf/cluster/mine.yaml); default: print it"),
+              profile_out: str | None = typer.Option(None, "--profile-out", help="write the fitted stack constants "
+                                                                                  "here (a profile file; default: "
+                                                                                  "<out>.<profile>.yaml beside --out)"),
               archs: str | None = typer.Option(None, "--archs", help="model shapes of a CSV (default: "
                                                                       "playbook_model_archs.csv beside it)"),
               holdout: int = typer.Option(0, "--holdout", help="hold every N-th run out of the fit and score it "
                                                                 "separately"),
               force: bool = ForceOption) -> None:
-    """Fit the cluster's time constants (link bandwidth and latency, kernel efficiency, overheads) to
-    measured runs, report the residuals, write the cluster group."""
+    """Fit the time model's constants to measured runs: the cluster's network latencies (and GPU constants),
+    the stack's own constants; report the residuals, write the cluster group and the profile file."""
     from pathlib import Path
 
     from usp.perf.calibration.calibrate import calibrate as fit_cluster
-    from usp.perf.calibration.calibrate import report
+    from usp.perf.calibration.calibrate import parse_groups, report
     from usp.perf.calibration.measured_runs import archs_csv
-    from usp.run.files import write_text_atomic
     from usp.run.writable import check_new_output
 
-    if out:  # before the fit; the archs CSV is read too, given or not
-        read = [Path(measured)] + ([archs_csv(Path(measured), archs)] if Path(measured).is_file() else [])
-        check_new_output(out, force=force, key="--out", inputs=read)
-    result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
+    stack_out = profile_out or (str(Path(out).with_suffix(f".{Path(profile).stem}.yaml")) if out else None)
+    if "stack" not in parse_groups(fit_groups):
+        stack_out = None
+    read = [Path(measured)] + ([archs_csv(Path(measured), archs)] if Path(measured).is_file() else [])
+    for target, key in ((out, "--out"), (stack_out, "--profile-out")):
+        if target:  # before the fit; the runs (and archs) CSV are read too, given or not
+            check_new_output(target, force=force, key=key, inputs=read)
+    result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout, fit_groups)
     for line in report(result):
         typer.echo(line)
     if Path(measured).is_dir():  # run directories: their restart and checkpoint costs too (docs/faults.md)
@@ -229,12 +242,27 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
             typer.echo(line)
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
+    _write_calibration(result, out, stack_out)
+
+
+def _write_calibration(result, out: str | None, stack_out: str | None) -> None:
+    """`usp calibrate`'s outputs: the cluster group and the profile file, or both printed."""
+    from pathlib import Path
+
+    from usp.run.files import write_text_atomic
+
     if out:
         write_text_atomic(Path(out), result.yaml)
-        typer.echo(f"cluster group written to {out}; use it: usp plan {cluster_override(out)} (or usp train, "
-                   "usp estimate; any command that takes cluster=)")
+        typer.echo(f"cluster group written to {out}")
+    if stack_out and result.profile_yaml:
+        write_text_atomic(Path(stack_out), result.profile_yaml)
+        typer.echo(f"stack constants written to {stack_out}")
+    if out:
+        use = f" planner.profile={stack_out}" if stack_out and result.profile_yaml else ""
+        typer.echo(f"use it: usp plan {cluster_override(out)}{use} (or usp train, usp estimate; any command that "
+                   "takes cluster=)")
     else:
-        typer.echo(result.yaml)
+        typer.echo(result.yaml + (f"---\n{result.profile_yaml}" if result.profile_yaml else ""))
 
 
 def cluster_override(out: str) -> str:

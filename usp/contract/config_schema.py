@@ -151,33 +151,35 @@ class CalibratedConfig:
     runs: int = 0
     nodes: list[int] = field(default_factory=list)
     features: list[str] = field(default_factory=list)
+    fitted: list[str] = field(default_factory=list)  # the constants the fit moved
+    stacks: list[str] = field(default_factory=list)  # the profiles the runs were trained with
     mfu_abs_err_p50: float = 0.0  # fit residuals, MFU points
     mfu_abs_err_p90: float = 0.0
+    rel_err_p50: float = 0.0  # median |predicted / measured - 1|
     ratio_p10: float = 1.0  # predicted / measured MFU
     ratio_p90: float = 1.0
 
 
 @dataclass
 class ClusterTimingConfig:
-    # The time model's cluster constants (docs/planner.md "Time"); `usp calibrate` fits them.
-    kernel_efficiency: float = 0.5  # fraction of peak a large matmul reaches
-    kernel_half_tokens: float = 128.0  # tokens per micro batch at which a matmul reaches half of it
-    kernel_half_dim: float = 128.0  # matmul output width (h/tp, ffn/tp) at which it reaches half of it
-    intra_hop_us: float = 10.0  # latency per ring step inside a node
-    inter_hop_us: float = 25.0  # latency per ring step between nodes
-    call_overhead_us: float = 0.0  # fixed cost per collective call (launch, stream sync)
-    p2p_us: float = 0.0  # extra fixed cost of a pipeline send/recv pair
-    layer_overhead_us: float = 0.0  # fixed cost per layer and micro batch
-    step_overhead_ms: float = 0.0  # fixed cost per optimizer step
-    p2p_stall_ms: float = 0.0  # a blocking pipeline send/recv's stall at many nodes; 0 = none
-    p2p_stall_nodes: float = 32.0  # node count at which the stall reaches half of p2p_stall_ms
-    p2p_stall_headroom: float = 0.1  # free share of device memory at which it reaches half of it
-    p2p_stall_exp: float = 4.0  # how steeply the stall grows (node count, memory headroom)
-    optimizer_gbps: float = 0.0  # memory bandwidth of the optimizer step; 0 = not modelled
-    loss_ps_per_logit: float = 0.0  # the loss's cost per logit (token x vocabulary/tp) on the last stage; 0 = none
-    eager_overhead: float = 0.0  # an eager (train.compile off) micro batch's extra time over a compiled one; 0 = none
-    eager_loss_ps_per_logit: float = 0.0  # an eager loss's (compile off, or TP) extra cost per logit; 0 = none
-    fp8_efficiency: float = 1.0  # share of the FP8 peak a train.fp8 matmul reaches, relative to kernel_efficiency
+    # The time model's GPU and network constants (docs/planner.md "Time per step"; the catalogue's sources:
+    # docs/hardware.md). A training stack's own constants are its profile's (planner.profile).
+    gemm_efficiency: float = 0.5  # share of the peak a matmul with a long reduction reaches
+    gemm_half_k: float = 0.0  # reduction length at which a matmul runs at half that rate
+    gemm_fixed_us: float = 0.0  # fixed cost per matmul kernel
+    fp8_efficiency: float = 1.0  # an FP8 matmul's gemm_efficiency relative to bf16's, at the FP8 peak
+    fp8_half_k: float = 0.0  # gemm_half_k of FP8 matmuls (0: gemm_half_k)
+    attention_half_seq: float = 0.0  # sequence length at which flash attention reaches half its plateau (0: none)
+    clock: float = 1.0  # sustained tensor-core clock / the clock the peak is quoted at
+    interference: float = 0.0  # compute slowed by this many seconds per second of communication it hides
+    nvlink_efficiency: float = 1.0  # collective bus bandwidth / intra_node_gbps
+    nic_efficiency: float = 1.0  # collective bus bandwidth / inter_node_gbps
+    intra_latency_us: float = 10.0  # latency per ring step inside a node
+    inter_latency_us: float = 25.0  # latency per ring step between nodes
+    all_reduce: str = "auto"  # the all-reduce algorithm: ring | tree | auto (the faster, as NCCL's tuner picks)
+    in_network_reduction: bool = False  # all-reduce through NVLS / SHARP
+    eager_overhead: float = 0.0  # usp's eager (train.compile off) micro batch's extra time over a compiled one
+    eager_loss_ps_per_logit: float = 0.0  # usp's eager loss's (compile off, or TP) extra cost per logit
     calibrated: CalibratedConfig = field(default_factory=CalibratedConfig)
 
 
@@ -254,6 +256,7 @@ class ClusterConfig:
     peak_tflops_fp8: float = 0.0  # dense FP8 peak; 0 = no FP8 matmul units (train.fp8 is refused)
     intra_node_gbps: float = 5.0  # per-device link bandwidth inside a node, GB/s (one direction)
     inter_node_gbps: float = 1.25  # per-device bandwidth between nodes, GB/s
+    hbm_gbps: float = 21.5  # device memory bandwidth, GB/s (element-wise kernels, the loss, the optimizer step)
     price_per_device_hour: float = 0.0  # 0 = unknown
     timing: ClusterTimingConfig = field(default_factory=ClusterTimingConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)  # failures, restarts (goodput)
@@ -383,8 +386,9 @@ class FaultToleranceConfig:
 
 @dataclass
 class PlannerConfig:
-    # Whose training recipe the planner predicts (usp/perf/stack_profile.py): usp (this engine) | nanotron
-    # (the settings of the Ultra-Scale Playbook's benchmark runs).
+    # Whose training stack the planner predicts (usp/perf/stack_profile.py): usp (this engine) | nanotron |
+    # megatron | megatron_legacy | meta_llama3 | torchtitan | llmfoundry, or a profile file (usp calibrate
+    # --profile-out).
     profile: str = "usp"
 
 

@@ -1,9 +1,10 @@
 """plan.yaml: a RunPlan written atomically, and read back as a RunPlan, rebuilt and checked against
 its types (usp/contract/typed.py). A plan of another version is refused with one line naming the fix
-(plan the run again); one of the previous version (1, usp before 2026-12) is brought up to date with
-the rules the planner uses (usp/contract/decide.py), so run directories written by that release
-still resume, report and show their status. Every reader (the ranks, `usp status`, `usp report`,
-`usp export`, the launchers) goes through read_plan."""
+(plan the run again); one of a previous version (1: usp before 2026-12, its engine choices re-derived
+with the rules the planner uses, usp/contract/decide.py; 2: the time model's previous cluster constants) is
+brought up to date, so run directories written by those releases still resume, report and show their
+status. Every reader (the ranks, `usp status`, `usp report`, `usp export`, the launchers) goes through
+read_plan."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,11 @@ from usp.contract.run_plan import PLAN_VERSION, RunPlan
 from usp.contract.typed import PlanFileError, plain, rebuild
 from usp.run.files import PLAN, plan_path, write_text_atomic
 
-READABLE_VERSIONS = (1, PLAN_VERSION)
+READABLE_VERSIONS = (1, 2, PLAN_VERSION)
+# version 2's cluster.timing (the time model before usp 2026-12): the fields it keeps under a new name; the rest
+# (kernel_half_tokens, call_overhead_us, p2p_stall_*, ...) belonged to a model the planner no longer has
+RENAMED_TIMING = {"kernel_efficiency": "gemm_efficiency", "intra_hop_us": "intra_latency_us",
+                  "inter_hop_us": "inter_latency_us"}
 HEADER = "# usp run plan: derived from the config below; the engine reads only this file.\n"
 
 
@@ -49,6 +54,8 @@ def plan_from_dict(data, path: Path | str = PLAN) -> RunPlan:
         raise PlanFileError(f"{path} is a plan of version {version!r}; this usp reads versions "
                             f"{', '.join(map(str, READABLE_VERSIONS))}", key="version", value=version,
                             fix="plan the run again with this usp (the same usp train / usp submit command)")
+    if version in (1, 2):
+        data = with_current_timing(data)
     if version == 1:
         data = upgraded(data)
     data = {k: v for k, v in data.items() if k != "ranks"}  # version 1 wrote the rank table; it is derived
@@ -74,11 +81,30 @@ def _consistent(plan: RunPlan, path) -> RunPlan:
 
 
 def upgraded(old: dict) -> dict:
-    """A version 1 plan.yaml as version 2: the engine's choices taken from its config by the rules the
-    planner records them with."""
+    """A version 1 plan.yaml as today's: the engine's choices taken from its config by the rules the planner
+    records them with."""
     config = rebuild(UspConfig, old["config"])
     decisions = engine_choices(config, old["degrees"], old["device"], old["model"]["vocab_size"], old["run_dir"])
     return {**old, "decisions": plain(decisions), "version": PLAN_VERSION}
+
+
+def with_current_timing(old: dict) -> dict:
+    """A version 1 or 2 plan.yaml as version 3: its config's cluster.timing in today's fields (renamed where a
+    field kept its meaning, dropped where the time model no longer has it); the prediction it recorded stays."""
+    import dataclasses
+
+    from usp.contract.config_schema import CalibratedConfig, ClusterTimingConfig
+
+    config = old.get("config") or {}
+    cluster = dict(config.get("cluster") or {})
+    timing = {RENAMED_TIMING.get(k, k): v for k, v in (cluster.get("timing") or {}).items()}
+    known = {f.name for f in dataclasses.fields(ClusterTimingConfig)}
+    timing = {k: v for k, v in timing.items() if k in known}
+    if isinstance(timing.get("calibrated"), dict):
+        kept = {f.name for f in dataclasses.fields(CalibratedConfig)}
+        timing["calibrated"] = {k: v for k, v in timing["calibrated"].items() if k in kept}
+    cluster["timing"] = timing
+    return {**old, "config": {**config, "cluster": cluster}, "version": PLAN_VERSION}
 
 
 def _load(path: Path):

@@ -124,6 +124,9 @@ class CommTerm:
     seconds: float
     window_s: float  # compute it can hide behind
     exposed_s: float
+    hidden: float = 0.0  # seconds hidden behind compute (each slows it by the cluster's interference)
+    latency_s: float = 0.0  # of `seconds`, the per-step latency (steps x alpha)
+    overlap: float = 0.0  # the stack's share of this collective it hides
 
 
 @dataclass
@@ -144,7 +147,7 @@ class TimingPlan:
     comm: list[CommTerm]
     exposed_path_comm_s: float  # TP / CP / EP / PP, on the pipeline's critical path
     exposed_dp_comm_s: float
-    fixed_s: float  # optimizer step + per-step fixed cost
+    fixed_s: float  # accumulation + optimizer step + per-step fixed cost
     step_s: float
     tokens_per_s: float
     tokens_per_s_per_device: float
@@ -155,6 +158,20 @@ class TimingPlan:
     mfu_band: tuple | None = None  # (low, high) from the calibration's residuals; None = never calibrated
     calibration: list[str] = field(default_factory=list)  # how far to trust the figures (calibration notes)
     assumptions: list[str] = field(default_factory=list)
+    # one micro batch on the busiest pp rank, by term (seconds; they add up to micro_batch_s)
+    gemm_s: float = 0.0  # matmuls: 3 GEMMs per linear, + the LM head's on its stage
+    attention_s: float = 0.0
+    elementwise_s: float = 0.0  # norms, RoPE, activation, residuals (+ FP8 casts)
+    loss_s: float = 0.0
+    host_s: float = 0.0  # per layer and per micro batch
+    recompute_s: float = 0.0
+    eager_s: float = 0.0  # usp's measured eager blocks / loss over compiled ones
+    # per step
+    stall_s: float = 0.0  # blocking pipeline sends' stall (in exposed_path_comm_s)
+    interference_s: float = 0.0  # compute slowed by the communication it hides (in the exposed comm terms)
+    accumulation_s: float = 0.0  # gradient accumulation between micro batches (in fixed_s)
+    optimizer_s: float = 0.0  # (in fixed_s)
+    step_overhead_s: float = 0.0  # the stack's fixed cost per step (in fixed_s)
 
 
 @dataclass

@@ -14,9 +14,10 @@ from usp.contract.predictions import GoodputPlan, MemoryPlan, TimingPlan
 from usp.contract.schedule import OptimSettings
 from usp.contract.typed import plain
 
-# 2: `decisions` recorded; plan.yaml is read back typed. Version 1 (usp
-# before 2026-12) is brought up to date when read (usp/contract/plan_file.py).
-PLAN_VERSION = 2
+# 2: `decisions` recorded; plan.yaml is read back typed. 3: cluster.timing holds the GPU and network constants
+# of the time model that splits them from the stack's. Versions 1 (usp before 2026-12) and 2 are brought up to
+# date when read (usp/contract/plan_file.py).
+PLAN_VERSION = 3
 
 
 @dataclass(frozen=True)

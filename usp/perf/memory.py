@@ -128,13 +128,18 @@ AUTOCAST_RESIDUAL_BYTES = 4  # the residual stream under autocast: fp32 (the emb
 def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_layers: tuple | None,
                        split: str = "params") -> tuple:
     """(layers per virtual stage, virtual stages per pp rank): usp.perf.pipeline_split's split, the
-    one the engine builds, or (split="matmul", a profile's) nanotron's matmul-cost split."""
+    one the engine builds, or a profile's: nanotron's matmul-cost split (split="matmul"), the same number of
+    layers per stage (split="even": Megatron, torchtitan)."""
     from usp.perf.pipeline_split import arch_split, matmul_threshold_split, stage_ranks
 
     if pp * virtual == 1:
         return (arch.n_layers,), ((0,),)
     if split == "matmul" and virtual == 1 and pp_layers is None:
         return matmul_threshold_split(arch, pp), tuple((r,) for r in range(pp))
+    if split == "even" and pp_layers is None:  # a profile's: the same layers on every (virtual) stage
+        n = pp * virtual
+        counts = tuple(arch.n_layers // n + (1 if i < arch.n_layers % n else 0) for i in range(n))
+        return counts, tuple(tuple(r) for r in stage_ranks(pp, virtual, schedule if schedule == "zbv" else "1f1b"))
     counts = tuple(len(s) for s in arch_split(arch, pp * virtual, pp_layers))
     ranks = stage_ranks(pp, virtual, schedule if schedule in ("zbv",) else "1f1b")
     return counts, tuple(tuple(r) for r in ranks)

@@ -38,6 +38,7 @@ class Arch:
     shared_expert: bool = False
     attention: str = "sdpa"
     expert_load_imbalance: float = 1.0  # measured max / mean tokens per expert (1 = balanced)
+    gated: bool = True  # SwiGLU MLP (w1, w3, w2: 3·h·ffn); False: a GeLU MLP (2·h·ffn: GPT, MPT, Megatron's GPT)
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
@@ -155,7 +156,8 @@ def _parts(a: Arch) -> dict:
     if dim % a.n_heads or a.n_heads % h_kv:
         raise ValueError(f"dim={dim}, n_heads={a.n_heads}, n_kv_heads={h_kv} do not divide evenly")
     kv_dim = h_kv * (dim // a.n_heads)
-    out = {"embedding": a.vocab_size * dim, "attention": 2 * dim * dim + 2 * dim * kv_dim, "mlp": 3 * dim * a.ffn_dim,
+    mlp = (3 if a.gated else 2) * dim * a.ffn_dim
+    out = {"embedding": a.vocab_size * dim, "attention": 2 * dim * dim + 2 * dim * kv_dim, "mlp": mlp,
            "norms": 2 * dim, "final_norm": dim, "lm_head": 0 if a.tie_embeddings else a.vocab_size * dim}
     if a.n_experts > 0:
         if not 0 < a.top_k <= a.n_experts:
@@ -184,6 +186,7 @@ class Hardware:
     procs_per_node: int
     timing: TimeConstants = TimeConstants()  # fitted by `usp calibrate` (usp/perf/time_constants.py)
     peak_tflops_fp8: float = 0.0  # 0: no FP8 matmul units
+    hbm_gbps: float = 21.5  # device memory bandwidth, GB/s (element-wise kernels, the loss, the optimizer step)
 
     @classmethod
     def from_cluster(cls, c) -> Hardware:
@@ -197,7 +200,8 @@ class Hardware:
                    intra_node_gbps=float(g("intra_node_gbps", 5.0)), inter_node_gbps=float(g("inter_node_gbps", 1.25)),
                    price_per_device_hour=float(g("price_per_device_hour", 0.0)),
                    nodes=int(g("nodes", 1)), procs_per_node=int(g("procs_per_node", 1)),
-                   timing=TimeConstants.from_config(g("timing")), peak_tflops_fp8=float(g("peak_tflops_fp8", 0.0)))
+                   timing=TimeConstants.from_config(g("timing")), peak_tflops_fp8=float(g("peak_tflops_fp8", 0.0)),
+                   hbm_gbps=float(g("hbm_gbps", 21.5)))
 
     @property
     def world(self) -> int:
@@ -228,6 +232,7 @@ class Precision:
     compiled: bool = False  # train.compile (resolved): the blocks cast their weights inside the compiled graph
     fp8: str = "off"  # train.fp8: the blocks' linears compute in FP8 (torchao.float8), their casts are FP8 copies
     optimizer: str = "adamw"  # optimizer.name, whose states `optim` counts
+    fp8_all_gather: bool = False  # FSDP gathers the FP8 linears' weights in FP8 (torchtitan's float8 all-gather)
 
     @property
     def copy_bytes(self) -> int:
@@ -298,6 +303,7 @@ class Layout:
     grad_accum: int = 1
     recompute: str = "none"
     ddp_bucket_mb: int = 25
+    async_tp: bool = False  # TP collectives pipelined with their matmuls (torchtitan's async TP; not usp's engine)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod

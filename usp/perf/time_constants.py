@@ -1,10 +1,14 @@
-"""A cluster's time constants (`cluster.timing`): the few physical figures the planner's time model
-(usp/perf/timing.py) needs beyond the nominal peak FLOP/s and link bandwidths, and what they were
-fitted on. `usp calibrate` (usp/perf/calibration/calibrate.py) fits them from measured runs; the defaults are
-uncalibrated round figures. Pure Python."""
+"""A cluster's time constants (`cluster.timing`): the GPU's and the network's figures the planner's
+time model (usp/perf/timing.py) needs beyond the datasheet's peak FLOP/s, memory and link
+bandwidths, and what they were fitted on. A training stack's own constants (host costs, fused
+kernels, overlaps) are not here: they belong to its profile (usp/perf/stack_profile.py), so a fit of
+one stack's runs on one cluster cannot move another hardware's prediction. `usp calibrate`
+(usp/perf/calibration/calibrate.py) fits them from measured runs; docs/planner.md says where each
+catalogue value comes from. Pure Python."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,70 +20,73 @@ class Calibrated:
     runs: int = 0
     nodes: tuple = ()  # node counts measured
     features: tuple = ()  # layout features measured (usp.perf.timing.layout_features of each run)
+    fitted: tuple = ()  # the constants the fit moved (cluster.timing fields, <profile>.<field> for a stack's)
+    stacks: tuple = ()  # the profiles the runs were trained with
     mfu_abs_err_p50: float = 0.0  # MFU points, fit residuals
     mfu_abs_err_p90: float = 0.0
+    rel_err_p50: float = 0.0  # median |predicted / measured - 1|
     ratio_p10: float = 1.0  # predicted / measured MFU, 10th and 90th percentile
     ratio_p90: float = 1.0
 
 
 @dataclass(frozen=True)
 class TimeConstants:
-    kernel_efficiency: float = 0.50  # fraction of peak a large matmul reaches
-    kernel_half_tokens: float = 128.0  # tokens per micro batch (b·s/cp) at which a matmul reaches half of it
-    kernel_half_dim: float = 128.0  # output width (h/tp, ffn/tp, V/tp) at which a matmul reaches half of it
-    intra_hop_us: float = 10.0  # latency of one ring step inside a node
-    inter_hop_us: float = 25.0  # latency of one ring step between nodes
-    call_overhead_us: float = 0.0  # fixed cost per collective call (launch, stream sync, host)
-    p2p_us: float = 0.0  # extra fixed cost of a pipeline send/recv pair (handshake, host sync)
-    layer_overhead_us: float = 0.0  # fixed cost per layer and micro batch, forward + backward (launches, host)
-    step_overhead_ms: float = 0.0  # fixed cost per optimizer step (gradient clipping, host sync, logging)
-    # a blocking pipeline send/recv's stall (usp.perf.timing.pipeline_stall_s): up to p2p_stall_ms per op,
-    # growing steeply with the job's node count and as the fullest stage's memory nears the device's
-    p2p_stall_ms: float = 0.0  # 0 = none
-    p2p_stall_nodes: float = 32.0  # node count at which the stall reaches half of p2p_stall_ms
-    p2p_stall_headroom: float = 0.1  # free share of device memory at which it reaches half of it
-    p2p_stall_exp: float = 4.0  # how steeply it grows (both causes)
-    optimizer_gbps: float = 0.0  # memory bandwidth the optimizer step streams its states at; 0 = not modelled
-    # the LM head's loss (softmax cross-entropy, forward + backward) streams the micro batch's logits
-    # (tokens x vocabulary/tp) through memory several times, in fp32 where the recipe upcasts them
-    loss_ps_per_logit: float = 0.0  # picoseconds per logit on the last stage; 0 = not modelled
-    # train.compile off: an eager micro batch takes (1 + eager_overhead) x a compiled one's time (unfused
-    # elementwise kernels, launches); measured per GPU (docs/planner.md "Compile and FP8"); 0 = not modelled
-    eager_overhead: float = 0.0
-    # where the loss runs eagerly (train.compile off, or TP's vocab-parallel loss): its extra time per logit
-    # over the compiled loss (usp/engine/loss.py), which reads the bf16 logits once where eager writes and
-    # reads fp32 copies; measured per GPU like eager_overhead; 0 = not modelled
-    eager_loss_ps_per_logit: float = 0.0
-    # train.fp8: a converted matmul reaches fp8_efficiency x kernel_efficiency of the FP8 peak (its casts and
-    # scales included); 1.0 = uncalibrated (the same share of its peak as a bf16 matmul)
-    fp8_efficiency: float = 1.0
+    # --- the GPU: a matmul of M x K by K x N takes 2MNK / (peak x clock x gemm_efficiency x K/(K + gemm_half_k))
+    # + gemm_fixed_us (usp.perf.timing.gemm_s); docs/planner.md "Time per step"
+    gemm_efficiency: float = 0.5  # share of the peak a matmul with a long reduction (K) reaches
+    gemm_half_k: float = 0.0  # reduction length K at which a matmul runs at half that rate
+    gemm_fixed_us: float = 0.0  # fixed cost per matmul kernel (launch, ramp, tail)
+    fp8_efficiency: float = 1.0  # an FP8 matmul's gemm_efficiency relative to bf16's, at the FP8 peak
+    fp8_half_k: float = 0.0  # gemm_half_k of FP8 matmuls (0: gemm_half_k)
+    attention_half_seq: float = 0.0  # sequence length at which flash attention reaches half its plateau (0: none)
+    clock: float = 1.0  # sustained tensor-core clock / the one the peak is quoted at (a power-capped part < 1)
+    interference: float = 0.0  # compute slowed by this many seconds per second of communication it hides
+    # --- the network (NCCL): a collective of S bytes over n ranks, g per node (usp.perf.timing.collective_s)
+    nvlink_efficiency: float = 1.0  # bus bandwidth / intra_node_gbps inside a node
+    nic_efficiency: float = 1.0  # bus bandwidth / inter_node_gbps per NIC
+    intra_latency_us: float = 10.0  # latency per ring step inside a node
+    inter_latency_us: float = 25.0  # latency per ring step across nodes
+    all_reduce: str = "auto"  # ring | tree | auto (the faster of the two for each message, as NCCL's tuner picks)
+    in_network_reduction: bool = False  # all-reduce through NVLS / SHARP: S on the wire instead of 2(n-1)/n S
+    # --- usp's own engine on this GPU, measured (docs/planner.md "Compile and FP8"): only profiles that follow
+    # train.compile (usp) read them
+    eager_overhead: float = 0.0  # eager blocks: (1 + this) x a compiled micro batch's time; 0 = not modelled
+    eager_loss_ps_per_logit: float = 0.0  # an eager loss's extra time per logit over the compiled loss
     calibrated: Calibrated = field(default_factory=Calibrated)
 
     @classmethod
     def from_config(cls, node) -> TimeConstants:
         if node is None:
             return cls()
+
         def g(key: str, default=None):
             return getattr(node, key, default)
 
-        cal = g("calibrated")
-        kw = {f.name: float(g(f.name, f.default)) for f in fields(cls) if f.name != "calibrated"}
-        return cls(**kw, calibrated=_calibrated(cal))
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name != "calibrated":
+                kind = bool if isinstance(f.default, bool) else str if isinstance(f.default, str) else float
+                kw[f.name] = kind(g(f.name, f.default))
+        return cls(**kw, calibrated=_calibrated(g("calibrated")))
 
     def fitted(self) -> dict:
-        """The fitted numbers, by name (what `usp calibrate` writes)."""
+        """The constants by name (what `usp calibrate` writes)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "calibrated"}
 
 
 def _calibrated(node) -> Calibrated:
     if node is None:
         return Calibrated()
+
     def g(key: str, default=None):
         return getattr(node, key, default)
 
     return Calibrated(source=str(g("source", "") or ""), runs=int(g("runs", 0) or 0),
                       nodes=tuple(int(n) for n in (g("nodes", ()) or ())),
                       features=tuple(str(f) for f in (g("features", ()) or ())),
+                      fitted=tuple(str(f) for f in (g("fitted", ()) or ())),
+                      stacks=tuple(str(f) for f in (g("stacks", ()) or ())),
                       mfu_abs_err_p50=float(g("mfu_abs_err_p50", 0.0)),
                       mfu_abs_err_p90=float(g("mfu_abs_err_p90", 0.0)),
+                      rel_err_p50=float(g("rel_err_p50", 0.0)),
                       ratio_p10=float(g("ratio_p10", 1.0)), ratio_p90=float(g("ratio_p90", 1.0)))

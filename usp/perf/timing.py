@@ -1,49 +1,39 @@
-"""Predicted step time, tokens/s, MFU and HFU of one layout (docs/planner.md: formulas, sources,
-what is not modelled). Every intermediate term stays in the TimingPlan so a figure can be traced.
-The physical constants come from the cluster (`cluster.timing`, usp/perf/time_constants.py, fitted
-by `usp calibrate`), the recipe's choices from the profile (usp/perf/stack_profile.py).
+"""Predicted step time, tokens/s, MFU and HFU of one layout (docs/planner.md "Time per step":
+formulas, sources, what is not modelled). Every intermediate term stays in the TimingPlan so a
+figure can be traced. The hardware's constants come from the cluster (`cluster.timing`,
+usp/perf/time_constants.py), the training stack's from the profile (usp/perf/stack_profile.py).
 
-Model, per optimizer step:
+Model, per optimizer step, on the busiest pipeline rank:
 
-  compute     per micro batch on the busiest pp rank: sum over its matmuls of FLOPs / (peak x
-              kernel efficiency) + a fixed cost per layer (launches, host); x (1 + eager_overhead)
-              unless train.compile (unfused elementwise kernels), + eager_loss_ps_per_logit per
-              logit where the loss runs eagerly (compile off, or TP); under train.fp8 the blocks'
-              linears run at the FP8 peak x kernel efficiency x fp8_efficiency (attention scores
-              and the LM head stay bf16; MFU and HFU stay against the bf16 peak, as torchtitan's). FLOPs per token per
-              layer: 6·(matmul weights)/t + 12·h·s/t (attention scores, playbook convention; a
-              MoE layer's 6·(router + top_k experts + shared expert) is not divided by t); LM head
-              6·V·h/t on the last stage. Full recompute adds the forward again (HFU > MFU);
-              selective recompute re-runs no matmul here. Kernel efficiency of a matmul =
-              E x sat(b·s/c, K_tok) x sat(n, K_dim), sat(x, k) = x / (x + k), n its output width
-              (h/t for q/o, kv/t for k/v, ffn/t for the MLP, V/t for the head, s/c for attention).
-  pipeline    compute_path x (1 + bubble); bubble = (p-1)/m (afab, 1f1b), (p-1)/(v·m)
-              (interleaved_1f1b), 0 for the zero-bubble schedules (interleaved_zb, zbv): an
-              idealisation, real ones keep a small bubble.
-  comm        per collective call of S bytes over n ranks, g of them per node: ring all-gather /
-              reduce-scatter (n-1)/n·S / bw + (n-1) hops; all-reduce twice the bytes and
-              2·min(n-1, ceil(log2 n)) hops (ring or tree, whichever NCCL would pick for latency);
-              bw = the intra-node link, or across nodes min(intra, g x the per-GPU inter-node
-              link: the group's g GPUs of a node share its traffic over their own NICs); a hop
-              costs the intra- or inter-node latency. Gradients are reduced in the profile's
-              reduction dtype.
-  overlap     data-parallel collectives hide behind the profile's share of their window (DDP /
-              ZeRO-1 / replicated: the last micro batch's backward; FSDP all-gathers: each micro
-              batch's forward / backward; reduce-scatter: the backward); CP's K/V ring behind the
-              attention of its layer; TP, EP all-to-alls and PP sends are exposed.
-  stall       a blocking pipeline send/recv (4 per micro batch on a middle stage, 2 on an end
-              stage) stalls up to p2p_stall_ms, as the job's node count grows and as the fullest
-              stage's predicted memory nears the device's (pipeline_stall_s); every stage waits in
-              it together, so the bubble does not stretch it. 0 unless calibrated.
-  step        compute_path x (1 + bubble) + stall + exposed data-parallel comm + optimizer (its
-              states streamed at the cluster's optimizer bandwidth) + a fixed cost per step, where
-              compute_path = compute + exposed TP / CP / EP / PP comm. Tied embeddings under pp
-              add the embedding group's gradient all-reduce (exposed).
+  matmuls     every linear runs three GEMMs per micro batch: forward (M = tokens, N = out, K = in),
+              input gradient (M = tokens, N = in, K = out), weight gradient (M = out, N = in, K = tokens);
+              a GEMM takes 2MNK / (peak x clock x E x K/(K + c_K)) + t0 (gemm_s; FP8 linears at the FP8
+              peak x fp8_efficiency with their own c_K, + their casts through HBM).
+  attention   12·s·(h/t) FLOPs per token at the stack's flash-attention share of the peak x s/(s + s_half).
+  element-wise  the bytes a fused implementation moves per token (norms, RoPE, activation, residuals:
+              elementwise_bytes_per_token) x the stack's factor / HBM bandwidth.
+  loss        the stack's bytes per logit (tokens x V/t) / HBM, on the stage holding the LM head.
+  host        the stack's cost per layer and micro batch, per micro batch, per step.
+  recompute   full: the forward again; selective as the stack does it (usp: the element-wise kernels,
+              Megatron: the core attention, torchtitan: every second matmul).
+  comm        per collective of S bytes over n ranks, g of them per node: (n-1)·alpha + (n-1)/n·S / bw
+              (all-gather, reduce-scatter); all-reduce by ring (2(n-1)/n·S, 2(n-1) steps) or tree (2·S,
+              2·ceil(log2 n) steps), the cluster's choice or the faster; S / bw with in-network reduction;
+              bw = nvlink_efficiency x the intra-node link inside a node, min(that, g x nic_efficiency x
+              the per-GPU NIC) across nodes (each of the group's g GPUs of a node drives its own rail);
+              bucketed reductions pay the latency per bucket.
+  overlap     each collective hides behind its window as the stack does it (the last micro batch's
+              backward, the first forward, every micro batch's forward / backward, the layer's
+              attention) up to the stack's share; what is hidden slows compute by `interference` x its
+              time; the rest is exposed.
+  step        (m x micro batch + exposed TP/CP/EP/PP) x (1 + bubble) + pipeline stall + exposed data-parallel
+              comm + accumulation between micro batches + optimizer (its bytes per parameter at a share of
+              HBM bandwidth) + the stack's fixed cost per step.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from usp.contract.dims import MESH_DIMS
@@ -51,11 +41,10 @@ from usp.contract.predictions import CommTerm, TimingPlan
 from usp.errors import PlanError
 from usp.perf.memory import ZERO_BUBBLE, compiled_loss, peak_bytes, stage_layer_counts
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
-from usp.perf.stack_profile import PROFILES, Profile
+from usp.perf.stack_profile import PROFILES, Profile, StackTime
+from usp.perf.time_constants import TimeConstants
 
-
-def _sat(x: float, half: float) -> float:
-    return x / (x + half)
+FA_BACKWARD = 2.5  # flash attention's backward takes ~2.5x its forward (the forward is 1/3.5 of the total)
 
 
 @lru_cache(maxsize=65536)
@@ -79,27 +68,63 @@ def _locality_of(shape: tuple, per_node: int, dims: tuple) -> tuple[bool, int]:
     return crosses, _per_node(shape, per_node, tuple(sorted(MESH_DIMS.index(d) for d in dims)))
 
 
-def collective_s(kind: str, n: int, per_node: int, crosses: bool, nbytes: float, hw: Hardware) -> tuple[float, float]:
-    """(seconds, GB/s) of one collective call moving a tensor of `nbytes` over n ranks (per_node of
-    them on each node). kind: all_gather | reduce_scatter | all_reduce | p2p | all_to_all."""
-    if n <= 1:
-        return 0.0, 0.0
-    c = hw.timing
-    gbps = min(hw.intra_node_gbps, per_node * hw.inter_node_gbps) if crosses else hw.intra_node_gbps
-    hop, call = 1e-6 * (c.inter_hop_us if crosses else c.intra_hop_us), 1e-6 * c.call_overhead_us
-    if kind == "p2p":
-        return call + hop + 1e-6 * c.p2p_us + nbytes / (gbps * 1e9), gbps
-    if kind == "all_reduce":
-        hops = 2 * min(n - 1, math.ceil(math.log2(n)))
-        return call + hops * hop + 2 * (n - 1) / n * nbytes / (gbps * 1e9), gbps
-    return call + (n - 1) * hop + (n - 1) / n * nbytes / (gbps * 1e9), gbps
+# --- the pieces: a GEMM, a collective ------------------------------------------------------------------
 
+def gemm_s(m: float, n: float, k: float, peak: float, efficiency: float, half_k: float, fixed_s: float) -> float:
+    """Seconds of one (m x k) @ (k x n) matmul: 2mnk / (peak x efficiency x k/(k + half_k)) + fixed_s."""
+    return 2.0 * m * n * (k + half_k) / (peak * efficiency) + fixed_s
+
+
+def link_gbps(hw: Hardware, crosses: bool, per_node: int, kind: str = "all_gather") -> float:
+    """The bus bandwidth (GB/s per rank) a group's collective runs at."""
+    c = hw.timing
+    nvl = hw.intra_node_gbps * c.nvlink_efficiency
+    if not crosses:
+        return nvl
+    if kind == "p2p":
+        return hw.inter_node_gbps * c.nic_efficiency
+    return min(nvl, max(1, per_node) * hw.inter_node_gbps * c.nic_efficiency)
+
+
+def collective_s(kind: str, n: int, per_node: int, crosses: bool, nbytes: float, hw: Hardware) -> tuple[float, float,
+                                                                                                          float]:
+    """(seconds, GB/s, of which latency) of one collective call moving a tensor of `nbytes` over n ranks
+    (per_node of them on each node). kind: all_gather | reduce_scatter | all_reduce | p2p | all_to_all."""
+    if n <= 1:
+        return 0.0, 0.0, 0.0
+    c = hw.timing
+    gbps = link_gbps(hw, crosses, per_node, kind)
+    alpha = 1e-6 * (c.inter_latency_us if crosses else c.intra_latency_us)
+    if kind == "p2p":
+        return alpha + nbytes / (gbps * 1e9), gbps, alpha
+    if kind == "all_reduce":
+        seconds, latency = _all_reduce(c, n, nbytes, gbps * 1e9, alpha)
+        return seconds, gbps, latency
+    return (n - 1) * alpha + (n - 1) / n * nbytes / (gbps * 1e9), gbps, (n - 1) * alpha
+
+
+def _all_reduce(c: TimeConstants, n: int, nbytes: float, bw: float, alpha: float) -> tuple[float, float]:
+    """(seconds, of which latency) of an all-reduce: ring (2(n-1) steps, 2(n-1)/n S per rank), tree (2
+    ceil(log2 n) steps, 2 S per rank: NVIDIA/nccl#457), whichever is faster (auto: NCCL's tuner picks the
+    fastest algorithm per size), or in-network (NVLS / SHARP: S up and down)."""
+    ring = (2 * (n - 1) * alpha, 2 * (n - 1) / n * nbytes / bw)
+    tree = (2 * math.ceil(math.log2(n)) * alpha, 2 * nbytes / bw)
+    if c.in_network_reduction:
+        tree = (tree[0], nbytes / bw)
+    pick = {"ring": ring, "tree": tree}.get(c.all_reduce, min(ring, tree, key=sum))
+    return pick[0] + pick[1], pick[0]
+
+
+# --- the layout's geometry (no constant) ---------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Comm:
-    """One communication term's geometry: `calls` collectives of `call_bytes` each over `group`
-    ranks; it hides behind `overlap` of its window (window: "" none, "bwd" the last micro batch's
-    backward, "fwd_m" / "bwd_m" every micro batch's forward / backward, "attn" the attention)."""
+    """One communication term's geometry: `calls` collectives of `call_bytes` each over `group` ranks.
+    It hides behind `window` ("" none; "self": the stack hides `overlap` of it whatever the compute; "bwd"
+    the last micro batch's backward, "fwd" the first one's forward, "fwd_m" / "bwd_m" every micro batch's
+    forward / backward, "attn" the attention of its layers) up to the stack's share `overlap` (a StackTime
+    field; "" = never); comms sharing a window share its time. `unhidden` calls can never hide (FSDP's
+    first gather and last reduce-scatter)."""
 
     name: str
     dims: str
@@ -110,9 +135,12 @@ class Comm:
     calls: int
     call_bytes: float
     window: str = ""
-    overlap: float = 0.0
+    overlap: str = ""
     path: bool = False  # on the pipeline's critical path (TP / CP / EP / PP)
     stall_ops: int = 0  # blocking pipeline sends/recvs per step on the busiest stage (each pays the p2p stall)
+    unhidden: int = 0
+    host_us: str = ""  # a StackTime field: host cost per call (pipeline sends)
+    per_layer: bool = False  # `calls` per layer of the pp rank (TP, CP, EP): x the busiest rank's layers
 
     @property
     def bytes_per_step(self) -> float:
@@ -121,11 +149,83 @@ class Comm:
 
 
 def _term(name: str, dims: tuple, kind: str, n: int, layout: Layout, hw: Hardware, calls: int, call_bytes: float,
-          window: str = "", overlap: float = 0.0, path: bool = False, stall_ops: int = 0) -> Comm:
+          window: str = "", overlap: str = "", path: bool = False, stall_ops: int = 0, unhidden: int = 0,
+          host_us: str = "", per_layer: bool = False) -> Comm:
     crosses, per_node = _locality(layout, hw, dims) if dims != ("tied",) else (
         group_crosses_nodes(layout.degrees, hw.procs_per_node, ("pp",)), 1)
     return Comm(name, " x ".join(dims), kind, n, crosses, per_node, calls if n > 1 else 0, call_bytes, window,
-                overlap, path, stall_ops if n > 1 else 0)
+                overlap, path, stall_ops if n > 1 else 0, min(unhidden, calls), host_us, per_layer)
+
+
+@dataclass(frozen=True)
+class Gemms:
+    """A set of matmuls summed: time = (flops + half_k x flops_per_k) / (peak x efficiency) + calls x fixed."""
+
+    flops: float = 0.0  # sum of 2MNK
+    flops_per_k: float = 0.0  # sum of 2MN
+    calls: float = 0.0
+
+    def plus(self, m: float, n: float, k: float, count: float = 1.0) -> Gemms:
+        return Gemms(self.flops + 2 * m * n * k * count, self.flops_per_k + 2 * m * n * count, self.calls + count)
+
+    def __add__(self, o: Gemms) -> Gemms:
+        return Gemms(self.flops + o.flops, self.flops_per_k + o.flops_per_k, self.calls + o.calls)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One layer's work for one micro batch on one rank, forward and backward, by kind."""
+
+    fwd: Gemms = Gemms()  # bf16 forward GEMMs
+    bwd: Gemms = Gemms()  # bf16 input- and weight-gradient GEMMs
+    fwd8: Gemms = Gemms()  # FP8 forward GEMMs
+    bwd8: Gemms = Gemms()
+    op: Gemms = Gemms()  # the forward GEMMs selective "op" recompute re-runs (bf16)
+    op8: Gemms = Gemms()
+    attn_flops: float = 0.0  # attention scores, forward + backward
+    elem_bytes: float = 0.0  # element-wise bytes as a fused implementation moves them, forward + backward
+    cast_elems: float = 0.0  # elements FP8 linears cast (input, weight, output gradient)
+
+
+@dataclass(frozen=True)
+class TimeShape:
+    """Everything about one layout's step that does not depend on the constants: the time model is
+    `evaluate(shape, hw, stack)`, so `usp calibrate` builds each run's shape once."""
+
+    peak: float  # FLOP/s (bf16 or fp32 datasheet peak: the MFU denominator)
+    tokens_mb: float  # tokens one rank processes per micro batch
+    grad_accum: int
+    bubble: float
+    recompute: str  # none | selective | full
+    selective: str  # the profile's StackProfile.selective
+    recompute_extra: float
+    busiest: int  # pp rank with the most matmul FLOPs (its layers set the collectives)
+    stage_layers: tuple
+    head_ranks: tuple  # pp ranks holding the LM head
+    layer: LayerWork
+    head_fwd: Gemms
+    head_bwd: Gemms
+    seq_len: int
+    comms: tuple  # Comm
+    optimizer_params: float  # parameters the rank's optimizer steps
+    accum_params: float  # parameters whose gradients the rank accumulates between micro batches
+    tokens_per_step: int
+    model_fpt: float
+    hw_fpt: float
+    world: int
+    nodes: int = 1
+    memory_fraction: float = 0.0  # predicted peak of the fullest stage / device memory (the p2p stall)
+    logits_mb: float = 0.0  # logits the head's stage handles per micro batch (tokens x vocabulary/tp)
+    compiled: bool = False  # train.compile (or the stack's own fused kernels): no eager cost
+    compiled_loss: bool = False  # the loss compiled too (not under TP): no eager_loss_ps_per_logit
+    fp8_peak: float = 0.0  # FLOP/s of FP8 matmuls under train.fp8; 0 = off
+    matmul_flops_mb: float = 0.0  # matmul FLOPs of one micro batch on the busiest rank (the efficiency figure)
+    hbm: float = 1.0  # bytes/s
+    balanced: bool = False  # the profile times its stages as a split balanced by cost would (Profile.time_split)
+
+    @property
+    def layers_r(self) -> int:
+        return self.stage_layers[self.busiest]
 
 
 def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float]:
@@ -148,66 +248,41 @@ def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float
     return out
 
 
-@dataclass(frozen=True)
-class TimeShape:
-    """Everything about one layout's step that does not depend on the cluster's fitted constants:
-    the time model is `evaluate(shape, hw)`, so `usp calibrate` builds each run's shape once."""
-
-    peak: float  # FLOP/s
-    tokens_mb: float  # tokens one rank processes per micro batch
-    grad_accum: int
-    bubble: float
-    recompute_extra: float
-    busiest: int  # pp rank
-    stage_layers: tuple
-    matmuls: tuple  # (name, training FLOPs per token on the busiest rank, output width, recomputed)
-    attn_fpt: float  # attention-score FLOPs per token of one layer
-    comms: tuple  # Comm
-    optimizer_params: float  # parameters the rank's optimizer steps
-    optimizer_bytes: int  # per parameter
-    tokens_per_step: int
-    model_fpt: float
-    hw_fpt: float
-    world: int
-    nodes: int = 1
-    memory_fraction: float = 0.0  # predicted peak of the fullest stage / device memory (the p2p stall)
-    logits_mb: float = 0.0  # logits the busiest pp rank's loss handles per micro batch (tokens x vocabulary/tp)
-    compiled: bool = False  # train.compile: no eager_overhead
-    compiled_loss: bool = False  # the loss compiled too (not under TP): no eager_loss_ps_per_logit
-    fp8_peak: float = 0.0  # FLOP/s of the FP8 matmuls (FP8_MATMULS) under train.fp8; 0 = off
-
-    @property
-    def layers_r(self) -> int:
-        return self.stage_layers[self.busiest]
-
-
-def _flops_per_token(arch: Arch, layout: Layout, seq_len: int) -> tuple[float, float, float, float]:
-    """(FLOPs per token of one block, of the LM head, model total (the MFU numerator), hardware total).
-    Full recomputation runs each block's forward (1/3 of its training FLOPs) again; the LM head is
-    not recomputed (usp/engine/parallel/recompute.py wraps blocks only)."""
+def _flops_per_token(arch: Arch, layout: Layout, seq_len: int) -> tuple[float, float]:
+    """(model FLOPs per token: the MFU numerator, hardware FLOPs per token). Full recomputation runs each
+    block's forward (1/3 of its training FLOPs) again; the LM head is not recomputed."""
     h, s = arch.dim, seq_len
-    layer_fpt = 6 * arch.active_layer_matmul_params + 12 * h * s
-    head_fpt = 6 * arch.vocab_size * h
-    blocks_fpt = arch.n_layers * layer_fpt
-    model_fpt = blocks_fpt + head_fpt
-    return layer_fpt, head_fpt, model_fpt, model_fpt + _recompute_extra(layout) * blocks_fpt
+    blocks_fpt = arch.n_layers * (6 * arch.active_layer_matmul_params + 12 * h * s)
+    model_fpt = blocks_fpt + 6 * arch.vocab_size * h
+    return model_fpt, model_fpt + _recompute_extra(layout) * blocks_fpt
 
 
 def _recompute_extra(layout: Layout) -> float:
     return 1 / 3 if layout.recompute == "full" else 0.0
 
 
-def _layer_matmuls(arch: Arch, layout: Layout, seq_len: int) -> list[tuple[str, float, float]]:
-    """(name, training FLOPs per token, output width on one rank) of one block's matmuls."""
-    t, h, kv = layout.tp, arch.dim, arch.kv_dim
-    out = [("q/o", 6 * 2 * h * h / t, h / t), ("k/v", 6 * 2 * h * kv / t, kv / t),
-           ("attention", 12 * h * seq_len / t, seq_len / layout.cp)]
-    if arch.moe:  # a MoE layer's work is repeated on every TP rank; the busiest EP rank's experts get
-        extra = (_imbalance(arch, layout) - 1) * arch.top_k * arch.parts["expert"]  # imbalance x the mean
-        out.append(("moe", 6 * (arch.parts["active_mlp"] + extra), arch.moe_ffn_dim or arch.ffn_dim))
+def linears(arch: Arch, layout: Layout, fused: bool) -> list[tuple[str, float, float]]:
+    """(name, in, out) of one dense layer's linears on one TP rank, in forward order."""
+    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
+    out: list[tuple[str, float, float]] = [("qkv", h, (h + 2 * kv) / t)] if fused else [
+        ("q", h, h / t), ("k", h, kv / t), ("v", h, kv / t)]
+    out.append(("o", h / t, h))
+    if arch.gated:
+        out += [("w13", h, 2 * f / t)] if fused else [("w1", h, f / t), ("w3", h, f / t)]
     else:
-        out.append(("mlp", 6 * arch.dense_mlp_params / t, arch.ffn_dim / t))
+        out.append(("up", h, f / t))
+    out.append(("down", f / t, h))
     return out
+
+
+def elementwise_bytes_per_token(arch: Arch) -> float:
+    """Bytes the non-matmul kernels of one layer move per token, forward + backward, as fused kernels
+    move them (bf16): forward reads and writes norm 1 (2h), RoPE on q, k (2(h + kv)), the residual add
+    (3h), norm 2 (2h), SwiGLU (3f: reads gate and up, writes their product) or GeLU (2f), the residual
+    add (3h); the backward about twice the forward."""
+    h, kv, f = arch.dim, arch.kv_dim, arch.ffn_dim
+    fwd = (12 * h + 2 * kv + 3 * f) if arch.gated else (10 * h + 2 * f)
+    return 3 * 2 * fwd
 
 
 def _imbalance(arch: Arch, layout: Layout) -> float:
@@ -228,84 +303,99 @@ def ep_assumption(arch: Arch, layout: Layout) -> list[str]:
             f"model.expert_load_imbalance (max/mean tokens per expert)"]
 
 
-def _stage_matmuls(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[int, tuple, tuple]:
-    """(busiest pp rank by FLOPs, layers per pp rank, its matmuls: (name, FLOPs per token, width, recomputed)),
-    the layers split as the profile's recipe splits them (nanotron: by matmul cost, the LM head's included)."""
-    mats = _layer_matmuls(arch, layout, seq_len)
-    layer_fpt = sum(f for _, f, _ in mats)
-    head_fpt = 6 * arch.vocab_size * arch.dim / layout.tp
+def _layer_work(arch: Arch, layout: Layout, seq_len: int, prec: Precision, profile: Profile) -> LayerWork:
+    """One layer's GEMMs (three per linear), attention FLOPs, element-wise bytes and FP8 casts, one micro
+    batch on one rank (T tokens)."""
+    t_tok, fp8 = layout.micro_batch * seq_len / layout.cp, prec.fp8 != "off"
+    w = {"fwd": Gemms(), "bwd": Gemms(), "fwd8": Gemms(), "bwd8": Gemms(), "op": Gemms(), "op8": Gemms()}
+    casts = 0.0
+
+    def add(m: float, k_in: float, n_out: float, count: float = 1.0, convert: bool = False, again: bool = False):
+        nonlocal casts
+        s = "8" if convert else ""
+        w["fwd" + s] = w["fwd" + s].plus(m, n_out, k_in, count)
+        w["bwd" + s] = w["bwd" + s].plus(m, k_in, n_out, count).plus(n_out, k_in, m, count)
+        if again:
+            w["op" + s] = w["op" + s].plus(m, n_out, k_in, count)
+        if convert:
+            casts += count * (m * k_in + n_out * k_in + m * n_out)
+
+    dense = [x for x in linears(arch, layout, profile.fused_projections) if not (arch.moe and x[0] in (
+        "w13", "w1", "w3", "up", "down"))]
+    for i, (_, k_in, n_out) in enumerate(dense, start=1):  # torchtitan's op SAC: every second mm again
+        add(t_tok, k_in, n_out, convert=fp8, again=i % 2 == 0)
+    if arch.moe:
+        _moe_gemms(arch, layout, t_tok, add)
+    attn = 12.0 * seq_len * (arch.dim / layout.tp) * t_tok
+    elem = elementwise_bytes_per_token(arch) * t_tok / layout.tp
+    return LayerWork(w["fwd"], w["bwd"], w["fwd8"], w["bwd8"], w["op"], w["op8"], attn, elem, casts)
+
+
+def _moe_gemms(arch: Arch, layout: Layout, t_tok: float, add) -> None:
+    """A MoE layer (not TP-sliced): the router, each local expert's SwiGLU over the tokens routed to it
+    (the busiest EP rank's: x model.expert_load_imbalance), the shared expert over every token."""
+    h, fe = arch.dim, arch.moe_ffn_dim or arch.ffn_dim
+    local = arch.n_experts / (layout.ep if layout.ep > 1 else 1)
+    routed = t_tok * arch.top_k * _imbalance(arch, layout) / local
+    add(t_tok, h, arch.n_experts)
+    for k_in, n_out in ((h, fe), (h, fe), (fe, h)):
+        add(routed, k_in, n_out, count=local)
+        if arch.shared_expert:
+            add(t_tok, k_in, n_out)
+
+
+def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple, tuple, int]:
+    """(layers per pp rank, the pp ranks holding the LM head, the rank with the most FLOPs)."""
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
     layers = tuple(sum(counts[i] for i in held) for held in ranks)
-    last = [len(counts) - 1 in held for held in ranks]
-    busiest = max(range(layout.pp), key=lambda r: layers[r] * layer_fpt + (head_fpt if last[r] else 0))
-    out = tuple((name, f * layers[busiest], width, True) for name, f, width in mats)
-    if last[busiest]:
-        out += (("head", head_fpt, -(-arch.vocab_size // layout.tp), False),)
-    return busiest, layers, out
+    heads = tuple(r for r, held in enumerate(ranks) if len(counts) - 1 in held)
+    per_layer = arch.active_layer_matmul_params + 2 * arch.dim * seq_len
+    busiest = max(range(layout.pp), key=lambda r: layers[r] * per_layer + (
+        arch.vocab_size * arch.dim if r in heads else 0))
+    return layers, heads, busiest
 
 
-FP8_MATMULS = ("q/o", "k/v", "mlp")  # _layer_matmuls' names of the linears train.fp8 converts (not attention, moe)
+# --- communication -------------------------------------------------------------------------------------
 
-
-def _compute(shape: TimeShape, hw: Hardware) -> tuple[float, float, float, dict]:
-    """(micro batch seconds on the busiest pp rank incl. its fixed cost, matmul seconds, sat(tokens),
-    sat(width) per matmul): FLOPs / (peak x kernel efficiency) + a fixed cost per layer + the loss's
-    cost per logit (memory-bound: it scales with tokens x vocabulary/tp, not with FLOPs), x (1 +
-    eager_overhead) for eager blocks. FP8 matmuls run at their own peak x fp8_efficiency."""
-    c, extra = hw.timing, shape.recompute_extra
-    sat_tok = _sat(shape.tokens_mb, c.kernel_half_tokens)
-    rate = shape.peak * c.kernel_efficiency * sat_tok
-    fp8_speedup = shape.fp8_peak * c.fp8_efficiency / shape.peak if shape.fp8_peak else 1.0
-    sat_dims = {name: _sat(width, c.kernel_half_dim) for name, _, width, _ in shape.matmuls}
-    matmul_s = shape.tokens_mb * sum(f * (1 + extra if again else 1) / sat_dims[name]
-                                     / (fp8_speedup if name in FP8_MATMULS else 1.0)
-                                     for name, f, _, again in shape.matmuls) / rate
-    loss_s = 1e-12 * c.loss_ps_per_logit * shape.logits_mb
-    eager_loss_s = 0.0 if shape.compiled_loss else 1e-12 * c.eager_loss_ps_per_logit * shape.logits_mb
-    mb_s = matmul_s + 1e-6 * c.layer_overhead_us * shape.layers_r + loss_s
-    return mb_s * (1 if shape.compiled else 1 + c.eager_overhead) + eager_loss_s, matmul_s, sat_tok, sat_dims
-
-
-def _bubble(layout: Layout) -> float:
-    """Idle fraction of the pipeline: (p-1)/m, (p-1)/(v·m) interleaved, 0 for zero-bubble schedules."""
-    p, m = layout.pp, layout.grad_accum
-    if p == 1 or layout.pp_schedule in ZERO_BUBBLE:
-        return 0.0
-    if layout.pp_schedule == "interleaved_1f1b":
-        return (p - 1) / (layout.virtual * m)
-    return (p - 1) / m
-
-
-def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, layers_r: int) -> list[Comm]:
+def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> list[Comm]:
     """Tensor parallel (+ sequence parallel): 2 all-gathers + 2 reduce-scatters per layer and pass,
-    each of the micro batch's full activation (b·s·h)."""
+    each of the micro batch's full activation (b·s·h); calls per layer of the pp rank."""
     passes = 3 if layout.recompute == "full" else 2
-    calls = 2 * passes * layers_r * layout.grad_accum  # per kind
+    calls = 2 * passes * layout.grad_accum  # per kind and layer
     size = (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act
+    overlap = "async_tp_overlap" if layout.async_tp else "tp_overlap"
     return [_term(f"TP {kind.replace('_', '-')} (activations)", ("tp",), kind, layout.tp, layout, hw, calls, size,
-                  path=True) for kind in ("all_gather", "reduce_scatter")]
+                  "self", overlap, path=True, per_layer=True) for kind in ("all_gather", "reduce_scatter")]
 
 
-def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, layers_r: int, profile: Profile) -> Comm:
-    """Context parallel, per layer of this pp rank and micro batch: the ring passes a K/V block
-    c-1 times forward (again when recomputed), c-1 times backward, and the dK/dV accumulator c
-    times (it returns to its owner). The engine's ring sends fp32 blocks expanded to every
-    query head (usp/engine/parallel/context_parallel.py). Hides behind the attention of its layer."""
+def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile) -> Comm:
+    """Context parallel, per layer of this pp rank and micro batch. usp's engine: the ring passes a K/V
+    block c-1 times forward (again when recomputed), c-1 times backward, and the dK/dV accumulator c
+    times, fp32 blocks expanded to every query head (usp/engine/parallel/context_parallel.py). A flash
+    ring (kv): 3(c-1) exchanges of the K/V of the KV heads in bf16. Llama 3's all-gather (allgather):
+    3 all-gathers of K and V per layer, exposed. The rings hide behind their layer's attention."""
     c, t, m = layout.cp, layout.tp, layout.grad_accum
-    kv = 2 * (seq_len / c) * layout.micro_batch * arch.dim / t * 4
-    forwards = 2 if layout.recompute == "full" else 1
-    hops = forwards * (c - 1) + (c - 1) + c
-    return _term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, hops * layers_r * m, kv, "attn",
-                 profile.cp_overlap, path=True)
+    tokens = (seq_len / c) * layout.micro_batch
+    if profile.cp_ring == "usp":
+        kv = 2 * tokens * arch.dim / t * 4
+        hops = (2 if layout.recompute == "full" else 1) * (c - 1) + (c - 1) + c
+        return _term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, hops * m, kv, "attn",
+                     "cp_overlap", path=True, per_layer=True)
+    kv = 2 * tokens * arch.kv_dim / t * prec.act
+    if profile.cp_ring == "allgather":
+        return _term("CP K/V all-gather", ("cp",), "all_gather", c, layout, hw, 3 * m, kv * c, path=True,
+                     per_layer=True)
+    return _term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, 3 * (c - 1) * m, kv, "attn",
+                 "cp_overlap", path=True, per_layer=True)
 
 
-def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, layers_r: int, tokens_mb: float) -> Comm:
-    """Expert parallel: dispatch + combine all-to-alls, forward and backward."""
+def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, tokens_mb: float) -> Comm:
+    """Expert parallel: dispatch + combine all-to-alls, forward and backward, per layer."""
     passes = 3 if layout.recompute == "full" else 2
-    calls = 2 * passes * layers_r * layout.grad_accum
+    calls = 2 * passes * layout.grad_accum
     size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout)  # the busiest rank's
     return Comm("EP all-to-all (tokens)", "ep", "all_to_all", layout.ep, _ep_crosses_nodes(layout, hw),
-                min(layout.ep, hw.procs_per_node), calls, size, path=True)
+                min(layout.ep, hw.procs_per_node), calls, size, path=True, per_layer=True)
 
 
 def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
@@ -318,26 +408,27 @@ def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
 
 
 def _pp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> Comm:
-    """Pipeline: activations forward, gradients backward, per micro batch and virtual stage. A middle
-    stage blocks on 4 sends/recvs per micro batch (activation in and out, gradient in and out), an
-    end stage (all of them when pp = 2) on 2: each pays the p2p stall (pipeline_stall_s)."""
-    calls = 2 * layout.grad_accum * layout.virtual
-    size = (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act
+    """Pipeline: per micro batch and virtual stage a middle stage receives and sends the activations
+    (sequence-sharded under TP + SP: b·s/c·h/t) and receives and sends their gradients: 4 transfers (an
+    end stage 2: every stage at pp = 2), each paying the stack's host cost, each blocking: each pays the
+    p2p stall (pipeline_stall_s)."""
+    calls = 2 * min(layout.pp - 1, 2) * layout.grad_accum * layout.virtual
+    size = (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act / layout.tp
     stall_ops = 2 * min(layout.pp - 1, 2) * layout.grad_accum * layout.virtual
-    return _term("PP send/recv (activations, grads)", ("pp",), "p2p", layout.pp, layout, hw, calls, size, path=True,
-                 stall_ops=stall_ops)
+    return _term("PP send/recv (activations, grads)", ("pp",), "p2p", layout.pp, layout, hw, calls, size, "self",
+                 "pp_overlap", path=True, stall_ops=stall_ops, host_us="pp_p2p_us")
 
 
-def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, layers_r: int,
-               tokens_mb: float, profile: Profile) -> list[Comm]:
-    """The communication on the pipeline's critical path: TP, CP, EP, PP."""
+def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, tokens_mb: float,
+               profile: Profile) -> list[Comm]:
+    """The communication on the pipeline's critical path: TP, CP, EP (per layer), PP."""
     comm = []
     if layout.tp > 1:
-        comm += _tp_comm(arch, layout, seq_len, hw, prec, layers_r)
+        comm += _tp_comm(arch, layout, seq_len, hw, prec)
     if layout.cp > 1:
-        comm.append(_cp_comm(arch, layout, seq_len, hw, layers_r, profile))
+        comm.append(_cp_comm(arch, layout, seq_len, hw, prec, profile))
     if arch.moe and layout.ep > 1:
-        comm.append(_ep_comm(arch, layout, hw, prec, layers_r, tokens_mb))
+        comm.append(_ep_comm(arch, layout, hw, prec, tokens_mb))
     if layout.pp > 1:
         comm.append(_pp_comm(arch, layout, seq_len, hw, prec))
     return comm
@@ -347,43 +438,89 @@ def _grad_bytes(prec: Precision, profile: Profile) -> int:
     return profile.reduce_bytes or prec.grad
 
 
+def _buckets(nbytes: float, layout: Layout, profile: Profile) -> int:
+    bucket = profile.dp_bucket_mb * 1e6 if profile.dp_bucket_mb else layout.ddp_bucket_mb * 2 ** 20
+    return max(1, int(nbytes // bucket) + 1)
+
+
 def _replicated_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, layers_r: int,
                         profile: Profile) -> list[Comm]:
-    """DDP / ZeRO-1 / FSDP2 replication: the gradient all-reduce (+ ZeRO-1's parameter all-gather).
-    A profile with classic ZeRO-1 runs it this way also with TP/PP (dp_replicate only)."""
-    kind, dims = layout.dp_kind, ("dp_replicate", "cp")
+    """DDP / ZeRO-1 / FSDP2 replication: the gradient reduction (+ ZeRO-1's parameter gather), as the
+    profile's recipe runs it (Profile.zero1), also with TP/PP where it reduces once per step."""
+    kind, dims = dp_kind(layout, profile), ("dp_replicate", "cp")
     n = layout.dp_replicate * layout.cp
-    gbytes, pbytes = _grad_bytes(prec, profile) * psi, prec.param * psi
-    bucket = layout.ddp_bucket_mb * 2 ** 20
-    calls = max(1, int(gbytes // bucket) + 1) if kind != "replicate" else layers_r + 1
-    out = [_term("DP gradient all-reduce", dims, "all_reduce", n, layout, hw, calls, gbytes / calls, "bwd",
-                 profile.dp_overlap)]
-    if kind in ("zero1", "zero1_fsdp"):
-        out.append(_term("ZeRO-1 parameter all-gather (after the step)", dims, "all_gather", n, layout, hw, 1, pbytes))
-    return out
+    gbytes = _grad_bytes(prec, profile) * psi
+    pbytes = (profile.param_gather_bytes or prec.param) * psi
+    if kind == "replicate":
+        units = layers_r + 1
+        return [_term("DP gradient all-reduce", dims, "all_reduce", n, layout, hw, units, gbytes / units, "bwd",
+                      "dp_overlap")]
+    calls = _buckets(gbytes, layout, profile)
+    if kind not in ("zero1", "zero1_fsdp"):
+        return [_term("DP gradient all-reduce", dims, "all_reduce", n, layout, hw, calls, gbytes / calls, "bwd",
+                      "dp_overlap")]
+    if profile.zero1 == "distributed":
+        gathers = _buckets(pbytes, layout, profile)
+        return [_term("ZeRO-1 gradient reduce-scatter", dims, "reduce_scatter", n, layout, hw, calls, gbytes / calls,
+                      "bwd", "dp_overlap"),
+                _term("ZeRO-1 parameter all-gather (next forward)", dims, "all_gather", n, layout, hw, gathers,
+                      pbytes / gathers, "fwd", "param_gather_overlap")]
+    if profile.zero1 == "blocking":
+        gathers = _buckets(pbytes, layout, profile)
+        return [_term("ZeRO-1 gradient all-reduce (blocking)", dims, "all_reduce", n, layout, hw, calls,
+                      gbytes / calls),
+                _term("ZeRO-1 parameter all-gather (after the step)", dims, "all_gather", n, layout, hw, gathers,
+                      pbytes / gathers)]
+    return [_term("DP gradient all-reduce", dims, "all_reduce", n, layout, hw, calls, gbytes / calls, "bwd",
+                  "dp_overlap"),
+            _term("ZeRO-1 parameter all-gather (after the step)", dims, "all_gather", n, layout, hw, 1, pbytes)]
 
 
 def _sharded_dp_comm(layout: Layout, hw: Hardware, prec: Precision, psi: float, layers_r: int,
                      profile: Profile) -> list[Comm]:
-    """FSDP / HSDP / ZeRO-1 with TP/PP (FSDP2 over dp_replicate): parameter all-gathers (forward, and
-    backward under ZeRO-3), the gradient reduce-scatter (once per step: gradient sync is off on
-    inner micro batches), HSDP's all-reduce."""
-    m, ov = layout.grad_accum, profile.dp_overlap
-    gbytes, pbytes = _grad_bytes(prec, profile) * psi, prec.gathered * psi  # gathered in the dtype the matmuls read
+    """FSDP / HSDP / ZeRO-1 with TP/PP (FSDP2 over dp_replicate): one unit per layer + the root. Parameter
+    all-gathers in the dtype the matmuls read (forward, and backward under ZeRO-3) every micro batch (or
+    once a step: Profile.fsdp_gather_per_micro_batch), each prefetched behind the previous unit's compute
+    (the first never hides); the gradient reduce-scatter once a step (usp: sync off on inner micro batches;
+    every micro batch: Profile.fsdp_reduce_per_micro_batch), the last unit's never hidden; HSDP's
+    all-reduce of the shard over the replicas."""
+    m = layout.grad_accum
+    gbytes = _grad_bytes(prec, profile) * psi
+    pbytes = (1 if prec.fp8_all_gather and prec.fp8 != "off" else prec.gathered) * psi
     dims = ("dp_replicate",) if layout.dp_kind == "zero1_fsdp" else ("dp_shard", "cp")
     n, units = layout.shard_degree, layers_r + 1
-    out = [_term("FSDP all-gather (forward)", dims, "all_gather", n, layout, hw, units * m, pbytes / units, "fwd_m",
-                 ov)]
+    n_ag = m if profile.fsdp_gather_per_micro_batch else 1
+    n_rs = m if profile.fsdp_reduce_per_micro_batch else 1
+    out = [_term("FSDP all-gather (forward)", dims, "all_gather", n, layout, hw, units * n_ag, pbytes / units,
+                 "fwd_m" if n_ag > 1 else "fwd", "dp_overlap", unhidden=n_ag)]
     if layout.zero_stage == 3:
-        out.append(_term("FSDP all-gather (backward)", dims, "all_gather", n, layout, hw, units * m, pbytes / units,
-                         "bwd_m", ov))
-    out.append(_term("FSDP gradient reduce-scatter", dims, "reduce_scatter", n, layout, hw, units, gbytes / units,
-                     "bwd", ov))
+        out.append(_term("FSDP all-gather (backward)", dims, "all_gather", n, layout, hw, units * n_ag,
+                         pbytes / units, "bwd_m" if n_ag > 1 else "bwd", "dp_overlap"))
+    out.append(_term("FSDP gradient reduce-scatter", dims, "reduce_scatter", n, layout, hw, units * n_rs,
+                     gbytes / units, "bwd_m" if n_rs > 1 else "bwd", "dp_overlap", unhidden=n_rs))
     if layout.dp_kind == "hsdp":
         r = layout.dp_replicate
         out.append(_term("HSDP gradient all-reduce (replicas)", ("dp_replicate",), "all_reduce", r, layout, hw, units,
-                         gbytes / n / units, "bwd", ov))
+                         gbytes / n / units, "bwd", "dp_overlap"))
     return out
+
+
+def dp_kind(layout: Layout, profile: Profile) -> str:
+    """The data-parallel flavour as the profile's stack builds the layout: usp's (Layout.dp_kind: cp ranks
+    shard the model under FSDP2), or a Megatron-like stack's (data_parallel="nanotron"): without dp_shard,
+    DDP or ZeRO-1 over dp_replicate x cp whatever tp, pp and cp."""
+    if profile.data_parallel == "nanotron" and layout.dp_shard == 1:
+        if layout.dp_replicate * layout.cp == 1:
+            return "none"
+        return "zero1" if layout.zero1 else "ddp"
+    return layout.dp_kind
+
+
+def shard_degree(layout: Layout, profile: Profile) -> int:
+    """Ranks the optimizer states are sharded over, as the profile's stack builds the layout."""
+    if dp_kind(layout, profile) == "zero1" and profile.data_parallel == "nanotron":
+        return layout.dp_replicate * layout.cp
+    return layout.shard_degree
 
 
 def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, layers_r: int, psi: float,
@@ -391,7 +528,7 @@ def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, layers_r
     """The data-parallel communication of the busiest rank's parameters psi (+ the tied embedding's sum)."""
     tied = [_tied_comm(arch, layout, hw, prec, profile)] if arch.tie_embeddings and layout.pp > 1 \
         and layout.pp_schedule != "zbv" else []  # zbv: first and last stage on one rank, summed locally
-    kind = layout.dp_kind
+    kind = dp_kind(layout, profile)
     if kind in ("ddp", "zero1", "replicate") or (kind == "zero1_fsdp" and profile.zero1_once_per_step):
         return _replicated_dp_comm(layout, hw, prec, psi, layers_r, profile) + tied
     if kind in ("fsdp", "hsdp", "zero1_fsdp"):
@@ -422,33 +559,51 @@ def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, layers_r: int) -> f
     return psi - experts + experts * ((n_e - 1) / n_e) / ((n - 1) / n)
 
 
+def _bubble(layout: Layout) -> float:
+    """Idle fraction of the pipeline: (p-1)/m, (p-1)/(v·m) interleaved, 0 for zero-bubble schedules."""
+    p, m = layout.pp, layout.grad_accum
+    if p == 1 or layout.pp_schedule in ZERO_BUBBLE:
+        return 0.0
+    if layout.pp_schedule == "interleaved_1f1b":
+        return (p - 1) / (layout.virtual * m)
+    return (p - 1) / m
+
+
 def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: Hardware, prec: Precision,
                profile: Profile, peak: float | None = None) -> TimeShape:
-    """The layout's step geometry: FLOPs per matmul, collectives, optimizer state (no fitted constant).
-    peak: the predicted peak bytes of the fullest stage (usp.perf.memory.peak_bytes; computed if None)."""
-    _, _, model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
-    busiest, layers, mats = _stage_matmuls(arch, layout, seq_len, profile.pp_split)
+    """The layout's step geometry: GEMM shapes, attention, element-wise bytes, collectives, optimizer state
+    (no fitted constant). peak: the predicted peak bytes of the fullest stage (usp.perf.memory.peak_bytes;
+    computed if None)."""
+    model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
+    layers, heads, busiest = _stages(arch, layout, seq_len, profile.pp_split)
     tokens_mb = layout.micro_batch * seq_len / layout.cp
     psi = max(rank_params(arch, layout, profile.pp_split))
-    comms = _path_comm(arch, layout, seq_len, hw, prec, layers[busiest], tokens_mb, profile) \
+    comms = _path_comm(arch, layout, seq_len, hw, prec, tokens_mb, profile) \
         + _dp_comm(arch, layout, hw, prec, layers[busiest], psi, profile)
+    vocab_t = -(-arch.vocab_size // layout.tp)
+    work = _layer_work(arch, layout, seq_len, prec, profile)
+    head_fwd = Gemms().plus(tokens_mb, vocab_t, arch.dim)
+    head_bwd = Gemms().plus(tokens_mb, arch.dim, vocab_t).plus(vocab_t, arch.dim, tokens_mb)
+    matmul = layers[busiest] * (work.fwd.flops + work.bwd.flops + work.fwd8.flops + work.bwd8.flops) \
+        + (head_fwd.flops + head_bwd.flops if busiest in heads else 0.0)
     return TimeShape(peak=hw.peak_flops(prec), tokens_mb=tokens_mb, grad_accum=layout.grad_accum,
-                     bubble=_bubble(layout), recompute_extra=_recompute_extra(layout), busiest=busiest,
-                     stage_layers=layers, matmuls=mats, attn_fpt=12 * arch.dim * seq_len / layout.tp,
-                     comms=tuple(comms), optimizer_params=psi / layout.shard_degree,
-                     optimizer_bytes=profile.optimizer_bytes_per_param, tokens_per_step=global_batch * seq_len,
-                     model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world, nodes=hw.nodes,
-                     memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak),
-                     logits_mb=tokens_mb * mats[-1][2] if mats[-1][0] == "head" else 0.0,
+                     bubble=_bubble(layout), recompute=layout.recompute, selective=profile.selective,
+                     recompute_extra=_recompute_extra(layout), busiest=busiest, stage_layers=layers, head_ranks=heads,
+                     layer=work, head_fwd=head_fwd, head_bwd=head_bwd, seq_len=seq_len, comms=tuple(comms),
+                     optimizer_params=psi / shard_degree(layout, profile), accum_params=psi,
+                     tokens_per_step=global_batch * seq_len, model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world,
+                     nodes=hw.nodes, memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak),
+                     logits_mb=tokens_mb * vocab_t,
                      compiled=prec.compiled or not profile.follows_compile,
                      compiled_loss=compiled_loss(layout, prec) or not profile.follows_compile,
-                     fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0)
+                     fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0, matmul_flops_mb=matmul,
+                     hbm=1e9 * hw.hbm_gbps, balanced=profile.time_split == "balanced")
 
 
 def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile,
                      peak: float | None) -> float:
     """Predicted peak of the fullest stage / device memory (0 when the memory model cannot place the
-    layout: the stall's memory term then stays off)."""
+    layout)."""
     if layout.pp == 1:
         return 0.0  # only the pipeline stall reads it
     if peak is None:
@@ -459,116 +614,256 @@ def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, pre
     return peak / (hw.memory_gib * GIB)
 
 
+# --- the constants applied -----------------------------------------------------------------------------
+
+@dataclass
+class MicroBatch:
+    """One micro batch on the busiest pp rank, forward + backward (+ recompute), by term (seconds)."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    casts: float = 0.0
+    loss: float = 0.0
+    host: float = 0.0
+    recompute: float = 0.0
+    eager: float = 0.0  # usp's measured eager blocks / loss over compiled ones
+    fwd: float = 0.0  # the forward's share (overlap windows)
+    bwd: float = 0.0  # the backward's (+ recompute, the head's and the loss's)
+    attention_layers: float = 0.0  # the attention of the rank's layers (CP's window)
+    rank: int = 0
+    layers: float = 0.0  # the rank's layers (its per-layer TP / CP / EP collectives)
+    on_head: bool = False  # it holds the LM head and the loss
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.casts + self.loss + self.host + self.recompute \
+            + self.eager
+
+
 @dataclass
 class _Times:
-    mb_s: float
-    matmul_s: float
-    sat_tok: float
-    sat_dims: dict
-    comm: list  # (seconds, window seconds, exposed seconds, GB/s) per shape.comms
-    path_s: float  # exposed TP / CP / EP / PP comm, stretched by the bubble
+    mb: MicroBatch
+    comm: list  # (seconds, window seconds, exposed seconds, GB/s, hidden, latency) per shape.comms
+    path_s: float  # exposed TP / CP / EP / PP comm (+ their interference), stretched by the bubble
     stall_s: float  # the pipeline's p2p stalls: every stage waits in them together, not stretched
-    dp_s: float
-    fixed_s: float
+    dp_s: float  # exposed data-parallel comm + its interference
+    interference_s: float
+    accum_s: float
+    optimizer_s: float
+    overhead_s: float
     step_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def mb_s(self) -> float:
+        return self.mb.total
+
+    @property
+    def fixed_s(self) -> float:
+        return self.accum_s + self.optimizer_s + self.overhead_s
 
 
-def evaluate(shape: TimeShape, hw: Hardware) -> _Times:
-    """The step time of a shape under the cluster's constants (hw.timing, link bandwidths)."""
-    c, m, extra = hw.timing, shape.grad_accum, shape.recompute_extra
-    mb_s, matmul_s, sat_tok, sat_dims = _compute(shape, hw)
-    fwd = mb_s / (3 + 3 * extra)
-    comm, path_s, dp_s, stall_s = [], 0.0, 0.0, 0.0
-    stall_one = pipeline_stall_s(hw, shape.nodes, shape.memory_fraction)
-    for ct in shape.comms:
-        one, gbps = collective_s(ct.kind, ct.group, ct.per_node, ct.crosses, ct.call_bytes, hw)
-        seconds = ct.calls * one
-        window = _window(ct.window, shape, hw, mb_s, fwd, sat_tok, sat_dims)
-        exposed = max(0.0, seconds - ct.overlap * window)
+def _gemm_time(g: Gemms, peak: float, eff: float, half_k: float, fixed: float) -> float:
+    return (g.flops + half_k * g.flops_per_k) / (peak * eff) + g.calls * fixed if g.calls else 0.0
+
+
+def micro_batches(shape: TimeShape, c: TimeConstants, k: StackTime) -> list[MicroBatch]:
+    """One micro batch on each pp rank that may be the busiest (the one with the most layers, those with
+    the LM head; or, with a cost-balanced split, the stage ideal balancing would give) under the constants."""
+    w, peak = shape.layer, shape.peak * c.clock
+    t0 = 1e-6 * c.gemm_fixed_us
+    eff = c.gemm_efficiency
+    bf = lambda g: _gemm_time(g, peak, eff, c.gemm_half_k, t0)  # noqa: E731
+    if shape.fp8_peak:
+        p8, e8, k8 = shape.fp8_peak * c.clock, eff * c.fp8_efficiency, c.fp8_half_k or c.gemm_half_k
+        f8 = lambda g: _gemm_time(g, p8, e8, k8, t0)  # noqa: E731
+    else:
+        f8 = bf
+    g_fwd, g_all = bf(w.fwd) + f8(w.fwd8), bf(w.fwd) + bf(w.bwd) + f8(w.fwd8) + f8(w.bwd8)
+    ramp = shape.seq_len / (shape.seq_len + c.attention_half_seq) if c.attention_half_seq else 1.0
+    att = w.attn_flops / (peak * k.attention_efficiency * ramp)
+    factor = k.eager_elementwise_factor if not shape.compiled and k.eager_elementwise_factor else k.elementwise_factor
+    elem = factor * w.elem_bytes / shape.hbm
+    casts = k.fp8_cast_bytes * w.cast_elems / shape.hbm if shape.fp8_peak else 0.0
+    again = _recomputed(shape, g_fwd, att, elem, casts, bf(w.op) + f8(w.op8))
+    layer = g_all + att + elem + casts + 1e-6 * k.layer_us + again
+    head, loss = bf(shape.head_fwd) + bf(shape.head_bwd), k.loss_bytes_per_logit * shape.logits_mb / shape.hbm
+    fwd = g_fwd + att / (1 + FA_BACKWARD) + (elem + casts) / 3 + 0.5e-6 * k.layer_us
+    out = []
+    for r, n, on_head in _candidates(shape, layer, head + loss):
+        mb = MicroBatch(gemm=n * g_all + (head if on_head else 0.0), attention=n * att, elementwise=n * elem,
+                        casts=n * casts, loss=loss if on_head else 0.0,
+                        host=n * 1e-6 * k.layer_us + 1e-3 * k.micro_batch_ms, recompute=n * again, fwd=n * fwd,
+                        attention_layers=n * att, rank=r, layers=n, on_head=on_head)
+        mb.bwd = mb.total - mb.fwd - 1e-3 * k.micro_batch_ms
+        if not shape.compiled and not k.eager_elementwise_factor:
+            mb.eager = c.eager_overhead * mb.total
+        if not shape.compiled_loss and on_head:
+            mb.eager += 1e-12 * c.eager_loss_ps_per_logit * shape.logits_mb
+        out.append(mb)
+    return out
+
+
+def _candidates(shape: TimeShape, layer: float, head: float) -> list[tuple[int, float, bool]]:
+    """(pp rank, layers, holds the head) of the stages that may be the busiest."""
+    layers, heads = shape.stage_layers, shape.head_ranks
+    if shape.balanced and len(layers) > 1:  # the stage a split balanced by cost gives, in whole layers
+        per = (sum(layers) * layer + head) / len(layers)
+        if per <= layer:
+            return [(len(layers) - 1, 1, True)]
+        return [(0, math.ceil(per / layer - 1e-9), False)]
+    most = max(range(len(layers)), key=lambda i: layers[i])
+    return [(r, layers[r], r in heads) for r in sorted({most, *heads})]
+
+
+def _recomputed(shape: TimeShape, g_fwd: float, att: float, elem: float, casts: float, g_op: float) -> float:
+    """Per layer: what recomputation runs again (full: the forward; selective: as the stack does it)."""
+    if shape.recompute == "full":
+        return g_fwd + att / (1 + FA_BACKWARD) + (elem + casts) / 3
+    if shape.recompute != "selective":
+        return 0.0
+    return {"attention": att / (1 + FA_BACKWARD), "op": g_op + elem / 3}.get(shape.selective, elem / 3)
+
+
+def _window(kind: str, shape: TimeShape, mb: MicroBatch) -> float:
+    """Seconds of compute a collective can hide behind (Comm.window)."""
+    m = shape.grad_accum
+    return {"bwd": mb.bwd, "fwd": mb.fwd, "fwd_m": m * mb.fwd, "bwd_m": m * mb.bwd,
+            "attn": m * mb.attention_layers}.get(kind, 0.0)
+
+
+def evaluate(shape: TimeShape, hw: Hardware, stack: StackTime | None = None) -> _Times:
+    """The step time of a shape under the cluster's constants (hw.timing, the link bandwidths) and the
+    stack's (the profile's StackTime): on the pp rank whose micro batches and critical-path collectives
+    take longest."""
+    c, k = hw.timing, stack or PROFILES["usp"].time
+    m = shape.grad_accum
+    costs = [_collective(ct, hw, k) for ct in shape.comms]
+    best = None
+    for mb in micro_batches(shape, c, k):
+        path = sum(_exposed(ct, cost, mb, shape, c, k, {})[1] for ct, cost in zip(shape.comms, costs) if ct.path)
+        total = m * mb.total + path
+        if best is None or total > best[0]:
+            best = (total, mb)
+    mb = best[1]  # type: ignore[index]
+    comm, path_s, dp_s, stall_s, interference = [], 0.0, 0.0, 0.0, 0.0
+    stall_one = pipeline_stall_s(k, shape.nodes, shape.memory_fraction)
+    left: dict = {}
+    for ct, (one, gbps, latency) in zip(shape.comms, costs):
+        seconds, exposed, window, hidden = _exposed(ct, (one, gbps, latency), mb, shape, c, k, left)
+        slowed = c.interference * hidden
+        calls = ct.calls * (mb.layers if ct.per_layer else 1)
         stall = ct.stall_ops * stall_one
-        comm.append((seconds + stall, window, exposed + stall, gbps))
+        comm.append((seconds + stall, window, exposed - slowed + stall, gbps, hidden, calls * latency, calls))
         stall_s += stall
+        interference += slowed * ((1 + shape.bubble) if ct.path else 1.0)
         if ct.path:
             path_s += exposed
         else:
             dp_s += exposed
-    opt = shape.optimizer_params * shape.optimizer_bytes / (c.optimizer_gbps * 1e9) if c.optimizer_gbps > 0 else 0.0
-    fixed = opt + 1e-3 * c.step_overhead_ms
-    step = (m * mb_s + path_s) * (1 + shape.bubble) + stall_s + dp_s + fixed
-    return _Times(mb_s, matmul_s, sat_tok, sat_dims, comm, path_s, stall_s, dp_s, fixed, step)
+    accum = max(0, m - 1) * shape.accum_params * k.accum_bytes_per_param / shape.hbm
+    opt = shape.optimizer_params * k.optimizer_bytes_per_param / (shape.hbm * k.optimizer_hbm_share) \
+        if k.optimizer_hbm_share > 0 else 0.0
+    overhead = 1e-3 * k.step_ms
+    step = (m * mb.total + path_s) * (1 + shape.bubble) + stall_s + dp_s + accum + opt + overhead
+    return _Times(mb, comm, path_s, stall_s, dp_s, interference, accum, opt, overhead, step)
 
 
-def pipeline_stall_s(hw: Hardware, nodes: int, memory_fraction: float) -> float:
+def _collective(ct: Comm, hw: Hardware, k: StackTime) -> tuple[float, float, float]:
+    """(seconds of one call, GB/s, latency of one call), with the stack's host cost per call."""
+    one, gbps, latency = collective_s(ct.kind, ct.group, ct.per_node, ct.crosses, ct.call_bytes, hw)
+    if ct.host_us and ct.calls and ct.group > 1:
+        one += 1e-6 * getattr(k, ct.host_us)
+    return one, gbps, latency
+
+
+def _exposed(ct: Comm, cost: tuple, mb: MicroBatch, shape: TimeShape, c: TimeConstants, k: StackTime,
+             left: dict) -> tuple[float, float, float, float]:
+    """(seconds, exposed seconds + the interference of the hidden ones, window, hidden) of one term on the
+    rank of `mb`; `left`: what remains of each window (shared by the terms hiding behind it)."""
+    one = cost[0]
+    calls = ct.calls * (mb.layers if ct.per_layer else 1)
+    seconds, share = calls * one, getattr(k, ct.overlap) if ct.overlap else 0.0
+    if ct.window == "self":
+        window, hidden = seconds, share * seconds
+    elif ct.window:
+        window = left.setdefault(ct.window, _window(ct.window, shape, mb))
+        hidden = max(0.0, min(seconds - ct.unhidden * one, share * window))
+        left[ct.window] = window - hidden
+    else:
+        window, hidden = 0.0, 0.0
+    return seconds, seconds - hidden + c.interference * hidden, window, hidden
+
+
+def pipeline_stall_s(stack: StackTime, nodes: int, memory_fraction: float) -> float:
     """Seconds one blocking pipeline send/recv stalls: p2p_stall_ms x the chance that either cause
     strikes, 1 - (1 - by_nodes)(1 - by_memory), each a steep step sat = 1 / (1 + (x_half / x) ** exp):
     by_nodes in the job's node count (half at p2p_stall_nodes), by_memory in the fullest stage's
     predicted use (half at p2p_stall_headroom of the device left free: allocator retries synchronise
     the device while a peer waits). Fitted to nanotron's blocking 1F1B sends (docs/planner.md "Time on
-    real runs"); 0 unless calibrated."""
-    c = hw.timing
-    if c.p2p_stall_ms <= 0:
+    real runs"); 0 for a stack without it."""
+    k = stack
+    if k.p2p_stall_ms <= 0:
         return 0.0
-    by_nodes = 1 / (1 + (c.p2p_stall_nodes / max(1, nodes)) ** c.p2p_stall_exp)
+    by_nodes = 1 / (1 + (k.p2p_stall_nodes / max(1, nodes)) ** k.p2p_stall_exp)
     free = max(1e-3, 1 - memory_fraction)
-    by_memory = 1 / (1 + (free / c.p2p_stall_headroom) ** c.p2p_stall_exp)
-    return 1e-3 * c.p2p_stall_ms * (1 - (1 - by_nodes) * (1 - by_memory))
-
-
-def _window(kind: str, shape: TimeShape, hw: Hardware, mb_s: float, fwd: float, sat_tok: float,
-            sat_dims: dict) -> float:
-    """Seconds of compute a collective can hide behind (Comm.window)."""
-    if not kind:
-        return 0.0
-    m = shape.grad_accum
-    if kind == "bwd":
-        return mb_s - fwd
-    if kind == "fwd_m":
-        return m * fwd
-    if kind == "bwd_m":
-        return m * (mb_s - fwd)
-    return shape.tokens_mb * shape.attn_fpt * shape.layers_r * m / (
-        shape.peak * hw.timing.kernel_efficiency * sat_tok * sat_dims.get("attention", 1.0))
+    by_memory = 1 / (1 + (free / k.p2p_stall_headroom) ** k.p2p_stall_exp) if memory_fraction > 0 else 0.0
+    return 1e-3 * k.p2p_stall_ms * (1 - (1 - by_nodes) * (1 - by_memory))
 
 
 def mfu(shape: TimeShape, step_s: float) -> float:
     return shape.model_fpt * shape.tokens_per_step / (step_s * shape.world * shape.peak)
 
 
-def _assumptions(layout: Layout, hw: Hardware, prec: Precision, shape: TimeShape, tm: _Times, eff: float,
-                 profile: Profile) -> list[str]:
-    c = hw.timing
-    dims = ", ".join(f"{k} {v:.2f}" for k, v in tm.sat_dims.items())
+# --- the plan's record ------------------------------------------------------------------------------------
+
+def _assumptions(layout: Layout, hw: Hardware, prec: Precision, shape: TimeShape, tm: _Times, profile: Profile
+                 ) -> list[str]:
+    c, k = hw.timing, profile.time
+    ramp = f" x s/(s + {c.attention_half_seq:g})" if c.attention_half_seq else ""
     out = [
-        f"kernel efficiency {eff:.2f} = {c.kernel_efficiency:.2f} x sat(b·s/c={shape.tokens_mb:.0f}) {tm.sat_tok:.2f} "
-        f"x sat(matmul width) ({dims}), sat(x) = x/(x+k), k = {c.kernel_half_tokens:.0f} tokens, "
-        f"{c.kernel_half_dim:.0f} wide",
-        f"profile {profile.name}: data-parallel comm hides behind {profile.dp_overlap:.0%} of its window, CP behind "
-        f"{profile.cp_overlap:.0%}; TP, EP and PP comm exposed; gradients reduced in "
-        f"{_grad_bytes(prec, profile) * 8} bit",
-        f"ring latency {c.intra_hop_us:.3g} µs per hop inside a node, {c.inter_hop_us:.3g} µs across; fixed "
-        f"{c.layer_overhead_us:.3g} µs per layer and micro batch, {c.step_overhead_ms:.3g} ms per step",
+        f"matmuls: 3 GEMMs per linear at {hw.peak_tflops_bf16 * c.clock:g} TFLOP/s x {c.gemm_efficiency:.3g} "
+        f"x K/(K + {c.gemm_half_k:g}) + {c.gemm_fixed_us:g} µs each; attention at {k.attention_efficiency:.2g} of "
+        f"the peak{ramp}; element-wise {k.elementwise_factor:g} x the fused bytes at {hw.hbm_gbps:g} GB/s",
+        f"profile {profile.name}: host {k.layer_us:.3g} µs per layer, {k.micro_batch_ms:.3g} ms per micro batch, "
+        f"{k.step_ms:.3g} ms per step; loss {k.loss_bytes_per_logit:.3g} B per logit; gradients reduced in "
+        f"{_grad_bytes(prec, profile) * 8} bit; optimizer {k.optimizer_bytes_per_param:g} B/param at "
+        f"{k.optimizer_hbm_share:.0%} of HBM",
+        f"collectives: NVLink x {c.nvlink_efficiency:g}, NIC x {c.nic_efficiency:g}; {c.intra_latency_us:.3g} µs per "
+        f"ring step inside a node, {c.inter_latency_us:.3g} µs across; hidden communication slows compute by "
+        f"{c.interference:.2g} x its time",
     ]
-    if c.eager_overhead and not shape.compiled:
+    if profile.missing_overlaps:
+        out.append(f"profile {profile.name} does not overlap: {'; '.join(profile.missing_overlaps)}")
+    if not shape.compiled and c.eager_overhead and not k.eager_elementwise_factor:
         out.append(f"eager blocks (train.compile off): + {c.eager_overhead:.0%} per micro batch over compiled ones")
+    if not shape.compiled and k.eager_elementwise_factor:
+        out.append(f"eager blocks (train.compile off): element-wise at {k.eager_elementwise_factor:g} x the fused "
+                   "bytes")
     if c.eager_loss_ps_per_logit and not shape.compiled_loss and shape.logits_mb:
         out.append(f"eager loss ({'TP: vocab-parallel' if shape.compiled else 'train.compile off'}): "
                    f"+ {c.eager_loss_ps_per_logit:.3g} ps per logit over the compiled loss")
     if shape.fp8_peak:
         out.append(f"train.fp8={prec.fp8}: the blocks' linears at {shape.fp8_peak / 1e12:.0f} TFLOP/s FP8 peak x "
-                   f"fp8_efficiency {c.fp8_efficiency:.2f}"
-                   + (" (uncalibrated)" if c.fp8_efficiency == 1.0 else "")
-                   + "; attention scores and the LM head in bf16; MFU against the bf16 peak")
-    if layout.pp > 1 and c.p2p_stall_ms > 0:
-        stall = pipeline_stall_s(hw, shape.nodes, shape.memory_fraction)
-        out.append(f"pipeline p2p stall {1e3 * stall:.3g} ms per blocking send/recv (up to {c.p2p_stall_ms:.3g} ms: "
+                   f"{c.gemm_efficiency:.3g} x fp8_efficiency {c.fp8_efficiency:.3g}, + {k.fp8_cast_bytes:g} B per "
+                   "cast element; attention scores and the LM head in bf16; MFU against the bf16 peak")
+    if layout.pp > 1 and k.p2p_stall_ms > 0:
+        stall = pipeline_stall_s(k, shape.nodes, shape.memory_fraction)
+        out.append(f"pipeline p2p stall {1e3 * stall:.3g} ms per blocking send/recv (up to {k.p2p_stall_ms:.3g} ms: "
                    f"{shape.nodes} node(s), fullest stage at {shape.memory_fraction:.0%} of device memory)")
     if layout.pp > 1:
         out.append(f"bubble {layout.pp_schedule}: " + (
             "≈ 0 (zero-bubble schedule, idealised)" if layout.pp_schedule in ZERO_BUBBLE else
             f"(p-1)/({'v·' if layout.pp_schedule == 'interleaved_1f1b' else ''}m) = {shape.bubble:.3f}"))
     if layout.recompute == "selective":
-        out.append("selective recompute re-runs no matmul: HFU = MFU")
+        out.append(f"selective recompute re-runs {_SELECTIVE_WORDS[profile.selective]}")
     return out
+
+
+_SELECTIVE_WORDS = {"elementwise": "the element-wise kernels (the engine keeps matmul and attention outputs)",
+                    "attention": "the core attention's forward (Megatron's selective recompute)",
+                    "op": "every second matmul's forward (torchtitan's op-level SAC)"}
 
 
 def layout_features(layout: Layout, procs_per_node: int) -> set[str]:
@@ -589,12 +884,15 @@ def _calibration(layout: Layout, hw: Hardware, mfu_value: float, profile: Profil
     """(MFU band, notes): the band spans the calibration's 10th-90th percentile of predicted /
     measured; the notes say what lies outside what was measured."""
     cal = hw.timing.calibrated
+    notes = [f"profile {profile.name}'s time constants: {profile.fitted_on}"] if profile.fitted_on else []
     if not cal.source:
-        return None, [f"cluster {hw.device_name}: time constants never calibrated (`usp calibrate`): the time "
-                      "figures are uncalibrated estimates"]
+        return None, notes + [f"cluster {hw.device_name}: never calibrated on runs of its own (`usp calibrate`): no "
+                              "MFU band; where its GPU and network constants come from: docs/hardware.md"]
     band = (mfu_value / cal.ratio_p90, mfu_value / cal.ratio_p10)
-    notes = [f"calibrated on {cal.runs} runs ({cal.source}): MFU |error| median {cal.mfu_abs_err_p50:.1f} points, "
-             f"p90 {cal.mfu_abs_err_p90:.1f}; band = 10th-90th percentile of predicted/measured"]
+    notes.append(f"calibrated on {cal.runs} runs ({cal.source}): MFU |error| median {cal.mfu_abs_err_p50:.1f} points, "
+                 f"p90 {cal.mfu_abs_err_p90:.1f}; band = 10th-90th percentile of predicted/measured")
+    if cal.stacks and profile.name not in cal.stacks and not profile.name.endswith((".yaml", ".yml")):
+        notes.append(f"profile {profile.name} is not among the calibration's ({', '.join(cal.stacks)})")
     if hw.nodes not in cal.nodes:
         where = "between" if cal.nodes and min(cal.nodes) < hw.nodes < max(cal.nodes) else "outside"
         notes.append(f"{hw.nodes} node(s) never measured ({where} the calibrated {', '.join(map(str, cal.nodes))})")
@@ -606,31 +904,44 @@ def _calibration(layout: Layout, hw: Hardware, mfu_value: float, profile: Profil
 
 def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: Hardware,
                 prec: Precision, profile: Profile = PROFILES["usp"], peak: float | None = None) -> TimingPlan:
-    """step = (compute + exposed TP/CP/EP/PP comm) x (1 + bubble) + exposed data-parallel comm
-    + optimizer + fixed cost."""
+    """step = (compute + exposed TP/CP/EP/PP comm) x (1 + bubble) + stall + exposed data-parallel comm
+    + accumulation + optimizer + fixed cost."""
     shape = time_shape(arch, layout, seq_len, global_batch, hw, prec, profile, peak)
-    tm = evaluate(shape, hw)
-    comm = [CommTerm(ct.name, ct.dims, ct.group, ct.crosses, gbps, ct.calls,
-                     ct.bytes_per_step if ct.group > 1 else 0.0, seconds, window, exposed)
-            for ct, (seconds, window, exposed, gbps) in zip(shape.comms, tm.comm)]
-    extra = shape.recompute_extra
-    flops_mb = shape.tokens_mb * sum(f * (1 + extra if again else 1) for _, f, _, again in shape.matmuls)
-    eff = flops_mb / (shape.peak * tm.matmul_s) if tm.matmul_s > 0 else 0.0
-    compute_s = shape.grad_accum * tm.mb_s
+    tm = evaluate(shape, hw, profile.time)
+    comm = [CommTerm(ct.name, ct.dims, ct.group, ct.crosses, gbps, int(calls),
+                     ct.bytes_per_step * calls / max(1, ct.calls) if ct.group > 1 else 0.0, seconds, window, exposed,
+                     hidden=hidden, latency_s=latency,
+                     overlap=getattr(profile.time, ct.overlap) if ct.overlap else 0.0)
+            for ct, (seconds, window, exposed, gbps, hidden, latency, calls) in zip(shape.comms, tm.comm)]
+    mb = tm.mb
+    eff = _mb_flops(shape, mb) / (shape.peak * mb.gemm) if mb.gemm > 0 else 0.0
+    compute_s = shape.grad_accum * mb.total
     bubble_s = shape.bubble * (compute_s + tm.path_s)  # the stall is not stretched by the bubble
     tokens_step, world, step = shape.tokens_per_step, shape.world, tm.step_s
-    model_step, hw_step, peak = shape.model_fpt * tokens_step, shape.hw_fpt * tokens_step, shape.peak
-    eff_terms = {"kernel_efficiency": hw.timing.kernel_efficiency, "sat_tokens": tm.sat_tok, **tm.sat_dims,
-                 "busiest_pp_rank": shape.busiest}
-    mfu_value = model_step / (step * world * peak)
+    model_step, hw_step, peak_flops = shape.model_fpt * tokens_step, shape.hw_fpt * tokens_step, shape.peak
+    c = hw.timing
+    eff_terms = {"gemm_efficiency": c.gemm_efficiency, "gemm_half_k": c.gemm_half_k, "clock": c.clock,
+                 "busiest_pp_rank": mb.rank}
+    mfu_value = model_step / (step * world * peak_flops)
     band, notes = _calibration(layout, hw, mfu_value, profile)
     return TimingPlan(
-        dtype=prec.name, peak_tflops=peak / 1e12, tokens_per_step=tokens_step, model_flops_per_token=shape.model_fpt,
-        hw_flops_per_token=shape.hw_fpt, model_flops_per_step=model_step, hw_flops_per_step=hw_step, efficiency=eff,
-        efficiency_terms=eff_terms, micro_batch_s=tm.mb_s, compute_s=compute_s, bubble_fraction=shape.bubble,
-        bubble_s=bubble_s, comm=comm, exposed_path_comm_s=tm.path_s + tm.stall_s, exposed_dp_comm_s=tm.dp_s,
-        fixed_s=tm.fixed_s,
+        dtype=prec.name, peak_tflops=peak_flops / 1e12, tokens_per_step=tokens_step,
+        model_flops_per_token=shape.model_fpt, hw_flops_per_token=shape.hw_fpt, model_flops_per_step=model_step,
+        hw_flops_per_step=hw_step, efficiency=eff, efficiency_terms=eff_terms, micro_batch_s=mb.total,
+        compute_s=compute_s, bubble_fraction=shape.bubble, bubble_s=bubble_s, comm=comm,
+        exposed_path_comm_s=tm.path_s + tm.stall_s, exposed_dp_comm_s=tm.dp_s, fixed_s=tm.fixed_s,
         step_s=step, tokens_per_s=tokens_step / step, tokens_per_s_per_device=tokens_step / step / world,
-        mfu=mfu_value, hfu=hw_step / (step * world * peak), world=world, profile=profile.name,
+        mfu=mfu_value, hfu=hw_step / (step * world * peak_flops), world=world, profile=profile.name,
         mfu_band=band, calibration=notes,
-        assumptions=_assumptions(layout, hw, prec, shape, tm, eff, profile) + ep_assumption(arch, layout))
+        assumptions=_assumptions(layout, hw, prec, shape, tm, profile) + ep_assumption(arch, layout),
+        gemm_s=mb.gemm, attention_s=mb.attention, elementwise_s=mb.elementwise + mb.casts, loss_s=mb.loss,
+        host_s=mb.host, recompute_s=mb.recompute, eager_s=mb.eager, stall_s=tm.stall_s,
+        interference_s=tm.interference_s, accumulation_s=tm.accum_s, optimizer_s=tm.optimizer_s,
+        step_overhead_s=tm.overhead_s)
+
+
+def _mb_flops(shape: TimeShape, mb: MicroBatch) -> float:
+    """Matmul FLOPs of the micro batch (the kernels' efficiency figure)."""
+    w = shape.layer
+    per_layer = w.fwd.flops + w.bwd.flops + w.fwd8.flops + w.bwd8.flops
+    return mb.layers * per_layer + (shape.head_fwd.flops + shape.head_bwd.flops if mb.on_head else 0.0)

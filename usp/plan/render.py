@@ -184,19 +184,27 @@ def timing_table(tim):
         ("tokens / step", f"{tim.tokens_per_step:,}", f"over {tim.world} device(s)"),
         ("kernel efficiency", f"{tim.efficiency:.2f}", "fraction of peak reached by the matmuls"),
         ("compute", f"{tim.compute_s:.4g} s", f"busiest pp rank: {tim.micro_batch_s:.4g} s per micro batch"),
+        *_micro_batch_rows(tim),
     ]
     for c in tim.comm:
         if c.group <= 1:
             continue
         link = "inter-node" if c.crosses_nodes else "intra-node"
+        hidden = f", {c.hidden:.3g} s hidden" if c.hidden else ""
         rows.append((c.name, f"{c.seconds:.4g} s",
                      f"{human(c.bytes_per_step, 'B')}/rank over {c.dims} ({c.group} ranks, {link} {c.gbps:g} GB/s), "
-                     f"exposed {c.exposed_s:.4g} s"))
+                     f"exposed {c.exposed_s:.4g} s{hidden}"))
     rows += [
         ("pipeline bubble", f"{tim.bubble_s:.4g} s", f"{tim.bubble_fraction:.3f} of the compute path"),
+        *((name, f"{value:.4g} s", how) for name, value, how in (
+            ("pipeline stall", tim.stall_s, "blocking sends/receives (in the exposed TP/CP/EP/PP)"),
+            ("interference", tim.interference_s, "compute slowed by the communication it hides (in the exposed)"),
+            ("gradient accumulation", tim.accumulation_s, "between micro batches"),
+            ("optimizer step", tim.optimizer_s, "its states through HBM"),
+            ("fixed per step", tim.step_overhead_s, "the stack's host cost per step")) if value),
         ("[bold]step[/]", f"[bold]{tim.step_s:.4g} s[/]",
          f"compute + exposed TP/CP/EP/PP {tim.exposed_path_comm_s:.3g} s + bubble + exposed DP "
-         f"{tim.exposed_dp_comm_s:.3g} s"),
+         f"{tim.exposed_dp_comm_s:.3g} s + accumulation, optimizer, fixed {tim.fixed_s:.3g} s"),
         ("tokens / s", f"{tim.tokens_per_s:,.0f}", f"{tim.tokens_per_s_per_device:,.0f} per device"),
         ("[bold]MFU[/]", f"[bold]{tim.mfu:.1%}[/]", "model FLOPs / (step time x devices x peak)"),
         *_band_rows(tim),
@@ -205,6 +213,18 @@ def timing_table(tim):
     for row in rows:
         table.add_row(*row)
     return _with_notes(table, [*tim.calibration, *tim.assumptions])
+
+
+def _micro_batch_rows(tim) -> list[tuple]:
+    """One micro batch on the busiest pp rank, by term (plans written before these terms: none)."""
+    terms = (("matmuls", tim.gemm_s, "3 GEMMs per linear (+ the LM head on its stage)"),
+             ("attention", tim.attention_s, "flash attention, 12·s·h/t FLOPs per token"),
+             ("element-wise", tim.elementwise_s, "norms, RoPE, activation, residuals (+ FP8 casts) through HBM"),
+             ("loss", tim.loss_s, "softmax cross-entropy through HBM"),
+             ("host", tim.host_s, "launches per layer and micro batch"),
+             ("recompute", tim.recompute_s, "what recomputation runs again"),
+             ("eager", tim.eager_s, "eager blocks / loss over compiled ones (measured)"))
+    return [(f"  {name}", f"{value:.4g} s", how) for name, value, how in terms if value]
 
 
 def _duration(seconds: float) -> str:

@@ -848,6 +848,9 @@ CLUSTER_FIELD_RULES = [
     *(_real(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<GB/s per device, one direction>")
       for k in ("intra_node_gbps", "inter_node_gbps")),
     _real("cluster.price_per_device_hour", 0, meaning=" (0 = unknown)"),
+    *(_real(f"{TIMING}{k}", 0, 1, lo_open=True, meaning=" (a share of the peak or of the link)") for k in (
+        "gemm_efficiency", "nvlink_efficiency", "nic_efficiency")),
+    _real(f"{TIMING}clock", 0, 2, lo_open=True, meaning=" (sustained clock / the datasheet's)"),
     _real("cluster.reliability.node_mtbf_hours", 0, lo_open=True, meaning=" (mean hours between one node's failures)",
           fix="cluster.reliability.node_mtbf_hours=6335 (Llama 3's fleet; docs/faults.md)"),
     *(_real(f"cluster.reliability.{k}", 0, meaning=" (seconds)") for k in (
@@ -856,13 +859,12 @@ CLUSTER_FIELD_RULES = [
         "write_gbps_per_node", "read_gbps_per_node", "host_copy_gbps")),
     *(_real(f"cluster.storage.{k}", 0, meaning=" (GB/s; 0 = no limit past the nodes')") for k in (
         "write_gbps_total", "read_gbps_total")),
-    _real(f"{TIMING}kernel_efficiency", 0, 1, lo_open=True, meaning=" (a share of the peak)"),
     *(_real(f"{TIMING}{k}", 0) for k in (
-        "kernel_half_tokens", "kernel_half_dim", "intra_hop_us", "inter_hop_us", "call_overhead_us", "p2p_us",
-        "layer_overhead_us", "step_overhead_ms", "p2p_stall_ms", "optimizer_gbps", "loss_ps_per_logit",
-        "eager_overhead", "eager_loss_ps_per_logit")),
-    *(_real(f"{TIMING}{k}", 0, lo_open=True) for k in (
-        "p2p_stall_nodes", "p2p_stall_headroom", "p2p_stall_exp", "fp8_efficiency")),
+        "gemm_half_k", "gemm_fixed_us", "fp8_half_k", "attention_half_seq", "interference", "intra_latency_us",
+        "inter_latency_us", "eager_overhead", "eager_loss_ps_per_logit")),
+    _real(f"{TIMING}fp8_efficiency", 0, lo_open=True),
+    _one_of(f"{TIMING}all_reduce", ("auto", "ring", "tree"), "all-reduce algorithm"),
+    _real("cluster.hbm_gbps", 0, lo_open=True, fix="cluster.hbm_gbps=<the device's memory bandwidth, GB/s>"),
     _real(f"{TIMING}calibrated.ratio_p10", 0, lo_open=True, meaning=" (predicted / measured MFU)"),
     _field(f"{TIMING}calibrated.ratio_p90", lambda x: not x < math.inf, "must be a finite number",
            "run `usp calibrate` again, or delete cluster.timing.calibrated"),
@@ -1071,7 +1073,8 @@ FREE_FIELDS = {
     "cluster.name": "a label shown in the plan",
     "cluster.device_name": "a label: the hardware figures are their own keys",
     **{f"cluster.timing.calibrated.{k}": "a record of what `usp calibrate` fitted on, only reported"
-       for k in ("source", "runs", "nodes", "features", "mfu_abs_err_p50", "mfu_abs_err_p90")},
+       for k in ("source", "runs", "nodes", "features", "fitted", "stacks", "mfu_abs_err_p50", "mfu_abs_err_p90",
+                 "rel_err_p50")},
     "cluster.slurm.srun_extra": "each entry is passed to srun as one quoted word",
     "cluster.slurm.python": "a path on the compute nodes, which usp can't see from here",
     "cluster.slurm.log_dir": "created by the job (a path on the cluster's file system)",

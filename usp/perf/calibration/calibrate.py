@@ -1,9 +1,12 @@
-"""`usp calibrate`: fit a cluster's time constants (usp/perf/time_constants.py and the two link
-bandwidths) to measured runs, score the fit, and write the fitted cluster group. Pure Python: each
-run's step geometry (usp.perf.timing.time_shape) is built once, then a coordinate search in log
-space over the few constants minimises the runs' MFU error (mean |error| in points plus the mean
-|log(predicted / measured)|, so that both large and small MFUs count) plus a ranking term (each
-(model, nodes) cell's measured-best layout kept in the predicted top 3). ~1,000 runs fit in minutes."""
+"""`usp calibrate`: fit the time model's constants to measured runs, score the fit, and write what was
+fitted: the cluster group (its GPU and network constants, `cluster.timing`, with a record of what was
+fitted on what and the residuals) and, for the stack's own constants, a profile file (base profile +
+its StackTime values). Hardware and stack constants stay apart: a GPU or network constant moves only
+the runs of the cluster group being fitted, a stack constant only the runs of that profile, so a fit of
+one cluster's runs cannot change another hardware's prediction. Pure Python: each run's step geometry
+(usp.perf.timing.time_shape) is built once, then a Levenberg-Marquardt search over the constants (each
+kept within a physical range) minimises the soft-L1 loss of the runs' log(predicted / measured MFU), plus
+a ranking term (each cell's measured-best layout kept in the predicted top 3)."""
 from __future__ import annotations
 
 import math
@@ -14,25 +17,55 @@ from pathlib import Path
 
 from usp.contract.decide import uses_bf16
 from usp.errors import UspError
-from usp.perf.calibration.measured_runs import MeasuredRun, cluster_group, read_run_dirs, read_sweep_csv
+from usp.perf.calibration.measured_runs import (
+    MeasuredRun,
+    cluster_group,
+    cluster_hardware,
+    read_run_dirs,
+    read_sweep_csv,
+    with_defaults,
+)
 from usp.perf.specs import Hardware, Precision
-from usp.perf.stack_profile import Profile, get_profile
-from usp.perf.time_constants import Calibrated
+from usp.perf.stack_profile import Profile, StackTime, get_profile
+from usp.perf.time_constants import Calibrated, TimeConstants
 from usp.perf.timing import TimeShape, evaluate, layout_features, mfu, time_shape
 
-# (name, lower, upper): Hardware link bandwidths (GB/s; upper bound: the cluster's nominal figure,
-# an achieved bandwidth never exceeds it) and TimeConstants fields
-PARAMS = (("intra_node_gbps", 1.0, 1e4), ("inter_node_gbps", 0.1, 1e4),
-          ("kernel_efficiency", 0.1, 1.0), ("kernel_half_tokens", 1.0, 1e5), ("kernel_half_dim", 1.0, 1e5),
-          ("intra_hop_us", 0.5, 2000.0), ("inter_hop_us", 0.5, 5000.0),
-          ("call_overhead_us", 1.0, 1e4), ("p2p_us", 1.0, 1e6), ("layer_overhead_us", 1.0, 1e5),
-          ("step_overhead_ms", 0.1, 1e4), ("optimizer_gbps", 50.0, 1e5),
-          ("p2p_stall_ms", 0.01, 1e4), ("p2p_stall_nodes", 1.0, 1e4), ("p2p_stall_headroom", 0.001, 1.0),
-          ("p2p_stall_exp", 1.0, 16.0), ("loss_ps_per_logit", 0.01, 1e4))
-HW_PARAMS = ("intra_node_gbps", "inter_node_gbps")
-LOG_RATIO_WEIGHT = 10.0  # points of MFU error worth a factor e of ratio error
-LOG_RATIO_CAP = 2.0  # one pathological run (measured 0.1 % MFU) counts at most this much
-RANK_WEIGHT = 20.0  # points per unit of log shortfall of a cell's measured best from the predicted top 3
+# (field, lower, upper) of what `usp calibrate --fit` may move, by group
+NETWORK = (("intra_latency_us", 0.5, 2000.0), ("inter_latency_us", 0.5, 5000.0))
+GPU = (("gemm_efficiency", 0.1, 1.0), ("gemm_fixed_us", 0.1, 200.0), ("interference", 0.001, 1.0))
+STACK = (("elementwise_factor", 0.1, 20.0), ("layer_us", 0.1, 1e4), ("micro_batch_ms", 0.01, 1e3),
+         ("step_ms", 0.01, 1e4), ("loss_bytes_per_logit", 1.0, 1e3), ("attention_efficiency", 0.1, 1.0))
+PIPELINE = (("pp_p2p_us", 1.0, 1e5), ("p2p_stall_ms", 0.01, 1e4), ("p2p_stall_nodes", 1.0, 1e4),
+            ("p2p_stall_headroom", 0.001, 1.0))
+GROUPS = ("network", "gpu", "stack")
+SOFT_L1_SCALE = 0.1  # residuals (log ratios) beyond ~10 % count linearly, not quadratically
+RANK_WEIGHT = 5.0  # a cell's log shortfall of its measured best from the predicted top 3, as a residual
+
+
+def soft_l1(r: float, f: float = SOFT_L1_SCALE) -> float:
+    """2f²(sqrt(1 + (r/f)²) - 1): r²  for small r, 2f·|r| for large."""
+    return 2 * f * f * (math.sqrt(1 + (r / f) ** 2) - 1)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One fitted constant: a cluster.timing field of the runs on `clusters`, or a StackTime field of the
+    runs of `profile` (name `<profile>.<field>`)."""
+
+    name: str
+    field: str
+    lo: float
+    hi: float
+    clusters: tuple = ()  # a timing constant: the cluster groups whose runs it moves
+    profile: str = ""  # a stack constant: the profile whose runs it moves
+
+    @classmethod
+    def timing(cls, spec: tuple, clusters: tuple) -> Param:
+        return cls(spec[0], spec[0], spec[1], spec[2], clusters=tuple(clusters))
+
+    @classmethod
+    def stack(cls, spec: tuple, profile: str) -> Param:
+        return cls(f"{profile}.{spec[0]}", spec[0], spec[1], spec[2], profile=profile)
 
 
 @dataclass
@@ -49,6 +82,9 @@ class Scored:
     spearman_p50: float  # median over (model, nodes) cells
     top3_share: float  # cells whose measured-best layout is in the predicted top 3
     cells: int
+    rel_err_p50: float = 0.0  # median |predicted / measured - 1|
+    within_15: float = 0.0  # share within 15 % (relative)
+    rel_err_max: float = 0.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -83,14 +119,20 @@ def spearman(a: list[float], b: list[float]) -> float:
     return num / den if den else 0.0
 
 
+def rank_cell(r: MeasuredRun) -> tuple:
+    """The runs whose layouts compete: one model on one node count of one cluster, one stack, one precision."""
+    return r.cluster, r.profile, r.precision, r.seq_len, r.model, r.nodes
+
+
 def score(runs: list[MeasuredRun], predicted: list[float]) -> Scored:
     measured = [r.mfu or 0.0 for r in runs]
     err = [100 * abs(p - m) for p, m in zip(predicted, measured)]
     ratios = [p / max(m, 1e-4) for p, m in zip(predicted, measured)]
+    rel = [abs(q - 1) for q in ratios]
     by_nodes, cells = defaultdict(list), defaultdict(list)
     for r, p, m, q in zip(runs, predicted, measured, ratios):
         by_nodes[r.nodes].append(q)
-        cells[r.cell].append((p, m))
+        cells[rank_cell(r)].append((p, m))
     rho, top = [], 0
     for pairs in cells.values():
         if len(pairs) < 3:
@@ -101,130 +143,207 @@ def score(runs: list[MeasuredRun], predicted: list[float]) -> Scored:
         top += any(pairs[i][1] == best for i in sorted(range(len(pairs)), key=lambda i: -pairs[i][0])[:3])
     return Scored(predicted, measured, _pct(err, 0.5), _pct(err, 0.9),
                   {n: _pct(v, 0.5) for n, v in sorted(by_nodes.items())}, _pct(ratios, 0.1), _pct(ratios, 0.9),
-                  _pct(rho, 0.5), top / len(rho) if rho else 0.0, len(rho))
+                  _pct(rho, 0.5), top / len(rho) if rho else 0.0, len(rho), _pct(rel, 0.5),
+                  sum(x <= 0.15 for x in rel) / len(rel) if rel else 0.0, max(rel, default=0.0))
 
 
-@dataclass
-class Fit:
-    hw: Hardware  # the base cluster with the fitted constants
-    fit: Scored  # on the runs it was fitted to
-    evaluations: int
-
-
-def with_params(hw: Hardware, values: dict) -> Hardware:
-    const = replace(hw.timing, **{k: v for k, v in values.items() if k not in HW_PARAMS})
-    return replace(hw, timing=const, **{k: v for k, v in values.items() if k in HW_PARAMS})
-
-
-# Where an uncalibrated cluster's search starts (its link bandwidths start at the nominal figures):
-# round values of a GPU cluster; the search moves each by factors of 4, 2, sqrt 2, ... The pipeline
-# stall starts at its floor (none): runs that never stalled (no pp, few nodes) leave it there.
-START = {"kernel_efficiency": 0.6, "kernel_half_tokens": 128.0, "kernel_half_dim": 128.0, "intra_hop_us": 5.0,
-         "inter_hop_us": 20.0, "call_overhead_us": 50.0, "p2p_us": 1000.0, "layer_overhead_us": 50.0,
-         "step_overhead_ms": 10.0, "optimizer_gbps": 1000.0, "p2p_stall_ms": 0.01, "p2p_stall_nodes": 16.0,
-         "p2p_stall_headroom": 0.1, "p2p_stall_exp": 4.0, "loss_ps_per_logit": 10.0}
-
-
-def _params(hw: Hardware) -> dict:
-    """The search's start: the cluster's constants if it was calibrated before, else START."""
-    out = {}
-    for name, lo, hi in PARAMS:
-        if name in HW_PARAMS:
-            v = getattr(hw, name)
-        else:
-            v = getattr(hw.timing, name) if hw.timing.calibrated.source else START[name]
-        out[name] = min(hi, max(lo, v))
-    return out
+def run_precision(run: MeasuredRun, profile: Profile, device: str = "cuda") -> Precision:
+    """The bytes per value the run's stack stores, its compile and FP8 settings."""
+    prec = Precision.resolve("bf16" if uses_bf16("auto", device) else "fp32", device, profile.fp32_params,
+                             compiled=run.compiled, fp8=run.fp8)
+    return replace(prec, fp8_all_gather=run.fp8_all_gather) if run.fp8_all_gather else prec
 
 
 class Problem:
-    """Measured runs with their step geometry, built once per (run, node count)."""
+    """Measured runs with their step geometry, built once per run: each on its own cluster group (its
+    node count) with its own profile (the command's defaults where its row names none)."""
 
-    def __init__(self, runs: list[MeasuredRun], hw: Hardware, prec: Precision, profile: Profile):
+    def __init__(self, runs: list[MeasuredRun], cluster: str = "", profile: str = "usp",
+                 hardware: dict | None = None, profiles: dict | None = None):
+        runs = [with_defaults(r, cluster, profile) for r in runs]
         self.runs = [r for r in runs if r.ok and r.mfu is not None and r.mfu > 0]
-        self.hw, self.prec, self.profile = hw, prec, profile
+        self.hardware: dict[str, Hardware] = dict(hardware or {})  # cluster name -> Hardware (its constants)
+        self.profiles: dict[str, Profile] = dict(profiles or {})
+        for r in self.runs:
+            if r.cluster not in self.hardware:
+                self.hardware[r.cluster] = cluster_hardware(r.cluster)
+            if r.profile not in self.profiles:
+                self.profiles[r.profile] = get_profile(r.profile)
         self.shapes: list[TimeShape] = [
-            time_shape(r.arch, r.layout, r.seq_len, r.global_batch, hw.with_nodes(r.nodes), prec, profile)
-            for r in self.runs]
+            time_shape(r.arch, r.layout, r.seq_len, r.global_batch, self.hardware[r.cluster].with_nodes(r.nodes),
+                       run_precision(r, self.profiles[r.profile], self.hardware[r.cluster].device),
+                       self.profiles[r.profile]) for r in self.runs]
+        groups: dict = defaultdict(list)
+        for i, r in enumerate(self.runs):
+            groups[(r.cluster, r.profile)].append(i)
+        self.groups = dict(groups)
         cells = defaultdict(list)
         for i, r in enumerate(self.runs):
-            cells[r.cell].append(i)
+            cells[rank_cell(r)].append(i)
         # per cell of >= 3 runs: (its runs, those measured best: all tied at the best measured MFU)
         measured = [r.mfu or 0.0 for r in self.runs]
         self.cells = [(idx, [i for i in idx if measured[i] == top])
                       for idx in cells.values() if len(idx) >= 3 for top in [max(measured[j] for j in idx)]]
 
-    def predict(self, hw: Hardware) -> list[float]:
-        return [mfu(s, evaluate(s, hw).step_s) for s in self.shapes]
+    def constants(self, params: list[Param], values: dict) -> tuple[dict, dict]:
+        """(cluster -> Hardware, profile -> StackTime) with the values applied."""
+        hw = dict(self.hardware)
+        for name in hw:
+            moved = {p.field: values[p.name] for p in params if p.clusters and name in p.clusters}
+            if moved:
+                hw[name] = replace(hw[name], timing=replace(hw[name].timing, **moved))
+        stacks = {}
+        for name, prof in self.profiles.items():
+            moved = {p.field: values[p.name] for p in params if p.profile == name}
+            stacks[name] = replace(prof.time, **moved) if moved else prof.time
+        return hw, stacks
 
-    def loss(self, hw: Hardware) -> float:
-        """Mean per run of |MFU error| in points + LOG_RATIO_WEIGHT x |ln(predicted / measured)| (capped),
-        + RANK_WEIGHT x the mean per cell of ln(the predicted 3rd best / the measured best's prediction)
-        when positive: the layout a user should pick kept among the planner's top 3."""
-        total, predicted = 0.0, []
-        for s, r in zip(self.shapes, self.runs):
-            p, m = mfu(s, evaluate(s, hw).step_s), r.mfu or 1e-4
-            predicted.append(p)
-            total += 100 * abs(p - m) + LOG_RATIO_WEIGHT * min(LOG_RATIO_CAP, abs(math.log(p / m)))
-        shortfall = 0.0
+    def predict(self, params: list[Param] | None = None, values: dict | None = None) -> list[float]:
+        hw, stacks = self.constants(params or [], values or {})
+        out = [0.0] * len(self.runs)
+        for (cluster, profile), idx in self.groups.items():
+            h, k = hw[cluster], stacks[profile]
+            for i in idx:
+                out[i] = mfu(self.shapes[i], evaluate(self.shapes[i], h, k).step_s)
+        return out
+
+    def residuals(self, params: list[Param], values: dict) -> list[float]:
+        """One per run, ln(predicted / measured MFU), then one per cell of >= 3 runs, RANK_WEIGHT x ln(the
+        predicted 3rd best / the prediction of the cell's measured-best layout) when positive: the layout a
+        user should pick kept among the planner's top 3."""
+        predicted = self.predict(params, values)
+        out = [math.log(max(p, 1e-6) / (r.mfu or 1e-4)) for p, r in zip(predicted, self.runs)]
         for idx, best in self.cells:
             third = sorted((predicted[i] for i in idx), reverse=True)[2]
-            shortfall += max(0.0, math.log(third / max(predicted[i] for i in best)))
-        return total / max(1, len(self.runs)) + RANK_WEIGHT * shortfall / max(1, len(self.cells))
+            out.append(RANK_WEIGHT * max(0.0, math.log(third / max(predicted[i] for i in best))))
+        return out
+
+    def loss(self, params: list[Param], values: dict) -> float:
+        """The fit's cost: the residuals through the soft-L1 loss (robust: one run off by a factor 10
+        counts like a few off by 20 %)."""
+        return sum(soft_l1(r) for r in self.residuals(params, values))
 
 
-def fit(problem: Problem, rounds: int = 60, restarts: int = 2) -> Fit:
-    """Coordinate search in log space: each constant in turn is multiplied / divided by a step
-    factor while the loss improves; the factor shrinks when no constant moves. Restarted from the
-    best point with the large step while a pass still gains (the search stalls in shallow valleys)."""
-    values, bounds = _params(problem.hw), {n: (lo, hi) for n, lo, hi in PARAMS}
-    for name in HW_PARAMS:  # effective <= nominal
-        bounds[name] = (bounds[name][0], getattr(problem.hw, name))
-    best, evals = problem.loss(with_params(problem.hw, values)), 1
-    for _ in range(restarts + 1):
-        before = best
-        values, best, n = _descend(problem, values, bounds, best, rounds)
-        evals += n
-        if best > before * (1 - 1e-3):
-            break
-    hw = with_params(problem.hw, values)
-    return Fit(hw, score(problem.runs, problem.predict(hw)), evals)
+def start_values(problem: Problem, params: list[Param]) -> dict:
+    """The search's start: each constant as its cluster group or profile has it (clamped into its range)."""
+    out = {}
+    for p in params:
+        if p.profile:
+            v = getattr(problem.profiles[p.profile].time, p.field)
+        else:
+            v = getattr(problem.hardware[p.clusters[0]].timing, p.field)
+        out[p.name] = min(p.hi, max(p.lo, float(v)))
+    return out
 
 
-def _descend(problem: Problem, values: dict, bounds: dict, best: float, rounds: int) -> tuple[dict, float, int]:
-    """One coordinate search from `values` (its loss `best`): (values, loss, evaluations)."""
-    evals, step = 0, 4.0
-    for _ in range(rounds):
-        moved = False
-        for name in values:
-            for factor in (step, 1 / step):
-                lo, hi = bounds[name]
-                trial = dict(values, **{name: min(hi, max(lo, values[name] * factor))})
-                if trial[name] == values[name]:
-                    continue
-                loss = problem.loss(with_params(problem.hw, trial))
-                evals += 1
-                if loss < best - 1e-9:
-                    best, values, moved = loss, trial, True
-                    break
-        if not moved:
-            step = math.sqrt(step)
-            if step < 1.02:
+@dataclass
+class Fit:
+    values: dict  # param name -> fitted value
+    hardware: dict  # cluster -> Hardware with the fitted constants
+    stacks: dict  # profile -> StackTime with the fitted constants
+    fit: Scored  # on the runs it was fitted to
+    evaluations: int
+
+
+def fit(problem: Problem, params: list[Param], iterations: int = 60, values: dict | None = None) -> Fit:
+    """Levenberg-Marquardt on the soft-L1 residuals (iteratively reweighted), each constant mapped into
+    its range through a logistic (so the search never leaves it), the Jacobian by forward differences:
+    what scipy.optimize.least_squares(loss="soft_l1") does, in pure Python."""
+    values = dict(values or start_values(problem, params))
+    u = [_to_free(values[p.name], p) for p in params]
+    res = problem.residuals(params, _values(params, u))
+    cost, evals, lam = sum(soft_l1(r) for r in res), 1, 1e-3
+    for _ in range(iterations):
+        w = [1 / math.sqrt(1 + (r / SOFT_L1_SCALE) ** 2) for r in res]  # IRLS weights of the soft-L1 loss
+        jac = []
+        for k in range(len(params)):
+            trial = list(u)
+            trial[k] += DIFF_STEP
+            jac.append([(b - a) / DIFF_STEP for a, b in zip(res, problem.residuals(params, _values(params, trial)))])
+            evals += 1
+        n = len(params)
+        a = [[sum(wi * x * y for wi, x, y in zip(w, jac[i], jac[j])) for j in range(n)] for i in range(n)]
+        g = [sum(wi * x * r for wi, x, r in zip(w, jac[i], res)) for i in range(n)]
+        for _ in range(12):  # raise the damping until a step lowers the cost
+            step = _solve([[a[i][j] + (lam * max(a[i][i], 1e-12) if i == j else 0.0) for j in range(n)]
+                           for i in range(n)], [-x for x in g])
+            trial = [max(-FREE_MAX, min(FREE_MAX, x + d)) for x, d in zip(u, step)]
+            new_res = problem.residuals(params, _values(params, trial))
+            evals += 1
+            new_cost = sum(soft_l1(r) for r in new_res)
+            if new_cost < cost:
                 break
-    return values, best, evals
+            lam *= 4
+        else:
+            break
+        gain, u, res, cost, lam = cost - new_cost, trial, new_res, new_cost, max(lam / 3, 1e-9)
+        if gain < 1e-9 * max(cost, 1e-12):
+            break
+    values = _values(params, u)
+    hw, stacks = problem.constants(params, values)
+    return Fit(values, hw, stacks, score(problem.runs, problem.predict(params, values)), evals)
 
 
-def calibrated(problem: Problem, hw: Hardware, scored: Scored, source: str) -> Hardware:
-    """The fitted hardware with what it was fitted on recorded (usp plan's band and notes)."""
-    feats = sorted(set().union(set(), *(layout_features(r.layout, hw.procs_per_node) for r in problem.runs)))
-    cal = Calibrated(source=source, runs=len(problem.runs), nodes=tuple(sorted({r.nodes for r in problem.runs})),
-                     features=tuple(feats), mfu_abs_err_p50=round(scored.abs_err_p50, 2),
-                     mfu_abs_err_p90=round(scored.abs_err_p90, 2), ratio_p10=round(scored.ratio_p10, 3),
-                     ratio_p90=round(scored.ratio_p90, 3))
-    return replace(hw, timing=replace(hw.timing, calibrated=cal))
+DIFF_STEP = 1e-3  # forward-difference step in the free (logistic) coordinate
+FREE_MAX = 12.0  # |free coordinate| kept below this: within ~6e-6 of a bound
 
 
-# --- the command: read runs, fit, score, write the cluster group ------------------------------------
+def _to_free(x: float, p: Param) -> float:
+    y = min(1 - 1e-6, max(1e-6, (x - p.lo) / (p.hi - p.lo)))
+    return math.log(y / (1 - y))
+
+
+def _values(params: list[Param], u: list[float]) -> dict:
+    return {p.name: p.lo + (p.hi - p.lo) / (1 + math.exp(-x)) for p, x in zip(params, u)}
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a small dense system)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[pivot] = m[pivot], m[c]
+        if abs(m[c][c]) < 1e-300:
+            continue
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            if f:
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][k] * out[k] for k in range(r + 1, n))) / m[r][r] if abs(m[r][r]) > 1e-300 \
+            else 0.0
+    return out
+
+
+def params_for(groups: tuple, cluster: str, profile: str, runs: list[MeasuredRun]) -> list[Param]:
+    """The constants `usp calibrate --fit <groups>` moves: the cluster group's network latencies and GPU
+    constants, the profile's host, kernel and (when the runs are pipelined) pipeline constants."""
+    out = []
+    if "network" in groups:
+        out += [Param.timing(s, (cluster,)) for s in NETWORK]
+    if "gpu" in groups:
+        out += [Param.timing(s, (cluster,)) for s in GPU]
+    if "stack" in groups:
+        out += [Param.stack(s, profile) for s in STACK]
+        if any(r.layout.pp > 1 for r in runs):
+            out += [Param.stack(s, profile) for s in PIPELINE]
+    return out
+
+
+def calibrated(problem: Problem, runs: list[MeasuredRun], params: list[Param], scored: Scored, source: str,
+               procs_per_node: int) -> Calibrated:
+    """What was fitted on what (usp plan's band and notes)."""
+    feats = sorted(set().union(set(), *(layout_features(r.layout, procs_per_node) for r in runs)))
+    return Calibrated(source=source, runs=len(runs), nodes=tuple(sorted({r.nodes for r in runs})),
+                      features=tuple(feats), fitted=tuple(p.name for p in params),
+                      stacks=tuple(sorted({r.profile for r in runs})), mfu_abs_err_p50=round(scored.abs_err_p50, 2),
+                      mfu_abs_err_p90=round(scored.abs_err_p90, 2), rel_err_p50=round(scored.rel_err_p50, 3),
+                      ratio_p10=round(scored.ratio_p10, 3), ratio_p90=round(scored.ratio_p90, 3))
+
+
+# --- the command: read runs, fit, score, write the cluster group (and the profile) -------------------------
 
 def load_cluster(cluster: str) -> tuple[Path, str, dict]:
     """(path, text, values) of a cluster group: a name in conf/cluster or a YAML path (checked as
@@ -244,34 +363,43 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def cluster_yaml(text: str, hw: Hardware) -> str:
-    """The cluster group's YAML with the fitted link bandwidths and a new `timing:` block (the
-    rest, comments included, kept as it was)."""
-    for key in HW_PARAMS:
-        line = f"{key}: {_fmt(getattr(hw, key))}   # fitted by usp calibrate (effective, per GPU)"
-        text, n = re.subn(rf"^{key}:.*$", line, text, flags=re.M)
-        if not n:
-            text = text.rstrip("\n") + "\n" + line + "\n"
+def _value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) else _fmt(v)
+
+
+def cluster_yaml(text: str, timing: TimeConstants) -> str:
+    """The cluster group's YAML with a new `timing:` block (the rest, comments included, kept as it was)."""
     text = re.sub(r"^timing:.*?(?=^\S|\Z)", "", text, flags=re.M | re.S).rstrip("\n") + "\n"
-    c = hw.timing
-    lines = ["timing:   # the time model's constants, fitted by `usp calibrate` (docs/planner.md)"]
-    lines += [f"  {k}: {_fmt(v)}" for k, v in c.fitted().items()]
+    lines = ["timing:   # the time model's GPU and network constants; `usp calibrate` fitted those in "
+             "calibrated.fitted (docs/planner.md)"]
+    lines += [f"  {k}: {_value(v)}" for k, v in timing.fitted().items()]
     lines.append("  calibrated:")
-    for f in fields(c.calibrated):
-        v = getattr(c.calibrated, f.name)
+    for f in fields(timing.calibrated):
+        v = getattr(timing.calibrated, f.name)
         lines.append(f"    {f.name}: " + (f"[{', '.join(map(str, v))}]" if isinstance(v, tuple)
                                           else repr(v) if isinstance(v, str) else _fmt(v)))
     return text + "\n".join(lines) + "\n"
 
 
-def read_runs(measured: Path, archs: Path | None = None) -> list[MeasuredRun]:
+def profile_yaml(base: Profile, stack: StackTime, fitted: list[Param], cal: Calibrated) -> str:
+    """A profile file: the base profile and the stack constants fitted (`planner.profile=<this file>`)."""
+    names = [p.field for p in fitted if p.profile]
+    lines = [f"# stack constants fitted by usp calibrate on {cal.runs} runs ({cal.source}): MFU |error| median "
+             f"{cal.mfu_abs_err_p50} points, p90 {cal.mfu_abs_err_p90}; median |predicted/measured - 1| "
+             f"{cal.rel_err_p50}", f"base: {base.name}",
+             f"fitted_on: '{cal.source}: {cal.runs} runs, {', '.join(names)} fitted'", "time:"]
+    lines += [f"  {name}: {_fmt(getattr(stack, name))}" for name in names]
+    return "\n".join(lines) + "\n"
+
+
+def read_runs(measured: Path, archs: Path | None = None, cluster: str = "", profile: str = "") -> list[MeasuredRun]:
     if measured.is_dir():
         runs = read_run_dirs(measured)
         if not runs:
             raise UspError(f"no usp runs with plan.yaml and a measured metrics.jsonl under {measured}", key="RUNS",
                            value=str(measured), fix="point at a runs directory, or pass a CSV of measured layouts")
         return runs
-    return read_sweep_csv(measured, archs)
+    return read_sweep_csv(measured, archs, cluster=cluster, profile=profile)
 
 
 def split(runs: list[MeasuredRun], holdout: int) -> tuple[list[MeasuredRun], list[MeasuredRun]]:
@@ -289,46 +417,67 @@ class Calibration:
     yaml: str
     runs: int
     evaluations: int
+    params: list[Param] = field(default_factory=list)
+    values: dict = field(default_factory=dict)
+    profile_yaml: str = ""  # the stack constants fitted ("" when none were)
     warnings: list[str] = field(default_factory=list)
 
 
-def calibrate(measured: Path, cluster: str, profile: str, archs: Path | None = None, holdout: int = 0) -> Calibration:
-    """Fit `cluster`'s time constants to the measured runs (trained with `profile`'s recipe)."""
+def parse_groups(fit_groups: str) -> tuple:
+    groups = tuple(g.strip() for g in fit_groups.split(",") if g.strip())
+    bad = [g for g in groups if g not in GROUPS]
+    if bad or not groups:
+        raise UspError(f"--fit {fit_groups!r}: not a list of {', '.join(GROUPS)}", key="--fit", value=fit_groups,
+                       fix="--fit network,stack (the default), or any of network, gpu, stack")
+    return groups
+
+
+def calibrate(measured: Path, cluster: str, profile: str, archs: Path | None = None, holdout: int = 0,
+              fit_groups: str = "network,stack") -> Calibration:
+    """Fit `cluster`'s constants (and `profile`'s) to the measured runs: the rows' own cluster and profile
+    where they name one, these where they do not. Only the runs on `cluster` move its constants; only
+    the runs of `profile` move the stack's."""
+    groups = parse_groups(fit_groups)
     path, text, group = load_cluster(cluster)
     hw0 = Hardware.from_cluster(cluster_group(group, path))
-    prof = get_profile(profile)
-    prec = Precision.resolve("bf16" if uses_bf16("auto", hw0.device) else "fp32", hw0.device, prof.fp32_params)
-    runs = read_runs(measured, archs)
+    get_profile(profile)  # an unknown profile is refused before the runs are read
+    runs = [with_defaults(r, cluster, profile) for r in read_runs(measured, archs, cluster, profile)]
     fit_runs, held = split(runs, holdout)
-    problem = Problem(fit_runs, hw0, prec, prof)
+    problem = Problem(fit_runs, cluster, profile, hardware={cluster: hw0})
     if not problem.runs:
         raise UspError(f"no successful run with a measured MFU in {measured}", key="RUNS", value=str(measured),
-                       fix="check the status/mfu columns")
-    warnings = enough_runs(problem.runs, str(measured))
-    result = fit(problem)
-    hw = calibrated(problem, result.hw, result.fit, f"{measured.name}, profile {prof.name}")
+                       fix="check the status/mfu_pct (or tok_s_gpu) columns")
+    params = params_for(groups, cluster, profile, problem.runs)
+    warnings = enough_runs(problem.runs, str(measured), params)
+    result = fit(problem, params)
+    source = f"{measured.name}, profile {profile}" if len(problem.profiles) == 1 else measured.name
+    cal = calibrated(problem, problem.runs, params, result.fit, source, hw0.procs_per_node)
+    hw = replace(result.hardware[cluster], timing=replace(result.hardware[cluster].timing, calibrated=cal))
     held_score = None
     if held:
-        other = Problem(held, hw0, prec, prof)
-        held_score = score(other.runs, other.predict(hw)) if other.runs else None
-    return Calibration(hw, result.fit, held_score, cluster_yaml(text, hw), len(problem.runs), result.evaluations,
-                       warnings)
+        other = Problem(held, cluster, profile, hardware={cluster: hw0})
+        held_score = score(other.runs, other.predict(params, result.values)) if other.runs else None
+    stack_yaml = profile_yaml(problem.profiles[profile], result.stacks[profile], params, cal) \
+        if any(p.profile for p in params) else ""
+    return Calibration(hw, result.fit, held_score, cluster_yaml(text, hw.timing), len(problem.runs),
+                       result.evaluations, params, result.values, stack_yaml, warnings)
 
 
 MIN_RUNS_PER_CONSTANT = 3  # below 3 distinct layouts per fitted constant: a warning (the fit may not generalise)
 
 
-def enough_runs(runs: list[MeasuredRun], source: str) -> list[str]:
+def enough_runs(runs: list[MeasuredRun], source: str, params: list[Param]) -> list[str]:
     """Refuse fewer distinct measured layouts than the constants fitted (any fit then matches them, error 0,
     and predicts nothing); a warning below MIN_RUNS_PER_CONSTANT per constant."""
     distinct = len({(r.model, r.nodes, r.layout) for r in runs})
-    k, enough = len(PARAMS), MIN_RUNS_PER_CONSTANT * len(PARAMS)
+    k, enough = len(params), MIN_RUNS_PER_CONSTANT * len(params)
     what = f"{len(runs)} measured run(s), {distinct} distinct (model, nodes, layout)"
     if distinct < k:
-        raise UspError(f"{what}: too few to fit the time model's {k} constants ({', '.join(n for n, *_ in PARAMS)}); "
+        raise UspError(f"{what}: too few to fit the time model's {k} constants ({', '.join(p.name for p in params)}); "
                        "a fit would match them exactly and predict nothing", key="RUNS", value=source,
                        fix=f"measure at least {k} different layouts ({enough} or more to trust the fit): vary "
-                           "dp/tp/pp, micro batches and node counts, e.g. with `usp sweep`, then `usp calibrate runs/`")
+                           "dp/tp/pp, micro batches and node counts, e.g. with `usp sweep`, then `usp calibrate "
+                           "runs/`; or fit fewer constants (--fit network)")
     if distinct < enough:
         return [f"only {what} for {k} fitted constants: the fit may not predict other layouts; measure "
                 f"{enough} or more, and check it with --holdout 3"]
@@ -336,19 +485,20 @@ def enough_runs(runs: list[MeasuredRun], source: str) -> list[str]:
 
 
 def report(cal: Calibration) -> list[str]:
-    """The fit's residuals (and the held-out runs'), one line each."""
+    """The fitted constants and the fit's residuals (and the held-out runs'), one line each."""
     def lines(name: str, s: Scored) -> list[str]:
         nodes = ", ".join(f"{n}: {v:.2f}" for n, v in s.ratio_by_nodes.items())
-        return [f"{name}: MFU |error| median {s.abs_err_p50:.2f} points, p90 {s.abs_err_p90:.2f}; "
-                f"predicted/measured p10-p90 {s.ratio_p10:.2f}-{s.ratio_p90:.2f}",
-                f"  median predicted/measured by node count: {nodes}",
-                f"  ranking within (model, nodes) cells: median Spearman {s.spearman_p50:.2f}, measured-best "
-                f"layout in the predicted top 3 in {s.top3_share:.0%} of {s.cells} cells"]
+        out = [f"{name}: MFU |error| median {s.abs_err_p50:.2f} points, p90 {s.abs_err_p90:.2f}; median "
+               f"|predicted/measured - 1| {s.rel_err_p50:.1%}, {s.within_15:.0%} within 15 %; predicted/measured "
+               f"p10-p90 {s.ratio_p10:.2f}-{s.ratio_p90:.2f}",
+               f"  median predicted/measured by node count: {nodes}"]
+        if s.cells:
+            out.append(f"  ranking within (model, nodes) cells: median Spearman {s.spearman_p50:.2f}, measured-best "
+                       f"layout in the predicted top 3 in {s.top3_share:.0%} of {s.cells} cells")
+        return out
 
-    hw = cal.hw
-    consts = ", ".join(f"{k} {_fmt(v)}" for k, v in hw.timing.fitted().items())
-    out = [f"fitted on {cal.runs} runs ({cal.evaluations} evaluations): intra_node_gbps {_fmt(hw.intra_node_gbps)}, "
-           f"inter_node_gbps {_fmt(hw.inter_node_gbps)}, {consts}", *lines("fit", cal.fit)]
+    consts = ", ".join(f"{k} {_fmt(v)}" for k, v in cal.values.items())
+    out = [f"fitted on {cal.runs} runs ({cal.evaluations} evaluations): {consts}", *lines("fit", cal.fit)]
     if cal.held_out is not None:
         out += lines(f"held out ({len(cal.held_out.measured)} runs)", cal.held_out)
     return out
