@@ -5,7 +5,7 @@ prediction from the costs measured in the same run (usp/perf/goodput.py, docs/fa
 
     python scripts/bench/faults.py                      # 10 minutes, 4 ranks, a failure every 60 s on average
     python scripts/bench/faults.py --minutes 3 --mtbf-s 30 --seed 1
-    python scripts/bench/faults.py --smoke              # 2 ranks, two kills at fixed times (the test suite's)
+    python scripts/bench/faults.py --smoke              # 2 ranks, two kills at fixed steps (the test suite's)
 
 1. A probe run without failures measures the step time, a save's cost and the start-up phases; the
    checkpoint interval is the Young–Daly interval √(2 · save · MTBF) from them, and the step count
@@ -69,9 +69,11 @@ def worker_pids(plan: Path) -> list[int]:
 class Injector(threading.Thread):
     """Kills a random rank at each time of a schedule (seconds from start()), or at exponential gaps."""
 
-    def __init__(self, plan: Path, mtbf_s: float | None, seed: int, schedule: list[float] | None = None):
+    def __init__(self, plan: Path, mtbf_s: float | None, seed: int, schedule: list[float] | None = None,
+                 at_steps: list[int] | None = None):
         super().__init__(daemon=True)
         self.plan, self.mtbf_s, self.rng, self.schedule = plan, mtbf_s, random.Random(seed), schedule
+        self.at_steps = at_steps  # or: kill once the run has logged each of these steps (however fast it runs)
         self.kills: list[float] = []  # times of the kills that hit a rank
         self.missed: list[float] = []  # times that found no rank alive
         self.done = threading.Event()
@@ -86,9 +88,18 @@ class Injector(threading.Thread):
         while True:
             yield self.rng.expovariate(1.0 / float(self.mtbf_s or 1.0))
 
+    def reached(self, step: int) -> bool:
+        """Wait until the run has logged `step`; False if it ended first."""
+        while not self.done.wait(0.05):
+            if any(r.get("step", 0) >= step for r in read_jsonl(metrics_path(self.plan.parent))):
+                return True
+        return False
+
     def run(self) -> None:
-        for gap in self.gaps():
-            if self.done.wait(gap):
+        waits = ((lambda s=s: self.reached(s)) for s in self.at_steps) if self.at_steps is not None else \
+            ((lambda g=g: not self.done.wait(g)) for g in self.gaps())
+        for wait in waits:
+            if not wait():
                 return
             pids = worker_pids(self.plan)
             if not pids:
@@ -161,15 +172,16 @@ def main() -> None:
     p.add_argument("--mtbf-s", type=float, default=60.0, help="mean seconds between injected failures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="keep the runs here (default: a temporary directory)")
-    p.add_argument("--smoke", action="store_true", help="2 ranks, 60 steps, kills at 4 s and 14 s after the "
-                                                         "first step (the test suite's check of the flow)")
+    p.add_argument("--smoke", action="store_true", help="2 ranks, 60 steps, kills once steps 15 and 40 are "
+                                                         "logged (the test suite's check of the flow)")
     args = p.parse_args()
     runs_dir = Path(args.out or tempfile.mkdtemp(prefix="usp-faults-"))
     runs_dir.mkdir(parents=True, exist_ok=True)
     ranks = 2 if args.smoke else args.ranks
     costs = probe(runs_dir, ranks, 20 if args.smoke else 60, 10)
-    if args.smoke:
-        interval, steps, schedule, mtbf = 5, 60, [4.0, 14.0], 10.0
+    at_steps = None
+    if args.smoke:  # kills at steps 15 and 40: each lands in a run however fast this machine steps
+        interval, steps, schedule, mtbf, at_steps = 5, 60, None, 10.0, [15, 40]
     else:
         mtbf, schedule = args.mtbf_s, None
         interval = max(1, round(young_daly(costs["save_s"], mtbf) / costs["step_s"]))
@@ -183,7 +195,7 @@ def main() -> None:
                                              "train.max_restarts=1000"], log)
     run_dir = runs_dir / name
     wait_for_first_step(run_dir, proc)
-    injector = Injector(run_dir / "plan.yaml", mtbf, args.seed, schedule)
+    injector = Injector(run_dir / "plan.yaml", mtbf, args.seed, schedule, at_steps)
     injector.start()
     code = proc.wait()
     injector.done.set()

@@ -219,9 +219,10 @@ def calibrate(measured: str = typer.Argument(..., help="a runs CSV (like calibra
     the stack's own constants; report the residuals, write the cluster group and the profile file."""
     from pathlib import Path
 
+    from usp.perf.calibration.calibrate import TooFewRuns, parse_groups, report
     from usp.perf.calibration.calibrate import calibrate as fit_cluster
-    from usp.perf.calibration.calibrate import parse_groups, report
     from usp.perf.calibration.measured_runs import archs_csv
+    from usp.perf.calibration.restarts import restart_costs_only, restart_costs_yaml
     from usp.run.writable import check_new_output
 
     stack_out = profile_out or (str(Path(out).with_suffix(f".{Path(profile).stem}.yaml")) if out else None)
@@ -231,15 +232,21 @@ def calibrate(measured: str = typer.Argument(..., help="a runs CSV (like calibra
     for target, key in ((out, "--out"), (stack_out, "--profile-out")):
         if target:  # before the fit; the runs (and archs) CSV are read too, given or not
             check_new_output(target, force=force, key=key, inputs=read)
-    result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout, fit_groups)
+    try:
+        result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout, fit_groups)
+    except TooFewRuns as exc:
+        if not Path(measured).is_dir():
+            raise
+        typer.echo(f"time model not fitted: {exc}")  # a directory of runs: its restart costs still fit
+        restarts, lines = restart_costs_only(Path(measured), cluster)
+        typer.echo("\n".join(lines))
+        _write_calibration(restarts, out, None)
+        return
     for line in report(result):
         typer.echo(line)
     if Path(measured).is_dir():  # run directories: their restart and checkpoint costs too (docs/faults.md)
-        from usp.perf.calibration.restarts import restart_costs_yaml
-
         result.yaml, lines = restart_costs_yaml(Path(measured), cluster, result.yaml)
-        for line in lines:
-            typer.echo(line)
+        typer.echo("\n".join(lines))
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
     _write_calibration(result, out, stack_out)

@@ -47,6 +47,11 @@ def soft_l1(r: float, f: float = SOFT_L1_SCALE) -> float:
     return 2 * f * f * (math.sqrt(1 + (r / f) ** 2) - 1)
 
 
+
+class TooFewRuns(UspError):
+    """Fewer distinct measured layouts than constants to fit: no time-model fit (a directory of runs
+    still has its restart costs fitted: usp/perf/calibration/restarts.py)."""
+
 @dataclass(frozen=True)
 class Param:
     """One fitted constant: a cluster.timing field of the runs on `clusters`, or a StackTime field of the
@@ -473,11 +478,12 @@ def enough_runs(runs: list[MeasuredRun], source: str, params: list[Param]) -> li
     k, enough = len(params), MIN_RUNS_PER_CONSTANT * len(params)
     what = f"{len(runs)} measured run(s), {distinct} distinct (model, nodes, layout)"
     if distinct < k:
-        raise UspError(f"{what}: too few to fit the time model's {k} constants ({', '.join(p.name for p in params)}); "
-                       "a fit would match them exactly and predict nothing", key="RUNS", value=source,
-                       fix=f"measure at least {k} different layouts ({enough} or more to trust the fit): vary "
-                           "dp/tp/pp, micro batches and node counts, e.g. with `usp sweep`, then `usp calibrate "
-                           "runs/`; or fit fewer constants (--fit network)")
+        names = ", ".join(p.name for p in params)
+        raise TooFewRuns(f"{what}: too few to fit the time model's {k} constants ({names}); "
+                         "a fit would match them exactly and predict nothing", key="RUNS", value=source,
+                         fix=f"measure at least {k} different layouts ({enough} or more to trust the fit): vary "
+                             "dp/tp/pp, micro batches and node counts, e.g. with `usp sweep`, then `usp calibrate "
+                             "runs/`; or fit fewer constants (--fit network)")
     if distinct < enough:
         return [f"only {what} for {k} fitted constants: the fit may not predict other layouts; measure "
                 f"{enough} or more, and check it with --holdout 3"]

@@ -140,3 +140,19 @@ def restart_costs_yaml(root: Path, cluster: str, text: str) -> tuple[str, list[s
               f"{len(costs.loads)} load(s)"]
     report += [f"  cluster.{k}: {v:.4g}" for k, v in values.items()]
     return text, report
+
+
+@dataclass
+class RestartCalibration:
+    """What `usp calibrate` writes when only the restart costs were fitted: the cluster group's YAML."""
+    yaml: str
+    profile_yaml: str = ""
+
+
+def restart_costs_only(root: Path, cluster: str) -> tuple[RestartCalibration, list[str]]:
+    """The cluster group with the restart and checkpoint costs of the runs under `root` (its time
+    constants as they were), and the lines that report them."""
+    from usp.perf.calibration.calibrate import load_cluster
+
+    text, lines = restart_costs_yaml(root, cluster, load_cluster(cluster)[1])
+    return RestartCalibration(text), lines
