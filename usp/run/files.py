@@ -8,6 +8,8 @@ alike, so a file name is spelled once. No torch, no usp imports: every layer may
     <run_dir>/sample.txt             a text sample from the trained model
     <run_dir>/verify.json            `usp verify`'s result
     <run_dir>/logs/rank_<R>.log      per-rank logs; failure_rank<R>.json, events.jsonl beside them
+    <run_dir>/logs/heartbeat_rank<R>.json  each rank's progress (step, phase) for the hang watchdog;
+                                     after a hang: stacks_rank<R>.txt, fr_trace_rank<R>.json, hang.json
     <run_dir>/profile/               profiler traces (rank_<R>.json, summary_rank_<R>.txt)
     <run_dir>/checkpoints/step_<N:08d>/  checkpoints (or checkpoint.dir), complete iff manifest.json
                                          lists every file with its size; saves in progress live in
@@ -20,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +43,12 @@ EVENTS = "events.jsonl"
 # "step", "signal" (SIGINT, SIGTERM, SIGUSR1), "checkpoint" (the state after that step is saved)}.
 # "preempted" (no signal) is the same, written by earlier versions for SIGTERM and SIGUSR1.
 STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
+# A hang (docs/hangs.md): {"event": "hung", "time", "step", "stuck": [ranks], "cleared": bool, ...}, and
+# when the stall cleared, the stop that follows: {"event": "stopped", "signal": "hang", ...}. A straggler:
+# {"event": "straggler", "time", "step", "rank", "ratio", ...} when a rank is first flagged.
+HANG_EVENT, HANG_STOP, STRAGGLER_EVENT = "hung", "hang", "straggler"
+HANG = "hang.json"  # the watchdog's verdict: which rank(s) stalled, where, what each live rank was waiting in
+HEARTBEAT_GLOB, STACKS_GLOB = "heartbeat_rank*.json", "stacks_rank*.txt"
 PROFILE = "profile"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -55,6 +64,9 @@ PROFILE_SUMMARY_RE = r"summary_rank_(\d+)\.txt"
 EXIT_OK = 0
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after a checkpoint; "try again later" (requeue)
 EXIT_INTERRUPTED = 130  # stopped by SIGINT (128 + SIGINT), at a step boundary or, on a second one, at once
+# A hang (docs/hangs.md): the live ranks, torchrun's launcher and `usp train` exit with it too, so whatever
+# restarts a preempted run (Slurm's requeue, a job controller, a sweep run again) restarts a hung one.
+EXIT_HUNG = EXIT_PREEMPTED
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
 
 # -- failure classes written by the engine's failure summary, read by `usp status` -------------
@@ -113,6 +125,23 @@ def rank_log(run_dir, rank: int) -> Path:
 
 def failure_path(run_dir, rank: int) -> Path:
     return logs_dir(run_dir) / f"failure_rank{rank}.json"
+
+
+def heartbeat_path(run_dir, rank: int) -> Path:
+    return logs_dir(run_dir) / f"heartbeat_rank{rank}.json"
+
+
+def stacks_path(run_dir, rank: int) -> Path:
+    return logs_dir(run_dir) / f"stacks_rank{rank}.txt"
+
+
+def fr_trace_path(run_dir, rank: int) -> Path:
+    """torch's flight recorder of a rank's collectives, dumped after a hang (docs/hangs.md)."""
+    return logs_dir(run_dir) / f"fr_trace_rank{rank}.json"
+
+
+def hang_path(run_dir) -> Path:
+    return logs_dir(run_dir) / HANG
 
 
 def profile_dir(run_dir) -> Path:
@@ -191,6 +220,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write through a temporary file and a rename, so a crash never leaves a half-written file."""
     with staged(path) as tmp:
         tmp.write_text(text)
+
+
+def append_event(run_dir, event: str, **fields) -> None:
+    """One line in logs/events.jsonl: {"event": ..., "time": ..., **fields}, written in one write(2) so
+    that lines appended by several processes never interleave."""
+    path = events_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+    with open(path, "a") as f:
+        f.write(line)
 
 
 def read_jobs(record_dir) -> list[dict]:
