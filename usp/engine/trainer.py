@@ -29,6 +29,7 @@ from usp.engine.observe.console import Console, rank_logger
 from usp.engine.observe.memory_probe import GIB, MemoryProbe
 from usp.engine.observe.profiler import StepProfiler
 from usp.engine.observe.tracking import build_trackers
+from usp.engine.observe.watch import RankWatch
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
@@ -37,6 +38,7 @@ from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
 from usp.errors import UspError
 from usp.run.files import (
+    HANG_STOP,
     SPAN_BACKWARD,
     SPAN_FORWARD,
     SPAN_OPTIMIZER,
@@ -102,6 +104,10 @@ class Trainer:
         self.data_wait_s = 0.0  # time spent getting this step's batches (reading tokens, copying to device)
         restarts = os.environ.get("SLURM_RESTART_COUNT")  # set by Slurm on a requeued job
         self.slurm_restart_count = int(restarts) if restarts and restarts.isdigit() else None
+        # Hangs and stragglers (docs/hangs.md): evaluations and checkpoints get their own allowance
+        self.watch = RankWatch.create(self)
+        self.evaluate = self.watch.allow("eval", self.evaluate)  # type: ignore[method-assign]
+        self.checkpointer.save = self.watch.allow("checkpoint", self.checkpointer.save)  # type: ignore[method-assign]
 
     # -- one optimizer step ------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float]:
@@ -135,11 +141,12 @@ class Trainer:
             self.step_load = finish_step(self.parts.modules, update_bias)
 
     def _optimizer_step(self, apply: bool = True) -> None:
-        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            if apply:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+        with self.watch.optimizer_section():  # a straggler's own work (usp/engine/observe/stragglers.py)
+            for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+                if apply:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
 
 
     def _non_finite(self, step: int, loss: float, what: str, value: float) -> tuple[float, float]:
@@ -223,11 +230,13 @@ class Trainer:
             return None
         try:
             for step in range(self.start_step, self.steps):
+                self.watch.step(step)
                 self._stop_if_signalled(step)
                 loss, val_loss = self._fit_step(step, started)
                 first_loss = loss if first_loss is None else first_loss
             self.checkpointer.save(self.steps, blocking=True)
         finally:
+            self.watch.close()
             self._close_outputs()
         return self._summary(time.perf_counter() - started, first_loss, loss, val_loss)
 
@@ -238,6 +247,7 @@ class Trainer:
                 self.profiler.step(step) if self.profiler else contextlib.nullcontext():
             loss, grad_norm = self.train_step(step)
         dt, data_wait = time.perf_counter() - t0, self.data_wait_s
+        self.watch.step_done(data_wait)
         done, train = step + 1, self.cfg.train
         is_eval = done == self.steps or (train.eval_interval and done % train.eval_interval == 0)
         val_loss = self.evaluate() if is_eval else None
@@ -250,7 +260,7 @@ class Trainer:
                       "tokens_per_s": self.global_tokens / dt,
                       "tokens_per_s_per_device": self.global_tokens / dt / self.ctx.world_size,
                       "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait),
-                      **self._expert_load()}
+                      **self._expert_load(), **self.watch.record(done)}
             self._log_record(step, record)
         self.console.step(done, record)
         self.last_completed_step = done
@@ -382,6 +392,8 @@ class Stopped(Exception):
 
     def __init__(self, step: int, signal: str, kept_in: str | None):
         self.step, self.signal, self.saved = step, signal, kept_in is not None
+        if signal == HANG_STOP:
+            signal = "the hang watchdog (a stall that cleared, docs/hangs.md)"
         if kept_in:
             what = f"after step {step}, kept in {kept_in}; the same command resumes from it"
         elif step == 0:
