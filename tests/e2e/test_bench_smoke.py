@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, usp_env
+from tests.helpers import REPO, usp_cli, usp_env
 
 BENCH = REPO / "scripts" / "bench"
 
@@ -167,3 +167,27 @@ def test_checksums_bench_runs():
     proc = run_bench("checksums.py", "--hashes-only")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split()[0] for line in proc.stdout.splitlines()] == ["xxh3_128", "blake2b", "sha256", "crc32"]
+
+
+@pytest.mark.slow
+def test_faults_kills_ranks_and_compares_goodput(shakespeare, tmp_path):
+    """faults.py --smoke: a real 2-rank run with restarts on, two ranks killed (SIGKILL); the run ends
+    with every step, each kill is a launch more, and the costs and goodputs come from its events. Then
+    `usp calibrate` fits the restart costs from the same run directory."""
+    runs = tmp_path / "runs"
+    proc = run_bench("faults.py", "--smoke", "--json", "--out", str(runs))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    r = json.loads(proc.stdout)
+    m = r["measured"]
+    assert r["kills"] + r["missed_kills"] == 2 and m["attempts"] == r["kills"] + 1, r
+    assert m["steps"] == 60 and json.loads((runs / "faults" / "summary.json").read_text())["steps"] == 60
+    assert 0 < m["goodput"] < 1 and 0 < r["predicted"] < 1 and m["save_s"] > 0 and m["restart_s"] > m["step_s"]
+    out = tmp_path / "fitted.yaml"
+    cal = usp_cli("calibrate", str(runs), "--cluster", "local_cpu", "--out", str(out), cwd=tmp_path)
+    assert cal.returncode == 0, cal.stderr + cal.stdout
+    assert "restart costs from 2 run(s)" in cal.stdout
+    from usp.config.recipe import parsed_yaml
+
+    fitted = parsed_yaml(out, "cluster", "cluster")
+    assert 0 < fitted["reliability"]["job_start_s"] < 60 and fitted["reliability"]["build_s"] > 0
+    assert fitted["reliability"]["checkpoint_overhead_s"] > 0 and fitted["storage"]["write_gbps_per_node"] > 0

@@ -38,7 +38,7 @@ ALLOWED = {
     "usp.data": {"usp.errors", "usp.run", "usp.run.files"},
     "usp.models": set(),
     "usp.perf": {"usp.errors", "usp.contract"},
-    "usp.perf.calibration": {"usp.errors", "usp.config", "usp.contract", "usp.perf"},
+    "usp.perf.calibration": {"usp.errors", "usp.run.files", "usp.config", "usp.contract", "usp.perf"},
     "usp.plan": BASE | {"usp.config", "usp.contract", "usp.data", "usp.perf"},
     "usp.report": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan"},
     "usp.launch": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan",

@@ -21,7 +21,7 @@ from usp.errors import ConfigError, UspError
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CHOICES = {"model": "tiny", "parallelism": "ddp", "optimizer": "adamw", "cluster": "local_cpu",
-                   "data": "shakespeare"}
+                   "data": "shakespeare", "fault_tolerance": "none"}
 
 
 def config_error(conf=None, overrides=()) -> ConfigError:
@@ -42,7 +42,7 @@ def test_defaults_compose():
     assert cfg.cluster.procs_per_node == 1
     assert "hydra" not in cfg  # the hydra node is removed from what usp sees
     assert set(cfg) == {"model", "parallelism", "optimizer", "cluster", "data", "train", "checkpoint", "logging",
-                        "profile", "planner"}
+                        "profile", "planner", "fault_tolerance"}
     assert cfg.planner.profile == "usp"
 
 

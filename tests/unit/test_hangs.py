@@ -68,6 +68,17 @@ def test_off_on_one_process_or_when_asked_and_the_plan_says_so(tmp_path):
     assert "off (train.hang_timeout_s=0)" in shown
 
 
+def test_off_under_torchft_replica_groups_and_the_plan_says_why(tmp_path):
+    ft = ("fault_tolerance=torchft", "cluster.procs_per_node=4", "parallelism.dp_replicate=2",
+          "parallelism.dp_shard=2", "train.global_batch=8")
+    plan = plan_for(*ft, "train.hang_timeout_s=5", training=False)
+    assert plan.fault_tolerance is not None and plan.decisions.hang is None and plan.decisions.straggler_measure == ""
+    same = plan_for(*ft[1:], "train.hang_timeout_s=5", training=False)  # the same layout without torchft: on
+    assert same.decisions.hang is not None and same.decisions.straggler_measure == "runnable"
+    shown = " ".join(usp_cli("plan", *ft, cwd=tmp_path, columns=250).stdout.split())
+    assert "hangs │ off under fault_tolerance=torchft" in shown, shown
+
+
 def test_the_hang_rules_name_the_fix(tmp_path):
     r = usp_cli("plan", *TWO, "train.hang_timeout_s=400", cwd=tmp_path, columns=250)
     text = " ".join(r.stderr.split())

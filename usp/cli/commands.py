@@ -221,6 +221,12 @@ def calibrate(measured: str = typer.Argument(..., help="a CSV of measured layout
     result = fit_cluster(Path(measured), cluster, profile, Path(archs) if archs else None, holdout)
     for line in report(result):
         typer.echo(line)
+    if Path(measured).is_dir():  # run directories: their restart and checkpoint costs too (docs/faults.md)
+        from usp.perf.calibration.restarts import restart_costs_yaml
+
+        result.yaml, lines = restart_costs_yaml(Path(measured), cluster, result.yaml)
+        for line in lines:
+            typer.echo(line)
     for warning in result.warnings:
         typer.echo(f"warning: {warning}", err=True)
     if out:
@@ -294,15 +300,20 @@ def train(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if dry_run:
         _fail(ValueError("--dry-run writes a Slurm batch script: use a Slurm cluster group "
                          "(e.g. cluster=local_slurm or cluster=slurm_h100)"))
-    from usp.launch.local import launch_local, require_torch
+    from usp.launch.local import check_launchable, launch_local, require_torch
     from usp.run.lock import release
 
     require_torch("train")
-    run_plan, plan_path = prepare_run(composed, choices)  # holds the run lock from here on
+    run_plan, plan_path = prepare_run(composed, choices, check=check_launchable)  # holds the run lock from here on
 
     failure = None
     try:
-        code = launch_local(run_plan, plan_path)
+        if run_plan.fault_tolerance is not None:  # one torchrun per replica group, and torchft's lighthouse
+            from usp.launch.ft_local import launch_replica_groups
+
+            code = launch_replica_groups(run_plan, plan_path)
+        else:
+            code = launch_local(run_plan, plan_path)
     except Exception as exc:  # one rank runs in-process: the same summary as torchrun's below
         failure, code = exc, 1
     finally:

@@ -11,7 +11,7 @@ from usp.contract import config_schema
 from usp.contract.config_schema import UspConfig
 
 SCHEMA_NAME = "usp_schema"
-GROUPS = ("model", "parallelism", "optimizer", "cluster", "data")
+GROUPS = ("model", "parallelism", "optimizer", "cluster", "data", "fault_tolerance")
 
 
 @cache  # once per process: storing the schema converts it to a config (~30 ms), and Hydra copies it on every load

@@ -44,6 +44,12 @@ class NanPolicy(StrEnum):
 AsyncMode = StrEnum("AsyncMode", [("none", "none"), ("async", "async")])  # type: ignore[misc]
 
 
+class FaultToleranceKind(StrEnum):
+    """fault_tolerance.kind: how a run survives a lost rank (docs/fault_tolerance.md)."""
+    none = "none"  # a lost rank stops the job; it restarts whole from the last checkpoint
+    torchft = "torchft"  # each replica group (dp_replicate) is its own job; the others train on
+
+
 class ConsoleMode(StrEnum):
     auto = "auto"  # rich on a TTY, plain otherwise
     rich = "rich"
@@ -176,6 +182,30 @@ class ClusterTimingConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    """What fails and what a restart costs: the goodput model's inputs (usp/perf/goodput.py,
+    docs/faults.md). The failure rate is a large GPU fleet's; the restart costs are placeholders that
+    `usp calibrate <runs dir>` fits from the runs' logs/events.jsonl."""
+    # Mean hours between job-stopping failures of one node. Llama 3 405B's pre-training: 419 unexpected
+    # interruptions in 54 days on 2,048 nodes of 8 H100s = 6,335 node-hours per failure.
+    node_mtbf_hours: float = 6335.0
+    job_start_s: float = 300.0  # a failure noticed, the job started again (requeue, torchrun), the ranks' imports
+    rendezvous_s: float = 60.0  # the ranks find each other and form their process groups
+    build_s: float = 120.0  # the model built and wrapped, the first step's extra time (compile); not the load
+    checkpoint_overhead_s: float = 2.0  # per save and per load, besides the bytes: planning, barriers, manifest
+
+
+@dataclass
+class StorageConfig:
+    """Where checkpoints go (checkpoint.dir): bandwidth per node and for the whole job, GB/s."""
+    write_gbps_per_node: float = 5.0
+    read_gbps_per_node: float = 10.0
+    write_gbps_total: float = 2000.0  # 0 = no limit past the nodes'; 2 TB/s: Llama 3's Tectonic, sustained
+    read_gbps_total: float = 7000.0  # Tectonic's peak
+    host_copy_gbps: float = 20.0  # checkpoint.async_mode=async: a rank's copy of its state to host memory
+
+
+@dataclass
 class SlurmConfig:
     """How a cluster=<slurm group> job is requested (usp/launch/templates/job.sbatch.j2).
     Nodes, processes per node and GPUs come from the plan: never typed here."""
@@ -226,6 +256,8 @@ class ClusterConfig:
     inter_node_gbps: float = 1.25  # per-device bandwidth between nodes, GB/s
     price_per_device_hour: float = 0.0  # 0 = unknown
     timing: ClusterTimingConfig = field(default_factory=ClusterTimingConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)  # failures, restarts (goodput)
+    storage: StorageConfig = field(default_factory=StorageConfig)  # the checkpoint storage's bandwidth
     timeout_s: int = 600  # collective timeout: a hung collective fails after this long
     env: dict[str, str] = field(default_factory=dict)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # used when launcher=slurm
@@ -304,7 +336,9 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
-    interval: int = 0  # save every N optimizer steps; 0 = only at the end
+    # save every N optimizer steps; 0 = only at the end; auto = the Young–Daly interval for the cluster's
+    # failure rate and the save's cost (usp/perf/goodput.py), a number in plan.yaml
+    interval: Any = "auto"
     keep_last: int = 2  # complete checkpoints kept (older ones are deleted); 0 = every one
     # none | async (torch.distributed.checkpoint.async_save: training goes on)
     async_mode: AsyncMode = AsyncMode["none"]
@@ -336,6 +370,23 @@ class ProfileConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """fault_tolerance=torchft (docs/fault_tolerance.md): the dp_replicate ranks become replica groups,
+    each launched and restarted on its own; torchft's lighthouse forms a quorum of the live groups every
+    step, a lost group is dropped (that step's global batch is smaller) and heals from a live one when it
+    is back."""
+    kind: FaultToleranceKind = FaultToleranceKind.none
+    min_replicas: int = 1  # replica groups a step needs to commit (fewer: the step waits)
+    timeout_s: int = 30  # a collective between replica groups that takes longer fails (the step is retried)
+    heartbeat_timeout_s: float = 2.0  # a group whose heartbeat stops this long is out of the quorum
+    quorum_timeout_s: int = 600  # a group that can't join a quorum for this long fails
+    join_timeout_s: float = 5.0  # the lighthouse waits this long for a heartbeating group that hasn't asked
+    start_timeout_s: int = 600  # a fresh start waits this long for every group (then starts with those there)
+    max_group_restarts: int = 3  # local launcher: restarts of each lost group (Slurm: cluster.slurm.max_requeues)
+    lighthouse_port: int = 0  # 0 = a free port
+
+
+@dataclass
 class PlannerConfig:
     # Whose training recipe the planner predicts (usp/perf/stack_profile.py): usp (this engine) | nanotron
     # (the settings of the Ultra-Scale Playbook's benchmark runs).
@@ -354,3 +405,4 @@ class UspConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

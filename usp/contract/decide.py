@@ -90,7 +90,17 @@ def engine_choices(config: UspConfig, degrees: dict[str, int], device: str, voca
             "optimizer": OptimSettings.from_config(config.optimizer, config.train.steps),
             "checkpoint_dir": str(Path(config.checkpoint.dir or Path(run_dir) / "checkpoints").expanduser()),
             "tokenizer": str(config.data.tokenizer),
-            "straggler_measure": straggler_measure(kind, math.prod(int(d) for d in degrees.values()), device)}
+            "straggler_measure": "" if replica_groups(config) else
+            straggler_measure(kind, math.prod(int(d) for d in degrees.values()), device)}
+
+
+def replica_groups(config: UspConfig) -> bool:
+    """fault_tolerance=torchft: the hang watchdog and the straggler detector are off. Each replica group
+    runs its own loop (usp/engine/fault_tolerance.py) with ranks numbered inside the group, so their
+    heartbeats would collide across groups, and torchft already handles a group that stops: the others'
+    quorum and all-reduce time out (fault_tolerance.timeout_s) and train on without it
+    (docs/hangs.md#what-is-not-covered)."""
+    return str(config.fault_tolerance.kind) == "torchft"
 
 
 def straggler_measure(dp_kind: str, world: int, device: str) -> str:
@@ -119,12 +129,13 @@ GRACE_MAX_S = 60.0
 def hang_window(config: UspConfig, world: int, predicted_step_s: float | None,
                 checkpoint_bytes: float) -> tuple[HangWindow | None, str | None]:
     """When a rank counts as hung (RunPlan.decisions.hang), and a plan warning when the derived window
-    had to be shortened below the collective timeout. None: one process (no collective to hang in)
-    or train.hang_timeout_s=0. The window is train.hang_timeout_s, else train.hang_factor x the
-    predicted step time x the calibration's worst measured/predicted ratio (cluster.timing.calibrated
-    ratio_p90), at least HANG_FLOOR_S and at most HANG_TIMEOUT_SHARE x cluster.timeout_s."""
+    had to be shortened below the collective timeout. None: one process (no collective to hang in),
+    train.hang_timeout_s=0 or fault_tolerance=torchft (replica_groups). The window is
+    train.hang_timeout_s, else train.hang_factor x the predicted step time x the calibration's worst
+    measured/predicted ratio (cluster.timing.calibrated ratio_p90), at least HANG_FLOOR_S and at most
+    HANG_TIMEOUT_SHARE x cluster.timeout_s."""
     train = config.train
-    if world < 2 or train.hang_timeout_s == 0:
+    if world < 2 or train.hang_timeout_s == 0 or replica_groups(config):
         return None, None
     if train.hang_timeout_s is not None:
         step_s, source, warning = float(train.hang_timeout_s), "train.hang_timeout_s", None
@@ -157,3 +168,24 @@ def _derived_window(config: UspConfig, predicted: float) -> tuple[float, str, st
                f"{cluster.timeout_s}, so that a hang is named before the collective times out (docs/hangs.md); "
                "set train.hang_timeout_s, or raise cluster.timeout_s")
     return cap, f"{source}, shortened to half of cluster.timeout_s", warning
+
+
+def fault_tolerance_plan(config: UspConfig, degrees: dict[str, int], nodes: int, procs_per_node: int) -> dict | None:
+    """RunPlan.fault_tolerance's fields (None for fault_tolerance=none): the dp_replicate ranks become
+    replica groups, each a job of its own with the rest of the layout (the rules have checked that the
+    groups fill whole nodes, or share one node evenly)."""
+    ft = config.fault_tolerance
+    if str(ft.kind) != "torchft":
+        return None
+    groups = int(degrees["dp_replicate"])
+    group = {**degrees, "dp_replicate": 1}
+    group_world = nodes * procs_per_node // groups
+    group_nodes = nodes // groups if nodes >= groups else 1
+    return {"kind": "torchft", "replica_groups": groups, "min_replicas": int(ft.min_replicas),
+            "group_world_size": group_world, "group_nodes": group_nodes,
+            "group_procs_per_node": group_world // group_nodes, "group_degrees": group,
+            "group_dp_kind": data_parallel_kind(group, bool(config.parallelism.zero1)),
+            "timeout_s": int(ft.timeout_s), "heartbeat_timeout_s": float(ft.heartbeat_timeout_s),
+            "quorum_timeout_s": int(ft.quorum_timeout_s), "join_timeout_s": float(ft.join_timeout_s),
+            "start_timeout_s": int(ft.start_timeout_s), "max_group_restarts": int(ft.max_group_restarts),
+            "lighthouse_port": int(ft.lighthouse_port)}

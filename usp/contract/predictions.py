@@ -155,3 +155,42 @@ class TimingPlan:
     mfu_band: tuple | None = None  # (low, high) from the calibration's residuals; None = never calibrated
     calibration: list[str] = field(default_factory=list)  # how far to trust the figures (calibration notes)
     assumptions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TorchftGoodput:
+    """The same plan's goodput if its replica groups trained through a failure (torchft)."""
+    groups: int  # replica groups: the data-parallel replicate degree
+    group_restart_s: float  # one group's restart: job start, rendezvous, build, heal (no load)
+    heal_s: float  # a rank's state copied from a live peer over the inter-node link
+    goodput: float
+
+
+@dataclass
+class GoodputPlan:
+    """Failures, checkpoints and restarts (usp/perf/goodput.py): what share of the wall time trains."""
+    node_mtbf_hours: float  # cluster.reliability.node_mtbf_hours
+    job_mtbf_s: float  # mean seconds between failures of the whole job (node MTBF / nodes)
+    failures_per_day: float
+    written_bytes: float  # one checkpoint, each tensor once
+    read_bytes: float  # one load, every rank its own state
+    save_write_s: float  # the checkpoint's write (in the background under async)
+    save_blocking_s: float  # what a save stops training for
+    load_s: float
+    restart_s: float  # a failure to training again: the restart_terms' sum
+    restart_terms: dict[str, float]
+    interval_auto: bool  # checkpoint.interval=auto: interval_steps is the Young–Daly interval
+    interval_steps: int  # steps between checkpoints (0: only at the end, or none)
+    interval_s: float  # training between saves (the whole run when there are none in between)
+    young_daly_s: float  # √(2 · save_blocking_s · job_mtbf_s)
+    young_daly_steps: int
+    lost_per_failure_s: float  # the restart plus half a checkpoint period
+    goodput: float  # expected training time / wall time when every failure restarts the job
+    torchft: TorchftGoodput | None = None  # a layout with replica groups: the same with torchft
+    notes: list[str] = field(default_factory=list)
+    mode: str = "restart"  # restart (every rank restarts from the checkpoint) | torchft (fault_tolerance=torchft)
+
+    @property
+    def expected(self) -> float:
+        """The goodput this run expects: torchft's under fault_tolerance=torchft, else restart-only's."""
+        return self.torchft.goodput if self.mode == "torchft" and self.torchft is not None else self.goodput

@@ -10,7 +10,7 @@ from functools import cached_property
 
 from usp.contract.config_schema import UspConfig
 from usp.contract.dims import ParallelDims, RankInfo
-from usp.contract.predictions import MemoryPlan, TimingPlan
+from usp.contract.predictions import GoodputPlan, MemoryPlan, TimingPlan
 from usp.contract.schedule import OptimSettings
 from usp.contract.typed import plain
 
@@ -100,6 +100,31 @@ class Decisions:
 
 
 @dataclass
+class FaultTolerancePlan:
+    """fault_tolerance=torchft, decided by the planner (usp/contract/decide.py: fault_tolerance_plan). The
+    plan's dp_replicate ranks are `replica_groups` groups, each launched (and restarted) on its own as a
+    job of `group_world_size` ranks with the layout `group_degrees` (dp_replicate 1); torchft averages
+    their gradients every step over the groups that are alive. A plan without it (None) restarts whole
+    on a loss: the planner's goodput compares the two from this field."""
+
+    kind: str  # torchft
+    replica_groups: int  # the plan's dp_replicate
+    min_replicas: int  # replica groups a step needs to commit
+    group_world_size: int  # ranks of one replica group
+    group_nodes: int  # nodes of one group (1 when the groups share one node)
+    group_procs_per_node: int
+    group_degrees: dict[str, int]  # one group's mesh: the plan's degrees with dp_replicate 1
+    group_dp_kind: str  # how a group reduces its gradients inside itself (usp/contract/dims.py)
+    timeout_s: int  # fault_tolerance.*, as configured
+    heartbeat_timeout_s: float
+    quorum_timeout_s: int
+    join_timeout_s: float
+    start_timeout_s: int
+    max_group_restarts: int
+    lighthouse_port: int
+
+
+@dataclass
 class RunPlan:
     name: str
     run_dir: str
@@ -123,6 +148,8 @@ class RunPlan:
     pipeline: PipelinePlan | None = None  # stage split and schedule when parallelism.pp > 1
     memory: MemoryPlan | None = None  # predicted memory per rank and stage (usp/perf/memory.py)
     timing: TimingPlan | None = None  # predicted step time, tokens/s, MFU (usp/perf/timing.py)
+    goodput: GoodputPlan | None = None  # failures, checkpoint costs, the interval (usp/perf/goodput.py)
+    fault_tolerance: FaultTolerancePlan | None = None  # fault_tolerance=torchft: the replica groups
     version: int = PLAN_VERSION
 
     @property

@@ -14,6 +14,9 @@ before torch loads: usp/engine/signals.py. Every entry (`python -m usp.engine.<e
 with Python's garbage collector paused (usp/engine/startup_gc.py), and its console writes outlive a
 terminal that goes away (usp/engine/observe/terminal.py)."""
 import sys
+import time
+
+PROCESS_STARTED = time.time()  # about when this rank's Python started: its start-up phases count from here
 
 
 def _started_as() -> str | None:

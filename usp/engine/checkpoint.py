@@ -38,9 +38,11 @@ from usp.errors import UspError
 from usp.models.rope_layout import ROPE_LAYOUT
 from usp.run import checksums
 from usp.run.files import (
+    CHECKPOINT_EVENT,
     MANIFEST,
     PLAN,
     TRAINER_STATE,
+    append_event,
     list_checkpoints,
     plan_path,
     step_dir_name,
@@ -72,6 +74,8 @@ class Checkpointer:
         self._pending = None  # (future, tmp dir, step) of an async save
         self.retain = True  # False once a save must delete nothing (a non-finite loss's stop)
         self.resumed_from: Path | None = None
+        self._blocked_s = 0.0  # how long the last save() stopped training (an async save's write is later)
+        self._published: tuple = ()  # rank 0: (bytes, seconds in all, checksum seconds) of the last publish
         self.tie = bool(plan.config.model.tie_embeddings)
         self.ep = plan.parallel.ep
         self._async_group = self._background_group()
@@ -116,6 +120,7 @@ class Checkpointer:
             if blocking:
                 self.wait()
             return
+        entered = time.perf_counter()
         self.wait()
         tmp = self.dir / f".tmp-{step_dir_name(step)}"
         with self._disk_full_says_so(tmp, step):
@@ -138,6 +143,9 @@ class Checkpointer:
                     dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp))
                 self._publish(tmp, step, started)
         self.last_saved = step
+        self._blocked_s = time.perf_counter() - entered
+        if self._pending is None:
+            self._record(step)
 
     def wait(self) -> None:
         """Finish a pending async save (its files, then the atomic publish)."""
@@ -147,6 +155,7 @@ class Checkpointer:
             with self._disk_full_says_so(tmp, step):
                 future.result()
                 self._publish(tmp, step, started)
+            self._record(step)
 
     @contextlib.contextmanager
     def _disk_full_says_so(self, tmp: Path, step: int):
@@ -184,9 +193,24 @@ class Checkpointer:
             _fsync_dir(self.dir)
             if self.retain:
                 self._retain()
+            self._published = (sum(files.values()), time.perf_counter() - started, hashed)
             self.log.info("checkpoint step %d saved to %s in %.2f s (checksums %.2f s)", step, final,
-                          time.perf_counter() - started, hashed)
+                          self._published[1], hashed)
         self._barrier()
+
+    def _record(self, step: int) -> None:
+        """Rank 0: the published save in logs/events.jsonl (the goodput model's save cost)."""
+        if self.ctx.is_main and self._published:
+            size, total, hashed = self._published
+            append_event(self.plan.run_dir, CHECKPOINT_EVENT, step=step, bytes=size, blocking_s=self._blocked_s,
+                         total_s=total, checksums_s=hashed, mode=self.async_mode)
+
+    @property
+    def resumed_bytes(self) -> int:
+        """Bytes of the checkpoint this launch resumed from, every rank's files (0: none)."""
+        if self.resumed_from is None:
+            return 0
+        return sum(p.stat().st_size for p in self.resumed_from.iterdir() if p.is_file())
 
     def _gather(self, value) -> list:
         """`value` of every rank, in rank order (every rank gets the list)."""

@@ -38,12 +38,14 @@ from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
 from usp.errors import UspError
 from usp.run.files import (
+    ATTEMPT_EVENT,
     HANG_STOP,
     SPAN_BACKWARD,
     SPAN_FORWARD,
     SPAN_OPTIMIZER,
     SPAN_PIPELINE,
     SUMMARY,
+    append_event,
     step_dir_name,
     write_text_atomic,
 )
@@ -51,6 +53,7 @@ from usp.run.files import (
 
 class Trainer:
     def __init__(self, plan: RunPlan, ctx: DistContext, write_outputs: bool = True):
+        building = time.perf_counter()
         self.plan, self.ctx = plan, ctx
         self.cfg = plan.config
         self.run_dir = Path(plan.run_dir)
@@ -65,18 +68,7 @@ class Trainer:
         self.loss_parallel = deg["tp"] > 1
         self._loss = training_loss(plan)  # compiled with the blocks (usp/engine/loss.py)
 
-        dataset, self.meta = Path(plan.dataset_dir), plan_data_meta(plan)  # a saved plan: the prepared data's
-        dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
-        self.train_tokens = TokenFile(dataset / self.meta["train_bin"], dtype,  # absolute for token_files
-                                      self.meta.get("n_train_tokens"), "data.train_bin")
-        self.val_tokens = TokenFile(dataset / self.meta["val_bin"], dtype, self.meta.get("n_val_tokens"),
-                                    "data.val_bin")
-        self.sampler = make_sampler(self.meta, self.seq_len, int(batch.global_batch), self.micro,  # or a blend
-                                    ctx.dp_rank, ctx.dp_size, int(train.seed))
-        # Validation uses global-batch-sized batches so every layout evaluates the same sequences.
-        self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch.global_batch),
-                                        int(train.eval_batches), ctx.dp_rank, ctx.dp_size)
-
+        self._open_data(plan, ctx)
         self.parts = build_model(plan, ctx)
         self.raw_model = self.parts.raw
         self.experts = expert_clip_args(self.parts.modules, ctx, int(self.cfg.parallelism.ep))
@@ -93,12 +85,18 @@ class Trainer:
         self.scheduler = self.schedulers[0]
         self.checkpointer = Checkpointer(plan, ctx, self.parts, self.optimizers, self.schedulers, self.sampler,
                                          self.log)
+        loading = time.perf_counter()
         self.start_step = self.checkpointer.resume()
+        # this launch's start-up phases, logged with its first step (ATTEMPT_EVENT; the worker adds its own)
+        self.startup: dict = {"build_s": loading - building, "load_s": time.perf_counter() - loading,
+                              "loaded_bytes": self.checkpointer.resumed_bytes}
         self.last_completed_step = self.start_step
         self.console = Console(self.cfg.logging.console, self.steps, enabled=ctx.is_main, start_step=self.start_step)
         # metrics.jsonl (+ W&B, TensorBoard): rank 0 only
         self.trackers = build_trackers(plan, self.run_dir, self.start_step, warn=self.warn) \
             if ctx.is_main and write_outputs else None
+        if self.trackers is not None:
+            self.startup["previous_progress"] = self.trackers.jsonl.previous_progress
         self.probe = MemoryProbe.create(self)  # None unless train.measure_memory
         self.profiler = StepProfiler.create(self) if write_outputs else None  # None unless profile.enabled
         self.data_wait_s = 0.0  # time spent getting this step's batches (reading tokens, copying to device)
@@ -108,6 +106,21 @@ class Trainer:
         self.watch = RankWatch.create(self)
         self.evaluate = self.watch.allow("eval", self.evaluate)  # type: ignore[method-assign]
         self.checkpointer.save = self.watch.allow("checkpoint", self.checkpointer.save)  # type: ignore[method-assign]
+
+    def _open_data(self, plan: RunPlan, ctx: DistContext) -> None:
+        """The token files, this data-parallel rank's sampler and the validation batches."""
+        train, batch = self.cfg.train, plan.batch
+        dataset, self.meta = Path(plan.dataset_dir), plan_data_meta(plan)  # a saved plan: the prepared data's
+        dtype = meta_dtype(self.meta)  # uint16 for datasets prepared before the dtype was recorded
+        self.train_tokens = TokenFile(dataset / self.meta["train_bin"], dtype,  # absolute for token_files
+                                      self.meta.get("n_train_tokens"), "data.train_bin")
+        self.val_tokens = TokenFile(dataset / self.meta["val_bin"], dtype, self.meta.get("n_val_tokens"),
+                                    "data.val_bin")
+        self.sampler = make_sampler(self.meta, self.seq_len, int(batch.global_batch), self.micro,  # or a blend
+                                    ctx.dp_rank, ctx.dp_size, int(train.seed))
+        # Validation uses global-batch-sized batches so every layout evaluates the same sequences.
+        self.eval_batches = EvalBatches(len(self.val_tokens), self.seq_len, int(batch.global_batch),
+                                        int(train.eval_batches), ctx.dp_rank, ctx.dp_size)
 
     # -- one optimizer step ------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float]:
@@ -233,7 +246,9 @@ class Trainer:
                 self.watch.step(step)
                 self._stop_if_signalled(step)
                 loss, val_loss = self._fit_step(step, started)
-                first_loss = loss if first_loss is None else first_loss
+                if first_loss is None:
+                    first_loss = loss
+                    self._log_attempt(time.perf_counter() - started)
             self.checkpointer.save(self.steps, blocking=True)
         finally:
             self.watch.close()
@@ -259,7 +274,8 @@ class Trainer:
                       "tokens": done * self.global_tokens, "step_time_s": dt,
                       "tokens_per_s": self.global_tokens / dt,
                       "tokens_per_s_per_device": self.global_tokens / dt / self.ctx.world_size,
-                      "elapsed_s": time.perf_counter() - started, **self._performance(dt, data_wait),
+                      "elapsed_s": time.perf_counter() - started, "time": time.time(),
+                      **self._performance(dt, data_wait),
                       **self._expert_load(), **self.watch.record(done)}
             self._log_record(step, record)
         self.console.step(done, record)
@@ -267,6 +283,13 @@ class Trainer:
         if self.checkpointer.due(done):
             self.checkpointer.save(done)
         return loss, val_loss
+
+    def _log_attempt(self, first_step_s: float) -> None:
+        """Rank 0: this launch's start-up phases and its first step, in logs/events.jsonl."""
+        if self.ctx.is_main:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
+            append_event(self.run_dir, ATTEMPT_EVENT, attempt=int(attempt), resumed_from_step=self.start_step,
+                         first_step_s=first_step_s, **self.startup)
 
     def _log_record(self, step: int, record: dict) -> None:
         """A logged step: the memory probe's fields, the history, the rank log, the trackers."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import sys
@@ -19,7 +18,7 @@ from usp.contract.run_plan import RunPlan
 from usp.contract.typed import PlanFileError
 from usp.data.data_error import DataError
 from usp.data.tokenized import plan_data_meta
-from usp.engine import signals
+from usp.engine import PROCESS_STARTED, signals
 from usp.engine.accel import apply_determinism
 from usp.engine.observe.failure import record_failures, recorded
 from usp.engine.parallel import mesh as udist
@@ -31,10 +30,11 @@ from usp.run.files import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     METRICS,
+    RESTART_EVENT,
     SAMPLE,
     STOP_EVENT,
     SUMMARY_BY_LAUNCHER_ENV,
-    events_path,
+    append_event,
 )
 
 
@@ -44,25 +44,34 @@ from usp.run.files import (
 def run_worker(plan_path: str) -> int:
     """Train one rank; returns 0, or after a stop signal EXIT_INTERRUPTED (SIGINT) or EXIT_PREEMPTED."""
     plan = read_plan(Path(plan_path))  # rebuilt and checked against its types (usp/contract/plan_file.py)
+    imported = time.time()
+    ft = _replica_group(plan)  # fault_tolerance=torchft: this process trains in one replica group
+    if ft is not None:
+        plan = ft.group_plan(plan)
     torch.manual_seed(int(plan.config.train.seed))
     apply_determinism(plan)
     ctx = udist.setup(plan)
+    if ft is not None:
+        ctx = ft.group_context(ctx, plan, ft.replica_group(plan))
+    met = time.time()
     clean, code, lock = False, 0, None
     try:
         if ctx.is_main:  # the launcher's run lock kept alive, or taken here (a Slurm job, torchrun by hand)
             lock = runlock.acquire(plan.run_dir, token=os.environ.get(runlock.TOKEN_ENV))
             lock.start_heartbeat()
-        trainer = Trainer(plan, ctx)
+        trainer = ft.ReplicaGroupTrainer(plan, ctx) if ft is not None else Trainer(plan, ctx)
+        trainer.startup.update(process_started=PROCESS_STARTED, imports_s=imported - PROCESS_STARTED,
+                               rendezvous_s=met - imported)
         _log_placement(ctx, plan)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts and ctx.is_main:
-            log_event(trainer.run_dir, "restart", restart=restarts, resumed_from_step=trainer.start_step)
+            append_event(trainer.run_dir, RESTART_EVENT, restart=restarts, resumed_from_step=trainer.start_step)
         try:
             summary = trainer.fit()
         except Stopped as stop:
             summary, code = None, EXIT_INTERRUPTED if stop.signal == "SIGINT" else EXIT_PREEMPTED
             if ctx.is_main:
-                log_event(trainer.run_dir, STOP_EVENT, step=stop.step, signal=stop.signal, checkpoint=stop.saved)
+                append_event(trainer.run_dir, STOP_EVENT, step=stop.step, signal=stop.signal, checkpoint=stop.saved)
                 print(f"usp: {stop}", flush=True)
         if summary is not None and ctx.is_main:
             _final_report(trainer, summary)
@@ -76,6 +85,15 @@ def run_worker(plan_path: str) -> int:
             lock.release()
         udist.teardown(clean)
     return code
+
+
+def _replica_group(plan: RunPlan):
+    """usp/engine/fault_tolerance.py when the plan says fault_tolerance=torchft, else None."""
+    if plan.fault_tolerance is None:
+        return None
+    from usp.engine import fault_tolerance
+
+    return fault_tolerance
 
 
 def _log_placement(ctx, plan: RunPlan) -> None:
@@ -101,14 +119,6 @@ def _log_placement(ctx, plan: RunPlan) -> None:
 
 
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-
-
-def log_event(run_dir: Path, event: str, **fields) -> None:
-    """One line per run-level event (restart, preemption) in logs/events.jsonl."""
-    path = events_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 def _final_report(trainer: Trainer, summary: dict) -> None:

@@ -118,6 +118,14 @@ def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
     ]
 
 
+def check_launchable(plan) -> None:
+    """Before anything is written: what this machine lacks for the plan (torchft for fault_tolerance=torchft)."""
+    if plan.fault_tolerance is not None:
+        from usp.launch.lighthouse import require_torchft
+
+        require_torchft()
+
+
 def launch_local(plan, plan_path: Path) -> int:
     """Run the plan here and return the exit code of the run: 0 = success; after a stop signal
     (run the same command again to resume) EXIT_INTERRUPTED (SIGINT, or stopped at once by a

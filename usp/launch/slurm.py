@@ -37,11 +37,16 @@ def submit(script: Path, plans: list[Path], log_dir: Path, record_dir: Path) -> 
     if not job_id.isdigit():
         raise LaunchError(f"sbatch printed no job id: {out.strip()!r}", key="cluster.slurm",
                           fix=f"submit by hand to see why: sbatch {script}")
+    record(record_dir, job_id, script, log_dir, plans)
+    return job_id
+
+
+def record(record_dir: Path, job_id: str, script: Path, log_dir: Path, plans: list[Path]) -> None:
+    """Append a submission to <record_dir>/job.json."""
     jobs = read_jobs(record_dir)
     jobs.append({"job_id": job_id, "script": str(script), "log_dir": str(log_dir),
                  "plans": [str(p) for p in plans], "submitted_at": time.time()})
     write_text_atomic(record_dir / JOB_RECORD, json.dumps({"jobs": jobs}, indent=1) + "\n")
-    return job_id
 
 
 def find_job(run_dir: Path) -> tuple[dict, int | None] | None:
@@ -126,6 +131,10 @@ def unhealthy_nodes(nodelist: str) -> dict[str, str]:
         if any(word in state for word in _UNHEALTHY) or state.endswith("*"):
             bad[fields.get("NodeName", "?")] = state
     return bad
+
+
+def requeue(job_id: str) -> None:
+    _slurm(["scontrol", "requeue", job_id], "requeue the job")
 
 
 def cancel(job_id: str) -> None:

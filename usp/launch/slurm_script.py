@@ -19,10 +19,12 @@ from usp.plan.rules import field_failures
 from usp.run.files import EXIT_PREEMPTED, logs_dir
 
 TEMPLATE = "job.sbatch.j2"
+LIGHTHOUSE_TEMPLATE = "lighthouse.sbatch.j2"
+LIGHTHOUSE_WAIT_S = 600  # a replica group's task waits this long for the lighthouse job's address
 
 
 def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_dir: Path | None = None,
-               title: str | None = None, array_limit: int = 0) -> str:
+               title: str | None = None, array_limit: int = 0, lighthouse_file: Path | None = None) -> str:
     """The batch script for one run (one plan) or a job array (one plan per task; all plans
     must ask for the same nodes and processes). `command` is the usp command line, shown in
     a comment only."""
@@ -60,6 +62,9 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
         "shutdown_timeout_s": max(30, lead - 30),  # leave the ranks time to checkpoint before SIGKILL
         "srun_options": _srun_options(slurm),
         "exit_preempted": EXIT_PREEMPTED,  # "try again later": resubmitting resumes from the checkpoint
+        "ft": lighthouse_file is not None,  # fault_tolerance=torchft: one array task per replica group
+        "lighthouse_file": str(lighthouse_file or ""),
+        "lighthouse_wait_s": LIGHTHOUSE_WAIT_S,
     }
     return _environment().get_template(TEMPLATE).render(**context)
 
@@ -129,3 +134,15 @@ def _environment():
                              keep_trailing_newline=True, autoescape=False)
     env.filters["q"] = lambda value: shlex.quote(str(value))
     return env
+
+
+def render_lighthouse(plan, array_job: str, *, log_dir: Path) -> str:
+    """The lighthouse's batch script (fault_tolerance=torchft): one CPU on one node, the lighthouse and the
+    watch over the replica groups' array job `array_job` (usp/launch/lighthouse.py)."""
+    slurm = plan.config.cluster.slurm
+    options = [f"--{key}={getattr(slurm, key)}" for key in ("partition", "account", "qos") if getattr(slurm, key)]
+    context = {"job_name": _job_name(f"{plan.name}-lighthouse"), "options": options, "time": slurm.time,
+               "output": str(log_dir / "slurm-%j.out"), "setup": list(slurm.setup),
+               "python": slurm.python or sys.executable, "run_dir": str(Path(plan.run_dir).resolve()),
+               "array_job": array_job, "title": f"torchft lighthouse of run {plan.name}"}
+    return _environment().get_template(LIGHTHOUSE_TEMPLATE).render(**context)

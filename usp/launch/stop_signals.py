@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
+from typing import Self
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # torchrun passes each on to its ranks
 
@@ -29,7 +30,7 @@ class StopForwarder:
         self.second: str | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> StopForwarder:
+    def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED}
         return self

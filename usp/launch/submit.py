@@ -25,7 +25,16 @@ def submit_run(plan, plan_path: Path, command: list[str], *, dry_run: bool = Fal
     console = console or Console()
     run_dir = Path(plan.run_dir)
     log_dir = default_log_dir(plan)
-    text = render_job([plan], [plan_path], command, log_dir=log_dir)
+    if plan.fault_tolerance is not None and not dry_run:
+        from usp.launch.ft_slurm import submit_replica_groups
+
+        return submit_replica_groups(plan, plan_path, command, log_dir, console)
+    if plan.fault_tolerance is not None:
+        from usp.launch.ft_slurm import replica_group_script
+
+        text = replica_group_script(plan, plan_path, command, log_dir)
+    else:
+        text = render_job([plan], [plan_path], command, log_dir=log_dir)
     script = slurm.write_script(text, run_dir / JOB_SCRIPT)
     if dry_run:
         log_dir.mkdir(parents=True, exist_ok=True)  # for a later `sbatch job.sbatch` (slurm.submit makes it too)

@@ -9,8 +9,11 @@ way the quoted count's layout is one `usp plan` accepts (usp/plan/sizing.py), an
 stays the config's (train.global_batch_tokens, or train.global_batch sequences), as a real run
 fixes it whatever the device count.
 
-    hours = tokens / (tokens/s of the best layout at that size) / 3600
+    hours = tokens / (tokens/s of the best layout at that size) / goodput / 3600
     MFU   = FLOPs/token x tokens/s / (devices x peak)            FLOPs/token = 6·N + 12·L·h·s
+
+goodput: the share of the wall time that trains at that size, its failures, checkpoints and restarts
+counted (usp/perf/goodput.py); the estimate says how many failures the hours hold.
 
 --mfu turns the search off: the devices (or hours) follow from the given MFU alone."""
 from __future__ import annotations
@@ -49,6 +52,9 @@ class Estimate:
     price_per_device_hour: float = 0.0
     cost: float | None = None
     tried: list[tuple[int, float | None]] = field(default_factory=list)  # (nodes, hours; None: nothing fits)
+    goodput: float | None = None  # training time / wall time at the quoted size (usp/perf/goodput.py)
+    failures: float | None = None  # expected failures over the hours
+    failures_per_day: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -117,7 +123,7 @@ def _sized(ctx, cfg, choices, nodes: int, est: Estimate, progress) -> Sized | No
     if progress is not None:
         progress(f"searching layouts on {nodes:,} node(s) ({nodes * ctx.hw.procs_per_node:,} devices)")
     at = sized_at(ctx, cfg, choices, nodes)
-    est.tried.append((nodes, None if at is None else float(est.tokens or 0) / at.tokens_per_s / 3600))
+    est.tried.append((nodes, None if at is None else _hours(est, at.tokens_per_s, at.plan)))
     return at
 
 
@@ -129,18 +135,19 @@ def _smallest_meeting(ctx, cfg, choices, hours: float, est: Estimate, progress) 
     low, nodes, best = 0, 2 ** max(0, math.floor(math.log2(least))), None
     while True:
         at = _sized(ctx, cfg, choices, nodes, est, progress)
-        if at is not None and _hours(est, at) <= hours:
+        if at is not None and _hours(est, at.tokens_per_s, at.plan) <= hours:
             break
         if at is None and best is not None or nodes >= MAX_NODES:  # past the size the batch splits over
             raise _too_slow(est, hours, best)
         best = at if at is not None and (best is None or at.tokens_per_s > best.tokens_per_s) else best
         low, nodes = nodes, nodes * 2
     met = at
-    exact = math.ceil(float(est.tokens or 0) / (hours * 3600 * met.tokens_per_s / met.devices) / per_node)
+    rate = float(est.tokens or 0) / (_hours(est, met.tokens_per_s, met.plan) * 3600) / met.devices  # failures counted
+    exact = math.ceil(float(est.tokens or 0) / (hours * 3600 * rate) / per_node)
     between = sorted({n for n in [exact, *_octave(low)] if low < n < met.nodes and n >= exact})
     for n in between:
         at = _sized(ctx, cfg, choices, n, est, progress)
-        if at is not None and _hours(est, at) <= hours:
+        if at is not None and _hours(est, at.tokens_per_s, at.plan) <= hours:
             return at
     return met
 
@@ -160,7 +167,8 @@ def _configured(plan, ctx, cfg, choices, est: Estimate, progress) -> Sized | Non
         est.mfu, est.mfu_source = plan.timing.mfu, "predicted for the configured layout"
         est.nodes, est.devices = ctx.hw.nodes, ctx.hw.world
         est.tokens_per_s = plan.timing.tokens_per_s
-        est.hours = float(est.tokens or 0) / est.tokens_per_s / 3600
+        est.hours = _hours(est, est.tokens_per_s, plan)
+        _count_failures(est, plan)
         return None
     est.notes.append("the configured layout does not fit; quoted: the best layout on the configured nodes")
     at = _sized(ctx, cfg, choices, ctx.hw.nodes, est, progress)
@@ -169,14 +177,22 @@ def _configured(plan, ctx, cfg, choices, est: Estimate, progress) -> Sized | Non
     return at
 
 
-def _hours(est: Estimate, at: Sized) -> float:
-    return float(est.tokens or 0) / at.tokens_per_s / 3600
+def _hours(est: Estimate, tokens_per_s: float, plan) -> float:
+    """Wall hours for the token budget at this throughput, the plan's failures counted."""
+    return float(est.tokens or 0) / tokens_per_s / plan.goodput.expected / 3600
+
+
+def _count_failures(est: Estimate, plan) -> None:
+    gp = plan.goodput
+    est.goodput, est.failures_per_day = gp.expected, gp.failures_per_day
+    est.failures = float(est.hours or 0.0) * 3600 / gp.job_mtbf_s
 
 
 def _quote(est: Estimate, at: Sized | None, price: float) -> None:
     if at is not None:
         est.nodes, est.devices, est.tokens_per_s = at.nodes, at.devices, at.tokens_per_s
-        est.hours, est.mfu = _hours(est, at), at.mfu
+        est.hours, est.mfu = _hours(est, at.tokens_per_s, at.plan), at.mfu
+        _count_failures(est, at.plan)
         est.mfu_source = f"predicted for the best layout on {at.devices:,} devices"
         est.layout, est.overrides = at.candidate.describe(), at.overrides
     if price > 0 and est.devices and est.hours is not None:
@@ -198,7 +214,8 @@ def _given_mfu(est: Estimate, hw, hours: float | None, gpus: int | None, mfu: fl
         est.devices = gpus or hw.world
         est.nodes = math.ceil(est.devices / hw.procs_per_node)
     est.hours = total / (est.devices * rate) / 3600
-    est.notes.append("--mfu: no layout planned at that size (leave --mfu out to search one)")
+    est.notes.append("--mfu: no layout planned at that size (leave --mfu out to search one), and no failures "
+                     "counted: every hour trains")
     if hw.price_per_device_hour > 0:
         est.cost = est.devices * est.hours * hw.price_per_device_hour
     return est
@@ -213,7 +230,8 @@ def _nothing_fits(est: Estimate, nodes: int, per_node: int) -> PlanError:
 
 
 def _too_slow(est: Estimate, hours: float, at: Sized | None) -> PlanError:
-    best = f"; the best at {at.devices:,} devices takes {_hours(est, at):,.0f} h" if at is not None else ""
+    best = (f"; the best at {at.devices:,} devices takes {_hours(est, at.tokens_per_s, at.plan):,.0f} h"
+            if at is not None else "")
     return PlanError(f"no node count up to {MAX_NODES:,} trains {est.tokens:.3g} tokens within {hours:g} hours at "
                      f"a global batch of {est.global_batch:,} sequences{best}", key="--hours", value=hours,
                      fix="a later deadline, fewer tokens (train.tokens), or a larger global batch "

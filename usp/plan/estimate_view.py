@@ -51,6 +51,9 @@ def _rows(est: Estimate) -> list[tuple[str, str]]:
     rows += [("MFU", f"{est.mfu:.1%} ({est.mfu_source})"),
              ("time", f"{hours:,.1f} hours = {hours / 24:,.1f} days = {hours * devices:,.0f} "
                       f"{est.device_name.split()[0]}-hours"),
+             *([("failures", f"{est.failures:,.1f} expected in those hours ({est.failures_per_day:.3g}/day); goodput "
+                             f"{est.goodput:.1%}: the hours count them, the checkpoints and the restarts")]
+               if est.failures is not None else []),
              ("cost", f"${est.cost:,.0f} at ${est.price_per_device_hour:g}/device-hour" if est.cost is not None
               else "unknown (cluster.price_per_device_hour=0)")]
     return rows

@@ -8,9 +8,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from usp.contract.config_schema import UspConfig
-from usp.contract.decide import engine_choices, hang_window
+from usp.contract.decide import engine_choices, fault_tolerance_plan, hang_window
 from usp.contract.dims import MESH_DIMS, ParallelDims
-from usp.contract.run_plan import BatchPlan, Decisions, ModelPlan, RunPlan
+from usp.contract.run_plan import BatchPlan, Decisions, FaultTolerancePlan, ModelPlan, RunPlan
 from usp.contract.typed import plain, rebuild
 from usp.errors import PlanError
 from usp.plan import rules
@@ -57,6 +57,8 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
         decisions=decisions(config, degrees, str(cluster.device), run_dir, arch.vocab_size),
         pipeline=pipeline, warnings=data_warnings,
     )
+    ft = fault_tolerance_plan(config, degrees, nodes, per_node)
+    plan.fault_tolerance = FaultTolerancePlan(**ft) if ft is not None else None
     analyse(plan, cfg, subject, force=force, strict=strict, training=training)
     _watch_for_hangs(plan)
     return plan

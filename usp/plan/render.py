@@ -60,6 +60,8 @@ def render_plan(plan, console: Console | None = None) -> None:
         console.print(memory_table(plan.memory))
     if getattr(plan, "timing", None) is not None:
         console.print(timing_table(plan.timing))
+    if getattr(plan, "goodput", None) is not None and plan.timing is not None:
+        console.print(goodput_table(plan.goodput, plan.timing, plan.nodes))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
 
@@ -100,8 +102,11 @@ def hang_summary(plan) -> str:
     """When a rank counts as hung (docs/hangs.md): the window, where it comes from, the phases' allowances."""
     hang = plan.decisions.hang
     if hang is None:
-        return ("off: one process, no collective to hang in" if plan.world_size < 2
-                else "off (train.hang_timeout_s=0)")
+        if plan.world_size < 2:
+            return "off: one process, no collective to hang in"
+        if plan.fault_tolerance is not None:
+            return "off under fault_tolerance=torchft: a replica group that stops is dropped by the others' quorum"
+        return "off (train.hang_timeout_s=0)"
     return (f"{hang.step_s:.3g} s without a step dumps every rank's stack and stops the run ({hang.source}); "
             f"first step {hang.first_step_s:.3g} s, evaluation {hang.eval_s:.3g} s, checkpoint "
             f"{hang.checkpoint_s:.3g} s")
@@ -215,6 +220,54 @@ def timing_table(tim):
     for row in rows:
         table.add_row(*row)
     return _with_notes(table, [*tim.calibration, *tim.assumptions])
+
+
+def _duration(seconds: float) -> str:
+    for div, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= div:
+            return f"{seconds / div:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def goodput_table(gp, tim, nodes: int):
+    """Failures, checkpoint costs, the interval and the goodput (usp/perf/goodput.py)."""
+    table = Table(title="failures and checkpoints, predicted (docs/faults.md)", title_justify="left")
+    table.add_column("term")
+    table.add_column("value", justify="right")
+    table.add_column("how")
+    terms = " + ".join(f"{k} {_duration(v)}" for k, v in gp.restart_terms.items())
+    if gp.interval_steps == 0:
+        interval = ("only at the end", "a failure loses the run so far")
+    else:
+        how = ("checkpoint.interval=auto: the Young–Daly interval √(2·save·MTBF)" if gp.interval_auto else
+               f"checkpoint.interval; Young–Daly: {gp.young_daly_steps:,} steps ({_duration(gp.young_daly_s)})")
+        interval = (f"{gp.interval_steps:,} steps", f"{_duration(gp.interval_s)} of training; {how}")
+    rows = [
+        ("failures / day", f"{gp.failures_per_day:.3g}",
+         f"one every {_duration(gp.job_mtbf_s)}: node MTBF {gp.node_mtbf_hours:,.0f} h / {nodes:,} node(s)"),
+        ("checkpoint", human(gp.written_bytes, "B"),
+         f"written per save (parameters + optimizer states once); a load reads {human(gp.read_bytes, 'B')}"),
+        ("save blocks", _duration(gp.save_blocking_s), f"the write takes {_duration(gp.save_write_s)}"),
+        ("restart", _duration(gp.restart_s), terms),
+        ("checkpoint every", *interval),
+        ("lost per failure", _duration(gp.lost_per_failure_s), "the restart + half a checkpoint period"),
+        ("[bold]goodput[/]" if gp.mode == "restart" else "goodput, restarting every rank",
+         f"[bold]{gp.goodput:.1%}[/]" if gp.mode == "restart" else f"{gp.goodput:.1%}",
+         "training time / wall time (Daly's model): every failure restarts the job"),
+    ]
+    if gp.torchft is not None:
+        ft = gp.torchft
+        chosen = gp.mode == "torchft"
+        rows.append(("[bold]goodput with torchft[/]" if chosen else "goodput with torchft",
+                     f"[bold]{ft.goodput:.1%}[/]" if chosen else f"{ft.goodput:.1%}",
+                     f"{ft.groups} replica groups: a failure restarts one group ({_duration(ft.group_restart_s)}, "
+                     f"healing {_duration(ft.heal_s)}) while the others train on"
+                     + ("" if chosen else " (fault_tolerance=torchft)")))
+    rows.append(("MFU x goodput", f"{tim.mfu * gp.expected:.1%}",
+                 f"MFU {tim.mfu:.1%} over the wall time, failures counted"))
+    for row in rows:
+        table.add_row(*row)
+    return _with_notes(table, gp.notes)
 
 
 def _band_rows(tim) -> list[tuple]:

@@ -78,6 +78,27 @@ class RopeSettings:
 
 
 @dataclass(frozen=True)
+class FtSettings:
+    """fault_tolerance=torchft and the values of other groups its rules read (docs/fault_tolerance.md)."""
+
+    kind: str = "none"
+    min_replicas: int = 1
+    async_checkpoint: bool = False
+    max_restarts: int = 0
+    trackers: bool = False  # logging.wandb or logging.tensorboard
+
+    @classmethod
+    def from_config(cls, cfg) -> FtSettings:
+        ft = getattr(cfg, "fault_tolerance", None)
+        if ft is None or str(ft.kind) != "torchft":
+            return cls()
+        return cls(kind="torchft", min_replicas=int(ft.min_replicas),
+                   async_checkpoint=str(cfg.checkpoint.async_mode) == "async" and bool(cfg.checkpoint.enabled),
+                   max_restarts=int(cfg.train.max_restarts),
+                   trackers=bool(cfg.logging.wandb) or bool(cfg.logging.tensorboard))
+
+
+@dataclass(frozen=True)
 class Settings:
     """The config values a few rules need besides the shape, the layout and the hardware."""
 
@@ -94,6 +115,7 @@ class Settings:
     rope: RopeSettings = RopeSettings()
     checkpoint_bytes: int = 0  # model.init_from: bytes per value of its tensors, 0 = no load (usp.plan.planner_inputs)
     tokens: float | None = None  # train.tokens: the token budget, when one is set
+    ft: FtSettings = FtSettings()  # fault_tolerance.* and the settings torchft's replica groups can't take
 
     @classmethod
     def from_config(cls, cfg) -> Settings:
@@ -104,7 +126,7 @@ class Settings:
                    optim=OptimSettings.from_config(cfg.optimizer, int(train.steps)),
                    tokenizer=str(cfg.data.tokenizer), node_rank=cluster.node_rank,
                    rdzv_endpoint=cluster.rdzv_endpoint, compile=train.compile, fp8=str(train.fp8),
-                   rope=RopeSettings.from_model(cfg.model), tokens=train.tokens)
+                   rope=RopeSettings.from_model(cfg.model), tokens=train.tokens, ft=FtSettings.from_config(cfg))
 
 
 @dataclass(frozen=True)
@@ -414,6 +436,66 @@ def _flash(s: Subject) -> bool:
     return s.arch.attention == "flash_attn"
 
 
+def _ft(s: Subject) -> bool:
+    return s.settings.ft.kind == "torchft"
+
+
+def _ft_groups_placed(s: Subject) -> bool:
+    """Each replica group is a job of whole nodes, or the groups share one node evenly."""
+    groups, nodes, per_node = s.layout.dp_replicate, s.hw.nodes, s.hw.procs_per_node
+    return nodes % groups == 0 if nodes > 1 else per_node % groups == 0
+
+
+FT_FIX = "fault_tolerance=none"
+FT_RULES = [  # fault_tolerance=torchft (docs/fault_tolerance.md)
+    Rule("ft_needs_replicas", "plan", "parallelism.dp_replicate", lambda s: _ft(s) and s.layout.dp_replicate < 2,
+         "torchft keeps training when a replica group is lost: the groups are the data-parallel replicate "
+         "dimension (DDP, or HSDP's outer dim), and this layout has none", "parallelism.dp_replicate=<replica "
+         f"groups, at least 2> (each group trains the rest of the layout: dp_shard x cp x tp x pp), or {FT_FIX}",
+         lambda s: s.layout.dp_replicate),
+    Rule("ft_min_replicas", "plan", "fault_tolerance.min_replicas",
+         lambda s: _ft(s) and s.settings.ft.min_replicas > s.layout.dp_replicate,
+         lambda s: f"a step needs more replica groups than the run has (parallelism.dp_replicate="
+                   f"{s.layout.dp_replicate}): no step could commit",
+         lambda s: f"fault_tolerance.min_replicas=1 (at most {s.layout.dp_replicate})",
+         lambda s: s.settings.ft.min_replicas),
+    Rule("ft_groups_on_nodes", "plan", "cluster.nodes", lambda s: _ft(s) and not _ft_groups_placed(s),
+         lambda s: f"each of the {s.layout.dp_replicate} replica groups is a job of its own: it needs whole nodes "
+                   f"(cluster.nodes a multiple of {s.layout.dp_replicate}), or the groups share one node evenly "
+                   f"(cluster.procs_per_node a multiple of {s.layout.dp_replicate})",
+         lambda s: f"cluster.nodes={s.layout.dp_replicate * max(1, s.hw.nodes // s.layout.dp_replicate)} (or "
+                   f"parallelism.dp_replicate dividing cluster.nodes)", lambda s: s.hw.nodes),
+    Rule("ft_zero1", "engine", "parallelism.zero1", lambda s: _ft(s) and s.layout.zero1,
+         "ZeRO-1 shards the optimizer states over the replicated ranks; under torchft each replica group keeps "
+         "a whole copy (a lost group heals from a live one)", "parallelism.zero1=false (shard inside each group: "
+         "parallelism.dp_shard=<ranks>)", True),
+    Rule("ft_comm_hook", "engine", "parallelism.ddp_comm_hook",
+         lambda s: _ft(s) and s.settings.ddp_comm_hook != "none",
+         "DDP's communication hooks compress DDP's all-reduce; under torchft the gradients between replica "
+         "groups go through torchft's all-reduce", "parallelism.ddp_comm_hook=none",
+         lambda s: s.settings.ddp_comm_hook),
+    Rule("ft_dense_only", "engine", "model.n_experts", lambda s: _ft(s) and s.arch.moe,
+         "MoE's load-balancing statistics are summed over the global batch inside the forward, across the replica "
+         "groups, which torchft's per-step all-reduce of gradients does not carry", f"a dense model, or {FT_FIX}",
+         lambda s: s.arch.n_experts),
+    Rule("ft_async_checkpoint", "engine", "checkpoint.async_mode", lambda s: _ft(s) and s.settings.ft.async_checkpoint,
+         "under torchft the replica group that writes a checkpoint may change from one save to the next; a save "
+         "in the background would outlive it", "checkpoint.async_mode=none", "async"),
+    Rule("ft_max_restarts", "engine", "train.max_restarts", lambda s: _ft(s) and s.settings.ft.max_restarts > 0,
+         "torchrun's restarts restart a whole job; under torchft usp restarts each lost replica group on its own",
+         "train.max_restarts=0 (fault_tolerance.max_group_restarts locally, cluster.slurm.max_requeues on Slurm)",
+         lambda s: s.settings.ft.max_restarts),
+    Rule("ft_trackers", "engine", "logging.wandb", lambda s: _ft(s) and s.settings.ft.trackers,
+         "under torchft the replica group that logs each step changes as groups come and go; W&B and TensorBoard "
+         "are not written from several jobs yet (metrics.jsonl is, with the participants of every step)",
+         "logging.wandb=false logging.tensorboard=false", True, also=("logging.tensorboard",)),
+    Rule("ft_local_one_node", "engine", "cluster.nodes",
+         lambda s: _ft(s) and s.settings.launcher == "local" and s.hw.nodes > 1,
+         "the local launcher starts the replica groups and the lighthouse on this machine only",
+         "cluster=<a Slurm group> (one job per replica group), or cluster.nodes=1", lambda s: s.hw.nodes),
+]
+
+
 ENGINE_RULES = [
     Rule("expert_parallel", "engine", "parallelism.ep", lambda s: bool(_ep_problems(s)),
          lambda s: "; ".join(_ep_problems(s)), _ep_fix, lambda s: s.layout.ep),
@@ -567,7 +649,8 @@ WARN_RULES = [
          "parallelism.tp=1 with parallelism.ep to shard the experts, or drop --strict", lambda s: s.layout.tp),
 ]
 
-RULES: list[Rule] = [*CONFIG_RULES, *MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *ENGINE_RULES, *WARN_RULES]
+RULES: list[Rule] = [*CONFIG_RULES, *MODEL_RULES, *LAYOUT_RULES, *BATCH_RULES, *FT_RULES, *ENGINE_RULES,
+                     *WARN_RULES]
 assert all(r.kind in KINDS for r in RULES) and len({r.name for r in RULES}) == len(RULES)
 
 
@@ -763,6 +846,14 @@ CLUSTER_FIELD_RULES = [
     *(_real(f"cluster.{k}", 0, lo_open=True, fix=f"cluster.{k}=<GB/s per device, one direction>")
       for k in ("intra_node_gbps", "inter_node_gbps")),
     _real("cluster.price_per_device_hour", 0, meaning=" (0 = unknown)"),
+    _real("cluster.reliability.node_mtbf_hours", 0, lo_open=True, meaning=" (mean hours between one node's failures)",
+          fix="cluster.reliability.node_mtbf_hours=6335 (Llama 3's fleet; docs/faults.md)"),
+    *(_real(f"cluster.reliability.{k}", 0, meaning=" (seconds)") for k in (
+        "job_start_s", "rendezvous_s", "build_s", "checkpoint_overhead_s")),
+    *(_real(f"cluster.storage.{k}", 0, lo_open=True, meaning=" (GB/s)") for k in (
+        "write_gbps_per_node", "read_gbps_per_node", "host_copy_gbps")),
+    *(_real(f"cluster.storage.{k}", 0, meaning=" (GB/s; 0 = no limit past the nodes')") for k in (
+        "write_gbps_total", "read_gbps_total")),
     _real(f"{TIMING}kernel_efficiency", 0, 1, lo_open=True, meaning=" (a share of the peak)"),
     *(_real(f"{TIMING}{k}", 0) for k in (
         "kernel_half_tokens", "kernel_half_dim", "intra_hop_us", "inter_hop_us", "call_overhead_us", "p2p_us",
@@ -852,7 +943,9 @@ TRAIN_FIELD_RULES = [
                    f"to {2 * float(v['train.hang_timeout_s']):g} or more", lambda v: v["train.hang_timeout_s"]),
 ]
 CHECKPOINT_FIELD_RULES = [
-    _at_least("checkpoint.interval", 0, " (0 = only at the end)"),
+    _field("checkpoint.interval", lambda x: x != "auto" and _ints(0)(x),
+           "must be auto (the Young–Daly interval for the cluster's failure rate) or a number of steps >= 0 "
+           "(0 = only at the end)", "checkpoint.interval=auto"),
     _at_least("checkpoint.keep_last", 0, " (0 = keep every one)"),
     Rule("checkpoint.resume", "plan", "checkpoint.resume",
          lambda v: bool(v["checkpoint.enabled"]) and _resume_problem(v["checkpoint.resume"]) is not None,
@@ -863,6 +956,22 @@ CHECKPOINT_FIELD_RULES = [
 LOGGING_FIELD_RULES = [_real("logging.wandb_init_timeout_s", 0, lo_open=True)]
 
 
+def _torchft(v: Values) -> bool:
+    return str(v["fault_tolerance.kind"]) == "torchft"
+
+
+FT_FIELD_RULES = [
+    _at_least("fault_tolerance.min_replicas", 1, fix="fault_tolerance.min_replicas=1", when=_torchft),
+    *(_at_least(f"fault_tolerance.{k}", 1, " (seconds)", when=_torchft)
+      for k in ("timeout_s", "quorum_timeout_s", "start_timeout_s")),
+    _real("fault_tolerance.heartbeat_timeout_s", 0, lo_open=True, when=_torchft),
+    _real("fault_tolerance.join_timeout_s", 0, when=_torchft),
+    _at_least("fault_tolerance.max_group_restarts", 0, when=_torchft),
+    _field("fault_tolerance.lighthouse_port", _ints(0, 65535), "not a TCP port (0 = a free one)",
+           "fault_tolerance.lighthouse_port=0", when=_torchft),
+]
+
+
 def _enum_rules() -> list[Rule]:
     """A rule per Enum-typed schema key: omegaconf already refuses other values when it composes, so
     these speak for a plain dict, e.g. the engine's plan.yaml (usp.engine.worker checks it again)."""
@@ -871,7 +980,7 @@ def _enum_rules() -> list[Rule]:
 
 FIELD_RULES: list[Rule] = [*MODEL_FIELD_RULES, *PARALLEL_FIELD_RULES, *CLUSTER_FIELD_RULES, *SLURM_FIELD_RULES,
                            *DATA_FIELD_RULES, *TRAIN_FIELD_RULES, *CHECKPOINT_FIELD_RULES, *LOGGING_FIELD_RULES,
-                           *_enum_rules()]
+                           *FT_FIELD_RULES, *_enum_rules()]
 
 
 def field_failures(cfg) -> list[PlanError]:

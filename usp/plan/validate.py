@@ -43,6 +43,7 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
     """For a plan whose rules of kind "plan" hold: add the warn rules' warnings (raise the first
     under strict) and the observability checks, attach plan.memory / plan.timing, raise the
     predicted OOM (a warning under `force`). training=False: say what `usp train` would still refuse."""
+    from usp.perf.goodput import plan_goodput
     from usp.perf.memory import memory_plan
     from usp.perf.timing import timing_plan
 
@@ -55,6 +56,9 @@ def analyse(plan, cfg, subject: Subject, *, force: bool = False, strict: bool = 
                               load_bytes=subject.settings.checkpoint_bytes)
     plan.timing = timing_plan(ctx.arch, layout, plan.batch.seq_len, plan.batch.global_batch, hw, ctx.prec, ctx.profile,
                               plan.memory.peak.total)  # the memory model's peak, not computed again
+    plan.goodput = plan_goodput(plan, ctx.prec, cfg.cluster)
+    if plan.goodput.interval_auto:  # checkpoint.interval=auto: plan.yaml (and the engine) get the number
+        plan.config.checkpoint.interval = plan.goodput.interval_steps
     plan.warnings.extend(w for w in warnings if w not in plan.warnings)
     if not plan.memory.fits:
         if not force:

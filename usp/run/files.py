@@ -49,6 +49,11 @@ STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
 HANG_EVENT, HANG_STOP, STRAGGLER_EVENT = "hung", "hang", "straggler"
 HANG = "hang.json"  # the watchdog's verdict: which rank(s) stalled, where, what each live rank was waiting in
 HEARTBEAT_GLOB, STACKS_GLOB = "heartbeat_rank*.json", "stacks_rank*.txt"
+# logs/events.jsonl's other events: "restart" (a torchrun restart: its count, the step resumed);
+# "attempt" (rank 0 after each launch's first step: how long its start-up phases took, what it loaded);
+# "checkpoint" (each published save: step, bytes, seconds blocked and in all). The goodput model's
+# costs are fitted from them (usp/perf/calibration/restarts.py, docs/faults.md).
+RESTART_EVENT, ATTEMPT_EVENT, CHECKPOINT_EVENT = "restart", "attempt", "checkpoint"
 PROFILE = "profile"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -75,6 +80,14 @@ DISK_FULL = "disk full"  # ENOSPC / EDQUOT while writing (usp.engine.diskfull)
 # Set by `usp train`'s local launcher, which prints the failure summary itself: the ranks and the
 # torchrun agent keep their tracebacks in the logs then, instead of printing them before it.
 SUMMARY_BY_LAUNCHER_ENV = "USP_SUMMARY_BY_LAUNCHER"
+
+# -- fault_tolerance=torchft (usp/launch/ft_local.py, the Slurm scripts, usp/engine/fault_tolerance.py) ----------
+FT_REPLICA_GROUP_ENV = "USP_FT_REPLICA_GROUP"  # this process's replica group, 0 .. dp_replicate - 1
+FT_LAUNCH_ENV = "USP_FT_LAUNCH"  # one id per launch of the whole run: the groups' start barrier is under it
+FT_ATTEMPT_ENV = "USP_FT_ATTEMPT"  # 0 for a group's first start in a launch, then its restarts
+FT_LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the lighthouse's http://host:port
+FT_DIR = "ft"  # <run_dir>/ft: the lighthouse's address (Slurm) and the start barrier
+LIGHTHOUSE_FILE = "lighthouse.json"  # {"address": "http://host:port", "job": ..., "token": the run lock's}
 
 # -- profiler span names: the trainer records them, `usp report` reads them ---------------------
 SPAN_PREFIX = "usp_"  # every span the engine records starts with it
@@ -109,6 +122,15 @@ def metrics_path(run_dir) -> Path:
 
 def summary_path(run_dir) -> Path:
     return Path(run_dir) / SUMMARY
+
+
+def ft_start_dir(run_dir, launch: str) -> Path:
+    """Where the replica groups of one launch say they are up (fault_tolerance=torchft)."""
+    return Path(run_dir) / FT_DIR / f"start_{launch}"
+
+
+def lighthouse_path(run_dir) -> Path:
+    return Path(run_dir) / FT_DIR / LIGHTHOUSE_FILE
 
 
 def logs_dir(run_dir) -> Path:
@@ -223,13 +245,18 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def append_event(run_dir, event: str, **fields) -> None:
-    """One line in logs/events.jsonl: {"event": ..., "time": ..., **fields}, written in one write(2) so
-    that lines appended by several processes never interleave."""
+    """One line in logs/events.jsonl: {"event": ..., "time": ..., **fields}. Rank 0 writes most of them
+    (stop, restart, attempt, checkpoint, straggler); the hang watchdog's "hung" comes from whichever
+    live rank wrote the verdict. One O_APPEND write(2) per line, so lines appended by several
+    processes never interleave."""
     path = events_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
-    with open(path, "a") as f:
-        f.write(line)
+    line = (json.dumps({"event": event, "time": time.time(), **fields}) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 def read_jobs(record_dir) -> list[dict]:

@@ -11,9 +11,13 @@ from pathlib import Path
 class MetricsWriter:
     def __init__(self, path: Path, keep_until: int = 0):
         """A fresh run (keep_until=0) starts a fresh file; a resumed run keeps the records up to
-        the step it resumed from and drops those a crashed attempt logged after it."""
+        the step it resumed from and drops those a crashed attempt logged after it (the time of
+        the last one read kept as previous_progress)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(path) if r.get("step", 0) <= keep_until] if keep_until and path.exists() else []
+        found = read_metrics(path) if keep_until and path.exists() else []
+        kept = [r for r in found if r.get("step", 0) <= keep_until]
+        # the crashed attempt's last logged progress: about when it failed (its restart's cost counts from there)
+        self.previous_progress = max((r["time"] for r in found if isinstance(r.get("time"), float)), default=None)
         self._file = open(path, "w")
         for record in kept:
             self._file.write(json.dumps(record) + "\n")
