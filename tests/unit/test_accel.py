@@ -48,7 +48,8 @@ def _env_plan(device: str, env: dict | None = None, deterministic: bool | None =
     config.cluster.env, config.train.deterministic, config.train.max_restarts = dict(env or {}), deterministic, \
         max_restarts
     return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1, config=config,
-                           decisions=SimpleNamespace(deterministic=uses_deterministic(deterministic, device)))
+                           decisions=SimpleNamespace(deterministic=uses_deterministic(deterministic, device),
+                                                     hang=None))
 
 
 def test_ranks_share_the_agents_store_with_or_without_restarts(monkeypatch):

@@ -69,6 +69,10 @@ BAD = [  # (overrides, the key named, words of the message); the issue's example
     (["train.log_interval=0"], "train.log_interval", "at least 1"),
     (["train.sample_prompt=''"], "train.sample_prompt", "needs at least one character"),
     (["train.tokens=-5"], "train.tokens", "> 0"),
+    (["train.hang_timeout_s=-1"], "train.hang_timeout_s", ">= 0 (seconds without step progress; 0 = off"),
+    (["train.hang_factor=1"], "train.hang_factor", "> 1 (the hang window in predicted step times"),
+    (["train.hang_timeout_s=400"], "train.hang_timeout_s", "more than half of the collective timeout "
+                                                           "cluster.timeout_s=600"),
     (["checkpoint.keep_last=-1"], "checkpoint.keep_last", "at least 0"),
     (["logging.wandb_init_timeout_s=0"], "logging.wandb_init_timeout_s", "> 0"),
 ]

@@ -329,6 +329,11 @@ class TrainConfig:
     # are slower); true on CUDA also sets CUBLAS_WORKSPACE_CONFIG (usp/launch/local.py)
     deterministic: bool | None = None
     measure_memory: bool = True  # measure the peak tensor memory of one step (usp/engine/observe/memory_probe.py)
+    # A rank without step progress for this long is hung (docs/hangs.md): every live rank dumps its stacks to
+    # logs/, the run stops (with a checkpoint if the stall clears) and exits 75 to be restarted. None =
+    # train.hang_factor x the planner's predicted step time (at least 120 s); 0 = off.
+    hang_timeout_s: float | None = None
+    hang_factor: float = 20.0  # the window in predicted step times, when train.hang_timeout_s is unset
 
 
 @dataclass

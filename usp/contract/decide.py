@@ -5,10 +5,12 @@ Python, from plain values: a plan.yaml of the previous format is brought up to d
 (usp/contract/plan_file.py)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from usp.contract.config_schema import UspConfig
 from usp.contract.dims import FSDP_KINDS, data_parallel_kind
+from usp.contract.run_plan import HangWindow
 from usp.contract.schedule import OptimSettings
 
 COMPILE_CHOICES = ("auto", "true", "false")  # train.compile
@@ -87,7 +89,85 @@ def engine_choices(config: UspConfig, degrees: dict[str, int], device: str, voca
             "embedding_rows": padded_vocab(int(vocab), int(degrees["tp"])),
             "optimizer": OptimSettings.from_config(config.optimizer, config.train.steps),
             "checkpoint_dir": str(Path(config.checkpoint.dir or Path(run_dir) / "checkpoints").expanduser()),
-            "tokenizer": str(config.data.tokenizer)}
+            "tokenizer": str(config.data.tokenizer),
+            "straggler_measure": "" if replica_groups(config) else
+            straggler_measure(kind, math.prod(int(d) for d in degrees.values()), device)}
+
+
+def replica_groups(config: UspConfig) -> bool:
+    """fault_tolerance=torchft: the hang watchdog and the straggler detector are off. Each replica group
+    runs its own loop (usp/engine/fault_tolerance.py) with ranks numbered inside the group, so their
+    heartbeats would collide across groups, and torchft already handles a group that stops: the others'
+    quorum and all-reduce time out (fault_tolerance.timeout_s) and train on without it
+    (docs/hangs.md#what-is-not-covered)."""
+    return str(config.fault_tolerance.kind) == "torchft"
+
+
+def straggler_measure(dp_kind: str, world: int, device: str) -> str:
+    """What each rank times to find a straggler: the work in its steps, never its waits for the
+    others (in a synchronous step every rank takes the same wall time: the collectives make the fast
+    ones wait for the slowest). On CPU, "runnable": the time its threads ran or waited for a CPU
+    (Linux schedstat), which a rank blocked in a collective doesn't accrue. On an accelerator, the
+    parts of a step that wait for no other rank: reading the batch and the optimizer step (device
+    events), "data+optimizer"; "data" under ZeRO-1, whose optimizer step broadcasts inside it. ""
+    on one process: nothing to compare (docs/hangs.md#stragglers)."""
+    if world < 2:
+        return ""
+    if device == "cpu":
+        return "runnable"
+    return "data" if dp_kind == "zero1" else "data+optimizer"
+
+
+HANG_FLOOR_S = 120.0  # a derived window is never shorter: a GC pause, a slow NFS read or a page-cache miss is no hang
+HANG_TIMEOUT_SHARE = 0.5  # a derived window stays under half of cluster.timeout_s, so the watchdog speaks first
+PHASE_TIMEOUT_SHARE = 0.75  # no phase's allowance reaches the collective timeout either
+FIRST_STEP_FACTOR = 10.0  # the first step of a launch compiles, warms up and initialises communicators lazily
+CHECKPOINT_BYTES_PER_S = 1e9  # a slow shared file system's write rate, for a checkpoint's own allowance
+GRACE_MAX_S = 60.0
+
+
+def hang_window(config: UspConfig, world: int, predicted_step_s: float | None,
+                checkpoint_bytes: float) -> tuple[HangWindow | None, str | None]:
+    """When a rank counts as hung (RunPlan.decisions.hang), and a plan warning when the derived window
+    had to be shortened below the collective timeout. None: one process (no collective to hang in),
+    train.hang_timeout_s=0 or fault_tolerance=torchft (replica_groups). The window is
+    train.hang_timeout_s, else train.hang_factor x the predicted step time x the calibration's worst
+    measured/predicted ratio (cluster.timing.calibrated ratio_p90), at least HANG_FLOOR_S and at most
+    HANG_TIMEOUT_SHARE x cluster.timeout_s."""
+    train = config.train
+    if world < 2 or train.hang_timeout_s == 0 or replica_groups(config):
+        return None, None
+    if train.hang_timeout_s is not None:
+        step_s, source, warning = float(train.hang_timeout_s), "train.hang_timeout_s", None
+    else:
+        step_s, source, warning = _derived_window(config, float(predicted_step_s or 0.0))
+    # A phase that outlasts the collective timeout fails the run anyway (a peer waits in a collective
+    # meanwhile): its allowance ends before, so the watchdog still names the rank.
+    ceiling = max(step_s, PHASE_TIMEOUT_SHARE * float(config.cluster.timeout_s))
+    window = HangWindow(step_s=step_s, first_step_s=min(ceiling, FIRST_STEP_FACTOR * step_s),
+                        eval_s=min(ceiling, step_s * (1 + int(train.eval_batches))),
+                        checkpoint_s=min(ceiling, step_s + checkpoint_bytes / CHECKPOINT_BYTES_PER_S),
+                        grace_s=min(step_s, GRACE_MAX_S), poll_s=min(5.0, max(0.1, step_s / 20)), source=source)
+    return window, warning
+
+
+def _derived_window(config: UspConfig, predicted: float) -> tuple[float, str, str | None]:
+    """train.hang_factor x the predicted step (x the calibration's slack), floored and capped."""
+    train, cluster = config.train, config.cluster
+    calibrated = cluster.timing.calibrated
+    slack = max(1.0, float(calibrated.ratio_p90)) if calibrated.source else 1.0
+    derived = float(train.hang_factor) * predicted * slack
+    step_s = max(HANG_FLOOR_S, derived)
+    source = (f"train.hang_factor={train.hang_factor:g} x predicted step {predicted:.3g} s"
+              + (f" x calibration slack {slack:.2f}" if slack > 1 else "") + f" = {derived:.3g} s"
+              + (f", raised to the {HANG_FLOOR_S:g} s floor" if derived < HANG_FLOOR_S else ""))
+    cap = HANG_TIMEOUT_SHARE * float(cluster.timeout_s)
+    if step_s <= cap:
+        return step_s, source, None
+    warning = (f"the hang window ({step_s:.0f} s) is shortened to {cap:g} s, half of cluster.timeout_s="
+               f"{cluster.timeout_s}, so that a hang is named before the collective times out (docs/hangs.md); "
+               "set train.hang_timeout_s, or raise cluster.timeout_s")
+    return cap, f"{source}, shortened to half of cluster.timeout_s", warning
 
 
 def fault_tolerance_plan(config: UspConfig, degrees: dict[str, int], nodes: int, procs_per_node: int) -> dict | None:

@@ -60,6 +60,21 @@ class PipelinePlan:
 
 
 @dataclass
+class HangWindow:
+    """When a rank counts as hung (docs/hangs.md): the seconds each phase of the loop may go without
+    progress, resolved once by the planner (usp/contract/decide.py hang_window) from
+    train.hang_timeout_s / train.hang_factor and the predicted step time."""
+
+    step_s: float  # one training step: the window
+    first_step_s: float  # the first step of a launch (compile, warm-up, lazy initialisation)
+    eval_s: float  # an evaluation (train.eval_batches forward passes of a global batch)
+    checkpoint_s: float  # a checkpoint save
+    grace_s: float  # after a detection: the stall may clear (stop with a checkpoint), else the live ranks exit
+    poll_s: float  # how often each rank's watchdog thread looks
+    source: str  # how step_s was set (the plan's text, the rank logs)
+
+
+@dataclass
 class Decisions:
     """What the engine does, decided once by the planner (usp/contract/decide.py's rules)."""
 
@@ -79,6 +94,10 @@ class Decisions:
     optimizer: OptimSettings  # the optimizer and its learning-rate schedule, train.steps included
     checkpoint_dir: str  # where checkpoints go (checkpoint.dir, or <run_dir>/checkpoints), absolute
     tokenizer: str  # data.tokenizer: bpe | bytes | hf | tiktoken (the dataset is dataset_dir)
+    # What each rank times to find stragglers (usp/engine/observe/stragglers.py): "runnable" (CPU: its
+    # threads' time on or waiting for a CPU), "data+optimizer" or "data" (accelerators); "": one process.
+    straggler_measure: str = ""
+    hang: HangWindow | None = None  # None: no hang watchdog (one process, train.hang_timeout_s=0, an older plan)
 
 
 @dataclass

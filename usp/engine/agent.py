@@ -25,6 +25,8 @@ from usp.run.files import SUMMARY_BY_LAUNCHER_ENV, logs_dir
 _NOISE = (("torch.distributed.elastic.agent.server.api", "Received %s death signal"),
           ("torch.distributed.elastic.multiprocessing.api", "Sending process %s closing signal"),
           ("torch.distributed.elastic.multiprocessing.api", "failed (exitcode: %s)"),
+          # a rank that didn't end on SIGTERM (a hung one, SIGSTOPped or frozen: docs/hangs.md) gets SIGKILL
+          ("torch.distributed.elastic.multiprocessing.api", "Unable to shutdown process %s via %s"),
           ("torch.distributed.elastic.multiprocessing.errors.error_handler", "no error file defined for parent"))
 
 

@@ -23,9 +23,12 @@ import os
 import signal
 import threading
 
-from usp.run.files import EXIT_INTERRUPTED, stop_again_hint
+from usp.run.files import EXIT_INTERRUPTED, HANG_STOP, stop_again_hint
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+# Not a signal: the hang watchdog's stop after a stall that cleared (usp/engine/observe/hang.py). Above
+# every signal number, so that the ranks' max-reduce names the hang when a signal came as well.
+HANG = 1000
 _requested = {"signal": 0}  # the first stop signal this process got (0: none)
 _interrupted = threading.Event()  # stopped at once (a second signal), not at a step boundary
 
@@ -42,7 +45,13 @@ def interrupted() -> bool:
 
 
 def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
+    return HANG_STOP if signum == HANG else signal.Signals(signum).name
+
+
+def request_stop(code: int) -> None:
+    """Ask for a stop at the next step boundary with a checkpoint, as a stop signal does (`code`: HANG)."""
+    if not _requested["signal"]:
+        _requested["signal"] = code
 
 
 def under_torchrun() -> bool:

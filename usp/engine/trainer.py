@@ -29,6 +29,7 @@ from usp.engine.observe.console import Console, rank_logger
 from usp.engine.observe.memory_probe import GIB, MemoryProbe
 from usp.engine.observe.profiler import StepProfiler
 from usp.engine.observe.tracking import build_trackers
+from usp.engine.observe.watch import RankWatch
 from usp.engine.optim import build_optimizer, build_scheduler
 from usp.engine.parallel.build import build_model
 from usp.engine.parallel.data import gradient_sync
@@ -38,6 +39,7 @@ from usp.engine.parallel.tied import sum_tied_grads
 from usp.errors import UspError
 from usp.run.files import (
     ATTEMPT_EVENT,
+    HANG_STOP,
     SPAN_BACKWARD,
     SPAN_FORWARD,
     SPAN_OPTIMIZER,
@@ -100,6 +102,10 @@ class Trainer:
         self.data_wait_s = 0.0  # time spent getting this step's batches (reading tokens, copying to device)
         restarts = os.environ.get("SLURM_RESTART_COUNT")  # set by Slurm on a requeued job
         self.slurm_restart_count = int(restarts) if restarts and restarts.isdigit() else None
+        # Hangs and stragglers (docs/hangs.md): evaluations and checkpoints get their own allowance
+        self.watch = RankWatch.create(self)
+        self.evaluate = self.watch.allow("eval", self.evaluate)  # type: ignore[method-assign]
+        self.checkpointer.save = self.watch.allow("checkpoint", self.checkpointer.save)  # type: ignore[method-assign]
 
     def _open_data(self, plan: RunPlan, ctx: DistContext) -> None:
         """The token files, this data-parallel rank's sampler and the validation batches."""
@@ -148,11 +154,12 @@ class Trainer:
             self.step_load = finish_step(self.parts.modules, update_bias)
 
     def _optimizer_step(self, apply: bool = True) -> None:
-        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            if apply:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+        with self.watch.optimizer_section():  # a straggler's own work (usp/engine/observe/stragglers.py)
+            for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+                if apply:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
 
 
     def _non_finite(self, step: int, loss: float, what: str, value: float) -> tuple[float, float]:
@@ -236,6 +243,7 @@ class Trainer:
             return None
         try:
             for step in range(self.start_step, self.steps):
+                self.watch.step(step)
                 self._stop_if_signalled(step)
                 loss, val_loss = self._fit_step(step, started)
                 if first_loss is None:
@@ -243,6 +251,7 @@ class Trainer:
                     self._log_attempt(time.perf_counter() - started)
             self.checkpointer.save(self.steps, blocking=True)
         finally:
+            self.watch.close()
             self._close_outputs()
         return self._summary(time.perf_counter() - started, first_loss, loss, val_loss)
 
@@ -253,6 +262,7 @@ class Trainer:
                 self.profiler.step(step) if self.profiler else contextlib.nullcontext():
             loss, grad_norm = self.train_step(step)
         dt, data_wait = time.perf_counter() - t0, self.data_wait_s
+        self.watch.step_done(data_wait)
         done, train = step + 1, self.cfg.train
         is_eval = done == self.steps or (train.eval_interval and done % train.eval_interval == 0)
         val_loss = self.evaluate() if is_eval else None
@@ -266,7 +276,7 @@ class Trainer:
                       "tokens_per_s_per_device": self.global_tokens / dt / self.ctx.world_size,
                       "elapsed_s": time.perf_counter() - started, "time": time.time(),
                       **self._performance(dt, data_wait),
-                      **self._expert_load()}
+                      **self._expert_load(), **self.watch.record(done)}
             self._log_record(step, record)
         self.console.step(done, record)
         self.last_completed_step = done
@@ -405,6 +415,8 @@ class Stopped(Exception):
 
     def __init__(self, step: int, signal: str, kept_in: str | None):
         self.step, self.signal, self.saved = step, signal, kept_in is not None
+        if signal == HANG_STOP:
+            signal = "the hang watchdog (a stall that cleared, docs/hangs.md)"
         if kept_in:
             what = f"after step {step}, kept in {kept_in}; the same command resumes from it"
         elif step == 0:

@@ -19,6 +19,7 @@ from pathlib import Path
 from usp.launch.rendezvous import is_multinode_local, rendezvous, torchrun_rendezvous_args
 from usp.launch.stop_signals import StopForwarder
 from usp.run.files import (
+    EXIT_HUNG,
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     FAILURE_GLOB,
@@ -28,7 +29,7 @@ from usp.run.files import (
     summary_path,
 )
 from usp.run.lock import TOKEN_ENV, held_token
-from usp.run.state import stopped_since
+from usp.run.state import hung_since, stopped_since
 
 WORKER_MODULE = "usp.engine.worker"
 AGENT_MODULE = "usp.engine.agent"  # torchrun's own entry, without its tracebacks on a stop signal or a failure
@@ -92,8 +93,18 @@ def accelerator_env(device: str, deterministic: bool = False) -> dict[str, str]:
     return env
 
 
+# torch's flight recorder: the last collectives of every process group, in a ring buffer per rank (gloo
+# since torch 2.8, NCCL before), which the hang watchdog dumps (usp/engine/observe/flight_recorder.py).
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
 def plan_accelerator_env(plan) -> dict[str, str]:
-    return accelerator_env(plan.device, plan.decisions.deterministic)
+    """The ranks' environment from the plan: accelerator_env, and torch's flight recorder where the
+    hang watchdog is on."""
+    env = accelerator_env(plan.device, plan.decisions.deterministic)
+    if plan.decisions.hang is not None:
+        env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
+    return env
 
 
 def torchrun_command(plan, plan_path: Path, max_restarts: int = 0) -> list[str]:
@@ -159,6 +170,13 @@ def _outcome(plan, code: int, started: float, stops: StopForwarder) -> int:
     stop = stopped_since(run_dir, started)
     if stop is not None:
         return EXIT_INTERRUPTED if stop.get("signal") == "SIGINT" else EXIT_PREEMPTED
+    hang = hung_since(run_dir, started)
+    if hang is not None:  # the watchdog's stop of a hung run that did not clear (docs/hangs.md)
+        from usp.launch.hang_status import hang_line
+
+        print(hang_line(run_dir, hang) + f"; the same command resumes from {_last_checkpoint(plan)}",
+              file=sys.stderr, flush=True)
+        return EXIT_HUNG
     if stops.first is None or _since(logs_dir(run_dir).glob(FAILURE_GLOB), started):
         return code  # a failure, even after a stop signal: `usp train` shows its root cause
     if _since([summary_path(run_dir)], started):

@@ -13,11 +13,14 @@ from rich.table import Table
 
 from usp.contract.plan_file import read_plan_if_any
 from usp.contract.run_plan import RunPlan
+from usp.launch.hang_status import hang_text, render_hang, straggler_text
 from usp.launch.jobs import slurm_table
 from usp.run import checksums
 from usp.run.files import (
+    HANG_EVENT,
     LOST_PEER,
     METRICS,
+    STRAGGLER_EVENT,
     events_path,
     list_checkpoints,
     metrics_path,
@@ -30,9 +33,11 @@ from usp.run.lock import LockInfo, read_lock
 from usp.run.state import (
     COMPLETED,
     FAILED,
+    HUNG,
     RUNNING,
     FailureReport,
     analyse_failures,
+    hang_event,
     is_preemption,
     resolve_run_dir,
     run_state,
@@ -165,7 +170,7 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     report = analyse_failures(run_dir, plan)
     events = read_jsonl(events_path(run_dir))
     lock = read_lock(run_dir)  # read once: a lock released between two reads would read "stopped"
-    state = run_state(run_dir, report, lock)
+    state = run_state(run_dir, report, lock, events)
     console.print(_run_table(run_dir, plan, _state_text(run_dir, state, events, lock), report, events))
     job_table = slurm_table(run_dir)
     if job_table is not None:
@@ -173,6 +178,8 @@ def show_status(run_dir_arg: str | None = None, console: Console | None = None) 
     _render_checkpoints(run_dir, plan, console)
     if state == FAILED:
         render_failure(run_dir, plan, report, console)
+    if state == HUNG:  # restartable, like a stop: exit code 0
+        render_hang(run_dir, plan, console)
     return 1 if state == FAILED else 0
 
 
@@ -181,6 +188,9 @@ def _state_text(run_dir: Path, state: str, events: list[dict], lock: LockInfo | 
         return "[bold green]completed[/]"
     if state == FAILED:
         return "[bold red]failed[/]"
+    hang = hang_event(events)
+    if state == HUNG and hang is not None:
+        return "[bold red]hung[/] " + escape(f"({hang_text(run_dir, hang, bool(read_jobs(run_dir)))})")
     if state == RUNNING and lock is not None:
         return escape(f"running ({lock.owner()}; {lock.reason})")
     text = "[yellow]stopped[/] (not finished, and no live process holds the run lock"
@@ -219,6 +229,9 @@ def _run_table(run_dir: Path, plan: RunPlan | None, state: str, report: FailureR
         table.add_row("plan", "no plan.yaml (not a run directory, or not launched yet)")
     table.add_row("state", state)
     table.add_row("last logged step", _last_step(run_dir, plan))
+    stragglers = straggler_text(run_dir)
+    if stragglers is not None:
+        table.add_row("stragglers", escape(stragglers))
     _event_rows(table, events)
     if report.earlier:
         table.add_row("earlier failures", f"{len(report.earlier)} failure record(s) from before the latest launch "
@@ -247,9 +260,19 @@ def _event_rows(table: Table, events: list[dict]) -> None:
         for e in restarts))
     others = [e for e in events if e.get("event") not in (None, "restart")]
     if others:
-        table.add_row("events", escape("; ".join(
-            f"{e['event']} at {_when(e.get('time'))}" + "".join(f", {k} {v}" for k, v in e.items()
-                                                                 if k not in ("event", "time")) for e in others[-5:])))
+        table.add_row("events", escape("; ".join(_event_text(e) for e in others[-5:])))
+
+
+def _event_text(e: dict) -> str:
+    when = _when(e.get("time"))
+    if e["event"] == HANG_EVENT:
+        ranks = ", ".join(str(r) for r in e.get("stuck") or []) or "none named"
+        where = e.get("where") or f"in step {e.get('step')}"
+        return (f"hung at {when}: rank(s) {ranks} {where}, "
+                f"{'cleared' if e.get('cleared') else 'stuck'} after {e.get('stalled_s')} s")
+    if e["event"] == STRAGGLER_EVENT:
+        return f"straggler at {when}: rank {e.get('rank')}, {e.get('ratio')}x its peers at step {e.get('step')}"
+    return f"{e['event']} at {when}" + "".join(f", {k} {v}" for k, v in e.items() if k not in ("event", "time"))
 
 
 def _render_checkpoints(run_dir: Path, plan: RunPlan | None, console: Console) -> None:

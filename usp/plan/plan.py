@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from usp.contract.config_schema import UspConfig
-from usp.contract.decide import engine_choices, fault_tolerance_plan
+from usp.contract.decide import engine_choices, fault_tolerance_plan, hang_window
 from usp.contract.dims import MESH_DIMS, ParallelDims
 from usp.contract.run_plan import BatchPlan, Decisions, FaultTolerancePlan, ModelPlan, RunPlan
 from usp.contract.typed import plain, rebuild
@@ -60,7 +60,18 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
     ft = fault_tolerance_plan(config, degrees, nodes, per_node)
     plan.fault_tolerance = FaultTolerancePlan(**ft) if ft is not None else None
     analyse(plan, cfg, subject, force=force, strict=strict, training=training)
+    _watch_for_hangs(plan)
     return plan
+
+
+def _watch_for_hangs(plan: RunPlan) -> None:
+    """plan.decisions.hang from the predicted step time (attached by analyse): when a rank counts as hung."""
+    # a checkpoint's bytes as usp/launch/checkpoints.py counts them: fp32 weights + AdamW's two moments
+    checkpoint_bytes = plan.model.params * 12.0
+    step_s = plan.timing.step_s if plan.timing is not None else None
+    plan.decisions.hang, warning = hang_window(plan.config, plan.world_size, step_s, checkpoint_bytes)
+    if warning is not None:
+        plan.warnings.append(warning)
 
 
 def typed_config(cfg) -> UspConfig:

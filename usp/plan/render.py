@@ -47,6 +47,7 @@ def render_plan(plan, console: Console | None = None) -> None:
                     f"{human(m.flops_per_step, 'FLOP')}/step"),
         ("data", plan.dataset_dir or "not prepared (its source is not on this machine)"),
         ("checkpoints", checkpoint_summary(plan)),
+        ("hangs", hang_summary(plan)),
         *([("moe", moe_summary(plan.config.model))] if plan.config.model.n_experts else []),
     ]
     for key, value in rows:
@@ -95,6 +96,20 @@ def checkpoint_summary(plan) -> str:
     when = f"every {interval} steps and at the end" if interval > 0 else "at the end"
     return (f"{when}, keep {ckpt.keep_last}, {ckpt.async_mode} -> {plan.decisions.checkpoint_dir} "
             f"(resume: {ckpt.resume})")
+
+
+def hang_summary(plan) -> str:
+    """When a rank counts as hung (docs/hangs.md): the window, where it comes from, the phases' allowances."""
+    hang = plan.decisions.hang
+    if hang is None:
+        if plan.world_size < 2:
+            return "off: one process, no collective to hang in"
+        if plan.fault_tolerance is not None:
+            return "off under fault_tolerance=torchft: a replica group that stops is dropped by the others' quorum"
+        return "off (train.hang_timeout_s=0)"
+    return (f"{hang.step_s:.3g} s without a step dumps every rank's stack and stops the run ({hang.source}); "
+            f"first step {hang.first_step_s:.3g} s, evaluation {hang.eval_s:.3g} s, checkpoint "
+            f"{hang.checkpoint_s:.3g} s")
 
 
 def moe_summary(model: ModelConfig) -> str:

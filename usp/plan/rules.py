@@ -933,6 +933,18 @@ TRAIN_FIELD_RULES = [
          "the sample continues a prompt: it needs at least one character", "train.sample_prompt='ROMEO:', or "
          "train.sample_tokens=0", lambda v: v["train.sample_prompt"]),
     _at_least("train.max_restarts", 0),
+    _real("train.hang_timeout_s", 0, meaning=" (seconds without step progress; 0 = off, unset = train.hang_factor x "
+          "the predicted step time)", fix="train.hang_timeout_s=300, or leave it unset (null)"),
+    _real("train.hang_factor", 1, lo_open=True, meaning=" (the hang window in predicted step times: a smaller one "
+          "would call a normal step a hang)"),
+    Rule("train.hang_timeout_s<=cluster.timeout_s/2", "plan", "train.hang_timeout_s",
+         lambda v: _set(v, "train.hang_timeout_s", "cluster.timeout_s")
+         and float(v["train.hang_timeout_s"]) > int(v["cluster.timeout_s"]) / 2,
+         lambda v: f"is more than half of the collective timeout cluster.timeout_s={v['cluster.timeout_s']}: the "
+                   "collective would time out during the watchdog's window and grace, failing the run without "
+                   "naming the hung rank or dumping a stack (docs/hangs.md)",
+         lambda v: f"train.hang_timeout_s={int(v['cluster.timeout_s']) // 2} (or less), or raise cluster.timeout_s "
+                   f"to {2 * float(v['train.hang_timeout_s']):g} or more", lambda v: v["train.hang_timeout_s"]),
 ]
 CHECKPOINT_FIELD_RULES = [
     _field("checkpoint.interval", lambda x: x != "auto" and _ints(0)(x),

@@ -8,6 +8,8 @@ alike, so a file name is spelled once. No torch, no usp imports: every layer may
     <run_dir>/sample.txt             a text sample from the trained model
     <run_dir>/verify.json            `usp verify`'s result
     <run_dir>/logs/rank_<R>.log      per-rank logs; failure_rank<R>.json, events.jsonl beside them
+    <run_dir>/logs/heartbeat_rank<R>.json  each rank's progress (step, phase) for the hang watchdog;
+                                     after a hang: stacks_rank<R>.txt, fr_trace_rank<R>.json, hang.json
     <run_dir>/profile/               profiler traces (rank_<R>.json, summary_rank_<R>.txt)
     <run_dir>/checkpoints/step_<N:08d>/  checkpoints (or checkpoint.dir), complete iff manifest.json
                                          lists every file with its size; saves in progress live in
@@ -20,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +43,12 @@ EVENTS = "events.jsonl"
 # "step", "signal" (SIGINT, SIGTERM, SIGUSR1), "checkpoint" (the state after that step is saved)}.
 # "preempted" (no signal) is the same, written by earlier versions for SIGTERM and SIGUSR1.
 STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
+# A hang (docs/hangs.md): {"event": "hung", "time", "step", "stuck": [ranks], "cleared": bool, ...}, and
+# when the stall cleared, the stop that follows: {"event": "stopped", "signal": "hang", ...}. A straggler:
+# {"event": "straggler", "time", "step", "rank", "ratio", ...} when a rank is first flagged.
+HANG_EVENT, HANG_STOP, STRAGGLER_EVENT = "hung", "hang", "straggler"
+HANG = "hang.json"  # the watchdog's verdict: which rank(s) stalled, where, what each live rank was waiting in
+HEARTBEAT_GLOB, STACKS_GLOB = "heartbeat_rank*.json", "stacks_rank*.txt"
 # logs/events.jsonl's other events: "restart" (a torchrun restart: its count, the step resumed);
 # "attempt" (rank 0 after each launch's first step: how long its start-up phases took, what it loaded);
 # "checkpoint" (each published save: step, bytes, seconds blocked and in all). The goodput model's
@@ -60,7 +69,9 @@ PROFILE_SUMMARY_RE = r"summary_rank_(\d+)\.txt"
 EXIT_OK = 0
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after a checkpoint; "try again later" (requeue)
 EXIT_INTERRUPTED = 130  # stopped by SIGINT (128 + SIGINT), at a step boundary or, on a second one, at once
-
+# A hang (docs/hangs.md): the live ranks, torchrun's launcher and `usp train` exit with it too, so whatever
+# restarts a preempted run (Slurm's requeue, a job controller, a sweep run again) restarts a hung one.
+EXIT_HUNG = EXIT_PREEMPTED
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
 
 
@@ -148,6 +159,23 @@ def failure_path(run_dir, rank: int) -> Path:
     return logs_dir(run_dir) / f"failure_rank{rank}.json"
 
 
+def heartbeat_path(run_dir, rank: int) -> Path:
+    return logs_dir(run_dir) / f"heartbeat_rank{rank}.json"
+
+
+def stacks_path(run_dir, rank: int) -> Path:
+    return logs_dir(run_dir) / f"stacks_rank{rank}.txt"
+
+
+def fr_trace_path(run_dir, rank: int) -> Path:
+    """torch's flight recorder of a rank's collectives, dumped after a hang (docs/hangs.md)."""
+    return logs_dir(run_dir) / f"fr_trace_rank{rank}.json"
+
+
+def hang_path(run_dir) -> Path:
+    return logs_dir(run_dir) / HANG
+
+
 def profile_dir(run_dir) -> Path:
     return Path(run_dir) / PROFILE
 
@@ -226,20 +254,25 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def append_event(run_dir, event: str, **fields) -> None:
+    """One line in logs/events.jsonl: {"event": ..., "time": ..., **fields}. Rank 0 writes most of them
+    (stop, restart, attempt, checkpoint, straggler); the hang watchdog's "hung" comes from whichever
+    live rank wrote the verdict. One O_APPEND write(2) per line, so lines appended by several
+    processes never interleave."""
+    path = events_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps({"event": event, "time": time.time(), **fields}) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
 def read_jobs(record_dir) -> list[dict]:
     """The Slurm submissions recorded in <dir>/job.json (a run dir, or a sweep dir); [] without one."""
     path = Path(record_dir) / JOB_RECORD
     return json.loads(path.read_text())["jobs"] if path.is_file() else []
-
-
-def append_event(run_dir, event: str, **fields) -> None:
-    """One line of logs/events.jsonl (rank 0 writes them), stamped with the time."""
-    import time
-
-    path = events_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 def read_jsonl(path) -> list[dict]:

@@ -57,7 +57,7 @@ class LockInfo:
         return f"{job}pid {r.get('pid', '?')} on {r.get('host', '?')}, started {started}"
 
 
-def _pid_start(pid: int) -> str | None:
+def pid_start(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): tells a
     reused pid from the process that took the lock. None where /proc has no such process."""
     try:
@@ -96,7 +96,7 @@ def read_lock(run_dir, now: float | None = None) -> LockInfo | None:
     host, pid = record.get("host"), record.get("pid")
     pid = pid if isinstance(pid, int) else 0
     if host == socket.gethostname() and pid:
-        start = _pid_start(pid)
+        start = pid_start(pid)
         if not _pid_alive(pid) or (start is not None and record.get("pid_start") not in (None, start)):
             return LockInfo(path, record, heartbeat, False, f"process {pid} is not running")
         return LockInfo(path, record, heartbeat, True, f"process {pid} is running")
@@ -155,7 +155,7 @@ def _create(path: Path, token: str) -> bool:
         return False
     pid = os.getpid()
     record = {"pid": pid, "host": socket.gethostname(), "started": time.time(),
-              "slurm_job": os.environ.get("SLURM_JOB_ID"), "token": token, "pid_start": _pid_start(pid)}
+              "slurm_job": os.environ.get("SLURM_JOB_ID"), "token": token, "pid_start": pid_start(pid)}
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(record) + "\n")
     return True

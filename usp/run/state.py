@@ -2,9 +2,10 @@
 failure summary, sweeps and `usp report` all ask here.
 
 State: running (a live run lock, usp/run/lock.py: its process is alive, or its heartbeat is
-fresh), else completed (summary.json, no failure after it), failed (logs/failure_rank<R>.json
-files of the latest launch, not followed by a restart), else stopped (killed, interrupted or
-preempted: nothing runs, and it didn't finish). A dead run is never "running". For a failed run
+fresh), else completed (summary.json, no failure after it), hung (the hang watchdog's "hung" event
+of the latest launch, not followed by a restart or another stop: docs/hangs.md), failed
+(logs/failure_rank<R>.json files of the latest launch, not followed by a restart), else stopped
+(killed, interrupted or preempted: nothing runs, and it didn't finish). A dead run is never "running". For a failed run
 the root cause is the earliest failure that is not a "lost peer" (a rank that lost its
 connection only because another one died); ranks of the plan that left no failure file died
 without a Python traceback (a signal: the OOM killer, SIGKILL, or torchrun stopping them)."""
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING
 from usp.errors import LaunchError
 from usp.run.files import (
     FAILURE_GLOB,
+    HANG_EVENT,
+    HANG_STOP,
     LOST_PEER,
     OLD_STOP_EVENT,
     STOP_EVENT,
@@ -34,7 +37,7 @@ if TYPE_CHECKING:  # the floor reads plans it is handed; it imports no contract 
     from usp.contract.dims import RankInfo
     from usp.contract.run_plan import RunPlan
 
-RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"
+RUNNING, COMPLETED, FAILED, STOPPED, HUNG = "running", "completed", "failed", "stopped", "hung"
 
 
 @dataclass
@@ -120,17 +123,38 @@ def analyse_failures(run_dir: Path, plan: RunPlan | None) -> FailureReport:
     return report
 
 
-def run_state(run_dir: Path, report: FailureReport, lock: LockInfo | None) -> str:
+def run_state(run_dir: Path, report: FailureReport, lock: LockInfo | None, events: list[dict] | None = None) -> str:
     """RUNNING (a live run lock), COMPLETED (summary.json of this launch, no failure after it),
-    FAILED or STOPPED. `lock`: read_lock(run_dir) as the caller read it, so a caller that also
-    shows the lock shows the one that decided the state."""
+    HUNG, FAILED or STOPPED. `lock`: read_lock(run_dir) as the caller read it, so a caller that also
+    shows the lock shows the one that decided the state; `events`: logs/events.jsonl as it read them.
+    A hang comes before the failures: a live rank that lost its stuck peer records one."""
     if lock is not None and lock.live:
         return RUNNING
     latest_failure = max((float(f["unix_time"]) for f in [report.root, *report.secondary] if f), default=0.0)
     done = _mtime(summary_path(run_dir))  # of this launch, not an earlier one
     if done is not None and done >= launched_at(run_dir) - 1.0 and latest_failure <= done:
         return COMPLETED
+    events = read_jsonl(events_path(run_dir)) if events is None else events
+    if hang_event(events, launched_at(run_dir) - 1.0) is not None:
+        return HUNG
     return FAILED if report.failed else STOPPED
+
+
+def hang_event(events: list[dict], since: float = 0.0) -> dict | None:
+    """The hang watchdog's latest "hung" event at or after `since` (unix time), unless a restart or a
+    stop of its own followed it (the stop after a stall that cleared is the hang's)."""
+    for event in reversed(events):
+        kind = event.get("event")
+        if kind == "restart" or (kind in (STOP_EVENT, OLD_STOP_EVENT) and event.get("signal") != HANG_STOP):
+            return None
+        if kind == HANG_EVENT:
+            return event if float(event.get("time", 0)) >= since else None
+    return None
+
+
+def hung_since(run_dir: Path, since: float) -> dict | None:
+    """hang_event of the run's logs/events.jsonl."""
+    return hang_event(read_jsonl(events_path(run_dir)), since)
 
 
 def stop_event(events: list[dict], since: float = 0.0) -> dict | None:
@@ -149,5 +173,6 @@ def stopped_since(run_dir: Path, since: float) -> dict | None:
 
 def is_preemption(stop: dict) -> bool:
     """A stop to requeue on Slurm: SIGUSR1, which the batch script passes on before a time limit
-    or a preemption (an old "preempted" line records no signal). SIGINT and SIGTERM mean stop."""
-    return stop.get("signal", "SIGUSR1") == "SIGUSR1"
+    or a preemption (an old "preempted" line records no signal), or the hang watchdog's stop after a
+    stall that cleared. SIGINT and SIGTERM mean stop."""
+    return stop.get("signal", "SIGUSR1") in ("SIGUSR1", HANG_STOP)

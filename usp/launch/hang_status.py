@@ -1,0 +1,124 @@
+"""A hang and the stragglers as `usp status` and `usp train` say them (docs/hangs.md), read from the run
+directory: the hang watchdog's logs/hang.json and "hung" event, the stragglers' fields of
+metrics.jsonl. No torch."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from usp.contract.run_plan import RunPlan
+from usp.run.files import EXIT_HUNG, hang_path, logs_dir, metrics_path, read_jsonl
+
+
+def read_hang(run_dir: Path) -> dict | None:
+    """logs/hang.json, or None (none, or unreadable)."""
+    try:
+        hang = json.loads(hang_path(run_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return hang if isinstance(hang, dict) else None
+
+
+def _stuck(hang: dict | None, event: dict) -> list[dict]:
+    """The stuck ranks' entries of hang.json (or, without it, what the event says)."""
+    if hang is not None:
+        return [e for e in hang.get("ranks", []) if e.get("rank") in hang.get("stuck", [])]
+    return [{"rank": r} for r in event.get("stuck", [])]
+
+
+def _who(stuck: list[dict]) -> str:
+    if not stuck:
+        return "no single rank (every rank responded: compare their stacks)"
+    names = ", ".join(str(e["rank"]) for e in stuck[:8]) + (f" and {len(stuck) - 8} more" if len(stuck) > 8 else "")
+    return f"rank{'s' if len(stuck) > 1 else ''} {names}"
+
+
+def hang_text(run_dir: Path, event: dict, slurm: bool) -> str:
+    """The state line of a hung run: who, where, what became of it, how it resumes."""
+    hang = read_hang(run_dir)
+    stuck = _stuck(hang, event)
+    where = f" {stuck[0]['where']}" if stuck and stuck[0].get("where") else f" in step {event.get('step')}"
+    state = f" ({stuck[0]['process']})" if stuck and stuck[0].get("process") else ""
+    if event.get("cleared"):
+        what = (f"{_who(stuck)} stalled{where}{state} for {event.get('stalled_s')} s, then moved again: every "
+                "rank stopped at the next step boundary with a checkpoint")
+    else:
+        what = (f"{_who(stuck)} made no progress{where}{state}; after {event.get('stalled_s')} s the live ranks "
+                f"exited with code {EXIT_HUNG}, keeping the last checkpoint")
+    how = "its Slurm job requeues and resumes by itself" if slurm else "resume by running the same command"
+    return f"{what}; {how}"
+
+
+def render_hang(run_dir: Path, plan: RunPlan | None, console: Console) -> None:
+    """The hang as a table: the stuck rank, where it was, what the live ranks waited in, the files."""
+    hang = read_hang(run_dir)
+    if hang is None:
+        return
+    table = Table(title="hang", show_header=False, title_justify="left", title_style="bold red")
+    table.add_column(style="bold cyan")
+    table.add_column(overflow="fold")
+    for e in _stuck(hang, {})[:4]:
+        info = plan.ranks[e["rank"]] if plan is not None and e["rank"] < len(plan.ranks) else None
+        node = f"node {info.node}, local rank {info.local_rank}, " if info is not None else ""
+        table.add_row(f"stuck rank {e['rank']}", escape(f"{node}host {e.get('host', '?')}, pid {e.get('pid', '?')}"))
+        table.add_row("  where", escape(f"{e.get('where', 'no heartbeat in this launch')} (its last heartbeat, "
+                                        f"{_when(e.get('since'))})"))
+        if e.get("process"):
+            table.add_row("  process", escape(str(e["process"])))
+    table.add_row("why this rank", escape(hang.get("reason", "?")))
+    waits = "; ".join(f"{w} ({n} rank{'s' if n > 1 else ''})" for w, n in hang.get("live_waiting_in", []))
+    table.add_row("live ranks", escape(f"{hang.get('responded')} of {hang.get('world_size')} responded, waiting in "
+                                       f"{waits or '?'}"))
+    table.add_row("detected", escape(f"{_when(hang.get('detected_at'))} by rank {hang.get('detected_by')}, "
+                                     f"{hang.get('stalled_s', 0):.1f} s without progress (allowance "
+                                     f"{hang.get('window_s', 0):.3g} s)"))
+    outcome = {"stuck": f"still stuck after {hang.get('grace_s', 0):.3g} s of grace: the live ranks exited with code "
+                        f"{EXIT_HUNG}; checkpoints untouched",
+               "cleared": "it moved again: every rank stopped at the next step boundary with a checkpoint"}
+    table.add_row("outcome", escape(outcome.get(hang.get("outcome", ""), str(hang.get("outcome")))))
+    logs = logs_dir(run_dir)
+    table.add_row("stacks", escape(f"{logs}/stacks_rank*.txt (every live rank's threads; a rank that did not respond: "
+                                   f"its process state), {logs}/fr_trace_rank*.json (torch's flight recorder), "
+                                   f"{hang_path(run_dir)}"))
+    console.print(table)
+
+
+def hang_line(run_dir: Path, event: dict) -> str:
+    """`usp train`'s line after the ranks ended on a hang that did not clear."""
+    hang = read_hang(run_dir)
+    stuck = _stuck(hang, event)
+    detail = (f" (pid {stuck[0].get('pid')} on {stuck[0].get('host')}: {stuck[0].get('process')})"
+              if stuck and stuck[0].get("process") else "")
+    where = f" {stuck[0]['where']}" if stuck and stuck[0].get("where") else ""
+    return (f"usp: hang: {_who(stuck)}{detail} made no progress{where}; after {event.get('stalled_s')} s the live "
+            f"ranks exited (code {EXIT_HUNG}) and torchrun stopped the rest; every rank's stack: "
+            f"{logs_dir(run_dir)}/stacks_rank*.txt; `usp status {run_dir}`")
+
+
+def straggler_text(run_dir: Path) -> str | None:
+    """The stragglers row: the ranks flagged in the last logged step, else the slowest rank's ratio."""
+    last = next((r for r in reversed(read_jsonl(metrics_path(run_dir))) if "work_s_median" in r), None)
+    if last is None:
+        return None
+    flagged = last.get("stragglers") or []
+    ratio, slowest = last.get("work_s_slowest_ratio"), last.get("work_s_slowest_rank")
+    by_rank = last.get("work_s_by_rank") or []
+    if flagged:
+        ratios = [f"rank {r}" + (f" ({by_rank[r] / last['work_s_median']:.2f}x the median)"
+                                 if r < len(by_rank) and by_rank[r] and last.get("work_s_median") else "")
+                  for r in flagged]
+        return f"{', '.join(ratios)}, at step {last.get('step')} (their own work per step vs their peers')"
+    shown = f"; slowest rank {slowest}: {ratio:.2f}x its peers' median" if isinstance(ratio, float) else ""
+    return f"none at step {last.get('step')}{shown}"
+
+
+def _when(t) -> str:
+    try:
+        return datetime.fromtimestamp(float(t)).strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError, OSError):
+        return "?"
