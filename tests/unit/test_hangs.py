@@ -48,8 +48,9 @@ def test_a_set_timeout_wins_and_the_phases_scale_with_it():
 
 
 def test_calibration_slack_widens_the_window_and_the_collective_timeout_caps_it():
-    base = plan_for(*TWO, "train.hang_factor=1000", training=False)
-    slack = plan_for(*TWO, "train.hang_factor=1000", "cluster.timing.calibrated.source=runs.csv",
+    factor = round(150 / plan_for(*TWO, training=False).timing.step_s)  # 150 s: above the floor, x 1.5 below the cap
+    base = plan_for(*TWO, f"train.hang_factor={factor}", training=False)
+    slack = plan_for(*TWO, f"train.hang_factor={factor}", "cluster.timing.calibrated.source=runs.csv",
                      "cluster.timing.calibrated.ratio_p90=1.5", training=False).decisions.hang
     assert slack.step_s == pytest.approx(1.5 * base.decisions.hang.step_s) and "slack 1.50" in slack.source
     capped = plan_for(*TWO, "cluster.timeout_s=100", training=False)
