@@ -27,6 +27,10 @@ CLUSTERS = {
     "llama3_1_70b": ["cluster=slurm_h100", "cluster.nodes=8"],
     "llama3_1_405b": ["cluster=slurm_h100", "cluster.nodes=32", "train.global_batch=64"],
     "mixtral_8x7b": ["cluster=slurm_h100", "cluster.nodes=8"],
+    "qwen3_0_6b": ["cluster=slurm_h100"],
+    "qwen3_8b": ["cluster=slurm_h100", "cluster.nodes=2"],
+    "qwen3_30b_a3b": ["cluster=slurm_h100", "cluster.nodes=4"],
+    "qwen3_235b_a22b": ["cluster=slurm_h100", "cluster.nodes=32", "train.global_batch=64"],
 }
 
 

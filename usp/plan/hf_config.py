@@ -120,8 +120,7 @@ def _disagrees(field: str, have: Any, value: Any, model_type: str, path: str) ->
         key = "model.moe_ffn_dim"
     if field == "model_type" and (have in QK_NORM_TYPES) != (model_type in QK_NORM_TYPES):
         key = "model.qk_norm"
-    fix = f"{key}={have}" if field not in ("model_type", "head_dim") else \
-        "pick the model group that matches this checkpoint"
+    fix = f"{key}={have}" if field != "model_type" else "pick the model group that matches this checkpoint"
     return PlanError(f"the Hugging Face checkpoint's config.json has {field}={have!r}, but the model has {value!r} "
                      f"({key}, set by the command line, the recipe or the model group it picks)",
                      key="model.init_from", value=path,
