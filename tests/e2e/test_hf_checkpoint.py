@@ -111,7 +111,7 @@ def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare,
             vocab, tied, 500000.0, 1e-6, rope["rope_type"])
     assert (model.n_experts, model.top_k) == ((4, 2) if kind in ("mixtral", "qwen3_moe") else (0, 2))
     qwen = kind.startswith("qwen3")
-    assert (model.head_dim, model.qk_norm) == ((24, True) if qwen else (None, False))  # QWEN3: 24, not 64 / 4
+    assert (model.head_dim, model.qk_norm) == (hf.head_dim, qwen) and (hf.head_dim == 24) == qwen  # Qwen's: not 64/4
     assert (model.moe_ffn_dim, model.router_norm_topk) == ((48 if kind == "qwen3_moe" else 0), True)
     if kind == "llama3":
         assert [getattr(model, f"rope_{k}") for k in ("factor", "low_freq_factor", "high_freq_factor",
