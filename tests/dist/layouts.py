@@ -17,7 +17,12 @@ PP = ["model.tie_embeddings=false", "model.n_layers=4"]
 # moe_tiny as users run it: the load-balancing loss on (over the global batch; docs/moe.md)
 MOE = ["model=moe_tiny"]
 AUX_FREE = ["model.aux_loss_coef=0", "model.router_bias_update_rate=0.001"]  # DeepSeek-V3's balancing instead
-TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4"]  # embedding on the first stage, its copy on the last
+TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4"]
+# Qwen3's attention on the tiny models: heads of head_dim 48 (not dim / n_heads = 32), QK-norm on q and k
+# (its weights replicated over tp, their gradients summed there); Qwen3-MoE: the same on moe_tiny, whose
+# load-balancing loss is on
+QWEN3 = ["model.head_dim=48", "model.qk_norm=true"]
+QWEN3_MOE = MOE + QWEN3  # embedding on the first stage, its copy on the last
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
 # MixedPrecisionPolicy(bf16 params, fp32 reduction), the others bf16 autocast; the reference is a
 # bf16-autocast single process (tolerance: at the end of this file).
@@ -71,6 +76,14 @@ LAYOUTS = {
                                    "train.micro_batch=4"],
         "tied_pp_zbv": TIED_PP + ["parallelism.dp_replicate=1", "parallelism.pp=2", "train.micro_batch=4",
                                   "parallelism.pp_schedule=zbv", "parallelism.pp_virtual_stages=2"],
+        "qwen3_tp_sp": QWEN3 + ["parallelism.dp_replicate=1", "parallelism.tp=2"],
+        "qwen3_fsdp_grad_accum": QWEN3 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                          "train.micro_batch=4"],
+        "qwen3_cp": QWEN3 + ["parallelism.dp_replicate=1", "parallelism.cp=2"],
+        "qwen3_pp_1f1b": QWEN3 + PP + ["parallelism.dp_replicate=1", "parallelism.pp=2",
+                                       "parallelism.pp_schedule=1f1b", "train.micro_batch=4"],
+        "qwen3_moe_ep_x_fsdp": QWEN3_MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                            "parallelism.ep=2"],
     },
     4: {
         "dp_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2"],
@@ -132,6 +145,11 @@ LAYOUTS = {
         # ZeRO-2 with TP: the same sharding spelt as dp_shard
         "zero2_x_tp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",
                        "parallelism.reshard_after_forward=false"],
+        "qwen3_fsdp_x_tp": QWEN3 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2"],
+        "qwen3_moe_ep_x_tp": QWEN3_MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
+                                          "parallelism.tp=2"],
+        "qwen3_moe_ep_x_pp": QWEN3_MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                               "parallelism.ep=2", "parallelism.pp=2", "train.micro_batch=4"],
     },
     8: {
         # 3-D: ZeRO-3 data x tensor(+sequence) x pipeline

@@ -47,6 +47,11 @@ def within(out: str) -> float:
     # experts over ep x FSDP2's padded shards (one local expert over 2 ranks): the short rank's optimizer
     (["model=moe_tiny", "model.n_experts=4", "parallelism.dp_shard=8", "parallelism.ep=4",
       "cluster.procs_per_node=8", "checkpoint.enabled=false", "7"], [7]),
+    # Qwen3's attention (head_dim 48, not dim / heads = 32; QK-norm, replicated over tp) in FSDP x TP x PP
+    (["model=tiny", "model.head_dim=48", "model.qk_norm=true", "model.n_layers=4", "parallelism.pp=2",
+      "parallelism.tp=2", "parallelism.dp_shard=2", "cluster.procs_per_node=8", "train.micro_batch=1"], [0, 4, 7]),
+    # the Qwen3-MoE recipe at its published scale: 64 ranks, EP 8 x FSDP 32 x PP 2
+    (["conf=qwen3_30b_a3b", "0", "63"], [0, 63]),
 ])
 def test_small_layouts_build_as_planned(tmp_path, args, ranks):
     proc, _ = build_check(tmp_path, *args)

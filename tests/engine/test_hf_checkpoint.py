@@ -1,6 +1,6 @@
 """Hugging Face checkpoints against the real `transformers`, in this process: tiny random Llama /
-Mixtral models made on the fly with save_pretrained (nothing downloaded) load with logits equal
-within 1e-5, with and without Llama 3's RoPE scaling, and export back; a config.json that doesn't
+Mixtral / Qwen3 / Qwen3-MoE models made on the fly with save_pretrained (nothing downloaded) load with
+logits equal within 1e-5, with and without Llama 3's RoPE scaling, and export back; a config.json that doesn't
 match the model group, or a key set on the command line, in a recipe or by a picked model group
 that disagrees with it, is refused before launch (training on an import, `model.init_from` alone
 taking the shape from config.json, and exporting: tests/e2e/test_hf_checkpoint.py)."""
@@ -28,20 +28,43 @@ USP_LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
                   rope_original_max_positions=32)
 
 
+# Qwen3's attention: heads of head_dim 24, not hidden_size / heads = 16 (Qwen3-0.6B: 128, not 64), QK-norm;
+# Qwen3-MoE's experts of their own hidden size (moe_intermediate_size), top-2 of 4, renormalised or not
+QWEN3 = dict(head_dim=24)
+QWEN3_MOE = dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+# usp's model options of each kind (LlamaArgs / ModelConfig fields beside the shape of DIMS)
+USP_KIND = {"llama": {}, "llama3": USP_LLAMA3, "mixtral": dict(n_experts=4, top_k=2),
+            "qwen3": dict(head_dim=24, qk_norm=True),
+            "qwen3_moe": dict(head_dim=24, qk_norm=True, n_experts=4, top_k=2, moe_ffn_dim=48),
+            "qwen3_moe_unnormalised": dict(head_dim=24, qk_norm=True, n_experts=4, top_k=2, moe_ffn_dim=48,
+                                           router_norm_topk=False)}
+
+
 def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
-    """A random tiny LlamaForCausalLM (kind "llama", or "llama3": with Llama 3's RoPE scaling) or
-    MixtralForCausalLM saved with save_pretrained; `dims` replace DIMS' values."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    """A random tiny LlamaForCausalLM (kind "llama", or "llama3": with Llama 3's RoPE scaling),
+    MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM ("qwen3_moe"; "qwen3_moe_unnormalised":
+    norm_topk_prob false) saved with save_pretrained; `dims` replace DIMS' values. Every RMSNorm weight
+    is drawn around 1 (transformers initialises them to 1, which would hide a norm read as another)."""
+    import transformers as tf
 
     torch.manual_seed(0)
     dims = {**DIMS, **dims}
     if kind == "llama3":
         dims["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": dims.pop("rope_theta")}
+    common = dict(vocab_size=vocab, tie_word_embeddings=tied)
     if kind in ("llama", "llama3"):
-        model = LlamaForCausalLM(LlamaConfig(**dims, vocab_size=vocab, tie_word_embeddings=tied))
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**dims, **common))
+    elif kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**dims, **common, num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**dims, **QWEN3}, **common))
     else:
-        model = MixtralForCausalLM(MixtralConfig(**dims, vocab_size=vocab, tie_word_embeddings=tied,
-                                                 num_local_experts=4, num_experts_per_tok=2))
+        topk = {"norm_topk_prob": kind == "qwen3_moe"}
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**dims, **QWEN3_MOE, **topk}, **common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     return directory
 
@@ -49,9 +72,8 @@ def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
 def usp_model(kind: str, vocab: int, tied: bool):
     from usp.models.llama import Llama, LlamaArgs
 
-    extra = dict(n_experts=4, top_k=2) if kind == "mixtral" else USP_LLAMA3 if kind == "llama3" else {}
     return Llama(LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=vocab,
-                           tie_embeddings=tied, **extra), max_seq_len=64)
+                           tie_embeddings=tied, **USP_KIND[kind]), max_seq_len=64)
 
 
 def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -62,11 +84,14 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama3", False), ("mixtral", False)])
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama3", False), ("mixtral", False),
+                                       ("qwen3", True), ("qwen3", False), ("qwen3_moe", False),
+                                       ("qwen3_moe_unnormalised", False)])
 def test_import_matches_transformers_logits(tmp_path, kind, tied):
     """An HF checkpoint loaded into usp's model gives transformers' logits (q/k as they are: the same
-    RoPE layout; Llama 3's frequency scaling; experts stacked and transposed), and usp's own export of
-    it loads back identically."""
+    RoPE layout; Llama 3's frequency scaling; experts stacked and transposed; Qwen3's head_dim and
+    QK-norm; Qwen3-MoE's router with and without norm_topk_prob), and usp's own export of it loads back
+    identically, as the same architecture."""
     from usp.engine.hf_checkpoint import load_hf_weights, write_hf
 
     src = make_hf(tmp_path / "hf", kind, 100, tied)
@@ -82,8 +107,7 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
 
     # usp -> HF again, in two shards: the same tensors under the same names, the index naming each
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, tie_embeddings=tied, rope_theta=10000.0,
-                      norm_eps=1e-5, n_experts=4 if kind == "mixtral" else 0, top_k=2, moe_ffn_dim=0,
-                      **(USP_LLAMA3 if kind == "llama3" else {}))
+                      norm_eps=1e-5, **USP_KIND[kind])
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     write_hf(state, cfg, 100, 64, str(tmp_path / "no-dataset"), tmp_path / "ckpt", 0, tmp_path / "back",
              max_shard_mb=0.1)
@@ -93,6 +117,8 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     assert set(back) == set(index["weight_map"]) == set(original) - ({"lm_head.weight"} if tied else set())
     assert all(torch.equal(original[k], back[k]) for k in back)
     assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["architectures"] == json.loads((src / "config.json").read_text())["architectures"]
     if kind == "llama3":  # the scaling is in the export's config.json, and it matters
         assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == \
             {**LLAMA3_ROPE, "rope_theta": 10000.0}

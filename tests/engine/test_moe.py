@@ -35,10 +35,13 @@ def moe_layer(dim=32, n_experts=4, top_k=2, ffn_dim=48, seed=0, **kw) -> MoE:
 
 # -------------------------------------------------------------- layer vs reference
 
-@pytest.mark.parametrize("capacity_factor,shared,top_k", [(0.0, False, 2), (0.0, True, 1), (1.0, False, 2),
-                                                          (0.5, True, 2), (0.75, False, 3)])
-def test_forward_and_grads_match_dense_reference(capacity_factor, shared, top_k):
-    m = moe_layer(capacity_factor=capacity_factor, shared_expert=shared, top_k=top_k)
+@pytest.mark.parametrize("capacity_factor,shared,top_k,norm", [(0.0, False, 2, True), (0.0, True, 1, True),
+                                                               (1.0, False, 2, True), (0.5, True, 2, True),
+                                                               (0.75, False, 3, True), (0.0, False, 2, False),
+                                                               (1.0, False, 3, False)])
+def test_forward_and_grads_match_dense_reference(capacity_factor, shared, top_k, norm):
+    """norm False: the top-k probabilities weight the experts as they are (Qwen3-MoE's norm_topk_prob=false)."""
+    m = moe_layer(capacity_factor=capacity_factor, shared_expert=shared, top_k=top_k, router_norm_topk=norm)
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(3, 20, 32, generator=g), torch.randn(3, 20, 32, generator=g)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -52,6 +55,8 @@ def test_forward_and_grads_match_dense_reference(capacity_factor, shared, top_k)
     ref_grads = torch.autograd.grad(ref, [x2, *m.parameters()], dy)
     assert y.shape == x.shape
     torch.testing.assert_close(y, ref, rtol=0, atol=1e-6)
+    top_w, _, _ = m.route(x.reshape(-1, 32))
+    assert torch.allclose(top_w.sum(-1), torch.ones(60)) == norm  # renormalised, or the softmax's share
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 

@@ -1,5 +1,6 @@
-"""The catalogue's Llama 3.1 / 3.2 model groups against Meta's published config.json (torch-free:
-composing and the config.json checks are the planner's)."""
+"""The catalogue's Llama 3.1 / 3.2 and Qwen3 / Qwen3-MoE model groups against the published config.json
+files (torch-free: composing and the config.json checks are the planner's); model types usp can't
+build refused by name."""
 from __future__ import annotations
 
 import json
@@ -31,8 +32,10 @@ def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
     (tmp_path / "config.json").write_text(json.dumps({**META_COMMON, **META[group], "rope_scaling": rope_scaling}))
     config = read_hf_config(tmp_path)
     explicit, _ = compose_config(None, [f"model={group}", f"model.init_from={tmp_path}"])
-    # the group sets every key but the MoE ones (a dense Llama: no experts)
-    assert adopt_hf_shape(explicit.model) == {"n_experts": 0, "top_k": 2, "moe_ffn_dim": 0, "shared_expert": False}
+    # the group sets every key but the MoE ones (a dense Llama: no experts) and the Qwen3 ones
+    assert adopt_hf_shape(explicit.model) == {"n_experts": 0, "top_k": 2, "moe_ffn_dim": 0, "shared_expert": False,
+                                              "router_norm_topk": True, "qk_norm": False,
+                                              "head_dim": META[group].get("head_dim")}
     check_hf_config(config, explicit.model, 128256, str(tmp_path))  # raises on any disagreement
     alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
     adopt_hf_shape(alone.model)
@@ -40,7 +43,7 @@ def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
         {k: explicit.model[k] for k in CHECKPOINT_KEYS if k != "name"}
 
 
-@pytest.mark.parametrize("field,value,says", [("head_dim", 32, "the file's own fields disagree"),
+@pytest.mark.parametrize("field,value,says", [("head_dim", 31, "a positive even integer"),
                                               ("num_hidden_layers", -2, "a positive integer"),
                                               ("vocab_size", True, "a positive integer")])
 def test_a_config_json_at_odds_with_itself_is_blamed_on_config_json(tmp_path, field, value, says):
@@ -59,3 +62,119 @@ def test_a_config_json_at_odds_with_itself_is_blamed_on_config_json(tmp_path, fi
     message = str(err.value)
     assert f"config.json has {field}={value!r}" in message and says in message
     assert "command line" not in message
+
+
+# Qwen's published config.json files (Qwen/Qwen3-0.6B, -8B, -30B-A3B, -235B-A22B on the Hugging Face Hub), as released
+QWEN_COMMON = dict(attention_bias=False, attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, head_dim=128,
+                   hidden_act="silu", initializer_range=0.02, max_position_embeddings=40960, rms_norm_eps=1e-06,
+                   rope_scaling=None, rope_theta=1000000, sliding_window=None, torch_dtype="bfloat16",
+                   use_cache=True, use_sliding_window=False, vocab_size=151936)
+QWEN_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], decoder_sparse_step=1,
+                mlp_only_layers=[], norm_topk_prob=True, num_experts=128, num_experts_per_tok=8,
+                output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False)
+QWEN = {"qwen3_0_6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024,
+                           intermediate_size=3072, max_window_layers=28, num_attention_heads=16, num_hidden_layers=28,
+                           num_key_value_heads=8, tie_word_embeddings=True),
+        "qwen3_8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096,
+                         intermediate_size=12288, max_window_layers=36, num_attention_heads=32, num_hidden_layers=36,
+                         num_key_value_heads=8, tie_word_embeddings=False),
+        "qwen3_30b_a3b": dict(QWEN_MOE, hidden_size=2048, intermediate_size=6144, max_window_layers=48,
+                              moe_intermediate_size=768, num_attention_heads=32, num_hidden_layers=48,
+                              num_key_value_heads=4),
+        "qwen3_235b_a22b": dict(QWEN_MOE, hidden_size=4096, intermediate_size=12288, max_window_layers=94,
+                                moe_intermediate_size=1536, num_attention_heads=64, num_hidden_layers=94,
+                                num_key_value_heads=4)}
+# (total, active per token) parameters, Qwen's model cards: 0.6B, 8.2B, 30.5B / 3.3B, 235B / 22B; and the
+# non-embedding counts the cards give (0.44B, 6.95B, 29.9B, 234B: without the embedding and an untied LM head)
+QWEN_PARAMS = {"qwen3_0_6b": (0.6e9, 0.6e9, 0.44e9), "qwen3_8b": (8.2e9, 8.2e9, 6.95e9),
+               "qwen3_30b_a3b": (30.5e9, 3.3e9, 29.9e9), "qwen3_235b_a22b": (235e9, 22e9, 234e9)}
+
+
+@pytest.mark.parametrize("group", sorted(QWEN))
+def test_catalogue_qwen3_groups_are_qwens_config(tmp_path, group):
+    """Each Qwen3 group agrees with Qwen's config.json: an import of the released checkpoint under the
+    group plans (head_dim 128 beside dim / heads, QK-norm, the experts and norm_topk_prob), and
+    `model.init_from` alone takes the same values from the file."""
+    from usp.config.compose import compose_config
+    from usp.contract.hf_shape import CHECKPOINT_KEYS
+    from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN_COMMON, **QWEN[group]}))
+    config = read_hf_config(tmp_path)
+    explicit, _ = compose_config(None, [f"model={group}", f"model.init_from={tmp_path}"])
+    filled = adopt_hf_shape(explicit.model)
+    assert not {"dim", "n_heads", "head_dim", "qk_norm"} & set(filled), filled  # the group sets them
+    check_hf_config(config, explicit.model, 151936, str(tmp_path))  # raises on any disagreement
+    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
+    adopt_hf_shape(alone.model)
+    assert {k: alone.model[k] for k in CHECKPOINT_KEYS if k != "name"} == \
+        {k: explicit.model[k] for k in CHECKPOINT_KEYS if k != "name"}
+    assert alone.model.head_dim == 128 and alone.model.qk_norm is True and alone.model.norm_eps == 1e-6
+    assert alone.model.n_experts == QWEN[group].get("num_experts", 0)
+
+
+@pytest.mark.parametrize("group", sorted(QWEN))
+def test_qwen3_parameter_counts_are_the_published_ones(group):
+    """The planner's closed-form counts (head_dim 128 wide q / o projections, QK-norm weights, all
+    experts, top-8 active) against Qwen's model cards, within their rounding (2 %)."""
+    from usp.config.compose import compose_config
+    from usp.perf.specs import Arch
+
+    cfg, _ = compose_config(None, [f"model={group}"])
+    arch = Arch.from_model(cfg.model)
+    active = arch.embed_params + arch.n_layers * (arch.active_layer_matmul_params + arch.norm_params) \
+        + arch.head_params
+    non_embedding = arch.total_params - arch.embed_params - (0 if arch.tie_embeddings else arch.embed_params)
+    total_card, active_card, non_embedding_card = QWEN_PARAMS[group]
+    for ours, card in ((arch.total_params, total_card), (active, active_card), (non_embedding, non_embedding_card)):
+        assert abs(ours - card) <= 0.02 * card, (group, ours, card)
+    assert arch.q_dim == arch.n_heads * 128 and arch.norm_params == 2 * arch.dim + 2 * 128
+    # FLOPs: 6N + 12·L·(n_heads·head_dim)·s, the attention term at the query width
+    assert arch.flops_per_token(4096) == 6 * arch.matmul_params + 12 * arch.n_layers * arch.n_heads * 128 * 4096
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "gpt_oss", "deepseek_v3", None])
+def test_an_unsupported_model_type_is_refused_naming_the_supported_ones(tmp_path, model_type):
+    from usp.config.compose import compose_config
+    from usp.plan.hf_config import adopt_hf_shape
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN_COMMON, **QWEN["qwen3_8b"], "model_type": model_type}))
+    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
+    with pytest.raises(PlanError) as err:
+        adopt_hf_shape(alone.model)
+    message = str(err.value)
+    assert f"model_type={model_type!r}" in message and "llama, mixtral, qwen3, qwen3_moe" in message, message
+
+
+@pytest.mark.parametrize("change,says", [({"use_sliding_window": True}, "use_sliding_window=True"),
+                                         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+                                         ({"mlp_only_layers": [0]}, "mlp_only_layers=[0]"),
+                                         ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                                         ({"attention_bias": True}, "attention_bias=True")])
+def test_qwen3_features_usp_lacks_are_refused(tmp_path, change, says):
+    from usp.config.compose import compose_config
+    from usp.plan.hf_config import adopt_hf_shape
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN_COMMON, **QWEN["qwen3_30b_a3b"], **change}))
+    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
+    with pytest.raises(PlanError) as err:
+        adopt_hf_shape(alone.model)
+    assert f"config.json has {says}" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("override,key,fix", [("model.head_dim=64", "model.head_dim", "model.head_dim=128"),
+                                              ("model.qk_norm=false", "model.qk_norm", "model group"),
+                                              ("model.router_norm_topk=false", "model.router_norm_topk",
+                                               "model.router_norm_topk=True")])
+def test_a_qwen3_option_at_odds_with_config_json_is_refused(tmp_path, override, key, fix):
+    """head_dim, qk_norm (the model type) and router_norm_topk (norm_topk_prob) set against the file."""
+    from usp.config.compose import compose_config
+    from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN_COMMON, **QWEN["qwen3_30b_a3b"]}))
+    cfg, _ = compose_config(None, ["model=qwen3_30b_a3b", override, f"model.init_from={tmp_path}"])
+    adopt_hf_shape(cfg.model)
+    with pytest.raises(PlanError) as err:
+        check_hf_config(read_hf_config(tmp_path), cfg.model, 151936, str(tmp_path))
+    message = str(err.value)
+    assert key in message and fix in message, message

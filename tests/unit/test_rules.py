@@ -27,6 +27,10 @@ CLUSTERS = {
     "llama3_1_70b": ["cluster=slurm_h100", "cluster.nodes=8"],
     "llama3_1_405b": ["cluster=slurm_h100", "cluster.nodes=32", "train.global_batch=64"],
     "mixtral_8x7b": ["cluster=slurm_h100", "cluster.nodes=8"],
+    "qwen3_0_6b": ["cluster=slurm_h100"],
+    "qwen3_8b": ["cluster=slurm_h100", "cluster.nodes=2"],
+    "qwen3_30b_a3b": ["cluster=slurm_h100", "cluster.nodes=4"],
+    "qwen3_235b_a22b": ["cluster=slurm_h100", "cluster.nodes=32", "train.global_batch=64"],
 }
 
 
@@ -159,3 +163,19 @@ def test_rope_types_other_than_default_and_llama3_are_refused_by_name():
     plan, errors = _plan("model.rope_factor=8")
     assert plan is not None and errors == []
     assert any(w.startswith("model.rope_factor=8.0: model.rope_type=default") for w in plan.warnings), plan.warnings
+
+
+def test_head_dim_is_an_option_with_its_own_rule():
+    """model.head_dim: null (dim / n_heads) or a positive even number, refused naming the key and the fix;
+    set, model.dim need not divide by model.n_heads (Qwen3's heads are 128 wide whatever dim / heads is)."""
+    for value in (7, 0, -2):
+        plan, errors = _plan(f"model.head_dim={value}")
+        assert plan is None and [e.key for e in errors] == ["model.head_dim"], (value, errors)
+        assert "model.head_dim=null" in errors[0].fix and "even" in str(errors[0])
+    plan, errors = _plan("model.dim=120", "model.n_heads=7", "model.n_kv_heads=1")  # 120 / 7: no head width
+    assert plan is None and [e.key for e in errors] == ["model.n_heads"] and "model.head_dim" in errors[0].fix
+    plan, errors = _plan("model.dim=120", "model.n_heads=7", "model.n_kv_heads=1", "model.head_dim=32",
+                         "model.qk_norm=true")
+    assert plan is not None and errors == [], errors
+    attention = 2 * 120 * 7 * 32 + 2 * 120 * 1 * 32  # wq, wo: dim x n_heads x head_dim; wk, wv: dim x kv x head_dim
+    assert plan.model.params == plan.model.vocab_size * 120 + 2 * (attention + 3 * 120 * 384 + 2 * 120 + 2 * 32) + 120

@@ -71,6 +71,8 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int | None = None  # None = n_heads (multi-head attention)
+    head_dim: int | None = None  # None = dim / n_heads; q and the attention output are n_heads x head_dim (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3; parameters attention.q_norm/k_norm)
     ffn_dim: int = 384  # SwiGLU hidden size
     vocab_size: int = -1  # -1 = take it from the data group's tokenizer
     tie_embeddings: bool = True
@@ -92,11 +94,14 @@ class ModelConfig:
     shared_expert: bool = False  # one always-on expert beside the routed ones
     aux_loss_coef: float = 0.01  # load-balancing loss weight (over the global batch, docs/moe.md)
     router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing (DeepSeek-V3), the bias step
+    # the top-k router probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob=true);
+    # false: the softmax's own probabilities weight the experts (Qwen3-MoE's norm_topk_prob=false)
+    router_norm_topk: bool = True
     # For the planner only: a measured max / mean tokens per expert (metrics.jsonl expert_load ...
     # imbalance); the EP all-to-all and expert compute of the busiest rank scale by it. 1 = balanced.
     expert_load_imbalance: float = 1.0
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
-    # A Hugging Face checkpoint directory (Llama / Mixtral, config.json + safetensors) whose weights
+    # A Hugging Face checkpoint directory (Llama, Mixtral, Qwen3, Qwen3-MoE: config.json + safetensors) whose weights
     # replace the initialisation. Its config.json gives the model's shape (the keys of
     # usp/config/init_from.py) unless a recipe or the command line sets them; a value set there must
     # agree with it (usp/plan/hf_config.py).

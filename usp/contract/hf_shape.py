@@ -1,20 +1,24 @@
 """A usp model's shape in Hugging Face's terms (pure Python: no torch, no transformers): the
 config.json fields of usp's architectures, and the config.json transformers reads for a usp model.
 The planner checks a `model.init_from` checkpoint's config.json against them (usp/plan/hf_config.py);
-`usp export --format hf` writes hf_config's. Two HF architectures map onto usp's Llama:
+`usp export --format hf` writes hf_config's. Four HF architectures map onto usp's Llama:
 
-  model_type "llama"    LlamaForCausalLM     the dense model (model.n_experts = 0)
-  model_type "mixtral"  MixtralForCausalLM   top-k routed SwiGLU experts (model.n_experts > 0)
+  model_type "llama"      LlamaForCausalLM      the dense model (model.n_experts = 0)
+  model_type "mixtral"    MixtralForCausalLM    top-k routed SwiGLU experts (model.n_experts > 0)
+  model_type "qwen3"      Qwen3ForCausalLM      the dense model with QK-norm (model.qk_norm)
+  model_type "qwen3_moe"  Qwen3MoeForCausalLM   QK-norm and routed experts (router_norm_topk: norm_topk_prob)
 
 Field by field (HF -> usp): hidden_size -> dim, num_hidden_layers -> n_layers,
-num_attention_heads -> n_heads, num_key_value_heads -> n_kv_heads, intermediate_size -> ffn_dim
-(Mixtral: the expert's hidden size, moe_ffn_dim or ffn_dim), vocab_size -> the model's
-vocabulary, tie_word_embeddings -> tie_embeddings, rope_theta (or rope_parameters.rope_theta) ->
-rope_theta, rope_scaling / rope_parameters (rope_type, factor, low_freq_factor, high_freq_factor,
-original_max_position_embeddings) -> rope_type, rope_factor, rope_low_freq_factor,
-rope_high_freq_factor, rope_original_max_positions, rms_norm_eps -> norm_eps, num_local_experts ->
-n_experts, num_experts_per_tok -> top_k; a field config.json leaves out has transformers' default
-for that model type."""
+num_attention_heads -> n_heads, num_key_value_heads -> n_kv_heads, head_dim -> head_dim (null when it
+is hidden_size / num_attention_heads and config.json leaves it out), intermediate_size -> ffn_dim
+(Mixtral: the expert's hidden size, moe_ffn_dim or ffn_dim; Qwen3-MoE: moe_intermediate_size is the
+expert's), vocab_size -> the model's vocabulary, tie_word_embeddings -> tie_embeddings, rope_theta (or
+rope_parameters.rope_theta) -> rope_theta, rope_scaling / rope_parameters (rope_type, factor,
+low_freq_factor, high_freq_factor, original_max_position_embeddings) -> rope_type, rope_factor,
+rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions, rms_norm_eps -> norm_eps,
+num_local_experts (Qwen3-MoE: num_experts) -> n_experts, num_experts_per_tok -> top_k, norm_topk_prob ->
+router_norm_topk (Mixtral always renormalises); the model type -> qk_norm (the Qwen3 types have it);
+a field config.json leaves out has transformers' default for that model type."""
 from __future__ import annotations
 
 from typing import Any
@@ -22,17 +26,33 @@ from typing import Any
 CONFIG = "config.json"
 # The model keys a checkpoint's config.json decides: a model.init_from run leaves the ones no recipe or
 # command line set MISSING (usp/config/init_from.py), and the planner fills them (usp/plan/hf_config.py).
-CHECKPOINT_KEYS = ("name", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe_ffn_dim", "vocab_size",
-                   "tie_embeddings", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
+CHECKPOINT_KEYS = ("name", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "ffn_dim", "moe_ffn_dim",
+                   "vocab_size", "tie_embeddings", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_original_max_positions", "norm_eps", "n_experts", "top_k",
-                   "shared_expert")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
-# transformers' LlamaConfig / MixtralConfig defaults for the fields a config.json may leave out
+                   "shared_expert", "router_norm_topk")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+# transformers' config defaults (LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig) for the fields a
+# config.json may leave out; a Qwen3-MoE without head_dim has hidden_size / num_attention_heads
 HF_DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-               "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2}}
+               "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2},
+               "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "head_dim": 128},
+               "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_experts": 128, "num_experts_per_tok": 8,
+                             "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1}}
 # config.json's name of each RoPE scaling value (model.rope_<usp name>)
 HF_ROPE = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
            "original_max_positions": "original_max_position_embeddings"}
+
+
+def model_type(model: Any) -> str:
+    """The HF model type of a usp model: Qwen3's with QK-norm, Llama's without; the MoE one of each
+    with experts."""
+    moe = int(model.n_experts or 0) > 0
+    if getattr(model, "qk_norm", False):
+        return "qwen3_moe" if moe else "qwen3"
+    return "mixtral" if moe else "llama"
 
 
 def usp_fields(model: Any, vocab: int) -> dict:
@@ -41,31 +61,34 @@ def usp_fields(model: Any, vocab: int) -> dict:
     def get(key: str):
         return getattr(model, key)
 
-    n_heads, n_experts = int(get("n_heads")), int(get("n_experts") or 0)
+    n_heads, kind = int(get("n_heads")), model_type(model)
+    expert_ffn = int(get("moe_ffn_dim") or get("ffn_dim"))
     out = {
-        "model_type": "mixtral" if n_experts > 0 else "llama",
-        "hidden_size": int(get("dim")), "num_hidden_layers": int(get("n_layers")),
+        "model_type": kind, "hidden_size": int(get("dim")), "num_hidden_layers": int(get("n_layers")),
         "num_attention_heads": n_heads, "num_key_value_heads": int(get("n_kv_heads") or n_heads),
-        "head_dim": int(get("dim")) // n_heads,
-        "intermediate_size": int((get("moe_ffn_dim") or get("ffn_dim")) if n_experts else get("ffn_dim")),
+        "head_dim": int(getattr(model, "head_dim", None) or int(get("dim")) // n_heads),
+        "intermediate_size": expert_ffn if kind == "mixtral" else int(get("ffn_dim")),
         "vocab_size": int(vocab), "tie_word_embeddings": bool(get("tie_embeddings")),
         "rope_theta": float(get("rope_theta")), "rms_norm_eps": float(get("norm_eps")),
         "rope_parameters.rope_type": str(get("rope_type") or "default"),
     }
     if out["rope_parameters.rope_type"] == "llama3":
         out.update({f"rope_parameters.{hf}": get(f"rope_{k}") for k, hf in HF_ROPE.items()})
-    if n_experts:
-        out.update(num_local_experts=n_experts, num_experts_per_tok=int(get("top_k")))
+    if kind == "mixtral":
+        out.update(num_local_experts=int(get("n_experts")), num_experts_per_tok=int(get("top_k")))
+    if kind == "qwen3_moe":
+        out.update(num_experts=int(get("n_experts")), num_experts_per_tok=int(get("top_k")),
+                   moe_intermediate_size=expert_ffn, norm_topk_prob=bool(getattr(model, "router_norm_topk", True)))
     return out
 
 
 def hf_config(model: Any, vocab: int, max_seq_len: int, dtype: str, extra: dict | None = None) -> dict:
     """The config.json transformers reads for a usp model (the plan's model section)."""
     fields = usp_fields(model, vocab)
-    model_type = fields["model_type"]
+    kind = fields["model_type"]
     theta = fields.pop("rope_theta")
     rope = {k.split(".", 1)[1]: fields.pop(k) for k in list(fields) if k.startswith("rope_parameters.")}
-    config = {"architectures": [ARCHITECTURES[model_type]], **fields, "hidden_act": "silu",
+    config = {"architectures": [ARCHITECTURES[kind]], **fields, "hidden_act": "silu",
               "max_position_embeddings": int(max_seq_len),
               # transformers >= 5 reads rope_parameters; older versions the top-level rope_theta and
               # rope_scaling (which transformers 5 also reads, and prefers)
@@ -73,10 +96,21 @@ def hf_config(model: Any, vocab: int, max_seq_len: int, dtype: str, extra: dict 
               "initializer_range": float(model.init_std), "dtype": dtype, "use_cache": True}
     if rope["rope_type"] != "default":
         config["rope_scaling"] = rope
-    if model_type == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
-    else:
-        config.update(sliding_window=None, router_aux_loss_coef=float(model.aux_loss_coef or 0.0),
-                      output_router_logits=False)
+    config.update(_type_fields(model, kind, int(fields["num_hidden_layers"])))
     config.update(extra or {})
     return config
+
+
+def _type_fields(model: Any, kind: str, n_layers: int) -> dict:
+    """The fields of one HF model type that say usp's choices (no biases, no sliding windows, every
+    block's MLP a MoE layer, the router's loss weight)."""
+    if kind == "llama":
+        return {"attention_bias": False, "mlp_bias": False}
+    moe = {"router_aux_loss_coef": float(model.aux_loss_coef or 0.0), "output_router_logits": False}
+    if kind == "mixtral":
+        return {"sliding_window": None, **moe}
+    qwen = {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": n_layers, "layer_types": ["full_attention"] * n_layers}
+    if kind == "qwen3":
+        return qwen
+    return {**qwen, **moe, "decoder_sparse_step": 1, "mlp_only_layers": []}

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from usp.contract.hf_shape import model_type
 from usp.contract.plan_file import read_plan
 from usp.contract.run_plan import RunPlan
 from usp.engine.checkpoint_tensors import checkpoint_tensors
@@ -124,7 +125,7 @@ def export_model(source, step: int | None = None, out=None, fmt: str = "torch",
     stream, padding = model_stream(ckpt, shape)
     target = Path(out) if out else run_dir / "export" / f"{fmt}_step{ckpt_step:08d}"
     if fmt == "hf":
-        _check_hf_exportable(stream.shapes)
+        _check_hf_exportable(stream.shapes, plan.config.model)
     shard_mb = max_shard_mb or DEFAULT_SHARD_MB
     with staged(target) as tmp:  # swapped into place as the block ends (a return included)
         if fmt == "hf":
@@ -210,14 +211,21 @@ def _check_format(fmt: str) -> None:
                               fix="pip install safetensors (or --format torch)") from None
 
 
-def _check_hf_exportable(names) -> None:
-    """Mixtral routes by its gate's top-k alone: a model trained with aux-loss-free balancing picks
-    its experts with a bias (usp.models.moe) that MixtralForCausalLM has no place for."""
+def _check_hf_exportable(names, model) -> None:
+    """Mixtral and Qwen3-MoE route by their gate's top-k alone: a model trained with aux-loss-free
+    balancing picks its experts with a bias (usp.models.moe) that neither has a place for. Mixtral
+    always renormalises the top-k weights (model.router_norm_topk=false needs Qwen3-MoE's norm_topk_prob,
+    so model.qk_norm)."""
     biased = [k for k in names if k.endswith("expert_bias")]
     if biased:
         raise ExportError(f"the checkpoint has router biases ({biased[0]}, model.router_bias_update_rate > 0): "
-                          "Mixtral has no router bias, so transformers would route other experts", key="--format",
-                          value="hf", fix="--format safetensors or --format torch (usp's own model keeps the bias)")
+                          "Mixtral and Qwen3-MoE have no router bias, so transformers would route other experts",
+                          key="--format", value="hf",
+                          fix="--format safetensors or --format torch (usp's own model keeps the bias)")
+    if model_type(model) == "mixtral" and not model.router_norm_topk:
+        raise ExportError("model.router_norm_topk=false: Mixtral renormalises the top-k router probabilities, so "
+                          "transformers would weight the experts otherwise", key="--format", value="hf",
+                          fix="--format safetensors or --format torch")
 
 
 def _tie_embeddings(stream: TensorStream, tie: bool, fmt: str) -> tuple[TensorStream, dict, dict]:

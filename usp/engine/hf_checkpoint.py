@@ -1,7 +1,8 @@
 """Hugging Face checkpoints out (`usp export --format hf`) and in (`model.init_from=<HF directory>`).
 
 Out: a directory that transformers.AutoModelForCausalLM.from_pretrained loads (LlamaForCausalLM, or
-MixtralForCausalLM for a MoE model): config.json (usp/plan/hf_config.py), safetensors shards with
+MixtralForCausalLM for a MoE model; Qwen3ForCausalLM / Qwen3MoeForCausalLM with model.qk_norm):
+config.json (usp/contract/hf_shape.py), safetensors shards with
 model.safetensors.index.json, and the dataset's tokenizer files when it has an HF tokenizer. Names
 are converted in usp/models/hf_convert.py (the tensors themselves are HF's: same RoPE layout). The
 tensors come as a stream (usp/engine/tensor_stream.py): one usp tensor converted at a time, one
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from usp.contract.config_schema import ModelConfig
-from usp.contract.hf_shape import hf_config
+from usp.contract.hf_shape import CONFIG, hf_config, model_type
 from usp.data.tiktoken_file import TIKTOKEN_FILE, TIKTOKEN_META, hf_tokenizer_json, read_ranks
 from usp.engine.parallel.local_part import local_index, local_tensor
 from usp.engine.tensor_stream import TensorStream, meta_like, write_shards
@@ -75,7 +76,8 @@ def write_hf(tensors: TensorStream | dict[str, torch.Tensor], model: ModelConfig
     tied = bool(model.tie_embeddings)
     if tied:  # stored once, as the embedding (transformers re-ties it)
         stream = TensorStream({k: v for k, v in stream.shapes.items() if k != "output.weight"}, stream.read)
-    hf = hf_stream(stream)
+    kind = model_type(model)
+    hf = hf_stream(stream, kind)
     dtype = str(next(iter(hf.shapes.values())).dtype).replace("torch.", "")
     config = hf_config(model, int(vocab), int(max_seq_len), dtype)
     out.mkdir(parents=True)
@@ -86,15 +88,15 @@ def write_hf(tensors: TensorStream | dict[str, torch.Tensor], model: ModelConfig
     return HFExportResult(out, ckpt, step, shards, hf.numel(), config["architectures"][0], tied, copied)
 
 
-def hf_stream(stream: TensorStream) -> TensorStream:
+def hf_stream(stream: TensorStream, kind: str) -> TensorStream:
     """`stream` (usp names) as Hugging Face's tensors (usp/models/hf_convert.py `hf_tensors`: renamed;
     stacked experts split per expert and transposed). A usp tensor is read when one of its HF tensors
     is asked for, and its conversion kept until another's is: all of a layer's experts come from one
-    read (again for a file that starts in the middle of them)."""
+    read (again for a file that starts in the middle of them). `kind`: the HF model type."""
     shapes: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}
     for name, meta in stream.shapes.items():
-        for hf_name, t in hf_tensors(name, meta).items():
+        for hf_name, t in hf_tensors(name, meta, kind).items():
             shapes[hf_name], source[hf_name] = meta_like(t), name
     last: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -102,7 +104,7 @@ def hf_stream(stream: TensorStream) -> TensorStream:
         name = source[hf_name]
         if name not in last:
             last.clear()  # the previous conversion goes before the next tensor is read
-            last[name] = hf_tensors(name, stream.read(name))
+            last[name] = hf_tensors(name, stream.read(name), kind)
         return last[name][hf_name]
 
     return TensorStream(shapes, read)
@@ -160,7 +162,7 @@ def _weight_map(path: Path) -> dict[str, str]:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
-    """Copy an HF Llama / Mixtral checkpoint into `model`, a usp Llama or pipeline stage (plain, or
+    """Copy an HF Llama / Mixtral / Qwen3 / Qwen3-MoE checkpoint into `model`, a usp Llama or pipeline stage (plain, or
     already parallelized and allocated: this rank's shards, usp/engine/parallel/materialize.py), one
     parameter at a time, reading only the part of it this rank holds (`local_index`: a DTensor's
     chunk, expert parallelism's experts, or the whole tensor) with safetensors' `get_slice`.
@@ -178,9 +180,9 @@ def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
     here, before any value is read."""
     args, path = model.args, Path(path).expanduser()
     files = _HFFiles(path)
-    _check_names(type(model), args, set(files.shapes), path)
+    _check_names(type(model), args, set(files.shapes), path, files.kind)
     for name, p, shape, rows in model.full_parameters():
-        stored = usp_shape(name, [files.shapes[n] for n in hf_names(name, args.n_experts)])
+        stored = usp_shape(name, [files.shapes[n] for n in hf_names(name, args.n_experts, files.kind)])
         _check_shape(name, stored, shape, path)
         dest, index = local_tensor(p), local_index(p, rows)
         if _vocab_row(name) and index[0].stop > stored[0]:  # rows beyond the checkpoint: TP's vocabulary padding
@@ -191,12 +193,14 @@ def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
 
 class _HFFiles:
     """An HF checkpoint directory: which file holds each tensor, every tensor's shape (from the files'
-    headers: no tensor read), and a part of one usp parameter read into a destination."""
+    headers: no tensor read), its model type (config.json's: it names the MoE tensors), and a part of one
+    usp parameter read into a destination."""
 
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
 
         self.path, self.weight_map = path, _weight_map(path)
+        self.kind = str(json.loads((path / CONFIG).read_text()).get("model_type"))
         self.shapes: dict[str, tuple[int, ...]] = {}
         for file in sorted(set(self.weight_map.values())):
             with safe_open(str(path / file), framework="pt") as f:
@@ -216,7 +220,7 @@ class _HFFiles:
                     opened[file] = stack.enter_context(safe_open(str(self.path / file), framework="pt"))
                 return opened[file].get_slice(hf_name)[hf_index]  # type: ignore[attr-defined]
 
-            dest.copy_(read_part(name, index, n_experts, read))
+            dest.copy_(read_part(name, index, n_experts, self.kind, read))
 
 
 def _init_padding(model: nn.Module, name: str, shape: tuple[int, ...], seed: int, dest: torch.Tensor,
@@ -229,12 +233,12 @@ def _init_padding(model: nn.Module, name: str, shape: tuple[int, ...], seed: int
     return dest[:keep], (slice(first, first + keep), *index[1:])
 
 
-def _check_names(model_cls: type, args, available: set[str], path: Path) -> None:
+def _check_names(model_cls: type, args, available: set[str], path: Path, kind: str) -> None:
     """The checkpoint holds every tensor of the whole model (whatever part this rank holds) and
     nothing else (a tied model's lm_head.weight and old RoPE frequency buffers are ignored)."""
     with torch.device("meta"):  # names only: nothing allocated
         whole = model_cls(args, max_seq_len=2)
-    needed = {name: hf_names(name, args.n_experts) for name, *_ in whole.full_parameters()}
+    needed = {name: hf_names(name, args.n_experts, kind) for name, *_ in whole.full_parameters()}
     missing = sorted(name for name, hf in needed.items() if not set(hf) <= available)
     known = set().union(*needed.values()) | ({"lm_head.weight"} if args.tie_embeddings else set())
     unexpected = sorted(n for n in available - known if not n.endswith("rotary_emb.inv_freq"))

@@ -80,8 +80,8 @@ def _bytes(n: float) -> str:
 
 # The model keys that decide the parameters' names and shapes: a checkpoint saved with other values
 # can't be loaded. (rope_theta, init_std, norm_eps, ... change no shape.)
-SHAPE_KEYS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
-              "n_experts", "moe_ffn_dim", "shared_expert")
+SHAPE_KEYS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "ffn_dim", "vocab_size",
+              "tie_embeddings", "n_experts", "moe_ffn_dim", "shared_expert")
 
 
 class RunAlreadyDone(Exception):
@@ -93,6 +93,7 @@ def model_shape(plan: RunPlan) -> dict:
     model = plan.config.model
     shape = {k: getattr(model, k) for k in SHAPE_KEYS}
     shape["n_kv_heads"] = model.n_kv_heads or model.n_heads
+    shape["head_dim"] = model.head_dim or model.dim // model.n_heads
     shape["vocab_size"] = plan.model.vocab_size
     shape["moe_ffn_dim"] = (model.moe_ffn_dim or model.ffn_dim) if model.n_experts else None
     return shape

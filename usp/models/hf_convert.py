@@ -1,16 +1,21 @@
-"""usp's Llama state dict <-> Hugging Face's LlamaForCausalLM / MixtralForCausalLM, tensor by tensor.
+"""usp's Llama state dict <-> Hugging Face's LlamaForCausalLM / MixtralForCausalLM / Qwen3ForCausalLM /
+Qwen3MoeForCausalLM, tensor by tensor (`model_type`: config.json's, which names the MoE tensors).
 
 Names (usp -> HF; `layers.{i}` -> `model.layers.{i}`):
 
   tok_embeddings.weight                   model.embed_tokens.weight
   layers.{i}.attention_norm.weight        model.layers.{i}.input_layernorm.weight
   layers.{i}.attention.wq/wk/wv/wo        model.layers.{i}.self_attn.q_proj/k_proj/v_proj/o_proj
+  layers.{i}.attention.q_norm/k_norm      model.layers.{i}.self_attn.q_norm/k_norm                  (Qwen3)
   layers.{i}.ffn_norm.weight              model.layers.{i}.post_attention_layernorm.weight
   layers.{i}.feed_forward.w1/w3/w2        model.layers.{i}.mlp.gate_proj/up_proj/down_proj          (dense)
   layers.{i}.feed_forward.router.weight   model.layers.{i}.block_sparse_moe.gate.weight             (Mixtral)
   layers.{i}.feed_forward.experts.w1[e]   model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight   (transposed)
   layers.{i}.feed_forward.experts.w3[e]   ... experts.{e}.w3.weight                                 (transposed)
   layers.{i}.feed_forward.experts.w2[e]   ... experts.{e}.w2.weight                                 (transposed)
+  layers.{i}.feed_forward.router.weight   model.layers.{i}.mlp.gate.weight                          (Qwen3-MoE)
+  layers.{i}.feed_forward.experts.w1/w3/w2[e]  model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
+                                                                                          (Qwen3-MoE, transposed)
   norm.weight                             model.norm.weight
   output.weight                           lm_head.weight    (absent when tied: tie_word_embeddings)
 
@@ -35,41 +40,39 @@ _DENSE = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
           "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight",
-          "feed_forward.router.weight": "block_sparse_moe.gate.weight"}
+          "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
+# model type -> (the MoE layer's module, usp's expert weight -> HF's per-expert module); the router is `<module>.gate`
+_MOE = {"mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+        "qwen3_moe": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_EXPERTS = ("w1", "w2", "w3")
 
 
-def hf_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+def hf_tensors(name: str, t: torch.Tensor, model_type: str) -> dict[str, torch.Tensor]:
     """The HF tensor(s) of one usp tensor (whole, vocabulary padding removed): one, or one per expert
     for stacked experts (each transposed). Works on meta tensors too (names and shapes only)."""
-    if name in _TOP:
-        return {_TOP[name]: t}
-    layer, rest = _split(name, _LAYER)
-    prefix = f"model.layers.{layer}."
-    if rest.startswith("feed_forward.experts."):
-        which = rest.rsplit(".", 1)[1]
-        return {f"{prefix}block_sparse_moe.experts.{e}.{which}.weight": t[e].t().contiguous()
-                for e in range(t.shape[0])}
-    if rest in _DENSE:
-        return {prefix + _DENSE[rest]: t.contiguous()}
-    raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
+    names = hf_names(name, t.shape[0] if _is_experts(name) else 0, model_type)
+    if _is_experts(name):
+        return {n: t[e].t().contiguous() for e, n in enumerate(names)}
+    return {names[0]: t.contiguous()}
 
 
-def hf_names(name: str, n_experts: int) -> list[str]:
+def hf_names(name: str, n_experts: int, model_type: str) -> list[str]:
     """The HF tensors that make usp parameter `name` (one, or one per expert for stacked experts):
     what to read of a checkpoint to make that one parameter (`read_part`)."""
     if name in _TOP:
         return [_TOP[name]]
     layer, rest = _split(name, _LAYER)
     prefix = f"model.layers.{layer}."
-    if _is_experts(name):
-        which = rest.rsplit(".", 1)[1]
-        return [f"{prefix}block_sparse_moe.experts.{e}.{which}.weight" for e in range(n_experts)]
+    module, experts = _MOE.get(model_type, (None, {}))
+    if module is not None and rest == "feed_forward.router.weight":
+        return [f"{prefix}{module}.gate.weight"]
+    if module is not None and _is_experts(name):
+        which = experts[rest.rsplit(".", 1)[1]]
+        return [f"{prefix}{module}.experts.{e}.{which}.weight" for e in range(n_experts)]
     if rest in _DENSE:
         return [prefix + _DENSE[rest]]
-    raise KeyError(f"{name}: no Hugging Face equivalent (e.g. a shared expert)")
+    raise KeyError(f"{name}: no Hugging Face {model_type} equivalent (e.g. a shared expert)")
 
 
 def usp_shape(name: str, hf_shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
@@ -82,14 +85,14 @@ def usp_shape(name: str, hf_shapes: list[tuple[int, ...]]) -> tuple[int, ...] | 
     return (len(hf_shapes), *reversed(hf_shapes[0]))
 
 
-def read_part(name: str, index: tuple[slice, ...], n_experts: int,
+def read_part(name: str, index: tuple[slice, ...], n_experts: int, model_type: str,
               read: Callable[[str, tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
     """Part `index` (one slice per dimension of the whole usp tensor) of usp parameter `name`, made
     of what `read(hf_name, hf_index)` returns for the HF tensors it needs: a dense weight is HF's
     tensor itself (the same index of it), stacked experts are each expert's HF matrix transposed
     (the experts' slice picks the HF tensors, the other two index each one, swapped). A reader that
     fetches just `hf_index` reads just this part."""
-    hf = hf_names(name, n_experts)
+    hf = hf_names(name, n_experts, model_type)
     if not _is_experts(name):
         return read(hf[0], index)
     experts, *rest = index
@@ -104,5 +107,5 @@ def _is_experts(name: str) -> bool:
 def _split(name: str, pattern: re.Pattern) -> tuple[str, str]:
     m = pattern.match(name)
     if not m:
-        raise KeyError(f"{name}: not a Llama / Mixtral weight usp knows")
+        raise KeyError(f"{name}: not a weight of usp's Llama usp knows")
     return m.group(1), m.group(2)

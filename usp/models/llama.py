@@ -40,6 +40,8 @@ class LlamaArgs:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int | None = None  # None = n_heads
+    head_dim: int | None = None  # None = dim // n_heads; q and the attention output are n_heads x head_dim wide
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     ffn_dim: int = 384
     vocab_size: int = 4096
     tie_embeddings: bool = True
@@ -59,21 +61,20 @@ class LlamaArgs:
     shared_expert: bool = False
     capacity_factor: float = 0.0  # 0 = dropless
     router_bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (usp.models.moe)
+    router_norm_topk: bool = True  # the top-k router probabilities renormalised to sum to 1 (Mixtral)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+        if (self.head_dim is None and self.dim % self.n_heads) or self.n_heads % self.n_kv_heads:
             raise ValueError(
-                f"model.dim={self.dim} must divide by n_heads={self.n_heads}, "
+                f"model.dim={self.dim} must divide by n_heads={self.n_heads} (or model.head_dim be set), "
                 f"and n_heads by n_kv_heads={self.n_kv_heads}"
             )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
     def rope_tables(self, max_seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos/sin tables (max_seq_len, head_dim // 2), with this model's frequency scaling."""
@@ -104,6 +105,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Qwen3's QK-norm: one RMSNorm over head_dim, shared by the heads, on q and k before RoPE
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.core_attention = None  # optional (q, k, v) -> o replacing SDPA (context parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,6 +116,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, head_dim)
         if self.core_attention is not None:

@@ -103,6 +103,9 @@ class MoE(nn.Module):
             raise ValueError(f"model.top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
         hidden = args.moe_ffn_dim or args.ffn_dim
         self.capacity_factor = float(args.capacity_factor)
+        # True: the top-k probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob);
+        # False: the softmax's own probabilities weight the experts
+        self.norm_topk = bool(getattr(args, "router_norm_topk", True))
         self.router = nn.Linear(dim, self.n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, self.n_experts)
         self.shared_expert: nn.Module | None = FeedForward(dim, hidden) if args.shared_expert else None
@@ -130,13 +133,14 @@ class MoE(nn.Module):
         return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> top-k weights (T, k) (renormalised, x's dtype), expert ids (T, k),
+        """x (T, dim) -> top-k weights (T, k) (renormalised unless norm_topk is off, x's dtype), expert ids (T, k),
         router probabilities (T, E) fp32. Also sets self.aux_loss."""
         probs = F.softmax(self.router(x).float(), dim=-1)
         choice = probs if self.expert_bias is None else probs + self.expert_bias  # the bias only picks
         top_e = choice.topk(self.top_k, dim=-1).indices
         top_w = probs.gather(-1, top_e)
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if self.norm_topk:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         self.aux_loss = self.balance_loss(probs, top_e)
         return top_w.to(x.dtype), top_e, probs
 
@@ -227,7 +231,7 @@ class MoE(nn.Module):
         rows = []
         for t in range(T):
             ranked = sorted(range(E), key=lambda e: -(p_val[t][e] + bias[e]))[:k]
-            total = sum(probs[t, e] for e in ranked)
+            total = sum(probs[t, e] for e in ranked) if self.norm_topk else 1.0
             row = [zero] * E
             for e in ranked:
                 if taken[e] < cap:

@@ -13,11 +13,12 @@ stores bf16 parameters (usp.perf.specs.Precision)):
   optimizer    KΨ, or KΨ/N under ZeRO-1/2/3
   activations  values kept per token per layer between forward and backward, counted from what this
                repo's Llama block keeps (measured on CPU with torch's MemTracker, docs/planner.md),
-               t = tp, kv = n_kv_heads·head_dim, f = ffn_dim:
+               t = tp, kv = n_kv_heads·head_dim, q = n_heads·head_dim (h unless model.head_dim), f = ffn_dim:
                  each RMSNorm: its input and x·rstd, 2h/t (sequence-sharded under TP + SP);
                  each norm's output, the input of the projections: h (DTensor's ColwiseParallel
                  keeps the input all-gathered over the sequence, so not divided by t);
-                 attention: q, k, v after RoPE (h + 2kv)/t and the SDPA output h/t;
+                 attention: q, k, v after RoPE (q + 2kv)/t and the SDPA output q/t; with QK-norm
+                 (model.qk_norm) its input and x·rstd on q and k, 2(q + kv)/t;
                  SwiGLU: w1 and w3 outputs, silu output, their product: 4f/t;
                  MoE MLP: router probabilities (E) + per routed copy (top_k) the token, the
                  expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert
@@ -166,13 +167,14 @@ def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[flo
     """(values kept per token per layer between forward and backward, values of one layer's full
     set), for the Llama block of usp/models/llama.py as the engine runs it (module docstring), or as
     the profile's recipe runs it (a fused norm, sequence-sharded norm outputs, a packed K/V copy)."""
-    h, kv, t, f = arch.dim, arch.kv_dim, layout.tp, arch.ffn_dim
+    h, kv, t, f, q = arch.dim, arch.kv_dim, layout.tp, arch.ffn_dim, arch.q_dim
     if layout.cp > 1:  # the ring attention keeps K and V expanded to every query head (GQA)
-        kv = h
+        kv = q
     norm = (1 if profile.fused_norm else 2) * h / t  # RMSNorm input (and x·rstd), sequence-sharded under TP + SP
     norm_out = h / t if profile.sp_norm_outputs_sharded else h  # the projections' input: all-gathered by DTensor
     packed_kv = 2 * kv / t if profile.kv_packed_copy else 0
-    attention = norm + norm_out + (h + 2 * kv) / t + packed_kv + h / t  # + q/k/v after RoPE, SDPA out
+    qk_norm = 2 * (q + arch.kv_dim) / t if arch.qk_norm else 0  # QK-norm's input and x·rstd on q and k
+    attention = norm + norm_out + (q + 2 * kv) / t + packed_kv + q / t + qk_norm  # + q/k/v after RoPE, SDPA out
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
         # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
@@ -185,7 +187,7 @@ def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[flo
     if layout.recompute == "full":
         return h / t, full  # the block input
     if layout.recompute == "selective":  # matmul / attention outputs: q, k, v, SDPA out, wo out + the MLP's
-        return h / t + (h + 2 * kv) / t + h / t + h + mlp_matmuls, full
+        return h / t + (q + 2 * kv) / t + q / t + h + mlp_matmuls, full
     return full, full
 
 
@@ -198,7 +200,7 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
     kept, full = activation_values(arch, layout, profile)
-    ring = s * b * arch.dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
+    ring = s * b * arch.q_dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
     kept_ring = ring if layout.recompute != "full" else 0
     scale = profile.activation_scale
     full_bytes = (s * b * full * prec.act + scores + ring) * scale
@@ -214,10 +216,10 @@ def compiled_block_bytes(arch: Arch, layout: Layout, prec: Precision) -> float |
     CP (not measured compiled). Under TP the terms divide as the eager ones do (not measured either)."""
     if not prec.compiled or layout.recompute != "none" or arch.moe or layout.cp > 1:
         return None
-    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
+    h, kv, f, t, q = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp, arch.q_dim
     autocast = prec.copy_bytes and not bf16_by_fsdp_policy(layout.dp_kind, layout.pp, 1)
     block_input = h / t * (AUTOCAST_RESIDUAL_BYTES if autocast else prec.act)  # sequence-sharded under SP
-    attention = (2 * h + 2 * kv) / t  # q, k, v after RoPE, the SDPA output
+    attention = (2 * q + 2 * kv) / t + (2 * (q + kv) / t if arch.qk_norm else 0)  # q, k, v, SDPA output; QK-norm
     wo_output = h  # a partial sum over the whole sequence under TP, as selective recompute counts it
     swiglu = 2 * f / t  # the w1 and w3 outputs
     linear_inputs = 0 if prec.fp8 != "off" else 2 * h + f / t  # the norm outputs (all-gathered under TP), w2's input
@@ -293,10 +295,12 @@ def _tensors(arch: Arch, t: int, ep: int, layers: int, emb: bool, head: bool, no
     usp/engine/parallel/tensor.py shards them over tp (embedding rows, LM head and wq/wk/wv/w1/w3
     rows: Shard(0); wo, w2: Shard(1); norms replicated; a MoE layer not at all) and expert.py slices
     the experts over ep: what FSDP2 then cuts along dim 0 (sharded_params)."""
-    h, kv, f = arch.dim, arch.kv_dim, arch.ffn_dim
+    h, kv, f, q = arch.dim, arch.kv_dim, arch.ffn_dim, arch.q_dim
     up = lambda x: -(-x // t)  # noqa: E731 - DTensor's Shard: torch.chunk pieces, the first ones the longest
-    out = [(h, 1, 2 * layers, False), (up(h), h, layers, False), (up(kv), h, 2 * layers, False),
-           (h, up(h), layers, False)]  # the two norms, wq, wk + wv, wo
+    out = [(h, 1, 2 * layers, False), (up(q), h, layers, False), (up(kv), h, 2 * layers, False),
+           (h, up(q), layers, False)]  # the two norms, wq, wk + wv, wo
+    if arch.qk_norm:
+        out.append((arch.head_dim, 1, 2 * layers, False))  # q_norm, k_norm: replicated over tp
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
         out += [(arch.n_experts, h, layers, False), (arch.n_experts // ep, h * fe, 3 * layers, True)]
@@ -421,8 +425,8 @@ def _fp8_copies(arch: Arch, layout: Layout, prec: Precision) -> float:
     the forward and the backward scale along different dims)."""
     if prec.fp8 == "off" or arch.moe:
         return 0.0
-    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
-    rows_and_cols = (2 * h + 2 * (h + kv) + 2 * h) / t + 3 * (h + f) / t  # wq, wk, wv, wo; w1, w3, w2
+    h, kv, f, t, q = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp, arch.q_dim
+    rows_and_cols = ((h + q) + 2 * (h + kv) + (q + h)) / t + 3 * (h + f) / t  # wq, wk, wv, wo; w1, w3, w2
     scales = 4 * rows_and_cols if prec.fp8 == "rowwise" else 4 * 7
     return fp8_layer_params(arch, layout) + scales
 
@@ -536,7 +540,7 @@ def largest_parameter(arch: Arch, h: _Held) -> tuple[str, int]:
     if h.head > arch.dim:  # an LM head matrix: untied, or a pipeline's last stage's copy of the tied embedding
         sizes["output.weight"] = h.vocab_pad * arch.dim
     if h.layers:
-        sizes["layers.<i>.attention.wq.weight"] = arch.dim * arch.dim
+        sizes["layers.<i>.attention.wq.weight"] = arch.q_dim * arch.dim
         if arch.moe:
             fe = arch.moe_ffn_dim or arch.ffn_dim
             sizes["layers.<i>.feed_forward.experts.w1"] = arch.n_experts * fe * arch.dim

@@ -39,6 +39,8 @@ class Arch:
     attention: str = "sdpa"
     expert_load_imbalance: float = 1.0  # measured max / mean tokens per expert (1 = balanced)
     gated: bool = True  # SwiGLU MLP (w1, w3, w2: 3·h·ffn); False: a GeLU MLP (2·h·ffn: GPT, MPT, Megatron's GPT)
+    attn_head_dim: int = 0  # model.head_dim; 0 = dim / n_heads (Qwen3: 128 whatever dim / n_heads is)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3): 2 x head_dim weights per layer
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
@@ -53,11 +55,18 @@ class Arch:
                    tie_embeddings=bool(g("tie_embeddings", True)), n_experts=int(g("n_experts", 0) or 0),
                    top_k=int(g("top_k", 2) or 2), moe_ffn_dim=int(g("moe_ffn_dim", 0) or 0),
                    shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")),
-                   expert_load_imbalance=float(g("expert_load_imbalance", 1.0) or 1.0))
+                   expert_load_imbalance=float(g("expert_load_imbalance", 1.0) or 1.0),
+                   attn_head_dim=int(g("head_dim") or 0), qk_norm=bool(g("qk_norm", False)))
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention's output (wq's rows, wo's columns): n_heads x
+        head_dim, which is dim unless model.head_dim says otherwise."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -89,8 +98,8 @@ class Arch:
         return self.parts.get("router", 0)
 
     @property
-    def norm_params(self) -> int:  # per layer
-        return 2 * self.dim
+    def norm_params(self) -> int:  # per layer: the two RMSNorms (+ q_norm and k_norm)
+        return self.parts["norms"]
 
     @property
     def layer_params(self) -> int:
@@ -128,23 +137,24 @@ class Arch:
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), Ultra-Scale Playbook convention:
 
-            FLOPs/token = 6 * N + 12 * L * h * s
+            FLOPs/token = 6 * N + 12 * L * q * s
 
         N = matmul_params (projections + LM head, no embedding lookup, no norms); 6 = 2 FLOPs per
         multiply-add x (1 forward + 2 backward). The second term is the attention score/value
-        matmuls (QK^T and AV): 2 matmuls x 2 FLOPs x 3 passes x h x s per layer, counted without the
-        causal-mask halving, as in the playbook/PaLM MFU formula. For MoE, N counts the active
-        experts only (top_k + shared) plus the router."""
-        return 6 * self.matmul_params + 12 * self.n_layers * self.dim * seq_len
+        matmuls (QK^T and AV): 2 matmuls x 2 FLOPs x 3 passes x q x s per layer, counted without the
+        causal-mask halving, as in the playbook/PaLM MFU formula; q = n_heads x head_dim (q_dim), h
+        unless model.head_dim says otherwise. For MoE, N counts the active experts only (top_k +
+        shared) plus the router."""
+        return 6 * self.matmul_params + 12 * self.n_layers * self.q_dim * seq_len
 
 
 @lru_cache(maxsize=256)
 def _parts(a: Arch) -> dict:
     """Parameter counts by part. `attention`, `mlp` and `norms` are PER LAYER.
 
-    attention: wq (h x h) + wk, wv (h x h_kv*head_dim) + wo (h x h), no biases
+    attention: wq (h x q) + wk, wv (h x h_kv*head_dim) + wo (q x h), no biases; q = n_heads*head_dim
     mlp:       SwiGLU w1, w3 (h x ffn) + w2 (ffn x h)
-    norms:     attention_norm + ffn_norm (h each)
+    norms:     attention_norm + ffn_norm (h each), + q_norm and k_norm (head_dim each) with qk_norm
     lm_head:   v x h when untied, 0 when it shares the embedding matrix
 
     MoE (n_experts > 0, usp.models.moe): `mlp` is the whole MoE layer = router + experts +
@@ -153,12 +163,12 @@ def _parts(a: Arch) -> dict:
     expert-sized SwiGLU, or 0), active_mlp (what one token uses: router + top_k experts +
     shared_expert)."""
     dim, h_kv = a.dim, a.n_kv_heads
-    if dim % a.n_heads or a.n_heads % h_kv:
+    if (not a.attn_head_dim and dim % a.n_heads) or a.n_heads % h_kv:
         raise ValueError(f"dim={dim}, n_heads={a.n_heads}, n_kv_heads={h_kv} do not divide evenly")
-    kv_dim = h_kv * (dim // a.n_heads)
     mlp = (3 if a.gated else 2) * dim * a.ffn_dim
-    out = {"embedding": a.vocab_size * dim, "attention": 2 * dim * dim + 2 * dim * kv_dim, "mlp": mlp,
-           "norms": 2 * dim, "final_norm": dim, "lm_head": 0 if a.tie_embeddings else a.vocab_size * dim}
+    out = {"embedding": a.vocab_size * dim, "attention": 2 * dim * a.q_dim + 2 * dim * a.kv_dim, "mlp": mlp,
+           "norms": 2 * dim + (2 * a.head_dim if a.qk_norm else 0), "final_norm": dim,
+           "lm_head": 0 if a.tie_embeddings else a.vocab_size * dim}
     if a.n_experts > 0:
         if not 0 < a.top_k <= a.n_experts:
             raise ValueError(f"top_k={a.top_k} must be in [1, n_experts={a.n_experts}]")

@@ -251,9 +251,8 @@ def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float
 def _flops_per_token(arch: Arch, layout: Layout, seq_len: int) -> tuple[float, float]:
     """(model FLOPs per token: the MFU numerator, hardware FLOPs per token). Full recomputation runs each
     block's forward (1/3 of its training FLOPs) again; the LM head is not recomputed."""
-    h, s = arch.dim, seq_len
-    blocks_fpt = arch.n_layers * (6 * arch.active_layer_matmul_params + 12 * h * s)
-    model_fpt = blocks_fpt + 6 * arch.vocab_size * h
+    blocks_fpt = arch.n_layers * (6 * arch.active_layer_matmul_params + 12 * arch.q_dim * seq_len)
+    model_fpt = blocks_fpt + 6 * arch.vocab_size * arch.dim
     return model_fpt, model_fpt + _recompute_extra(layout) * blocks_fpt
 
 
@@ -263,10 +262,10 @@ def _recompute_extra(layout: Layout) -> float:
 
 def linears(arch: Arch, layout: Layout, fused: bool) -> list[tuple[str, float, float]]:
     """(name, in, out) of one dense layer's linears on one TP rank, in forward order."""
-    h, kv, f, t = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp
-    out: list[tuple[str, float, float]] = [("qkv", h, (h + 2 * kv) / t)] if fused else [
-        ("q", h, h / t), ("k", h, kv / t), ("v", h, kv / t)]
-    out.append(("o", h / t, h))
+    h, kv, f, t, q = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp, arch.q_dim
+    out: list[tuple[str, float, float]] = [("qkv", h, (q + 2 * kv) / t)] if fused else [
+        ("q", h, q / t), ("k", h, kv / t), ("v", h, kv / t)]
+    out.append(("o", q / t, h))
     if arch.gated:
         out += [("w13", h, 2 * f / t)] if fused else [("w1", h, f / t), ("w3", h, f / t)]
     else:
@@ -277,11 +276,12 @@ def linears(arch: Arch, layout: Layout, fused: bool) -> list[tuple[str, float, f
 
 def elementwise_bytes_per_token(arch: Arch) -> float:
     """Bytes the non-matmul kernels of one layer move per token, forward + backward, as fused kernels
-    move them (bf16): forward reads and writes norm 1 (2h), RoPE on q, k (2(h + kv)), the residual add
+    move them (bf16): forward reads and writes norm 1 (2h), RoPE on q, k (2(q + kv)), the residual add
     (3h), norm 2 (2h), SwiGLU (3f: reads gate and up, writes their product) or GeLU (2f), the residual
-    add (3h); the backward about twice the forward."""
-    h, kv, f = arch.dim, arch.kv_dim, arch.ffn_dim
-    fwd = (12 * h + 2 * kv + 3 * f) if arch.gated else (10 * h + 2 * f)
+    add (3h), QK-norm on q, k (2(q + kv), model.qk_norm); the backward about twice the forward."""
+    h, kv, f, q = arch.dim, arch.kv_dim, arch.ffn_dim, arch.q_dim
+    fwd = (10 * h + 2 * q + 2 * kv + 3 * f) if arch.gated else (10 * h + 2 * f)
+    fwd += 2 * (q + kv) if arch.qk_norm else 0
     return 3 * 2 * fwd
 
 
@@ -326,7 +326,7 @@ def _layer_work(arch: Arch, layout: Layout, seq_len: int, prec: Precision, profi
         add(t_tok, k_in, n_out, convert=fp8, again=i % 2 == 0)
     if arch.moe:
         _moe_gemms(arch, layout, t_tok, add)
-    attn = 12.0 * seq_len * (arch.dim / layout.tp) * t_tok
+    attn = 12.0 * seq_len * (arch.q_dim / layout.tp) * t_tok
     elem = elementwise_bytes_per_token(arch) * t_tok / layout.tp
     return LayerWork(w["fwd"], w["bwd"], w["fwd8"], w["bwd8"], w["op"], w["op8"], attn, elem, casts)
 
@@ -349,7 +349,7 @@ def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
     layers = tuple(sum(counts[i] for i in held) for held in ranks)
     heads = tuple(r for r, held in enumerate(ranks) if len(counts) - 1 in held)
-    per_layer = arch.active_layer_matmul_params + 2 * arch.dim * seq_len
+    per_layer = arch.active_layer_matmul_params + 2 * arch.q_dim * seq_len
     busiest = max(range(layout.pp), key=lambda r: layers[r] * per_layer + (
         arch.vocab_size * arch.dim if r in heads else 0))
     return layers, heads, busiest
@@ -377,7 +377,7 @@ def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
     c, t, m = layout.cp, layout.tp, layout.grad_accum
     tokens = (seq_len / c) * layout.micro_batch
     if profile.cp_ring == "usp":
-        kv = 2 * tokens * arch.dim / t * 4
+        kv = 2 * tokens * arch.q_dim / t * 4
         hops = (2 if layout.recompute == "full" else 1) * (c - 1) + (c - 1) + c
         return _term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, hops * m, kv, "attn",
                      "cp_overlap", path=True, per_layer=True)

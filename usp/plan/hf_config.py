@@ -2,8 +2,8 @@
 a `model.init_from` run takes the checkpoint's shape (the model keys no recipe or command line set,
 left MISSING by usp/config/init_from.py, are filled from config.json), and a key that was set and
 disagrees is refused before launch. The field mapping is usp/contract/hf_shape.py's; what usp's
-model can't express (biases, another activation, a RoPE type other than default and llama3, sliding
-windows, a shared expert) is refused by name."""
+model can't express (another model type, biases, another activation, a RoPE type other than default and
+llama3, sliding windows, dense layers between MoE layers, a shared expert) is refused by name."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from usp.contract.config_schema import ModelConfig
-from usp.contract.hf_shape import ARCHITECTURES, CHECKPOINT_KEYS, CONFIG, HF_DEFAULTS, HF_ROPE, usp_fields
+from usp.contract.hf_shape import (
+    ARCHITECTURES,
+    CHECKPOINT_KEYS,
+    CONFIG,
+    HF_DEFAULTS,
+    HF_ROPE,
+    MOE_TYPES,
+    QK_NORM_TYPES,
+    usp_fields,
+)
 from usp.errors import PlanError
 from usp.plan.rules import ROPE_TYPES
 from usp.run.names import name_problem
@@ -67,7 +76,9 @@ def hf_rope(config: dict) -> dict:
 # HF field -> the usp key that sets it (what the error tells the user to change)
 _USP_KEY = {"model_type": "model.n_experts", "hidden_size": "model.dim", "num_hidden_layers": "model.n_layers",
             "num_attention_heads": "model.n_heads", "num_key_value_heads": "model.n_kv_heads",
-            "head_dim": "model.dim", "intermediate_size": "model.ffn_dim", "vocab_size": "model.vocab_size",
+            "head_dim": "model.head_dim", "intermediate_size": "model.ffn_dim", "vocab_size": "model.vocab_size",
+            "num_experts": "model.n_experts", "moe_intermediate_size": "model.moe_ffn_dim",
+            "norm_topk_prob": "model.router_norm_topk",
             "tie_word_embeddings": "model.tie_embeddings", "rope_theta": "model.rope_theta",
             "rms_norm_eps": "model.norm_eps", "num_local_experts": "model.n_experts",
             "num_experts_per_tok": "model.top_k", "rope_parameters.rope_type": "model.rope_type",
@@ -79,18 +90,22 @@ def check_hf_config(config: dict, model: Any, vocab: int, path: str) -> None:
     recipe or the command line set; the others were filled from config.json) or that usp's model
     can't express."""
     _check_supported(config, path)
-    if config.get("model_type") == "mixtral" and model.shared_expert:
-        raise PlanError("Mixtral has no shared expert", key="model.shared_expert", value=True,
+    kind = config["model_type"]
+    if kind in MOE_TYPES and model.shared_expert:
+        raise PlanError(f"{ARCHITECTURES[kind]} has no shared expert", key="model.shared_expert", value=True,
                         fix="model.shared_expert=false")
+    if kind == "mixtral" and not getattr(model, "router_norm_topk", True):
+        raise PlanError("Mixtral renormalises the top-k router probabilities", key="model.router_norm_topk",
+                        value=False, fix="model.router_norm_topk=true")
     want = usp_fields(model, vocab)
     rope = hf_rope(config)
-    hf = {**config, "rope_theta": rope.pop("rope_theta"), **{f"rope_parameters.{k}": v for k, v in rope.items()}}
+    hf = {**HF_DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None},
+          "rope_theta": rope.pop("rope_theta"), **{f"rope_parameters.{k}": v for k, v in rope.items()},
+          "head_dim": _head_dim(config)}
     hf.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
-    if hf.get("head_dim") is None:
-        hf["head_dim"] = want["head_dim"]  # derived from hidden_size / num_attention_heads
-    hf.setdefault("tie_word_embeddings", False)  # transformers' default for Llama and Mixtral
-    for field, default in HF_DEFAULTS[config["model_type"]].items():
-        hf.setdefault(field, default)
+    hf.setdefault("tie_word_embeddings", False)  # transformers' default for these four types
+    if kind == "qwen3_moe":
+        hf["num_experts"] = _n_experts(config)
     for field, value in want.items():
         have = hf.get(field)
         same = (isinstance(value, float) and isinstance(have, int | float) and abs(have - value) <= 1e-9 * abs(value)) \
@@ -103,8 +118,9 @@ def _disagrees(field: str, have: Any, value: Any, model_type: str, path: str) ->
     key = _USP_KEY[field]
     if field == "intermediate_size" and model_type == "mixtral":
         key = "model.moe_ffn_dim"
-    fix = f"{key}={have}" if field not in ("model_type", "head_dim") else \
-        "pick the model group that matches this checkpoint"
+    if field == "model_type" and (have in QK_NORM_TYPES) != (model_type in QK_NORM_TYPES):
+        key = "model.qk_norm"
+    fix = f"{key}={have}" if field != "model_type" else "pick the model group that matches this checkpoint"
     return PlanError(f"the Hugging Face checkpoint's config.json has {field}={have!r}, but the model has {value!r} "
                      f"({key}, set by the command line, the recipe or the model group it picks)",
                      key="model.init_from", value=path,
@@ -115,11 +131,12 @@ def _check_supported(config: dict, path: str) -> None:
     """Features of config.json that usp's Llama has no equivalent for."""
     def refuse(field: str, value: Any, why: str) -> PlanError:
         return PlanError(f"config.json has {field}={value!r}: {why}", key="model.init_from", value=path,
-                         fix="a Llama or Mixtral checkpoint without it")
+                         fix=f"a checkpoint of one of the model types {', '.join(ARCHITECTURES)} without it")
 
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise refuse("model_type", model_type, f"usp imports {' and '.join(ARCHITECTURES)} checkpoints")
+        raise refuse("model_type", model_type, f"usp imports the model types {', '.join(ARCHITECTURES)} "
+                                               "(docs/models.md says what else is not supported)")
     if config.get("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", config["hidden_act"], "usp's feed-forward is SwiGLU (silu)")
     for field in ("attention_bias", "mlp_bias"):
@@ -132,16 +149,49 @@ def _check_supported(config: dict, path: str) -> None:
     for field in HF_ROPE.values() if rope["rope_type"] == "llama3" else ():
         if rope[field] is None:
             raise refuse(f"rope_parameters.{field}", None, "rope_type llama3 needs it")
-    if config.get("sliding_window") is not None:
-        raise refuse("sliding_window", config["sliding_window"], "usp's attention is full causal attention")
+    _check_attention_span(config, refuse)
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         value = config.get(field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise refuse(field, value, "usp reads the model's shape from it: a positive integer")
-    head_dim, derived = config.get("head_dim"), config["hidden_size"] // config["num_attention_heads"]
-    if head_dim is not None and head_dim != derived:
-        raise refuse("head_dim", head_dim, f"usp's attention heads are hidden_size / num_attention_heads = {derived} "
-                                           "wide (the file's own fields disagree)")
+    head_dim = _head_dim(config)
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2 or head_dim % 2:
+        raise refuse("head_dim", head_dim, "usp's attention heads are head_dim wide: a positive even integer "
+                                           "(RoPE rotates pairs of channels)")
+    if model_type == "qwen3_moe":
+        for field, usp_has in (("decoder_sparse_step", 1), ("mlp_only_layers", [])):
+            if (config.get(field) or usp_has) != usp_has:
+                raise refuse(field, config[field], "usp's MoE model has a MoE layer in every block")
+
+
+def _check_attention_span(config: dict, refuse) -> None:
+    """Full causal attention in every layer: no sliding window (Qwen3's is off unless use_sliding_window,
+    as transformers reads it), and layer_types, where given, all full_attention."""
+    qwen = config.get("model_type") in QK_NORM_TYPES
+    if qwen and config.get("use_sliding_window"):
+        raise refuse("use_sliding_window", True, "usp's attention is full causal attention")
+    if not qwen and config.get("sliding_window") is not None:
+        raise refuse("sliding_window", config["sliding_window"], "usp's attention is full causal attention")
+    other = sorted({str(t) for t in config.get("layer_types") or []} - {"full_attention"})
+    if other:
+        raise refuse("layer_types", other, "usp's attention is full causal attention in every layer")
+
+
+def _head_dim(config: dict) -> Any:
+    """config.json's head_dim as transformers reads it: its own, the model type's default (Qwen3: 128),
+    else hidden_size / num_attention_heads."""
+    given = config.get("head_dim") or HF_DEFAULTS.get(str(config.get("model_type")), {}).get("head_dim")
+    if given is not None:
+        return given
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads))
+    return hidden // heads if ok else None  # type: ignore[operator]
+
+
+def _n_experts(config: dict) -> int:
+    """Qwen3-MoE's experts: num_experts (num_local_experts is its alias in transformers), or the default."""
+    value = config.get("num_experts", config.get("num_local_experts"))
+    return int(HF_DEFAULTS["qwen3_moe"]["num_experts"] if value is None else value)
 
 
 def usp_values(config: dict, path: str) -> dict:
@@ -149,17 +199,22 @@ def usp_values(config: dict, path: str) -> dict:
     transformers' defaults for the fields it leaves out; the model is named after its directory."""
     _check_supported(config, path)
     model_type = config["model_type"]
-    hf = {**HF_DEFAULTS[model_type], **config}
+    hf = {**HF_DEFAULTS[model_type], **{k: v for k, v in config.items() if v is not None}}
     rope = hf_rope(config)
     n_heads = int(hf["num_attention_heads"])
-    moe = model_type == "mixtral"
+    given_head_dim = config.get("head_dim") or HF_DEFAULTS[model_type].get("head_dim")
     values = {"name": _model_name(path), "dim": int(hf["hidden_size"]), "n_layers": int(hf["num_hidden_layers"]),
               "n_heads": n_heads, "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
-              "ffn_dim": int(hf["intermediate_size"]), "moe_ffn_dim": 0, "vocab_size": int(hf["vocab_size"]),
-              "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "rope_theta": rope["rope_theta"],
-              "rope_type": rope["rope_type"], "norm_eps": float(hf["rms_norm_eps"]),
-              "n_experts": int(hf["num_local_experts"]) if moe else 0,
-              "top_k": int(hf["num_experts_per_tok"]) if moe else ModelConfig.top_k, "shared_expert": False}
+              "head_dim": None if given_head_dim is None else int(given_head_dim),
+              "qk_norm": model_type in QK_NORM_TYPES, "ffn_dim": int(hf["intermediate_size"]), "moe_ffn_dim": 0,
+              "vocab_size": int(hf["vocab_size"]), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+              "rope_theta": rope["rope_theta"], "rope_type": rope["rope_type"], "norm_eps": float(hf["rms_norm_eps"]),
+              "n_experts": 0, "top_k": ModelConfig.top_k, "shared_expert": False, "router_norm_topk": True}
+    if model_type == "mixtral":
+        values.update(n_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]))
+    if model_type == "qwen3_moe":
+        values.update(n_experts=_n_experts(config), top_k=int(hf["num_experts_per_tok"]),
+                      moe_ffn_dim=int(hf["moe_intermediate_size"]), router_norm_topk=bool(hf["norm_topk_prob"]))
     values.update({f"rope_{k}": rope.get(hf) for k, hf in HF_ROPE.items()})
     assert set(values) == set(CHECKPOINT_KEYS), set(values) ^ set(CHECKPOINT_KEYS)
     return values

@@ -8,7 +8,14 @@ is column-parallel and keeps its logits sharded over the vocabulary for `loss_pa
 
 A vocabulary that does not divide by tp is padded (the plan says by how much); the padded
 logits are masked to -inf so the loss, and every gradient, is the unpadded model's.
-A MoE layer is not tensor-parallel (`_moe_plan`: no expert TP)."""
+A MoE layer is not tensor-parallel (`_moe_plan`: no expert TP).
+
+QK-norm (model.qk_norm, Qwen3): q_norm and k_norm normalise each head over head_dim, after wq / wk,
+so they run on this rank's heads. Their weights (head_dim) are replicated; each rank's gradient is
+its heads' part of the whole, so it must be summed over the TP ranks. As torchtitan's Qwen3 plan
+does: SequenceParallel over dim 2 (the heads of (b, s, heads, head_dim)) makes the local q / k a
+DTensor sharded over the heads, the weight a Replicate DTensor, and DTensor's RMSNorm backward
+gives the weight a Partial gradient that it all-reduces."""
 from __future__ import annotations
 
 import torch
@@ -51,6 +58,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, real_vocab: int
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            **_qk_norm_plan(block.attention),
             "ffn_norm": SequenceParallel(),
             **(_moe_plan() if isinstance(block.feed_forward, MoE) else _mlp_plan()),
         })
@@ -58,6 +66,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, real_vocab: int
     model.sequence_shards = tp_mesh.size()  # hidden states between blocks are sequence-sharded
     if model.output is not None and model.output.weight.shape[0] > real_vocab:
         _mask_padded_logits(model.output, tp_mesh, real_vocab)
+
+
+def _qk_norm_plan(attention: nn.Module) -> dict:
+    """q_norm and k_norm on this rank's heads (dim 2 of q and k), weights replicated, gradients summed
+    over tp (module docstring); nothing without QK-norm."""
+    if getattr(attention, "q_norm", None) is None:
+        return {}
+    style = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return {"attention.q_norm": style, "attention.k_norm": style}
 
 
 def _mlp_plan() -> dict:
