@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import plan_for
 from usp.config.compose import compose_config
-from usp.launch.local import worker_env
+from usp.launch.local import weight_matrix_bytes, worker_env
 from usp.plan.plan import build_plan, engine_support_errors
+from usp.run.allocator import train_threshold
 
 
 def plan_of(*overrides: str, obj: bool = False):
@@ -48,8 +50,9 @@ def _env_plan(device: str, env: dict | None = None, deterministic: bool | None =
     config.cluster.env, config.train.deterministic, config.train.max_restarts = dict(env or {}), deterministic, \
         max_restarts
     return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1, config=config,
+                           model=SimpleNamespace(vocab_size=4096), degrees={"tp": 1},
                            decisions=SimpleNamespace(deterministic=uses_deterministic(deterministic, device),
-                                                     hang=None))
+                                                     hang=None, bf16=False))
 
 
 def test_ranks_share_the_agents_store_with_or_without_restarts(monkeypatch):
@@ -71,15 +74,47 @@ def test_worker_env_sets_expandable_segments_on_cuda_only(monkeypatch):
     assert worker_env(_env_plan("cuda"))["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
-def test_cpu_ranks_get_a_fixed_malloc_threshold(monkeypatch):
-    """A CPU rank's memory is the process's: glibc's mmap threshold is fixed (1 MiB) so that freed large
-    tensors go back to the kernel (docs/benchmarks.md, "Building the model"); the user's setting wins."""
+def test_cpu_ranks_build_under_one_malloc_threshold_and_train_under_another(monkeypatch):
+    """A CPU rank's memory is the process's: glibc's mmap threshold is fixed at 1 MiB while it builds, so
+    that freed large tensors go back to the kernel (docs/benchmarks.md, "Building the model"), and 32 MiB
+    once it trains, so that a step's buffers are reused instead of mapped again (issue 42). A threshold
+    of the user's wins, for the whole run: no switch then."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    assert worker_env(_env_plan("cpu"))["MALLOC_MMAP_THRESHOLD_"] == str(2 ** 20)
+    plan = _env_plan("cpu")
+    env = worker_env(plan)
+    assert (env["MALLOC_MMAP_THRESHOLD_"], env["USP_TRAIN_MMAP_THRESHOLD"]) == \
+        (str(2 ** 20), str(train_threshold(weight_matrix_bytes(plan))))
     assert "MALLOC_MMAP_THRESHOLD_" not in worker_env(_env_plan("cuda"))
-    assert worker_env(_env_plan("cpu", {"MALLOC_MMAP_THRESHOLD_": "33554432"}))["MALLOC_MMAP_THRESHOLD_"] == "33554432"
+    own = worker_env(_env_plan("cpu", {"MALLOC_MMAP_THRESHOLD_": "33554432"}))
+    assert own["MALLOC_MMAP_THRESHOLD_"] == "33554432" and "USP_TRAIN_MMAP_THRESHOLD" not in own
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    assert worker_env(_env_plan("cpu"))["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    env = worker_env(_env_plan("cpu"))
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and "USP_TRAIN_MMAP_THRESHOLD" not in env
+
+
+def test_the_training_threshold_keeps_every_parameter_sized_block_mapped():
+    """At the smallest weight matrix above 1 MiB (glibc maps a block of the threshold's size or more),
+    else glibc's 32 MiB ceiling; the matrices as a rank holds them (split over tp)."""
+    mib = 2 ** 20
+    assert train_threshold([256 * 1024, mib, 3 * mib, 2 * mib]) == 2 * mib
+    assert train_threshold([256 * 1024, mib]) == 32 * mib  # none above 1 MiB: activations reused from the heap
+    assert train_threshold([64 * mib]) == 32 * mib
+    tiny = weight_matrix_bytes(plan_for(training=False))  # dim 128, vocab 4096: the embedding is 2 MiB in fp32
+    assert sorted(tiny) == [128 * 128 * 4, 128 * 128 * 4, 128 * 384 * 4, 4096 * 128 * 4]
+    split = weight_matrix_bytes(plan_for("cluster.procs_per_node=2", "parallelism.tp=2", training=False))
+    assert sorted(split) == [b // 2 for b in sorted(tiny)]
+
+
+def test_the_training_threshold_is_set_through_glibc(monkeypatch):
+    """enter_training() calls glibc's mallopt (this machine's libc is glibc: it accepts the value) only
+    where a launcher of usp's asked for it."""
+    from usp.run import allocator
+
+    monkeypatch.delenv(allocator.TRAIN_ENV, raising=False)
+    assert allocator.enter_training() is False
+    monkeypatch.setenv(allocator.TRAIN_ENV, str(allocator.MAX_MMAP_THRESHOLD))
+    assert allocator.enter_training() is True
+    assert allocator.set_mmap_threshold("not a number") is False
 
 
 def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):

@@ -22,11 +22,12 @@ USP = Path(__file__).resolve().parents[2] / "usp"
 # (on usp.errors alone); usp/plan/ builds a plan with it; its calibration fits the model's constants
 # to measured runs. launch reaches the engine only to run one rank in-process.
 BASE = {"usp.errors", "usp.run", "usp.run.files", "usp.run.names", "usp.run.lock", "usp.run.writable",
-        "usp.run.checksums"}
+        "usp.run.checksums", "usp.run.allocator"}
 ALLOWED = {
     "usp.errors": set(),
     "usp.run": set(),
     "usp.run.files": set(),
+    "usp.run.allocator": set(),
     "usp.run.names": {"usp.errors"},
     "usp.run.lock": {"usp.errors"},
     "usp.run.writable": {"usp.errors"},

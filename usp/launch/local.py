@@ -18,6 +18,7 @@ from pathlib import Path
 
 from usp.launch.rendezvous import is_multinode_local, rendezvous, torchrun_rendezvous_args
 from usp.launch.stop_signals import StopForwarder
+from usp.run.allocator import GLIBC_ENV, cpu_allocator_env, set_mmap_threshold
 from usp.run.files import (
     EXIT_HUNG,
     EXIT_INTERRUPTED,
@@ -60,31 +61,21 @@ def worker_env(plan) -> dict[str, str]:
     env[SUMMARY_BY_LAUNCHER_ENV] = "1"  # `usp train` prints the root cause: ranks and agent keep theirs in the logs
     # The ranks share torchrun's own store (its agent holds the port from the start: nothing to race
     # for), restarts included: each attempt keeps its keys under a prefix (usp/engine/parallel/mesh.py).
-    env.update({k: v for k, v in plan_accelerator_env(plan).items() if k not in env})  # the user's setting wins
+    env.update({k: v for k, v in plan_accelerator_env(plan, env).items() if k not in env})  # the user's setting wins
     token = held_token(plan.run_dir)
     if token:  # rank 0 keeps this launch's run lock alive (usp.run.lock)
         env[TOKEN_ENV] = token
     return env
 
 
-# glibc's malloc on a CPU rank (the device memory the plan promises is then the process's own): a fixed
-# threshold above which each allocation is its own mmap, given back to the kernel when freed. glibc's
-# default threshold grows to the largest block freed so far (up to 32 MiB), after which freed
-# full-parameter values, gathered FSDP units and gradients stay in the heap: measured 1.6-1.9x the plan
-# per rank; 4 MiB still kept 1.16x on pp2 x tp2 x dp_shard2 (0.5 B), 1 MiB 1.09x, for ~30 % more CPU
-# time per step than glibc's default (docs/benchmarks.md, "Building the model").
-CPU_MMAP_THRESHOLD = 2 ** 20
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-
-
-def accelerator_env(device: str, deterministic: bool = False) -> dict[str, str]:
+def accelerator_env(device: str, deterministic: bool = False, user_env=None, weight_bytes=()) -> dict[str, str]:
     """The ranks' allocator and library settings for their device. CUDA: expandable segments let the
     caching allocator grow blocks instead of fragmenting (fewer OOMs at high memory use with varying
     shapes, as torchtitan recommends); with train.deterministic=true, the cuBLAS workspace setting
-    its deterministic kernels need. CPU: glibc's MALLOC_MMAP_THRESHOLD_ (CPU_MMAP_THRESHOLD), so a
-    rank's resident memory stays what the plan counts."""
+    its deterministic kernels need. CPU: glibc's mmap threshold while building, another while training
+    (usp/run/allocator.py), unless `user_env` (what the ranks inherit) sets glibc's own."""
     if device == "cpu":
-        return {"MALLOC_MMAP_THRESHOLD_": str(CPU_MMAP_THRESHOLD)}
+        return cpu_allocator_env(user_env if user_env is not None else os.environ, weight_bytes)
     if device != "cuda":
         return {}
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -98,10 +89,28 @@ def accelerator_env(device: str, deterministic: bool = False) -> dict[str, str]:
 FLIGHT_RECORDER_ENTRIES = 2000
 
 
-def plan_accelerator_env(plan) -> dict[str, str]:
+def weight_matrix_bytes(plan) -> list[int]:
+    """Bytes of each kind of weight matrix as a rank holds or gathers it (split over tp; experts per
+    tensor of E/ep stacked experts), in the smaller of the dtypes it takes (bf16 gathers, fp32
+    values): the parameter-sized blocks a CPU rank's training threshold must keep mapped."""
+    from usp.perf.specs import Arch
+
+    arch, deg = Arch.from_model(plan.config.model, plan.model.vocab_size), plan.degrees
+    tp, ep = int(deg.get("tp", 1)), max(1, int(plan.config.parallelism.ep))
+    values = [arch.dim * arch.q_dim, arch.dim * arch.kv_dim, arch.vocab_size * arch.dim]
+    if arch.moe:
+        values.append(arch.n_experts // ep * arch.dim * (arch.moe_ffn_dim or arch.ffn_dim))
+    else:
+        values.append(arch.dim * arch.ffn_dim)
+    per_value = 2 if plan.decisions.bf16 else 4
+    return [v * per_value // tp for v in values]
+
+
+def plan_accelerator_env(plan, user_env=None) -> dict[str, str]:
     """The ranks' environment from the plan: accelerator_env, and torch's flight recorder where the
-    hang watchdog is on."""
-    env = accelerator_env(plan.device, plan.decisions.deterministic)
+    hang watchdog is on. `user_env`: what the ranks inherit (default: this process's environment)."""
+    env = accelerator_env(plan.device, plan.decisions.deterministic, user_env,
+                          weight_matrix_bytes(plan) if plan.device == "cpu" else ())
     if plan.decisions.hang is not None:
         env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
     return env
@@ -136,7 +145,7 @@ def launch_local(plan, plan_path: Path) -> int:
     if plan.world_size == 1:
         for key, value in plan_accelerator_env(plan).items():  # before torch initialises CUDA
             os.environ.setdefault(key, value)
-        set_malloc_threshold(os.environ.get("MALLOC_MMAP_THRESHOLD_"))  # glibc read its variable at start-up
+        set_mmap_threshold(os.environ.get(GLIBC_ENV))  # glibc read its variable when this process started
         token = held_token(plan.run_dir)
         if token:
             os.environ[TOKEN_ENV] = token
@@ -200,21 +209,6 @@ def _since(paths, started: float) -> bool:
 def _last_checkpoint(plan) -> str:
     complete = [c for c in list_checkpoints(plan.decisions.checkpoint_dir) if c.complete]
     return str(complete[-1][1]) if complete else "the start (no checkpoint yet)"
-
-
-def set_malloc_threshold(value: str | None) -> None:
-    """This process's glibc mmap threshold (the in-process rank: MALLOC_MMAP_THRESHOLD_ is read only
-    when a process starts); nothing without glibc or a value."""
-    import ctypes
-    import ctypes.util
-
-    if not value or not value.isdigit():
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, int(value))
-    except (OSError, AttributeError):  # not glibc (macOS, musl): its own allocator's defaults
-        return
 
 
 def _die_with_parent() -> None:

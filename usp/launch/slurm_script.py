@@ -42,6 +42,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
     if is_array:
         options.append(f"--array=0-{len(plans) - 1}" + (f"%{array_limit}" if array_limit else ""))
     lead = int(slurm.signal_lead_s)
+    own_env = {str(k): str(v) for k, v in cluster.env.items()}  # cluster.env: the ranks' own settings win
     context = {
         "title": title or f"run {first.name}",
         "nodes": first.nodes, "procs_per_node": first.procs_per_node, "world_size": first.world_size,
@@ -54,7 +55,7 @@ def render_job(plans: list, plan_paths: list[Path], command: list[str], *, log_d
         "signal_lead_s": lead,
         "setup": list(slurm.setup),
         "threads_per_proc": first.threads_per_proc,
-        "env": sorted({**plan_accelerator_env(first), **{str(k): str(v) for k, v in cluster.env.items()}}.items()),
+        "env": sorted({**plan_accelerator_env(first, own_env), **own_env}.items()),
         "plans": [str(Path(p).resolve()) for p in plan_paths],
         "python": slurm.python or sys.executable,
         "max_requeues": int(slurm.max_requeues),

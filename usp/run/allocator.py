@@ -1,0 +1,58 @@
+"""glibc's malloc on a CPU rank, where the device memory the plan promises is the process's own.
+
+While the model is built and loaded, every allocation above CPU_MMAP_THRESHOLD (1 MiB) is its own
+mmap, handed back to the kernel when freed: glibc's default threshold grows to the largest block
+freed so far (up to 32 MiB), after which freed parameter-sized blocks (whole values, gathered FSDP
+units, gradients) stay in the heap, measured 1.6-1.9x the plan per rank (docs/benchmarks.md,
+"Building the model"). Once the trainer is ready the rank switches to the training threshold
+(`train_threshold`): just below the smallest weight matrix above 1 MiB, so that every
+parameter-sized block is still mapped and unmapped, while the activations below it are reused from
+the heap step after step instead of being faulted in again, which made a small model's CPU step
+~1.5x slower (issue 42; docs/benchmarks.md, "The allocator while training"). A
+MALLOC_MMAP_THRESHOLD_ of the user's own is left alone, for the whole run. No torch here."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+CPU_MMAP_THRESHOLD = 2 ** 20  # while building and loading
+MAX_MMAP_THRESHOLD = 32 * 2 ** 20  # glibc's own ceiling for its threshold (64-bit)
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+GLIBC_ENV = "MALLOC_MMAP_THRESHOLD_"  # read by glibc when a process starts
+TRAIN_ENV = "USP_TRAIN_MMAP_THRESHOLD"  # set by usp's launchers: the threshold a rank takes once built
+
+
+def train_threshold(weight_bytes) -> int:
+    """The training threshold for a rank whose weight matrices (as this rank holds or gathers them,
+    in bytes) are `weight_bytes`: the smallest one above CPU_MMAP_THRESHOLD (mmap starts at the
+    threshold itself), else glibc's ceiling: a model whose matrices are all below 1 MiB has no
+    parameter-sized block the 1 MiB threshold ever mapped."""
+    above = [int(b) for b in weight_bytes if int(b) > CPU_MMAP_THRESHOLD]
+    return min([*above, MAX_MMAP_THRESHOLD])
+
+
+def cpu_allocator_env(user_env, weight_bytes=()) -> dict[str, str]:
+    """The allocator settings for a CPU rank's environment, given the environment it inherits (the
+    launcher's, with cluster.env) and the rank's weight matrices: none where the user set glibc's
+    threshold."""
+    if GLIBC_ENV in user_env:
+        return {}
+    return {GLIBC_ENV: str(CPU_MMAP_THRESHOLD), TRAIN_ENV: str(train_threshold(weight_bytes))}
+
+
+def set_mmap_threshold(value: str | int | None) -> bool:
+    """This process's glibc mmap threshold (a process reads MALLOC_MMAP_THRESHOLD_ only when it starts);
+    False without glibc (macOS, musl: their allocator's defaults) or a value."""
+    if value is None or not str(value).isdigit():
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(value)))
+    except (OSError, AttributeError):
+        return False
+
+
+def enter_training() -> bool:
+    """A rank whose model is built and loaded: the training threshold, where a launcher of usp's set one."""
+    return set_mmap_threshold(os.environ.get(TRAIN_ENV))
