@@ -40,6 +40,24 @@ def test_compile_auto_is_on_for_cuda_only(value, device, on):
     assert uses_compile(value, device) is on
 
 
+def test_zero_bubble_schedules_run_eager_and_refuse_compile_true():
+    """torch.distributed.pipelining refuses compiled stage modules under interleaved_zb and zbv (found by
+    `usp plan --build-check` of a Qwen3-235B zbv layout on CUDA): auto plans them eager, with the eager
+    figures; true is refused naming the key; other schedules keep compile."""
+    pp = ("cluster=local_gpu", "cluster.procs_per_node=2", "parallelism.pp=2", "parallelism.pp_virtual_stages=2",
+          "model.n_layers=4", "train.global_batch=16", "train.micro_batch=2")
+    zbv = plan_for(*pp, "parallelism.pp_schedule=zbv")
+    interleaved = plan_for(*pp, "parallelism.pp_schedule=interleaved_1f1b")
+    assert zbv.decisions.compile is False and interleaved.decisions.compile is True
+    assert zbv.decisions.compiled_loss is False
+    eager = plan_for(*pp, "parallelism.pp_schedule=interleaved_1f1b", "train.compile=false")
+    assert zbv.memory.stages[0].activation_per_layer == eager.memory.stages[0].activation_per_layer
+    assert uses_compile("auto", "cuda", "zbv", 1) is True  # no pipeline: the schedule is not used
+    with pytest.raises(PlanError) as err:
+        plan_for(*pp, "parallelism.pp_schedule=zbv", "train.compile=true")
+    assert err.value.key == "train.compile" and "parallelism.pp_schedule=interleaved_1f1b" in err.value.fix
+
+
 def test_compile_defaults_to_auto_and_a_bad_value_is_refused_naming_the_key():
     cfg, _ = compose_config(None, [])
     assert cfg.train.compile == "auto" and compile_choice(cfg.train.compile) == "auto"

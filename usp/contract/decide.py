@@ -29,12 +29,20 @@ def compile_choice(value) -> str | None:
     return text if text in COMPILE_CHOICES else None
 
 
-def uses_compile(value, device: str) -> bool:
+# torch.distributed.pipelining refuses stage modules that went through torch.compile under these
+# schedules (_check_torch_compile_compatibility in torch 2.13: ScheduleInterleavedZeroBubble,
+# ScheduleZBVZeroBubble): found by `usp plan --build-check` of a zbv layout on CUDA
+NO_COMPILE_SCHEDULES = ("interleaved_zb", "zbv")
+
+
+def uses_compile(value, device: str, pp_schedule: str = "1f1b", pp: int = 1) -> bool:
     """train.compile: per-block torch.compile, or eager. auto is on for CUDA, where it measured faster
     (Llama-3.2 1B on an H200: 49.0 % MFU compiled, 40.8 % eager, docs/benchmarks.md), and off elsewhere:
-    on CPU inductor's C++ build costs more than a short run gains, XPU was never measured."""
+    on CPU inductor's C++ build costs more than a short run gains, XPU was never measured; and off
+    under a zero-bubble pipeline schedule, which torch runs only eager (true is refused there)."""
     choice = compile_choice(value)
-    return choice == "true" or (choice == "auto" and device == "cuda")
+    eager_schedule = int(pp) > 1 and str(pp_schedule) in NO_COMPILE_SCHEDULES
+    return choice == "true" or (choice == "auto" and device == "cuda" and not eager_schedule)
 
 
 def compiles_loss(compiled: bool, tp: int) -> bool:
@@ -79,7 +87,7 @@ def engine_choices(config: UspConfig, degrees: dict[str, int], device: str, voca
     kind = data_parallel_kind(degrees, bool(config.parallelism.zero1))
     bf16 = uses_bf16(str(train.dtype), device)
     by_fsdp = bf16 and bf16_by_fsdp_policy(kind, int(degrees["pp"]), int(config.parallelism.ep))
-    compiled = uses_compile(train.compile, device)
+    compiled = uses_compile(train.compile, device, str(config.parallelism.pp_schedule), int(degrees["pp"]))
     recompute = str(train.recompute)
     return {"dp_kind": kind, "bf16": bf16, "fsdp_mixed_precision": by_fsdp, "autocast": bf16 and not by_fsdp,
             "autocast_weight_cache": autocast_weight_cache(recompute), "compile": compiled,

@@ -84,7 +84,9 @@ def recipe_precision(cfg, device: str) -> tuple[Profile, Precision]:
     the states of the optimizer the config names."""
     profile = get_profile(str(getattr(getattr(cfg, "planner", None), "profile", "usp")))
     train = cfg.train
-    compiled = profile.follows_compile and uses_compile(getattr(train, "compile", "auto"), device)
+    par = cfg.parallelism
+    compiled = profile.follows_compile and uses_compile(getattr(train, "compile", "auto"), device,
+                                                        str(par.pp_schedule), int(par.pp))
     return profile, Precision.resolve(str(train.dtype), device, profile.fp32_params, compiled,
                                       str(train.fp8), optimizer=str(cfg.optimizer.name),
                                       momentum=float(cfg.optimizer.momentum))

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from usp.config.schema import default_of, enum_keys, schema_keys
-from usp.contract.decide import ATTENTION_CHOICES, compile_choice, uses_compile
+from usp.contract.decide import ATTENTION_CHOICES, NO_COMPILE_SCHEDULES, compile_choice, uses_compile
 from usp.contract.schedule import OptimSettings
 from usp.contract.typed import plain
 from usp.data.corpus import TEXT_SOURCES
@@ -395,6 +395,13 @@ BATCH_RULES = [  # torch's schedule rules (usp.perf.pipeline_split), then ours
     Rule("pipeline_schedule", "plan", batch=True, check=lambda s: validate_schedule(
         s.layout.pp_schedule, s.layout.pp, s.layout.pp_virtual_stages, s.layout.grad_accum),
          also=("parallelism.pp_schedule",)),
+    Rule("compile_with_zero_bubble", "plan", "train.compile",
+         lambda s: s.layout.pp > 1 and s.layout.pp_schedule in NO_COMPILE_SCHEDULES
+         and compile_choice(s.settings.compile) == "true",
+         lambda s: f"torch runs the {s.layout.pp_schedule} pipeline schedule only on stage modules that were not "
+                   "compiled (torch.distributed.pipelining refuses them)",
+         "train.compile=auto (eager under this schedule), or parallelism.pp_schedule=interleaved_1f1b",
+         lambda s: s.settings.compile, also=("parallelism.pp_schedule",)),
     Rule("micro_batches_fill_pipeline", "plan", "train.grad_accum",  # 1f1b itself: pipeline_schedule says it
          lambda s: s.layout.pp > 1 and s.layout.pp_schedule in ONE_F_ONE_B_FAMILY[1:]
          and s.layout.grad_accum < s.layout.pp,
@@ -627,7 +634,7 @@ WARN_RULES = [
          lambda s: getattr(s.settings.rope, _unused_rope_scaling(s) or "factor")),
     Rule("fp8_compiled", "warn", "train.compile",
          lambda s: _fp8(s) and compile_choice(s.settings.compile) is not None
-         and not uses_compile(s.settings.compile, s.hw.device),
+         and not uses_compile(s.settings.compile, s.hw.device, s.layout.pp_schedule, s.layout.pp),
          "FP8 without compile: torchao's scaling and casts run as separate kernels, slower than bf16 "
          "(torchtitan compiles every float8 run)", "train.compile=auto (or true), or drop --strict",
          lambda s: s.settings.compile),

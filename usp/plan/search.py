@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from itertools import product
 
+from usp.contract.decide import NO_COMPILE_SCHEDULES
 from usp.contract.predictions import TimingPlan
 from usp.errors import PlanError
 from usp.perf.memory import build_peak, peak_bytes
@@ -130,7 +131,15 @@ def _micro_batches(arch: Arch, hw: Hardware, settings: Settings, base: Layout, l
     return out
 
 
-def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch: int, top_k: int = 5,
+def _layout_precision(prec: Precision, layout: Layout) -> Precision:
+    """The precision a layout runs at: a compiled recipe runs eager under a zero-bubble pipeline
+    schedule (usp.contract.decide.uses_compile; train.compile=true is refused there by a rule)."""
+    if prec.compiled and layout.pp > 1 and layout.pp_schedule in NO_COMPILE_SCHEDULES:
+        return replace(prec, compiled=False)
+    return prec
+
+
+def search(arch: Arch, hw: Hardware, base_prec: Precision, seq_len: int, global_batch: int, top_k: int = 5,
            recomputes=("none", "full"), settings: Settings | None = None,
            profile: Profile = PROFILES["usp"]) -> SearchResult:
     """The top_k layouts by predicted throughput; settings: the config values some rules read
@@ -145,6 +154,7 @@ def search(arch: Arch, hw: Hardware, prec: Precision, seq_len: int, global_batch
     micro_memo: dict = {}
     for base, local in enumerate_layouts(arch, hw, seq_len, global_batch, recomputes, settings):
         micro = _micro_batches(arch, hw, settings, base, local, micro_memo)
+        prec = _layout_precision(base_prec, base)
         if not micro or build_peak(arch, base, hw, settings.checkpoint_bytes).total > cap:  # the build must fit too
             continue
         # memory grows with the micro batch: bisect for the largest that fits
