@@ -93,7 +93,7 @@ def test_worker_records_failure_and_reraises(tmp_path, monkeypatch):
     class FailingTrainer:
         def __init__(self, plan, ctx):
             self.run_dir, self.start_step, self.last_completed_step = run_dir, 0, 7
-            self.log = None
+            self.log, self.startup = None, {}  # the worker adds its start-up phases to the trainer's
 
         def fit(self):
             raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4242")
