@@ -16,7 +16,8 @@ from usp.run.files import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
-STEPS = 300  # the survivor trains on alone for ~40 s at this machine's 0.13 s a step; the requeued group took ~17 s to return
+# the survivor trains on alone for ~40 s at 0.13 s a step (the dev VM); the requeued group took ~17 s to return
+STEPS = 300
 
 
 def _records(run_dir: Path) -> list[dict]:
