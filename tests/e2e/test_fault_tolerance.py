@@ -89,7 +89,8 @@ def test_without_a_failure_torchft_equals_the_same_hsdp_run(tmp_path, shakespear
     print(f"parity: loss rel diff {worst:.2e}, parameters max |diff| {diff:.2e}")
 
 
-KILL_STEPS, KILL_AT = 40, 8
+# 120 steps: with 40 the survivors finished before the restarted group was back once CPU steps got faster
+KILL_STEPS, KILL_AT = 120, 8
 
 
 def _group_ranks(plan_path: Path) -> dict[tuple[int, int], int]:

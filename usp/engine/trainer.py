@@ -37,6 +37,7 @@ from usp.engine.parallel.expert import expert_clip_args
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.parallel.tied import sum_tied_grads
 from usp.errors import UspError
+from usp.run import allocator
 from usp.run.files import (
     ATTEMPT_EVENT,
     HANG_STOP,
@@ -97,6 +98,9 @@ class Trainer:
             if ctx.is_main and write_outputs else None
         if self.trackers is not None:
             self.startup["previous_progress"] = self.trackers.jsonl.previous_progress
+        if allocator.enter_training():  # built and loaded: a step's buffers reused, not mapped again each step
+            self.log.info("glibc mmap threshold %s B while training (%s B while building)",
+                          os.environ[allocator.TRAIN_ENV], os.environ.get(allocator.GLIBC_ENV))
         self.probe = MemoryProbe.create(self)  # None unless train.measure_memory
         self.profiler = StepProfiler.create(self) if write_outputs else None  # None unless profile.enabled
         self.data_wait_s = 0.0  # time spent getting this step's batches (reading tokens, copying to device)

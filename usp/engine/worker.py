@@ -25,7 +25,6 @@ from usp.engine.parallel import mesh as udist
 from usp.engine.startup_gc import freeze_imports
 from usp.engine.trainer import Stopped, Trainer
 from usp.errors import UspError
-from usp.run import allocator
 from usp.run import lock as runlock
 from usp.run.files import (
     EXIT_INTERRUPTED,
@@ -63,9 +62,6 @@ def run_worker(plan_path: str) -> int:
         trainer = ft.ReplicaGroupTrainer(plan, ctx) if ft is not None else Trainer(plan, ctx)
         trainer.startup.update(process_started=PROCESS_STARTED, imports_s=imported - PROCESS_STARTED,
                                rendezvous_s=met - imported)
-        if allocator.enter_training():  # built and loaded: a step's buffers reused, not mapped again each step
-            trainer.log.info("glibc mmap threshold %s B while training (%s B while building)",
-                             os.environ[allocator.TRAIN_ENV], os.environ.get(allocator.GLIBC_ENV))
         _log_placement(ctx, plan)
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts and ctx.is_main:
