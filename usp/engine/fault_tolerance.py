@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from usp.contract.run_plan import RunPlan
-from usp.engine.observe.metrics import read_metrics
+from usp.engine.observe.metrics import MetricsWriter, read_metrics
 from usp.engine.parallel.mesh import DistContext, all_reduce_mean
 from usp.engine.trainer import Trainer, finite_or_null
 from usp.errors import UspError
@@ -460,7 +460,7 @@ def _formatter(who: str):
     return logging.Formatter(f"%(asctime)s {who} %(message)s")
 
 
-class _MetricsAppender:
+class _MetricsAppender(MetricsWriter):
     """metrics.jsonl under torchft: the quorum's first group writes each step, and that group may change,
     so every group appends. The first attempt of group 0 starts the file as the trainer does (records up to
     the step resumed from kept, before any group trains)."""
@@ -471,13 +471,6 @@ class _MetricsAppender:
             kept = [r for r in read_metrics(path) if r.get("step", 0) <= start_step] if start_step and path.exists() \
                 else []
             write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(path, "a")
-
-    def write(self, record: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+        self._file = open(path, "a")  # MetricsWriter's write and close; only where the file starts differs
+        self.previous_progress = None
 
