@@ -203,13 +203,25 @@ class HangWatch:
         return out
 
     def _claim(self, beat: Beat) -> bool:
-        """The first live rank to get here writes the verdict: an O_EXCL file per launch and step."""
-        name = f".hang_claim_{self.launch.replace('/', '_')}_{beat.phase}_{beat.step}"
+        """One verdict per stall, by the first live rank to claim it. Each rank that detects claims
+        with an O_EXCL file per launch and beat; a claim made after this rank's beat began (its mtime
+        >= beat.since) is the same stall, since this rank made no progress since: the earliest such
+        claim wins, on every rank alike. A rank that was itself stopped (SIGSTOP) detects when it
+        resumes, on an older beat than the rank that reported it, and stays quiet."""
+        stem = f".hang_claim_{self.launch.replace('/', '_')}_"
+        mine = f"{stem}{beat.phase}_{beat.step}"
         try:
-            os.close(os.open(logs_dir(self.run_dir) / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-            return True
+            os.close(os.open(logs_dir(self.run_dir) / mine, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
-            return False
+            return False  # another rank stalled at the same beat claimed it
+        since_ns = int(beat.since * 1e9)
+        claims = []
+        for path in logs_dir(self.run_dir).glob(f"{stem}*"):
+            with contextlib.suppress(OSError):
+                mtime = path.stat().st_mtime_ns
+                if mtime >= since_ns:
+                    claims.append((mtime, path.name))
+        return min(claims, default=(0, mine))[1] == mine
 
     def _write_verdict(self, beat: Beat, stalled: float, detected_at: float) -> dict:
         beats = {r: read_heartbeat(heartbeat_path(self.run_dir, r)) for r in range(self.plan.world_size)}
