@@ -415,6 +415,12 @@ def session(args, cases: list[tuple[int, Case, str]], gpu: tuple[str, float] | N
 
 def record(args, i: int, case: Case, r: dict, rows: list) -> None:
     print(row(i, case, r), flush=True)
+    if r.get("gross_peak_gib"):
+        print(f"   gross peak {r['gross_peak_gib']:.2f} GiB (reserved {r['reserved_peak_gib']:.2f} + "
+              f"{r['outside_allocator_gib']:.2f} outside the allocator), "
+              f"printed {r['predicted']['peak_memory_gib']:.2f}")
+    for site, gib in r.get("peak_breakdown", {}).get("by_site_gib", {}).items():
+        print(f"   at the peak {gib:7.3f} GiB  {site}")
     if r.get("kernels", {}).get("total_ms"):
         k = r["kernels"]
         print(f"   profiled step's GPU time {k['total_ms']:.0f} ms: " + ", ".join(

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import gpu_peak  # noqa: E402
 
 from usp.contract.run_plan import RunPlan  # noqa: E402
 
@@ -126,14 +127,18 @@ def measure(plan: RunPlan, steps: int) -> dict:
     from usp.engine.parallel.mesh import make_context
     from usp.engine.trainer import Trainer
 
+    history = os.environ.get("USP_BENCH_MEMORY_HISTORY") == "1" and torch.cuda.is_available()
     torch.manual_seed(int(plan.config.train.seed))
     apply_determinism(plan)
     udist.init_process_group(plan)
+    if history:
+        gpu_peak.start(torch)
     try:
         trainer = Trainer(plan, make_context(plan))
         summary = trainer.fit()
     except torch.OutOfMemoryError as exc:
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+    diagnosis = {"peak_breakdown": gpu_peak.breakdown(torch)} if history else {}
     step_s = _common.median(_common.step_times(trainer.history, WARMUP, steps))
     # each record holds the allocator's peak since the previous one (log_interval=1: per step);
     # none on CPU, which has no caching allocator to ask
@@ -141,16 +146,33 @@ def measure(plan: RunPlan, steps: int) -> dict:
     peak_gib = max(peaks) if peaks else None
     t, peak_stage = plan.timing, plan.memory.stages[plan.memory.peak_stage]
     tokens_per_s = t.tokens_per_step / step_s
+    gross = gross_memory(torch)
     peak = t.peak_tflops * 1e12
     return {"tokens_per_s": tokens_per_s, "step_s": step_s,
             "mfu": tokens_per_s * t.model_flops_per_token / peak,
             "hfu": tokens_per_s * t.hw_flops_per_token / peak,
             "peak_memory_gib": peak_gib, "probe_peak_gib": (summary or {}).get("memory_measured_peak_gib"),
-            "losses": [r["loss"] for r in trainer.history],
+            "losses": [r["loss"] for r in trainer.history], **gross, **diagnosis,
             "predicted": {"tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "hfu": t.hfu,
-                          "peak_memory_gib": plan.memory.peak_gib,
+                          "peak_memory_gib": plan.memory.peak_gib,  # gross: with the fixed allowance
+                          "overhead_gib": peak_stage.overhead / 2**30,
                           # tensors only, what the allocator's peak measures (no overhead allowance)
                           "tensor_gib": (peak_stage.total - peak_stage.overhead) / 2**30}}
+
+
+def gross_memory(torch) -> dict:
+    """The process's device memory beyond the allocator, at the end of the run: what the GPU's
+    driver counts as used (one process per GPU here) minus what the caching allocator reserves is
+    the CUDA context, cuBLAS / NCCL workspaces and the kernels' code; + the allocator's reserved
+    peak = the gross peak, what the plan's printed figure (its fixed allowance included) promises."""
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    outside = (total - free - torch.cuda.memory_reserved()) / 2**30
+    reserved_peak = torch.cuda.max_memory_reserved() / 2**30
+    return {"reserved_peak_gib": reserved_peak, "outside_allocator_gib": outside,
+            "gross_peak_gib": reserved_peak + outside}
 
 
 def run_case(name: str, args) -> dict:

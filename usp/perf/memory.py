@@ -200,6 +200,8 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     scores = 5 * arch.n_heads * s * s * b / t * prec.act / 2 \
         if arch.attention in SCORE_MATERIALISING and layout.recompute == "none" else 0
     kept, full = activation_values(arch, layout, profile)
+    casts = autocast_input_casts(arch, layout, prec) if profile.name == "usp" else 0.0
+    kept, full = kept + (casts if layout.recompute == "none" else 0.0), full + casts
     ring = s * b * arch.q_dim / t * (4 - prec.act) if layout.cp > 1 else 0  # its output is kept in fp32
     kept_ring = ring if layout.recompute != "full" else 0
     scale = profile.activation_scale
@@ -208,6 +210,20 @@ def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precisi
     if compiled is not None:
         return s * b * compiled * scale, full_bytes
     return (s * b * kept * prec.act + scores + kept_ring) * scale, full_bytes
+
+
+def autocast_input_casts(arch: Arch, layout: Layout, prec: Precision) -> float:
+    """Values per token a layer keeps beyond one copy of each norm output when autocast runs the
+    block eagerly: the norm's output stays fp32 and each projection casts its own bf16 copy of it,
+    kept for its backward (wq, wk and wv: three copies where one is counted; w1 and w3: two).
+    Measured on one H200 (Llama-3.2 1B eager, 8 x 2048: the allocator's peak 3.1 GiB above the count
+    without them, 3·h per layer, read by scripts/bench/gpu_peak.py) and on CPU (a block's saved
+    tensors). Compiled blocks cast once (compiled_block_bytes); FSDP2's bf16 policy and FP8 have no
+    autocast casts; a MoE layer's inputs are counted with its dispatch."""
+    if prec.compiled or not prec.copy_bytes or prec.fp8 != "off" or \
+            bf16_by_fsdp_policy(layout.dp_kind, layout.pp, layout.ep):
+        return 0.0
+    return 2 * arch.dim + (0 if arch.moe else arch.dim)
 
 
 def compiled_block_bytes(arch: Arch, layout: Layout, prec: Precision) -> float | None:
@@ -731,6 +747,8 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         f"data parallel: {layout.dp_label() if profile.data_parallel == 'usp' else profile.data_parallel}, "
         f"ZeRO-{zero} sharded over {shards} rank(s)",
         f"activations: {activation_formula(layout)}" + (
+            "" if profile.name != "usp" or not autocast_input_casts(arch, layout, prec)
+            else " + each projection's own bf16 cast of its norm's output (autocast, eager)") + (
             "" if profile.name == "usp" else f" (as {profile.name} keeps them: docs/planner.md, Profiles)")
         if compiled_block_bytes(arch, layout, prec) is None else "activations: what a compiled block keeps, "
         "s·b·(4h + act·(5h + 2kv + 3f)) bytes per layer (its fp32 input; train.fp8: not the norm outputs nor "
