@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import warnings
 from typing import Any
 
 import torch
@@ -168,7 +169,10 @@ class MemTrackerProbe:
             tracker._mod_tracker = _NoModuleHooks()
         tracker.track_external(*self.modules, *self.optimizers)
         tracker.track_external(*(o.optim for o in self.optimizers if hasattr(o, "optim")))  # ZeRO-1's local one
-        with tracker:
+        # MemTracker's module hooks are global: torch.compile'd blocks warn that such hooks fire once more for
+        # their wrapper. The probe counts storages, not hook calls, so the extra call changes nothing it reports.
+        with tracker, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
             yield
         snap = tracker.get_tracker_snapshot("peak")
         dev = next(iter(snap.values()), {})
