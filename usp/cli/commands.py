@@ -154,10 +154,13 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          force: bool = typer.Option(False, "--force", help="plan even if the layout is predicted not to fit"),
          search: bool = typer.Option(False, "--search", help="rank the layouts that fit by predicted throughput"),
          top: int = typer.Option(5, "--top", help="with --search: how many layouts to show"),
-         build_check: bool = typer.Option(False, "--build-check", help=BUILD_CHECK_HELP)) -> None:
+         build_check: bool = typer.Option(False, "--build-check", help=BUILD_CHECK_HELP),
+         json_out: bool = typer.Option(False, "--json", help="print the plan as JSON (plan.yaml's fields) instead "
+                                                             "of the tables"),
+         html: str | None = typer.Option(None, "--html", help="also write the plan as one self-contained HTML page "
+                                                              "(charts, schedule, mesh; needs usp[ui])")) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
     from usp.plan.plan import plan_with_failures
-    from usp.plan.render import render_plan, render_refusals
 
     ranks, overrides = _split_ranks(overrides) if build_check else ([], overrides)
     composed, choices = _compose(overrides)
@@ -175,8 +178,7 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         _fail(failures[-1])
     if build_check:
         return _build_check(run_plan, ranks, failures)
-    render_plan(run_plan)
-    render_refusals(failures)
+    _show_plan(run_plan, failures, json_out, html, list(overrides or []))
     if save:
         from pathlib import Path
 
@@ -187,7 +189,43 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         refuse_if_locked(run_plan.run_dir, "plan --save")  # a live run's checkpoints copy its plan.yaml
         check_writable_dir(Path(run_plan.run_dir), "train.runs_dir", composed.train.runs_dir,
                            "train.runs_dir=<a writable directory>")
-        typer.echo(f"plan written to {write_plan(run_plan)}")
+        typer.echo(f"plan written to {write_plan(run_plan)}", err=json_out)
+
+
+def _show_plan(run_plan, failures: list, json_out: bool, html: str | None, overrides: list[str]) -> None:
+    """usp plan's tables, or --json's JSON alone on stdout; --html's page."""
+    if json_out:
+        from usp.view.plan_output import plan_json
+
+        typer.echo(plan_json(run_plan))
+        for error in failures:
+            typer.echo(f"usp train would refuse: {error}", err=True)
+    else:
+        from usp.plan.render import render_plan, render_refusals
+
+        render_plan(run_plan)
+        render_refusals(failures)
+    if html:
+        from usp.view.plan_output import write_plan_page
+
+        typer.echo(f"plan page written to {write_plan_page(run_plan, failures, overrides, html)}", err=json_out)
+
+
+@app.command()
+@handles_errors
+def ui(host: str = typer.Option("127.0.0.1", "--host", help="the address to listen on; another than loopback needs "
+                                                            "--token"),
+       port: int = typer.Option(8765, "--port", help="the port (0: a free one)"),
+       token: str | None = typer.Option(None, "--token", envvar="USP_UI_TOKEN",
+                                        help="a secret every request must carry (needed off loopback)"),
+       conf: str = typer.Option("tiny_demo", "--conf", help="the recipe the page opens with")) -> None:
+    """A local web page that plans as you pick a recipe, a cluster, a layout and overrides (needs usp[ui])."""
+    from usp.view.ui_server import serve
+
+    def ready(url: str) -> None:
+        typer.echo(f"usp ui: {url}  (Ctrl-C stops it)")
+
+    serve(host, port, token, conf, ready)
 
 
 @app.command()

@@ -1,0 +1,41 @@
+"""`usp plan --json` and `usp plan --html`: the plan's plain values (plan.yaml's fields, from
+RunPlan.to_dict, the serialisation plan.yaml is written from) as JSON, and the page built from them."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from usp.errors import UspError
+from usp.run.files import write_text_atomic
+from usp.run.writable import check_new_output
+
+
+def plan_json(plan) -> str:
+    return json.dumps(plan.to_dict(), indent=1, allow_nan=False)
+
+
+def plan_command(args: list[str]) -> str:
+    """The command line that plans this again."""
+    return shlex.join(["usp", "plan", *args])
+
+
+def write_plan_page(plan, refusals: list, args: list[str], target: str) -> Path:
+    """The plan as one self-contained HTML file at `target`: a new file, or a page usp wrote before."""
+    from usp.view.plan_page import MARK, html_page, page_payload
+
+    path = Path(target).expanduser()
+    if not (path.is_file() and _starts_with(path, MARK)):
+        check_new_output(path, force=False, key="--html")
+    payload = page_payload(json.loads(plan_json(plan)), [str(r) for r in refusals], {"usp plan": plan_command(args)})
+    write_text_atomic(path, html_page(payload, f"usp plan: {plan.name}"))
+    return path
+
+
+def _starts_with(path: Path, mark: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return mark in f.read(200)
+    except OSError as exc:
+        raise UspError(f"can't read {path}: {exc.strerror}", key="--html", value=str(path),
+                       fix="another file for --html") from None
