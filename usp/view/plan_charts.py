@@ -12,6 +12,7 @@ from usp.perf.pipeline_timeline import Slot, stage_times, timeline
 GIB = 2**30
 BUILD_TERMS = (("parameters", "build: parameters"), ("transient", "build/load transient"),
                ("read_buffer", "load read buffer"), ("overhead", "build: overhead"))
+TEXT_SLOTS = 96  # micro batch numbers written on the bars up to this many (text costs the browser most)
 KIND_COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "idle": "#d9d9d9"}
 
 
@@ -82,7 +83,7 @@ def schedule_slots(plan: dict) -> list[Slot]:
 
 def schedule_figure(plan: dict) -> dict:
     """The pipeline schedule as a timeline: a bar per forward and backward (its micro batch written on
-    it), the idle time between them grey."""
+    it when they are few; in the hover always), the idle time between them grey."""
     go = _go()
     slots = schedule_slots(plan)
     pp = 1 + max(s.rank for s in slots)
@@ -90,11 +91,12 @@ def schedule_figure(plan: dict) -> dict:
     rows = {kind: [s for s in slots if s.kind == kind] for kind in ("forward", "backward")}
     rows["idle"] = _idle(slots, pp, end)
     fig = go.Figure()
+    labelled = len(slots) <= TEXT_SLOTS
     for kind, items in rows.items():
         fig.add_bar(name=kind, orientation="h", y=[f"pp {s.rank}" for s in items], x=[s.end - s.start for s in items],
                     base=[s.start for s in items], marker_color=KIND_COLOURS[kind],
-                    text=[str(s.micro) if s.micro >= 0 else "" for s in items], textposition="inside",
-                    insidetextanchor="middle",
+                    text=[str(s.micro) if s.micro >= 0 and labelled else "" for s in items],
+                    textposition="inside" if labelled else "none", insidetextanchor="middle",
                     customdata=[[s.stage, s.micro, s.start, s.end] for s in items],
                     hovertemplate=(f"{kind}: stage %{{customdata[0]}}, micro batch %{{customdata[1]}}, "
                                    "%{customdata[2]:.4g}-%{customdata[3]:.4g} s<extra></extra>") if kind != "idle"

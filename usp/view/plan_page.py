@@ -87,10 +87,13 @@ def _script_json(value) -> str:
 
 
 RENDER_JS = """
+const uspShown = {};
 function uspRender(p) {
   for (const [id, html] of Object.entries(p.sections)) document.getElementById(id).innerHTML = html;
   for (const [id, fig] of Object.entries(p.figures)) {
-    const el = document.getElementById(id);
+    const el = document.getElementById(id), key = JSON.stringify(fig);
+    if (uspShown[id] === key) continue;  // the same figure: nothing to draw again
+    uspShown[id] = key;
     if (fig) { el.hidden = false; Plotly.react(el, fig.data, fig.layout, {displaylogo: false, responsive: true}); }
     else { Plotly.purge(el); el.hidden = true; }
   }
@@ -114,7 +117,8 @@ def html_page(payload: dict, title: str, controls: str = "", script: str = "") -
 
     charts = "".join(f"<div id='{name}' class='chart'></div>" for name in FIGURES)
     sections = {name: f"<div id='{name}'></div>" for name in SECTIONS}
-    return (f"<!DOCTYPE html>\n{MARK}\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+    return (f"<!DOCTYPE html>\n{MARK}\n<html><head><meta charset='utf-8'><link rel='icon' href='data:,'>"
+            f"<title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style><script>{get_plotlyjs()}</script><script>{RENDER_JS}</script></head><body>"
             f"<h1>{html.escape(title)}</h1>{controls}{sections['figures']}"
             f"{charts}{sections['schedule-note']}<h2>Warnings</h2>{sections['warnings']}"

@@ -82,7 +82,7 @@ UI_JS = """
 <script>
 let uspSeq = 0, uspTimer = null;
 async function uspUpdate() {
-  const seq = ++uspSeq;
+  const seq = ++uspSeq, start = performance.now();
   const body = {conf: document.getElementById('recipe').value, cluster: document.getElementById('cluster').value,
                 parallelism: document.getElementById('parallelism').value,
                 overrides: document.getElementById('overrides').value.split('\\n')};
@@ -94,6 +94,7 @@ async function uspUpdate() {
   error.hidden = !payload.error;
   error.textContent = payload.error || '';
   if (!payload.error) uspRender(payload);
+  document.body.dataset.took = String(performance.now() - start);  // ms from the change to the page drawn
   document.body.dataset.answered = String(seq);
 }
 for (const id of ['recipe', 'cluster', 'parallelism']) {
