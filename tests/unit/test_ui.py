@@ -47,6 +47,16 @@ def test_plan_html_writes_one_page_and_replaces_only_its_own(tmp_path):
     assert proc.returncode == 2 and other.read_text() == "mine"
 
 
+def test_search_html_is_the_best_layouts_plan(tmp_path):
+    page = tmp_path / "search.html"
+    proc = usp_cli("plan", "--search", "conf=tiny_ddp", "--html", str(page), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    best = proc.stdout.split("use it: usp plan ", 1)[1].split("\n")[0].split()
+    text = page.read_text()
+    assert "data-testid='search'" in text and "data-testid='step-time'" in text
+    assert f"usp plan conf=tiny_ddp {' '.join(best)}" in text  # the command that plans the page's layout
+
+
 @pytest.mark.parametrize("schedule,pp,virtual,micro", [("1f1b", 4, 1, 8), ("afab", 4, 1, 8),
                                                         ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 8, 4, 32),
                                                         ("interleaved_zb", 2, 2, 4), ("1f1b", 1, 1, 3)])

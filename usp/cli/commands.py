@@ -111,6 +111,10 @@ BUILD_CHECK_HELP = ("build the parallel model of the ranks among the arguments (
                     "bytes next to the plan's (needs torch here)")
 
 
+HTML_HELP = ("also write the plan as one self-contained HTML page (charts, schedule, mesh; with --search: the best "
+             "layout's, the ranking above it; needs usp[ui])")
+
+
 def _split_ranks(overrides: list[str] | None) -> tuple[list[int], list[str]]:
     """--build-check's ranks (the bare integers: no override is one) and the overrides."""
     items = overrides or []
@@ -157,8 +161,7 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          build_check: bool = typer.Option(False, "--build-check", help=BUILD_CHECK_HELP),
          json_out: bool = typer.Option(False, "--json", help="print the plan as JSON (plan.yaml's fields) instead "
                                                              "of the tables"),
-         html: str | None = typer.Option(None, "--html", help="also write the plan as one self-contained HTML page "
-                                                              "(charts, schedule, mesh; needs usp[ui])")) -> None:
+         html: str | None = typer.Option(None, "--html", help=HTML_HELP)) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
     from usp.plan.plan import plan_with_failures
 
@@ -167,10 +170,7 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     if cfg:
         return _print_cfg(composed, cfg)
     if search:
-        from usp.plan.search import run_search
-
-        run_search(composed, top)
-        return
+        return _search(composed, top, html, list(overrides or []))
     run_plan, failures = plan_with_failures(composed, choices, force=force, strict=strict)
     if run_plan is None:  # every failing rule, not just the first
         for error in failures[:-1]:
@@ -190,6 +190,22 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         check_writable_dir(Path(run_plan.run_dir), "train.runs_dir", composed.train.runs_dir,
                            "train.runs_dir=<a writable directory>")
         typer.echo(f"plan written to {write_plan(run_plan)}", err=json_out)
+
+
+def _search(composed, top: int, html: str | None, overrides: list[str]) -> None:
+    """usp plan --search; with --html, the page of the best layout's plan with the ranking above it."""
+    from usp.plan.search import run_search
+
+    result = run_search(composed, top)
+    if html and result.best is not None:
+        from usp.plan.plan import plan_with_failures
+        from usp.view.plan_output import write_plan_page
+
+        args = [*overrides, *result.best.layout.overrides()]
+        best, failures = plan_with_failures(*_compose(args))
+        if best is None:  # the search proposes only layouts that pass every rule
+            _fail(failures[-1])
+        typer.echo(f"plan page written to {write_plan_page(best, failures, args, html, search=result)}")
 
 
 def _show_plan(run_plan, failures: list, json_out: bool, html: str | None, overrides: list[str]) -> None:

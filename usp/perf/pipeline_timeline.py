@@ -42,7 +42,7 @@ def timeline(schedule: str, rank_stages: list[list[int]], n_micro: int, forward_
     Micro batches that are no multiple of pp take the warm-up nearest Megatron's that runs. ValueError:
     zbv, a step too long to draw (MAX_SLOTS), or an order that never finishes."""
     if schedule == "zbv":
-        raise ValueError("zbv's V-shaped order is torch's own (torch.distributed.pipelining): not drawn here")
+        raise ValueError("zbv's V-shaped order is torch's own (torch.distributed.pipelining)")
     n_slots = 2 * n_micro * sum(len(stages) for stages in rank_stages)
     if n_slots > MAX_SLOTS:
         raise ValueError(f"{n_slots} forwards and backwards per step: too many to draw (at most {MAX_SLOTS})")

@@ -14,7 +14,7 @@ from usp.view.plan_charts import GIB, memory_figure, schedule_figure, time_figur
 MARK = "<!-- usp plan page -->"  # an existing file with this mark is a page usp wrote: --html replaces it
 MAX_RANK_ROWS = 64
 FIGURES = ("chart-memory", "chart-time", "chart-schedule")
-SECTIONS = ("figures", "schedule-note", "warnings", "mesh", "commands")
+SECTIONS = ("search", "figures", "schedule-note", "warnings", "mesh", "commands")
 
 
 def page_payload(plan: dict, refusals: list[str], commands: dict[str, str]) -> dict:
@@ -24,7 +24,7 @@ def page_payload(plan: dict, refusals: list[str], commands: dict[str, str]) -> d
         schedule, note = schedule_figure(plan), ""
     except ValueError as exc:
         schedule, note = None, f"<p class='note'>pipeline schedule not drawn: {html.escape(str(exc))}</p>"
-    return {"sections": {"figures": key_figures(plan), "schedule-note": note,
+    return {"sections": {"search": "", "figures": key_figures(plan), "schedule-note": note,
                          "warnings": warnings_list(plan["warnings"], refusals), "mesh": mesh_tables(plan),
                          "commands": commands_block(commands)},
             "figures": {"chart-memory": memory_figure(plan["memory"]), "chart-time": time_figure(plan["timing"]),
@@ -81,6 +81,15 @@ def commands_block(commands: dict[str, str]) -> str:
                    f"{html.escape(line)}</pre>" for label, line in commands.items())
 
 
+def search_table(rows: list[dict], caption: str) -> str:
+    """`usp plan --search --html`: the ranked layouts (the page below is the first one's plan)."""
+    keys = list(rows[0]) if rows else []
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(row[k]))}</td>" for k in keys) + "</tr>" for row in rows)
+    return (f"<h2>Layouts that fit, best first</h2><table data-testid='search'><tr>{head}</tr>{body}</table>"
+            f"<p class='note'>{html.escape(caption)}</p><h2>The best layout's plan</h2>")
+
+
 def _script_json(value) -> str:
     """JSON safe inside a <script> element."""
     return json.dumps(value, allow_nan=False).replace("</", "<\\/")
@@ -120,7 +129,7 @@ def html_page(payload: dict, title: str, controls: str = "", script: str = "") -
     return (f"<!DOCTYPE html>\n{MARK}\n<html><head><meta charset='utf-8'><link rel='icon' href='data:,'>"
             f"<title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style><script>{get_plotlyjs()}</script><script>{RENDER_JS}</script></head><body>"
-            f"<h1>{html.escape(title)}</h1>{controls}{sections['figures']}"
+            f"<h1>{html.escape(title)}</h1>{controls}{sections['search']}{sections['figures']}"
             f"{charts}{sections['schedule-note']}<h2>Warnings</h2>{sections['warnings']}"
             f"<h2>Device mesh and ranks</h2>{sections['mesh']}<h2>Command</h2>{sections['commands']}"
             f"<script>uspRender({_script_json(payload)});</script>{script}</body></html>\n")

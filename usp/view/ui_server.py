@@ -6,6 +6,7 @@ composition, so going back to one seen before answers at once. It binds 127.0.0.
 from __future__ import annotations
 
 import hmac
+import html
 import json
 import shlex
 import socket
@@ -66,16 +67,18 @@ def _options(name: str, values: list[str], selected: str, default: str | None) -
     return f"<label>{name} <select id='{name}' data-testid='select-{name}'>{''.join(items)}</select></label>"
 
 
-def controls(conf: str) -> str:
+def controls(conf: str, error: str = "") -> str:
+    """The form; `error`: why the recipe the page opens with has no plan (shown until a change plans)."""
     from usp.config.paths import group_options, recipe_names
 
+    shown = f"<div id='error' class='error' data-testid='error'>{html.escape(error)}</div>" if error else \
+        "<div id='error' class='error' data-testid='error' hidden></div>"
     return ("<div class='controls'>" + _options("recipe", recipe_names(), conf, None)
             + _options("cluster", group_options("cluster"), "", "(the recipe's)")
             + _options("parallelism", group_options("parallelism"), "", "(the recipe's)")
             + "<p>overrides, one per line (key=value, as on the command line):</p>"
             "<textarea id='overrides' data-testid='overrides' rows='4'></textarea>"
-            "<button id='plan' data-testid='plan-button'>plan</button>"
-            "<div id='error' class='error' data-testid='error' hidden></div></div>")
+            "<button id='plan' data-testid='plan-button'>plan</button>" + shown + "</div>")
 
 
 UI_JS = """
@@ -161,7 +164,7 @@ class UiHandler(BaseHTTPRequestHandler):
         payload = first if "error" not in first else {"sections": dict.fromkeys(SECTIONS, ""),
                                                       "figures": dict.fromkeys(FIGURES)}
         script = f"<script>const USP_TOKEN = {json.dumps(self.token or '')};</script>{UI_JS}"
-        return html_page(payload, "usp ui", controls(self.start_conf), script)
+        return html_page(payload, "usp ui", controls(self.start_conf, first.get("error", "")), script)
 
 
 def make_server(host: str, port: int, token: str | None, conf: str) -> ThreadingHTTPServer:
