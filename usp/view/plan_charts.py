@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from usp.contract.predictions import TERM_LABELS, TERMS
+from usp.errors import UspError
 from usp.perf.pipeline_timeline import Slot, stage_times, timeline
 
 GIB = 2**30
@@ -14,6 +15,15 @@ BUILD_TERMS = (("parameters", "build: parameters"), ("transient", "build/load tr
                ("read_buffer", "load read buffer"), ("overhead", "build: overhead"))
 TEXT_SLOTS = 96  # micro batch numbers written on the bars up to this many (text costs the browser most)
 KIND_COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "idle": "#d9d9d9"}
+
+
+def require_plotly(key: str) -> None:
+    """plotly is usp[ui]'s, not usp's: without it, say so before any work (key: the option that needs it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("plotly") is None:
+        raise UspError("the page is drawn with plotly, which is not installed here", key=key,
+                       fix="pip install 'usp[ui]' (or pip install plotly==7.1.0)")
 
 
 def _go():

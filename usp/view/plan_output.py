@@ -23,8 +23,10 @@ def plan_command(args: list[str]) -> str:
 def write_plan_page(plan, refusals: list, args: list[str], target: str, search=None) -> Path:
     """The plan as one self-contained HTML file at `target`: a new file, or a page usp wrote before.
     search: `usp plan --search`'s result, whose best layout `plan` is (its table above the plan)."""
+    from usp.view.plan_charts import require_plotly
     from usp.view.plan_page import MARK, html_page, page_payload, search_table
 
+    require_plotly("--html")
     path = Path(target).expanduser()
     if not (path.is_file() and _starts_with(path, MARK)):
         check_new_output(path, force=False, key="--html")

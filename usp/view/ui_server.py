@@ -169,9 +169,11 @@ class UiHandler(BaseHTTPRequestHandler):
 
 def make_server(host: str, port: int, token: str | None, conf: str) -> ThreadingHTTPServer:
     """The page's server, its port open (port 0: a free one); refused before that off loopback without a token."""
+    from usp.view.plan_charts import require_plotly
     from usp.view.ui_overrides import checked_recipe
 
     check_bind(host, token)
+    require_plotly("usp ui")
     handler = type("Handler", (UiHandler,), {"token": token, "start_conf": checked_recipe(conf),
                                             "cwd": str(Path.cwd().resolve())})
     server_class = type("Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6} if ":" in host else {})
