@@ -126,6 +126,31 @@ def _get(url: str, **headers) -> int:
         return exc.code
 
 
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_ui_plans_a_request_and_refuses_what_it_does_not_read(tmp_path):
+    server = make_server("127.0.0.1", 0, None, "tiny_demo")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = page_url(server, None) + "api/plan"
+        status, answer = _post(api, json.dumps({"conf": "tiny_ddp", "overrides": ["train.steps=7"]}).encode())
+        assert status == 200 and "data-testid='step-time'" in answer["sections"]["figures"]
+        status, answer = _post(api, json.dumps({"conf": "/etc/passwd"}).encode())
+        assert status == 200 and answer["error"].startswith("conf='/etc/passwd'")
+        assert _post(api, b"{not json")[0] == 400
+        assert _post(api, json.dumps({"overrides": []}).encode())[0] == 400
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_ui_answers_only_with_its_token(tmp_path):
     server = make_server("127.0.0.1", 0, "s3cret", "tiny_demo")
     threading.Thread(target=server.serve_forever, daemon=True).start()

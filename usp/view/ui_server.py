@@ -20,7 +20,7 @@ from usp.errors import LaunchError, UspError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_BODY = 64 * 1024
-_COMPOSE = threading.Lock()  # Hydra's compose API keeps global state: one composition at a time
+_PLANNING = threading.Lock()  # Hydra's compose API keeps global state: one composition (and plan) at a time
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -50,9 +50,9 @@ def planned(conf: str, cluster: str, parallelism: str, overrides: tuple[str, ...
         groups = [*([f"cluster={cluster}"] if cluster else []),
                   *([f"parallelism={parallelism}"] if parallelism else [])]
         checked_overrides(groups, Path(cwd))
-        with _COMPOSE:
+        with _PLANNING:
             composed, choices = compose_config(checked_recipe(conf), [*groups, *checked])
-        plan, failures = plan_with_failures(composed, choices)
+            plan, failures = plan_with_failures(composed, choices)
     except UspError as exc:
         return {"error": str(exc)}
     if plan is None:
@@ -146,11 +146,11 @@ class UiHandler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         if not self._allowed():
             return self._reply(403, json.dumps({"error": "forbidden: usp ui needs its token"}), "application/json")
-        length = int(self.headers.get("Content-Length") or 0)
-        if urlparse(self.path).path != "/api/plan" or length > MAX_BODY:
+        length = self.headers.get("Content-Length") or "0"
+        if urlparse(self.path).path != "/api/plan" or not length.isdigit() or int(length) > MAX_BODY:
             return self._reply(404, json.dumps({"error": "not found"}), "application/json")
         try:
-            ask = json.loads(self.rfile.read(length))
+            ask = json.loads(self.rfile.read(int(length)))
             key = (str(ask["conf"]), str(ask.get("cluster") or ""), str(ask.get("parallelism") or ""),
                    tuple(str(line) for line in ask.get("overrides") or []))
         except (ValueError, KeyError, TypeError):
