@@ -42,6 +42,7 @@ def planned(conf: str, cluster: str, parallelism: str, overrides: tuple[str, ...
     """The page's payload for one composition, or {"error": the rule's message and fix}."""
     from usp.config.compose import compose_config
     from usp.plan.plan import plan_with_failures
+    from usp.view.plan_output import plan_json
     from usp.view.plan_page import page_payload
     from usp.view.ui_overrides import checked_overrides, checked_recipe
 
@@ -57,7 +58,7 @@ def planned(conf: str, cluster: str, parallelism: str, overrides: tuple[str, ...
         return {"error": str(exc)}
     if plan is None:
         return {"error": "\n".join(str(f) for f in failures)}
-    return page_payload(json.loads(json.dumps(plan.to_dict())), [str(f) for f in failures],
+    return page_payload(json.loads(plan_json(plan)), [str(f) for f in failures],
                         commands(conf, cluster, parallelism, checked))
 
 
