@@ -20,8 +20,6 @@ from usp.perf.pipeline_timeline import timeline
 from usp.view.ui_overrides import checked_overrides
 from usp.view.ui_server import check_bind, make_server, page_url, planned
 
-pytest.importorskip("plotly", reason="usp[ui] (make setup installs it)")
-
 
 def test_plan_json_is_plan_yaml(tmp_path):
     """--json prints exactly what --save writes to plan.yaml, and nothing else on stdout."""
