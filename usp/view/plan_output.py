@@ -28,7 +28,10 @@ def write_plan_page(plan, refusals: list, args: list[str], target: str, search=N
 
     require_plotly("--html")
     path = Path(target).expanduser()
-    if not (path.is_file() and _starts_with(path, MARK)):
+    if path.exists() and not (path.is_file() and _starts_with(path, MARK)):
+        raise UspError(f"{path} exists and is not a page usp wrote: usp replaces only its own pages", key="--html",
+                       value=str(path), fix="another --html file (or remove this one)")
+    if not path.exists():
         check_new_output(path, force=False, key="--html")
     payload = page_payload(json.loads(plan_json(plan)), [str(r) for r in refusals], {"usp plan": plan_command(args)})
     if search is not None:
