@@ -104,7 +104,8 @@ def test_plan_page_shows_the_plans_values_offline(browser, tmp_path, recipe):
     proc = usp_cli("plan", f"conf={recipe}", "--json", "--html", str(tmp_path / "plan.html"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    _requests(browser), _errors(browser)  # what earlier pages left
+    _requests(browser)  # drop what earlier pages left in the logs
+    _errors(browser)
     url = (tmp_path / "plan.html").as_uri()
     browser.get(url)
     _wait(browser, lambda d: d.execute_script("return document.body.dataset.rendered") == "1")
@@ -166,7 +167,8 @@ def test_ui_follows_changes_and_shows_the_rules_fix(browser, ui_url, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    _requests(browser), _errors(browser)
+    _requests(browser)  # drop what earlier pages left in the logs
+    _errors(browser)
     browser.get(ui_url)
     _wait(browser, lambda d: d.execute_script("return document.body.dataset.rendered") == "1")
     _check_values(browser, _json_plan(tmp_path, "conf=mixtral_8x7b"))
@@ -178,6 +180,9 @@ def test_ui_follows_changes_and_shows_the_rules_fix(browser, ui_url, tmp_path):
     for verb in ("plan", "train", "submit"):
         command = browser.find_element(By.CSS_SELECTOR, f"[data-testid='command-usp-{verb}']").text
         assert command == f"usp {verb} conf=mixtral_8x7b {' '.join(layout)}"
+    copied = browser.execute_script("return document.querySelector(\"[data-testid='command-usp-train']\")"
+                                    ".previousElementSibling.getAttribute('onclick')")
+    assert "clipboard.writeText(this.nextElementSibling.textContent)" in copied  # its copy button
 
     error = browser.find_element(By.CSS_SELECTOR, "[data-testid='error']")
     _plan_with(browser, "parallelism.dp_shard=8\nparallelism.tp=3")  # 48 ranks don't divide 64

@@ -77,8 +77,10 @@ def mesh_tables(plan: dict) -> str:
 
 
 def commands_block(commands: dict[str, str]) -> str:
-    return "".join(f"<p>{html.escape(label)}</p><pre data-testid='command-{html.escape(label.replace(' ', '-'))}'>"
-                   f"{html.escape(line)}</pre>" for label, line in commands.items())
+    """Each command line with a button that copies it."""
+    copy = "<button onclick='navigator.clipboard.writeText(this.nextElementSibling.textContent)'>copy</button>"
+    return "".join(f"<div>{html.escape(label)} {copy}<pre data-testid='command-{html.escape(label.replace(' ', '-'))}'>"
+                   f"{html.escape(line)}</pre></div>" for label, line in commands.items())
 
 
 def search_table(rows: list[dict], caption: str) -> str:

@@ -168,7 +168,17 @@ class UiHandler(BaseHTTPRequestHandler):
         return html_page(payload, "usp ui", controls(self.start_conf, first.get("error", "")), script)
 
 
-def make_server(host: str, port: int, token: str | None, conf: str) -> ThreadingHTTPServer:
+class UiServer(ThreadingHTTPServer):  # its threads are daemons: Ctrl-C never waits on a browser
+
+    def handle_error(self, request, client_address):
+        """A browser that went away mid-answer (a page left, a request superseded) is no error to print."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+def make_server(host: str, port: int, token: str | None, conf: str) -> UiServer:
     """The page's server, its port open (port 0: a free one); refused before that off loopback without a token."""
     from usp.view.plan_charts import require_plotly
     from usp.view.ui_overrides import checked_recipe
@@ -177,7 +187,7 @@ def make_server(host: str, port: int, token: str | None, conf: str) -> Threading
     require_plotly("usp ui")
     handler = type("Handler", (UiHandler,), {"token": token, "start_conf": checked_recipe(conf),
                                             "cwd": str(Path.cwd().resolve())})
-    server_class = type("Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6} if ":" in host else {})
+    server_class = type("Server", (UiServer,), {"address_family": socket.AF_INET6} if ":" in host else {})
     try:
         return server_class((host, port), handler)
     except OSError as exc:
@@ -185,7 +195,7 @@ def make_server(host: str, port: int, token: str | None, conf: str) -> Threading
                           fix="another --port (0 picks a free one)") from None
 
 
-def page_url(server: ThreadingHTTPServer, token: str | None) -> str:
+def page_url(server: UiServer, token: str | None) -> str:
     host = str(server.server_address[0])
     host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{server.server_address[1]}/" + (f"?token={token}" if token else "")
