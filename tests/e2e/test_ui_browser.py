@@ -206,6 +206,10 @@ def test_ui_follows_changes_and_shows_the_rules_fix(browser, ui_url, tmp_path):
     _plan_with(browser, "")
     _change(browser, lambda: Select(browser.find_element(By.ID, "recipe")).select_by_value("llama3_1_70b"))
     _check_values(browser, _json_plan(tmp_path, "conf=llama3_1_70b"))
+    model = Select(browser.find_element(By.ID, "model"))
+    _change(browser, lambda: model.select_by_value("llama3_1_8b"))  # a model group's option over the recipe's
+    _check_values(browser, _json_plan(tmp_path, "conf=llama3_1_70b", "model=llama3_1_8b"))
+    _change(browser, lambda: model.select_by_value(""))
     _change(browser, lambda: Select(browser.find_element(By.ID, "recipe")).select_by_value("mixtral_8x7b"))
     assert _errors(browser) == []
     origin = ui_url.split("?")[0]

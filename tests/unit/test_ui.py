@@ -70,7 +70,7 @@ def test_schedule_idle_time_is_the_bubble(schedule, pp, virtual, micro):
 
 
 def test_the_schedule_of_a_planned_run_has_its_bubble(tmp_path):
-    payload = planned("mixtral_8x7b", "", "", (), str(tmp_path))
+    payload = planned("mixtral_8x7b", (), (), str(tmp_path))
     fig = payload["figures"]["chart-schedule"]
     idle = [t for t in fig["data"] if t["name"] == "idle"][0]
     timing = json.loads(usp_cli("plan", "conf=mixtral_8x7b", "--json", cwd=tmp_path).stdout)["timing"]
@@ -97,11 +97,11 @@ def test_ui_takes_plain_overrides_and_paths_inside(tmp_path):
 
 
 def test_ui_shows_the_rule_and_its_fix(tmp_path):
-    outside = planned("tiny_demo", "", "", ("model.init_from=/etc",), str(tmp_path))
+    outside = planned("tiny_demo", (), ("model.init_from=/etc",), str(tmp_path))
     assert "outside the working directory" in outside["error"] and "fix:" in outside["error"]
-    rule = planned("tiny_demo", "", "", ("parallelism.tp=2",), str(tmp_path))
+    rule = planned("tiny_demo", (), ("parallelism.tp=2",), str(tmp_path))
     assert "does not divide the world size" in rule["error"] and "fix:" in rule["error"]
-    good = planned("tiny_demo", "local_cpu2", "", ("parallelism.tp=2",), str(tmp_path))
+    good = planned("tiny_demo", ("cluster=local_cpu2",), ("parallelism.tp=2",), str(tmp_path))
     assert "error" not in good
     assert good["sections"]["commands"].count("cluster=local_cpu2 parallelism.tp=2") == 3  # plan, train, submit
 
@@ -138,8 +138,11 @@ def test_ui_plans_a_request_and_refuses_what_it_does_not_read(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         api = page_url(server, None) + "api/plan"
-        status, answer = _post(api, json.dumps({"conf": "tiny_ddp", "overrides": ["train.steps=7"]}).encode())
+        ask = {"conf": "tiny_ddp", "groups": [["model", "moe_tiny"], ["cluster", ""]], "overrides": ["train.steps=7"]}
+        status, answer = _post(api, json.dumps(ask).encode())
         assert status == 200 and "data-testid='step-time'" in answer["sections"]["figures"]
+        assert "usp train conf=tiny_ddp model=moe_tiny train.steps=7" in answer["sections"]["commands"]
+        assert _post(api, json.dumps({**ask, "groups": [["hydra", "x"]]}).encode())[0] == 400
         status, answer = _post(api, json.dumps({"conf": "/etc/passwd"}).encode())
         assert status == 200 and answer["error"].startswith("conf='/etc/passwd'")
         assert _post(api, b"{not json")[0] == 400

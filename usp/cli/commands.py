@@ -235,7 +235,7 @@ def ui(host: str = typer.Option("127.0.0.1", "--host", help="the address to list
        token: str | None = typer.Option(None, "--token", envvar="USP_UI_TOKEN",
                                         help="a secret every request must carry (needed off loopback)"),
        conf: str = typer.Option("tiny_demo", "--conf", help="the recipe the page opens with")) -> None:
-    """A local web page that plans as you pick a recipe, a cluster, a layout and overrides (needs usp[ui])."""
+    """A local web page that plans as you pick a recipe, a model, a cluster, a layout and overrides (usp[ui])."""
     from usp.view.ui_server import serve
 
     def ready(url: str) -> None:

@@ -1,5 +1,5 @@
 """`usp ui`: the plan page served on this machine (stdlib http.server), with a form to pick a recipe, a
-cluster and a layout and to edit overrides. Each change is planned in-process by the code `usp plan` runs
+model, a cluster and a layout and to edit overrides. Each change is planned in-process by the code `usp plan` runs
 (compose, then every rule), and the page is rebuilt by usp/view/plan_page.py; plans are cached by their
 composition, so going back to one seen before answers at once. It binds 127.0.0.1; any other address needs
 --host and a --token that every request then carries (a page for a network is a page for others)."""
@@ -31,15 +31,18 @@ def check_bind(host: str, token: str | None) -> None:
                                                         "bind 127.0.0.1")
 
 
-def commands(conf: str, cluster: str, parallelism: str, overrides: list[str]) -> dict[str, str]:
-    args = [f"conf={conf}", *([f"cluster={cluster}"] if cluster else []),
-            *([f"parallelism={parallelism}"] if parallelism else []), *overrides]
+GROUPS = ("model", "cluster", "parallelism")  # the groups the page picks an option of (none: the recipe's)
+
+
+def commands(conf: str, args: list[str]) -> dict[str, str]:
+    args = [f"conf={conf}", *args]
     return {f"usp {verb}": shlex.join(["usp", verb, *args]) for verb in ("plan", "train", "submit")}
 
 
 @lru_cache(maxsize=256)
-def planned(conf: str, cluster: str, parallelism: str, overrides: tuple[str, ...], cwd: str) -> dict:
-    """The page's payload for one composition, or {"error": the rule's message and fix}."""
+def planned(conf: str, groups: tuple[str, ...], overrides: tuple[str, ...], cwd: str) -> dict:
+    """The page's payload for one composition, or {"error": the rule's message and fix}. groups: the options
+    picked (group=option), overrides: the lines typed."""
     from usp.config.compose import compose_config
     from usp.plan.plan import plan_with_failures
     from usp.view.plan_output import plan_json
@@ -47,19 +50,16 @@ def planned(conf: str, cluster: str, parallelism: str, overrides: tuple[str, ...
     from usp.view.ui_overrides import checked_overrides, checked_recipe
 
     try:
-        checked = checked_overrides(list(overrides), Path(cwd))
-        groups = [*([f"cluster={cluster}"] if cluster else []),
-                  *([f"parallelism={parallelism}"] if parallelism else [])]
-        checked_overrides(groups, Path(cwd))
+        checked = checked_overrides([*groups, *overrides], Path(cwd))
         with _PLANNING:
-            composed, choices = compose_config(checked_recipe(conf), [*groups, *checked])
+            composed, choices = compose_config(checked_recipe(conf), checked)
             plan, failures = plan_with_failures(composed, choices)
     except UspError as exc:
         return {"error": str(exc)}
     if plan is None:
         return {"error": "\n".join(str(f) for f in failures)}
     return page_payload(json.loads(plan_json(plan)), [str(f) for f in failures],
-                        commands(conf, cluster, parallelism, checked))
+                        commands(conf, checked))
 
 
 def _options(name: str, values: list[str], selected: str, default: str | None) -> str:
@@ -75,8 +75,7 @@ def controls(conf: str, error: str = "") -> str:
     shown = f"<div id='error' class='error' data-testid='error'>{html.escape(error)}</div>" if error else \
         "<div id='error' class='error' data-testid='error' hidden></div>"
     return ("<div class='controls'>" + _options("recipe", recipe_names(), conf, None)
-            + _options("cluster", group_options("cluster"), "", "(the recipe's)")
-            + _options("parallelism", group_options("parallelism"), "", "(the recipe's)")
+            + "".join(_options(group, group_options(group), "", "(the recipe's)") for group in GROUPS)
             + "<p>overrides, one per line (key=value, as on the command line):</p>"
             "<textarea id='overrides' data-testid='overrides' rows='4'></textarea>"
             "<button id='plan' data-testid='plan-button'>plan</button>" + shown + "</div>")
@@ -87,8 +86,8 @@ UI_JS = """
 let uspSeq = 0, uspTimer = null;
 async function uspUpdate() {
   const seq = ++uspSeq, start = performance.now();
-  const body = {conf: document.getElementById('recipe').value, cluster: document.getElementById('cluster').value,
-                parallelism: document.getElementById('parallelism').value,
+  const body = {conf: document.getElementById('recipe').value,
+                groups: ['model', 'cluster', 'parallelism'].map(g => [g, document.getElementById(g).value]),
                 overrides: document.getElementById('overrides').value.split('\\n')};
   const reply = await fetch('/api/plan', {method: 'POST', body: JSON.stringify(body),
                                           headers: {'Content-Type': 'application/json', 'X-Usp-Token': USP_TOKEN}});
@@ -101,7 +100,7 @@ async function uspUpdate() {
   document.body.dataset.took = String(performance.now() - start);  // ms from the change to the page drawn
   document.body.dataset.answered = String(seq);
 }
-for (const id of ['recipe', 'cluster', 'parallelism']) {
+for (const id of ['recipe', 'model', 'cluster', 'parallelism']) {
   document.getElementById(id).addEventListener('change', uspUpdate); }
 document.getElementById('plan').addEventListener('click', uspUpdate);
 document.getElementById('overrides').addEventListener('input', () => {
@@ -152,7 +151,10 @@ class UiHandler(BaseHTTPRequestHandler):
             return self._reply(404, json.dumps({"error": "not found"}), "application/json")
         try:
             ask = json.loads(self.rfile.read(int(length)))
-            key = (str(ask["conf"]), str(ask.get("cluster") or ""), str(ask.get("parallelism") or ""),
+            picked = {str(group): str(option) for group, option in ask.get("groups") or []}
+            if set(picked) - set(GROUPS):
+                raise ValueError(picked)
+            key = (str(ask["conf"]), tuple(f"{g}={picked[g]}" for g in GROUPS if picked.get(g)),
                    tuple(str(line) for line in ask.get("overrides") or []))
         except (ValueError, KeyError, TypeError):
             return self._reply(400, json.dumps({"error": "a request usp ui does not read"}), "application/json")
@@ -161,7 +163,7 @@ class UiHandler(BaseHTTPRequestHandler):
     def page(self) -> str:
         from usp.view.plan_page import FIGURES, SECTIONS, html_page
 
-        first = planned(self.start_conf, "", "", (), self.cwd)
+        first = planned(self.start_conf, (), (), self.cwd)
         payload = first if "error" not in first else {"sections": dict.fromkeys(SECTIONS, ""),
                                                       "figures": dict.fromkeys(FIGURES)}
         script = f"<script>const USP_TOKEN = {json.dumps(self.token or '')};</script>{UI_JS}"
