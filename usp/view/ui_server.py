@@ -64,7 +64,8 @@ def planned(conf: str, groups: tuple[str, ...], overrides: tuple[str, ...], cwd:
 
 def _options(name: str, values: list[str], selected: str, default: str | None) -> str:
     items = [f"<option value=''>{default}</option>"] if default else []
-    items += [f"<option value='{v}'{' selected' if v == selected else ''}>{v}</option>" for v in values]
+    items += [f"<option value='{html.escape(v)}'{' selected' if v == selected else ''}>{html.escape(v)}</option>"
+              for v in values]
     return f"<label>{name} <select id='{name}' data-testid='select-{name}'>{''.join(items)}</select></label>"
 
 
