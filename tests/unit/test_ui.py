@@ -31,6 +31,11 @@ def test_plan_json_is_plan_yaml(tmp_path):
     assert json.loads(proc.stdout)["pipeline"]["schedule"] == "1f1b"
 
 
+def test_plan_json_is_one_plan_alone(tmp_path):
+    proc = usp_cli("plan", "--search", "--json", cwd=tmp_path)
+    assert proc.returncode == 2 and "--json" in proc.stderr and proc.stdout == ""
+
+
 def test_plan_html_writes_one_page_and_replaces_only_its_own(tmp_path):
     page = tmp_path / "plan.html"
     proc = usp_cli("plan", "conf=tiny_demo", "--html", str(page), cwd=tmp_path)

@@ -165,6 +165,11 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
     """Resolve the config into a run plan and print it; launches nothing."""
     from usp.plan.plan import plan_with_failures
 
+    if json_out and (search or build_check):
+        from usp.errors import UspError
+
+        raise UspError("--json prints the plan alone; --search and --build-check print tables", key="--json",
+                       value=True, fix="drop --json (--search --html FILE writes the best layout's page)")
     ranks, overrides = _split_ranks(overrides) if build_check else ([], overrides)
     composed, choices = _compose(overrides)
     if cfg:
