@@ -19,8 +19,9 @@ $(VENV)/.usp-installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps torchao==0.17.0
 	# fault_tolerance=torchft (usp[ft]): the tests run torchft's lighthouse and replica groups for real.
 	$(PY) -m pip install -q torchft==0.2.0
-	# dev: the test and lint tools; hf: transformers/datasets/safetensors, which the tests exercise for real.
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	# dev: the test and lint tools (selenium for the plan page's browser test); hf: transformers/datasets/safetensors,
+	# which the tests exercise for real; ui: plotly for `usp plan --html` and `usp ui`.
+	$(PY) -m pip install -q -e ".[dev,hf,ui]"
 	touch $@
 
 demo: setup

@@ -3,7 +3,7 @@ in its own Python process, and what that process imported (sys.modules at exit, 
 count too) must not hold torch, nor numpy where start-up keeps it out (only `usp report`'s plots
 and `usp prepare-data`'s token files need it; `usp --help` also stays clear of Hydra and omegaconf). One more
 case imports every module of the torch-free packages (usp.cli, usp.run, usp.config, usp.perf, usp.plan,
-usp.launch, usp.report, usp.data) and usp.errors."""
+usp.launch, usp.report, usp.data, usp.view) and usp.errors."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,7 @@ from usp.run import checksums
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_FREE_PACKAGES = ("usp.cli", "usp.run", "usp.config", "usp.perf", "usp.plan", "usp.launch", "usp.report",
-                       "usp.data")
+                       "usp.data", "usp.view")
 TORCH_FREE_MODULES = ("usp.errors",)
 
 # Runs one usp command (or imports every torch-free module) and writes sys.modules at exit.
@@ -58,6 +58,8 @@ CASES = [  # (argv, modules that must not be imported)
     pytest.param(["plan", f"model.init_from={H}", "model.vocab_size=4096"], NO_NUMPY, id="plan-init-from-hf"),
     pytest.param(["plan", "--search", "model=llama3_2_1b", "cluster=slurm_h100"], NO_NUMPY, id="plan-search"),
     pytest.param(["plan", "--cfg", "job"], NO_NUMPY, id="plan-cfg"),
+    pytest.param(["plan", "--json", "conf=mixtral_8x7b"], NO_NUMPY | {"plotly"}, id="plan-json"),
+    pytest.param(["plan", "conf=mixtral_8x7b", "--html", f"{R}/plan.html"], NO_TORCH, id="plan-html"),
     # the engine builds the ranks in a subprocess (python -m usp.engine.meta_build): this one stays torch-free
     pytest.param(["plan", "--build-check", "conf=tiny_ddp", "1"], NO_NUMPY, id="plan-build-check"),
     # own files: planned from their names and sizes, nothing read or tokenized

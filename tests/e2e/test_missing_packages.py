@@ -99,3 +99,27 @@ def test_fp8_without_torchao_says_how_to_install_it(tmp_path):
     key, value, text = run_without("torchao", tmp_path, child=FP8_CHILD)
     assert (key, value) == ("train.fp8", "rowwise") and "torchao is not installed" in text
     assert "pip install 'torchao>=0.17'" in text and "train.fp8=off" in text
+
+
+PLOTLY_CHILD = """
+import json, sys
+from typer.testing import CliRunner
+from usp.cli import app
+out = {}
+for name, args in {"html": ["plan", "conf=tiny_demo", "--html", "plan.html"], "json": ["plan", "--json"],
+                   "ui": ["ui", "--port", "0"]}.items():
+    r = CliRunner().invoke(app, args, prog_name="usp", env={"COLUMNS": "300"})
+    out[name] = [r.exit_code, r.stdout, r.stderr, repr(r.exception) if r.exit_code not in (0, 2) else ""]
+print(json.dumps(out))
+"""
+
+
+def test_the_plan_page_says_to_install_plotly(tmp_path):
+    """Without usp[ui], `usp plan --html` and `usp ui` say what to install; `usp plan --json` needs nothing."""
+    out = run_without("plotly", tmp_path, child=PLOTLY_CHILD)
+    for name in ("html", "ui"):
+        code, stdout, stderr, exc = out[name]
+        assert code == 2 and "plotly" in stderr and "usp[ui]" in stderr, (name, stdout, stderr, exc)
+    assert not (tmp_path / "plan.html").exists()
+    code, stdout, stderr, exc = out["json"]
+    assert code == 0 and json.loads(stdout)["model"]["name"] == "tiny", (stderr, exc)

@@ -42,11 +42,13 @@ ALLOWED = {
     "usp.perf.calibration": {"usp.errors", "usp.run.files", "usp.config", "usp.contract", "usp.perf"},
     "usp.plan": BASE | {"usp.config", "usp.contract", "usp.data", "usp.perf"},
     "usp.report": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan"},
+    "usp.view": BASE | {"usp.config", "usp.contract", "usp.perf", "usp.plan"},
     "usp.launch": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan",
                           "usp.perf", "usp.data", "usp.engine"},
     "usp.engine": BASE | {"usp.contract", "usp.data", "usp.models"},
     "usp.cli": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan",
-                       "usp.perf", "usp.perf.calibration", "usp.data", "usp.launch", "usp.report", "usp.engine"},
+                       "usp.perf", "usp.perf.calibration", "usp.data", "usp.launch", "usp.report", "usp.view",
+                       "usp.engine"},
 }
 TORCH_FREE = tuple(p for p in ALLOWED if p not in ("usp.engine", "usp.models"))
 DOC = USP.parent / "docs" / "architecture.md"

@@ -111,6 +111,10 @@ BUILD_CHECK_HELP = ("build the parallel model of the ranks among the arguments (
                     "bytes next to the plan's (needs torch here)")
 
 
+HTML_HELP = ("also write the plan as one self-contained HTML page (charts, schedule, mesh; with --search: the best "
+             "layout's, the ranking above it; needs usp[ui])")
+
+
 def _split_ranks(overrides: list[str] | None) -> tuple[list[int], list[str]]:
     """--build-check's ranks (the bare integers: no override is one) and the overrides."""
     items = overrides or []
@@ -154,20 +158,24 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
          force: bool = typer.Option(False, "--force", help="plan even if the layout is predicted not to fit"),
          search: bool = typer.Option(False, "--search", help="rank the layouts that fit by predicted throughput"),
          top: int = typer.Option(5, "--top", help="with --search: how many layouts to show"),
-         build_check: bool = typer.Option(False, "--build-check", help=BUILD_CHECK_HELP)) -> None:
+         build_check: bool = typer.Option(False, "--build-check", help=BUILD_CHECK_HELP),
+         json_out: bool = typer.Option(False, "--json", help="print the plan as JSON (plan.yaml's fields) instead "
+                                                             "of the tables"),
+         html: str | None = typer.Option(None, "--html", help=HTML_HELP)) -> None:
     """Resolve the config into a run plan and print it; launches nothing."""
     from usp.plan.plan import plan_with_failures
-    from usp.plan.render import render_plan, render_refusals
 
+    if json_out and (search or build_check):
+        from usp.errors import UspError
+
+        raise UspError("--json prints the plan alone; --search and --build-check print tables", key="--json",
+                       value=True, fix="drop --json (--search --html FILE writes the best layout's page)")
     ranks, overrides = _split_ranks(overrides) if build_check else ([], overrides)
     composed, choices = _compose(overrides)
     if cfg:
         return _print_cfg(composed, cfg)
     if search:
-        from usp.plan.search import run_search
-
-        run_search(composed, top)
-        return
+        return _search(composed, top, html, list(overrides or []))
     run_plan, failures = plan_with_failures(composed, choices, force=force, strict=strict)
     if run_plan is None:  # every failing rule, not just the first
         for error in failures[:-1]:
@@ -175,8 +183,7 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         _fail(failures[-1])
     if build_check:
         return _build_check(run_plan, ranks, failures)
-    render_plan(run_plan)
-    render_refusals(failures)
+    _show_plan(run_plan, failures, json_out, html, list(overrides or []))
     if save:
         from pathlib import Path
 
@@ -187,7 +194,59 @@ def plan(overrides: list[str] | None = Overrides, cfg: str | None = CfgOption,
         refuse_if_locked(run_plan.run_dir, "plan --save")  # a live run's checkpoints copy its plan.yaml
         check_writable_dir(Path(run_plan.run_dir), "train.runs_dir", composed.train.runs_dir,
                            "train.runs_dir=<a writable directory>")
-        typer.echo(f"plan written to {write_plan(run_plan)}")
+        typer.echo(f"plan written to {write_plan(run_plan)}", err=json_out)
+
+
+def _search(composed, top: int, html: str | None, overrides: list[str]) -> None:
+    """usp plan --search; with --html, the page of the best layout's plan with the ranking above it."""
+    from usp.plan.search import run_search
+
+    result = run_search(composed, top)
+    if html and result.best is not None:
+        from usp.plan.plan import plan_with_failures
+        from usp.view.plan_output import write_plan_page
+
+        args = [*overrides, *result.best.layout.overrides()]
+        best, failures = plan_with_failures(*_compose(args))
+        if best is None:  # the search proposes only layouts that pass every rule
+            _fail(failures[-1])
+        typer.echo(f"plan page written to {write_plan_page(best, failures, args, html, search=result)}")
+
+
+def _show_plan(run_plan, failures: list, json_out: bool, html: str | None, overrides: list[str]) -> None:
+    """usp plan's tables, or --json's JSON alone on stdout; --html's page."""
+    if json_out:
+        from usp.view.plan_output import plan_json
+
+        typer.echo(plan_json(run_plan))
+        for error in failures:
+            typer.echo(f"usp train would refuse: {error}", err=True)
+    else:
+        from usp.plan.render import render_plan, render_refusals
+
+        render_plan(run_plan)
+        render_refusals(failures)
+    if html:
+        from usp.view.plan_output import write_plan_page
+
+        typer.echo(f"plan page written to {write_plan_page(run_plan, failures, overrides, html)}", err=json_out)
+
+
+@app.command()
+@handles_errors
+def ui(host: str = typer.Option("127.0.0.1", "--host", help="the address to listen on; another than loopback needs "
+                                                            "--token"),
+       port: int = typer.Option(8765, "--port", help="the port (0: a free one)"),
+       token: str | None = typer.Option(None, "--token", envvar="USP_UI_TOKEN",
+                                        help="a secret every request must carry (needed off loopback)"),
+       conf: str = typer.Option("tiny_demo", "--conf", help="the recipe the page opens with")) -> None:
+    """A local web page that plans as you pick a recipe, a model, a cluster, a layout and overrides (usp[ui])."""
+    from usp.view.ui_server import serve
+
+    def ready(url: str) -> None:
+        typer.echo(f"usp ui: {url}  (Ctrl-C stops it)")
+
+    serve(host, port, token, conf, ready)
 
 
 @app.command()
