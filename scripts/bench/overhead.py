@@ -2,14 +2,17 @@
 """Framework overhead: usp's trainer against a minimal hand-written PyTorch loop.
 
 Both train the same Llama (usp/models/llama.py, the tiny config), same seed, batch, AdamW and
-gradient clipping, in the same process, in alternating rounds (usp first in even rounds, the
-hand-written loop first in odd ones) so that drift and neighbours' load hit both alike. Each
-round times every step after a warm-up (whole iterations, usp's loop overhead included). The
-figure: per round, usp's tokens/s over the whole timed window divided by the hand-written
-loop's, median over rounds (target >= 0.97). Beside it, the same ratio from each round's fastest
-step (the step least disturbed by neighbours on a shared machine). usp runs as `usp train` would
-in a batch log: its defaults (memory probe, deterministic algorithms on CPU, a metrics line, a
-rank-log line and a plain console line per step).
+gradient clipping, in alternating rounds (usp first in even rounds, the hand-written loop first in
+odd ones) so that drift and neighbours' load hit both alike. Each loop of each round runs in a
+process of its own, as each would run for a user: usp's under the environment usp's launcher gives
+a rank (its allocator settings, usp/run/allocator.py: a mallopt in one process would stay for the
+other loop), the hand-written one under the bench's own environment (glibc's defaults), launched
+by torchrun for DDP as a user would. Each round times every step after a warm-up (whole iterations,
+usp's loop overhead included). The figure: per round, usp's tokens/s over the whole timed window
+divided by the hand-written loop's, median over rounds (target >= 0.97). Beside it, the same ratio
+from each round's fastest step (the step least disturbed by neighbours on a shared machine). usp
+runs as `usp train` would in a batch log: its defaults (memory probe, deterministic algorithms on
+CPU, a metrics line, a rank-log line and a plain console line per step).
 
     python scripts/bench/overhead.py            # single process, then DDP on 2 ranks (gloo)
     python scripts/bench/overhead.py --quick    # CI smoke: single process, a few seconds
@@ -17,7 +20,9 @@ rank-log line and a plain console line per step).
 """
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,28 +40,69 @@ def _settings(quick: bool) -> dict:
     return {"rounds": 2, "warmup": 2, "steps": 4} if quick else {"rounds": 5, "warmup": 4, "steps": 15}
 
 
-def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
-    """Runs on every rank; returns tokens/s of both loops per round (rank 0's clock)."""
-    import torch
+RESULT = "OVERHEAD_RESULT "  # the child's line on rank 0: per-step tokens/s as JSON
 
-    from usp.engine.parallel import mesh as udist
+
+def overrides(world: int, warmup: int, steps: int) -> list[str]:
+    # +1: the last step also evaluates; eval_batches=1 keeps that short (outside the window)
+    out = [f"train.steps={warmup + steps + 1}", "train.log_interval=1", "train.eval_batches=1",
+           "logging.console=plain"]  # what `usp train` prints under Slurm (stdout is not a TTY)
+    return out + ([f"parallelism.dp_replicate={world}"] if world > 1 else [])
+
+
+def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
+    """Both loops, `rounds` times each, every run a fresh process (or torchrun's ranks); tokens/s
+    of each timed step, rank 0's clock."""
+    from usp.contract.plan_file import plan_from_dict
+    from usp.launch.local import plan_accelerator_env
 
     with tempfile.TemporaryDirectory() as runs:
-        # +1: the last step also evaluates; eval_batches=1 keeps that short (outside the window)
-        overrides = [f"train.steps={warmup + steps + 1}", "train.log_interval=1", "train.eval_batches=1",
-                     "logging.console=plain"]  # what `usp train` prints under Slurm (stdout is not a TTY)
-        if world > 1:
-            overrides.append(f"parallelism.dp_replicate={world}")
-        plan = _common.plan_for(overrides, world, runs)
-        udist.init_process_group(plan)  # as the worker: threads per rank, the process group
-        usp, hand = [], []
+        plan = _common.plan_for(overrides(world, warmup, steps), world, runs)
+        plan_path = Path(runs) / "plan.json"
+        plan_path.write_text(json.dumps(plan.to_dict()))
+        plan_from_dict(json.loads(plan_path.read_text()))  # it reads back
+        envs = {"usp": {**os.environ, **plan_accelerator_env(plan, os.environ)}, "hand": dict(os.environ)}
+        out: dict[str, list] = {"usp": [], "hand": []}
         for r in range(rounds):
-            first, second = (_usp_round, _hand_round) if r % 2 == 0 else (_hand_round, _usp_round)
-            for fn in (first, second):
-                (usp if fn is _usp_round else hand).append(fn(plan, warmup, steps))
+            for loop in (("usp", "hand") if r % 2 == 0 else ("hand", "usp")):
+                out[loop].append(_child(loop, world, plan_path, warmup, steps, envs[loop]))
     tokens = int(plan.batch.global_batch) * int(plan.batch.seq_len)
-    return {"usp_tokens_per_s": usp, "hand_tokens_per_s": hand, "tokens_per_step": tokens,
-            "threads_per_rank": torch.get_num_threads(), **_common.machine()}
+    return {"usp_tokens_per_s": out["usp"], "hand_tokens_per_s": out["hand"], "tokens_per_step": tokens,
+            "allocator_env": {k: v for k, v in envs["usp"].items() if "MMAP" in k}, **_common.machine()}
+
+
+def _child(loop: str, world: int, plan_path: Path, warmup: int, steps: int, env: dict) -> list[float]:
+    args = [str(Path(__file__).resolve()), "--child", loop, "--plan", str(plan_path), "--warmup", str(warmup),
+            "--steps", str(steps)]
+    cmd = [sys.executable, *args] if world == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
+    proc = subprocess.run(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{loop} (world {world}) exited {proc.returncode}:\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def child(loop: str, plan_path: str, warmup: int, steps: int) -> None:
+    """One loop's run in this process (every rank under torchrun); rank 0 prints its step rates."""
+    import torch.distributed as dist
+
+    from usp.contract.plan_file import plan_from_dict
+    from usp.engine.parallel import mesh as udist
+
+    plan = plan_from_dict(json.loads(Path(plan_path).read_text()))
+    if loop == "usp":
+        udist.init_process_group(plan)  # as the worker: threads per rank, the process group
+        rates = _usp_round(plan, warmup, steps)
+    else:
+        if int(plan.world_size) > 1:
+            dist.init_process_group("gloo")  # a user's own DDP script, under torchrun
+        rates = _hand_round(plan, warmup, steps)
+    if int(plan.world_size) == 1 or dist.get_rank() == 0:
+        print(RESULT + json.dumps(rates), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _usp_round(plan: RunPlan, warmup: int, steps: int) -> list[float]:
@@ -151,26 +197,23 @@ def _window(rates: list[float]) -> float:
 def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="CI smoke: single process, 2 short rounds")
-    p.add_argument("--worker", action="store_true", help=argparse_hidden())
     p.add_argument("--single-only", action="store_true", help="skip the 2-rank DDP measurement")
+    p.add_argument("--child", choices=("usp", "hand"), help=argparse_hidden())  # one loop's process
+    p.add_argument("--plan", help=argparse_hidden())
+    p.add_argument("--warmup", type=int, help=argparse_hidden())
+    p.add_argument("--steps", type=int, help=argparse_hidden())
     args = p.parse_args()
-    s = _settings(args.quick)
-    if args.worker:  # under torchrun: every rank measures, rank 0 reports (tests/dist/harness.py)
-        from dist.harness import run_cases
-
-        run_cases({"ddp": lambda: measure(int(os.environ["WORLD_SIZE"]), **s)})
+    if args.child:
+        child(args.child, args.plan, args.warmup, args.steps)
         return
+    s = _settings(args.quick)
     results = {"single": summarise(measure(1, **s))}
     if not (args.quick or args.single_only):
-        from dist.harness import launch
-
-        ddp = launch(Path(__file__), 2, "--worker", timeout=900)["ddp"]
-        if not ddp.get("ok"):
-            raise SystemExit(f"DDP measurement failed: {ddp.get('error')}\n{ddp.get('trace', '')}")
-        results["ddp_2_ranks_gloo"] = summarise({k: v for k, v in ddp.items() if k != "ok"})
+        results["ddp_2_ranks_gloo"] = summarise(measure(2, **s))
     results["settings"] = s
     lines = [f"usp trainer vs hand-written loop (tiny Llama, {results['single']['tokens_per_step']} tokens/step, "
-             f"{s['rounds']} interleaved rounds of {s['steps']} steps after {s['warmup']} warm-up)"]
+             f"{s['rounds']} interleaved rounds of {s['steps']} steps after {s['warmup']} warm-up, "
+             f"each loop in its own process)"]
     for name, r in results.items():
         if name == "settings":
             continue
