@@ -69,6 +69,7 @@ def test_cpu_fixed_allowance_is_a_bare_rank(tmp_path, shakespeare):
     assert done.returncode == 0, done.stderr[-3000:]
     bare = int(done.stdout.split()[-1]) / GIB
     allowance = FIXED_OVERHEAD_GIB["cpu"]
+    print(f"bare rank: {bare:.3f} GiB, allowance {allowance} GiB")
     assert bare <= allowance <= ALLOWANCE_ABOVE_BARE * bare, (f"a bare rank peaks at {bare:.3f} GiB, the "
                                                               f"planner allows {allowance} GiB")
 
@@ -86,4 +87,5 @@ def test_pp_x_cp_rank_peaks_hold_the_printed_plan(tmp_path, shakespeare):
     ratios = {r: ranks[r]["hwm"] / GIB / printed[stage_of[r]] for r in ranks}
     table = json.dumps({r: f"{ranks[r]['hwm'] / GIB:.3f} GiB / {printed[stage_of[r]]:.3f} = {x:.3f}"
                         for r, x in ratios.items()})
+    print(table)  # pytest -rP shows each rank's figures
     assert all(FLOOR <= x <= PROMISE for x in ratios.values()), table

@@ -80,7 +80,7 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                workspaces: 1 GiB; CPU: a bare rank, Python + torch + gloo + usp's engine imports, measured
                0.27 GiB, allowed 0.3: tests/e2e/test_memory_promise.py keeps it current) + 5 % of everything
                else for allocator fragmentation + on CPU gloo's flat copy of one FSDP2 block's all-gather or
-               reduce-scatter (gloo_flat_copy). Not tensor memory: the engine's memory probe
+               reduce-scatter (gloo_copy). Not tensor memory: the engine's memory probe
                (usp/engine/observe/memory_probe.py) compares the total WITHOUT it with the measured tensor peak.
 
 All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.perf.stack_profile:
@@ -103,8 +103,9 @@ from usp.perf.stack_profile import PROFILES, Profile
 # The fixed allowance per device kind, the one place it is set. cpu: a bare rank (the worker's imports, plan,
 # gloo process group and device mesh; tests/dist/bare_rank.py), peak resident set measured from outside 0.27 GiB
 # on 2 and on 8 ranks (torch 2.13), kept within 1.3x of it by tests/e2e/test_memory_promise.py.
-FIXED_OVERHEAD_GIB = {"cpu": 0.3}
-DEFAULT_FIXED_OVERHEAD_GIB = 1.0  # any other kind (cuda, xpu): measured on a GPU, not here
+# cuda, xpu: the CUDA/XPU context, NCCL and cuBLAS workspaces, an allowance until measured on a GPU.
+FIXED_OVERHEAD_GIB = {"cpu": 0.3, "cuda": 1.0, "xpu": 1.0}
+DEFAULT_FIXED_OVERHEAD_GIB = FIXED_OVERHEAD_GIB["cuda"]  # a device kind the table doesn't name
 LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
 VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum
 SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
@@ -524,8 +525,7 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.activations += recompute
     st.comm_buffers = prec.grad * h.params if ddp_buckets(layout, profile) else 0.0
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
-    st.overhead = fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal \
-        + (gloo_flat_copy(layout, prec, h, hw) if profile.name == "usp" else 0.0)
+    st.overhead = _overhead(layout, prec, h, hw, profile, subtotal)
     st.total = subtotal + st.overhead
     return st
 
@@ -687,7 +687,13 @@ def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
     return layout.tp <= profile.grads_freed_max_tp
 
 
-def gloo_flat_copy(layout: Layout, prec: Precision, h: _Held, hw: Hardware) -> float:
+def _overhead(layout: Layout, prec: Precision, h: _Held, hw: Hardware, profile: Profile, subtotal: float) -> float:
+    """Not tensor memory the probe sees: the fixed allowance, fragmentation, and (usp's engine on CPU) gloo's copy."""
+    gloo = gloo_copy(layout, prec, h, hw) if profile.name == "usp" else 0.0
+    return fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal + gloo
+
+
+def gloo_copy(layout: Layout, prec: Precision, h: _Held, hw: Hardware) -> float:
     """CPU ranks (gloo): ProcessGroupGloo runs all_gather_into_tensor and reduce_scatter_tensor on a flat
     copy of the gathered output / the scattered input, made inside its work, where the memory probe (a
     Python dispatch mode) never sees it: measured, 2 ranks, a 64 MiB output: VmHWM grew 130 MiB for an
