@@ -777,7 +777,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         else f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer "
         "backward's gradients + gathered units + recomputed layer",
         f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
-        "(not tensor memory)",
+        + ("+ gloo's flat copy of one FSDP block's all-gather / reduce-scatter " if profile.name == "usp"
+           and gloo_copy(layout, prec, _held(arch, layout, stages[peak].stage, profile), hw) else "")
+        + "(not tensor memory)",
         "build: the rank's parameters as allocated (fp32; its shards under FSDP2) + "
         + (f"the largest part of one parameter as model.init_from reads it ({load_bytes} B/value)" if load_bytes else
            f"the largest one's whole fp32 value while its part is cut ({DTENSOR_TRANSIENT:g}x for a sharded DTensor)"),
