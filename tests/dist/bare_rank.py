@@ -14,5 +14,5 @@ from usp.engine.worker import run_worker  # noqa: F401 - every import a rank mak
 if __name__ == "__main__":
     plan = read_plan(sys.argv[1])
     torch.manual_seed(int(plan.config.train.seed))
-    ctx = mesh.setup(plan)
+    mesh.setup(plan)
     mesh.teardown(clean=True)
