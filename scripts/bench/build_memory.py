@@ -14,6 +14,12 @@ and, when the engine logs it (logs/rank_<R>.log "build:"), the time to build its
     python scripts/bench/build_memory.py --layouts fsdp8 --json
     python scripts/bench/build_memory.py --usp /work/main/.venv/bin/usp --need-gib 22   # another checkout's engine
     python scripts/bench/build_memory.py --malloc-mmap-threshold 131072   # glibc returning freed tensors
+    python scripts/bench/build_memory.py --gross    # the plan's promise as printed: gross peak / planned
+
+--gross: the plan promises its printed per-rank peak whole, Python, torch and gloo included (the fixed
+allowance, usp/perf/memory.py FIXED_OVERHEAD_GIB): each rank's VmHWM itself, no baseline run, against
+the printed figure (target <= 1.05), on the layouts of issue 42's probe (GROSS): a 130 M Llama (dim 1024,
+8 layers, AdamW, seq_len 256, global batch 8, 2 steps) over 4 or 8 processes, and a MoE.
 
 It refuses to start a run when the machine's available memory (MemAvailable) is below --need-gib
 (default: 1.15 x the planned per-rank peak x 8 ranks, what the target allows), and stops a run
@@ -42,8 +48,9 @@ from usp.launch.stop_signals import descendants  # noqa: E402
 
 GIB = 2 ** 30
 TARGET = 1.15  # net peak / planned peak, at most
+GROSS_TARGET = 1.05  # --gross: peak / planned peak, at most
 WORLD = 8
-RUN = ["cluster.procs_per_node=8", "train.seq_len=64", "train.global_batch=8", "train.micro_batch=1",
+RUN = ["train.seq_len=64", "train.global_batch=8", "train.micro_batch=1",
        "train.steps=2", "logging.console=plain"]
 HALF_B = ["model=tiny", "model.dim=1024", "model.n_layers=32", "model.n_heads=16", "model.n_kv_heads=8",
           "model.ffn_dim=4096", "optimizer=sgd"]
@@ -54,6 +61,18 @@ LAYOUTS = {  # name -> (model overrides, layout overrides)
     "llama3_2_1b_adamw": (["model=llama3_2_1b", "optimizer=adamw"], ["parallelism.dp_shard=8"]),
 }
 DEFAULT = ("fsdp8", "tp2_fsdp4", "pp2_tp2_fsdp2", "llama3_2_1b_adamw")
+M130 = ["model=tiny", "model.dim=1024", "model.n_layers=8", "model.n_heads=16", "model.n_kv_heads=8",
+        "model.ffn_dim=4096", "optimizer=adamw", "train.seq_len=256", "train.global_batch=8", "train.micro_batch=1",
+        "train.steps=2", "logging.console=plain"]
+MOE = ["model=moe_tiny", "model.dim=512", "model.n_layers=4", "model.n_heads=8", "model.ffn_dim=1024",
+       "model.n_experts=8", *M130[6:]]
+GROSS = {  # name -> (world, overrides): --gross
+    "pp2_cp2_fsdp2": (8, M130 + ["parallelism.pp=2", "parallelism.cp=2", "parallelism.dp_shard=2"]),
+    "pp2_tp2_fsdp2": (8, M130 + ["parallelism.pp=2", "parallelism.tp=2", "parallelism.dp_shard=2"]),
+    "fsdp4": (4, M130 + ["parallelism.dp_shard=4"]),
+    "tp2_fsdp2": (4, M130 + ["parallelism.tp=2", "parallelism.dp_shard=2"]),
+    "moe_ep4": (4, MOE + ["parallelism.dp_shard=4", "parallelism.ep=4"]),
+}
 BASELINE = ["model=tiny"]
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank(\d+) (placement|build): ?(?:(\S+) s)?")
 
@@ -97,11 +116,12 @@ def _start_time(pid: int) -> float | None:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def train_and_sample(usp: str, overrides: list[str], runs_dir: Path, name: str, opts) -> dict:
+def train_and_sample(usp: str, overrides: list[str], runs_dir: Path, name: str, opts, world: int = WORLD) -> dict:
     """Run `usp train`; return {rank: {"hwm": bytes, "start": epoch s, ...}}, with "stopped" (why)
     when it had to be stopped: past opts.timeout, or the machine's MemAvailable below
     opts.min_available_gib (the peaks read so far are then lower bounds)."""
-    cmd = [usp, "train", *overrides, f"train.runs_dir={runs_dir}", f"train.name={name}"]
+    cmd = [usp, "train", f"cluster.procs_per_node={world}", *overrides, f"train.runs_dir={runs_dir}",
+           f"train.name={name}"]
     env = dict(os.environ, COLUMNS="200")
     if opts.malloc_mmap_threshold:  # glibc reads it as each process starts: every rank gets it
         env["MALLOC_MMAP_THRESHOLD_"] = str(opts.malloc_mmap_threshold)
@@ -112,8 +132,8 @@ def train_and_sample(usp: str, overrides: list[str], runs_dir: Path, name: str, 
         return {"stopped": stopped, "ranks": ranks}
     if proc.returncode != 0:
         raise SystemExit(f"{name}: usp train exited {proc.returncode}; its output: {log.name}")
-    if sorted(ranks) != list(range(WORLD)) or any("hwm" not in r for r in ranks.values()):
-        raise SystemExit(f"{name}: sampled ranks {sorted(ranks)}, expected {WORLD}")
+    if sorted(ranks) != list(range(world)) or any("hwm" not in r for r in ranks.values()):
+        raise SystemExit(f"{name}: sampled ranks {sorted(ranks)}, expected {world}")
     _read_log_times(runs_dir / name, ranks)
     return {"ranks": ranks}
 
@@ -167,9 +187,9 @@ def _read_log_times(run_dir: Path, ranks: dict[int, dict]) -> None:
                 info["ready_s"] = at - info["start"]
 
 
-def planned_per_rank(overrides: list[str], runs_dir: str) -> dict[int, float]:
-    """The planner's peak (GiB) of each rank's pipeline stage."""
-    plan = _common.plan_for(overrides, WORLD, runs_dir)
+def planned_per_rank(overrides: list[str], runs_dir: str, world: int = WORLD) -> dict[int, float]:
+    """The planner's peak (GiB) of each rank's pipeline stage, as `usp plan` prints it."""
+    plan = _common.plan_for(overrides, world, runs_dir)
     stages = {s.stage: s.total / GIB for s in plan.memory.stages}
     return {r.rank: stages[r.coords["pp"]] for r in plan.ranks}
 
@@ -197,6 +217,34 @@ def measure(name: str, opts) -> dict:
             "max_ready_s": max((r["ready_s"] for r in rows if r["ready_s"] is not None), default=None)}
 
 
+def measure_gross(name: str, opts) -> dict:
+    """--gross: each rank's whole peak (VmHWM, no baseline subtracted) against the plan's printed figure."""
+    world, overrides = GROSS[name]
+    with tempfile.TemporaryDirectory(prefix="usp-gross-mem-") as tmp:
+        planned = planned_per_rank(overrides, tmp, world)
+        skip = _skip(max(planned.values()), opts.need_gib, world)
+        if skip:
+            return {"layout": name, "skipped": skip}
+        run = train_and_sample(opts.usp, overrides, Path(tmp), name, opts, world)
+    rows = [{"rank": rank, "peak_gib": info["hwm"] / GIB, "planned_gib": planned[rank],
+             "ratio": info["hwm"] / GIB / planned[rank]} for rank, info in sorted(run["ranks"].items())]
+    return {"layout": name, "overrides": overrides, "ranks": rows, "stopped": run.get("stopped"),
+            "max_ratio": max(r["ratio"] for r in rows), "min_ratio": min(r["ratio"] for r in rows)}
+
+
+def gross_lines(result: dict) -> list[str]:
+    if "skipped" in result:
+        return [f"{result['layout']}: skipped: {result['skipped']}", ""]
+    out = [f"{result['layout']}: {' '.join(result['overrides'])}",
+           "| rank | peak VmHWM (GiB) | planned (GiB) | peak / planned |", "|---:|---:|---:|---:|"]
+    out += [f"| {r['rank']} | {r['peak_gib']:.3f} | {r['planned_gib']:.3f} | {r['ratio']:.3f} |"
+            for r in result["ranks"]]
+    if result["stopped"]:
+        out.append(f"STOPPED ({result['stopped']}): the peaks above are lower bounds")
+    out.append(f"peak / planned {result['min_ratio']:.3f}-{result['max_ratio']:.3f} (target <= {GROSS_TARGET})")
+    return [*out, ""]
+
+
 def rank_rows(big: dict, base: dict, planned: dict[int, float]) -> list[dict]:
     """Each rank's peak, its baseline run's, the net of the two and the plan's figure (GiB)."""
     rows = []
@@ -209,12 +257,12 @@ def rank_rows(big: dict, base: dict, planned: dict[int, float]) -> list[dict]:
     return rows
 
 
-def _skip(peak_plan: float, need_gib: float | None) -> str | None:
+def _skip(peak_plan: float, need_gib: float | None, world: int = WORLD) -> str | None:
     """Why not to start this layout here, or None."""
     total = meminfo_gib("MemTotal")
-    if WORLD * peak_plan > total:
-        return f"its plan ({WORLD} x {peak_plan:.2f} GiB) doesn't fit this machine ({total:.1f} GiB)"
-    need = need_gib if need_gib is not None else TARGET * WORLD * peak_plan
+    if world * peak_plan > total:
+        return f"its plan ({world} x {peak_plan:.2f} GiB) doesn't fit this machine ({total:.1f} GiB)"
+    need = need_gib if need_gib is not None else TARGET * world * peak_plan
     if meminfo_gib("MemAvailable") < need:
         return f"{meminfo_gib('MemAvailable'):.1f} GiB available, the run needs {need:.1f} (--need-gib)"
     return None
@@ -241,7 +289,9 @@ def lines_for(result: dict) -> list[str]:
 
 def main() -> None:
     p = _common.parser(__doc__)
-    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(DEFAULT))
+    p.add_argument("--layouts", nargs="+", choices=sorted({*LAYOUTS, *GROSS}), default=None,
+                   help=f"default: {' '.join(DEFAULT)}; with --gross: {' '.join(GROSS)}")
+    p.add_argument("--gross", action="store_true", help="each rank's whole peak against the plan's printed figure")
     p.add_argument("--usp", default=str(Path(sys.executable).parent / "usp"),
                    help="the usp executable to measure (default: this environment's)")
     p.add_argument("--need-gib", type=float, default=None, help="MemAvailable required before each layout")
@@ -251,8 +301,9 @@ def main() -> None:
                    help="run the ranks with glibc's MALLOC_MMAP_THRESHOLD_=N (bytes): see docs/benchmarks.md")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per `usp train`")
     opts = p.parse_args()
-    results = [measure(name, opts) for name in opts.layouts]
-    lines = [line for r in results for line in lines_for(r)]
+    names = opts.layouts or list(GROSS if opts.gross else DEFAULT)
+    results = [(measure_gross if opts.gross else measure)(name, opts) for name in names]
+    lines = [line for r in results for line in (gross_lines if opts.gross else lines_for)(r)]
     _common.emit({"machine": _common.machine(), "usp": opts.usp, "results": results}, opts, lines)
 
 

@@ -49,9 +49,10 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                on the last stage, the hidden states (s·b·h/t) on the others (under activations).
   gathered     ZeRO-3, during backward: the root unit (embedding + final norm + head, whose
                backward spans the whole backward) unsharded (P + G bytes) + two transformer blocks'
-               parameters (the one computing and the prefetched next, P bytes each; with a
-               zero-bubble schedule all the rank's blocks: the engine unshards a whole stage for its
-               split backward) + one block's unsharded gradient before the reduce-scatter (G
+               parameters (the one computing and the prefetched next, P bytes each; under pp all the
+               rank's blocks: torch's pipelining keeps them gathered after their backward until the
+               step's last, and the zero-bubble schedules unshard a whole stage for their split
+               backward) + one block's unsharded gradient before the reduce-scatter (G
                bytes). ZeRO-2 keeps the sharded parameters (P·Ψ/N, updated by the optimizer) and
                the all-gathered ones (P·Ψ) from the forward until backward.
   copies       bf16 under autocast (usp's engine without FSDP2's bf16 policy: P/G/K = 4/4/8, fp32
@@ -75,10 +76,12 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                    m = 1, pp = 1 and no recompute only the head's and one layer's gradients when
                    that moment, the first layer's backward, is the larger (_layer_backward).
                `peak_phase` names the winner; the terms of the other phase are 0 in the breakdown.
-  overhead     a fixed allowance (CUDA/XPU context, NCCL and cuBLAS workspaces: 1 GiB; CPU:
-               Python + torch + gloo: 0.3 GiB) + 5 % of everything else for allocator fragmentation.
-               Not tensor memory: the engine's memory probe (usp/engine/observe/memory_probe.py) compares
-               the total WITHOUT it with the measured tensor peak.
+  overhead     a fixed allowance per device kind (FIXED_OVERHEAD_GIB: CUDA/XPU context, NCCL and cuBLAS
+               workspaces: 1 GiB; CPU: a bare rank, Python + torch + gloo + usp's engine imports, measured
+               0.27 GiB, allowed 0.3: tests/e2e/test_memory_promise.py keeps it current) + 5 % of everything
+               else for allocator fragmentation + on CPU gloo's flat copy of one FSDP2 block's all-gather or
+               reduce-scatter (gloo_copy). Not tensor memory: the engine's memory probe
+               (usp/engine/observe/memory_probe.py) compares the total WITHOUT it with the measured tensor peak.
 
 All of the above is usp's engine (planner.profile=usp). Another recipe's profile (usp.perf.stack_profile:
 nanotron) changes what it keeps: an fp32 gradient-accumulation buffer, its ZeRO-1 and DDP, a fused
@@ -97,8 +100,12 @@ from usp.contract.predictions import TERMS, BuildMemory, LocalBytes, MemoryPlan,
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, optimizer_state_label
 from usp.perf.stack_profile import PROFILES, Profile
 
-FIXED_OVERHEAD_GIB = {"cpu": 0.3}  # anything else (cuda, xpu): DEFAULT_FIXED_OVERHEAD_GIB
-DEFAULT_FIXED_OVERHEAD_GIB = 1.0
+# The fixed allowance per device kind, the one place it is set. cpu: a bare rank (the worker's imports, plan,
+# gloo process group and device mesh; tests/dist/bare_rank.py), peak resident set measured from outside 0.27 GiB
+# on 2 and on 8 ranks (torch 2.13), kept within 1.3x of it by tests/e2e/test_memory_promise.py.
+# cuda, xpu: the CUDA/XPU context, NCCL and cuBLAS workspaces, an allowance until measured on a GPU.
+FIXED_OVERHEAD_GIB = {"cpu": 0.3, "cuda": 1.0, "xpu": 1.0}
+DEFAULT_FIXED_OVERHEAD_GIB = FIXED_OVERHEAD_GIB["cuda"]  # a device kind the table doesn't name
 LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
 VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum
 SCORE_MATERIALISING = ("eager",)  # attention implementations that keep the a·s² scores (none in this repo)
@@ -418,14 +425,18 @@ def compiled_loss(layout: Layout, prec: Precision) -> bool:
 
 def _gathered(layout: Layout, prec: Precision, h: _Held) -> float:
     """ZeRO-3 during backward: the root unit unsharded + two blocks' parameters + one block's gradient.
-    Zero-bubble schedules: the engine unshards a whole stage for its input- and weight-gradient
-    passes (usp/engine/parallel/pipeline.py), so all the rank's blocks' parameters instead of two."""
+    Under pp, every block of the rank's stage instead of two: torch.distributed.pipelining runs each
+    micro batch's backward with set_reshard_after_backward(False) and reshards only once the step's
+    last backward is done, so a block stays gathered from its first backward to the step's end
+    (measured, CPU: pp2 x cp2 x dp_shard2, dim 1024: the stage's 4 blocks + its embedding gathered
+    beside its shards, 0.25 GiB, docs/benchmarks.md); the zero-bubble schedules also unshard the whole
+    stage for their split backward (usp/engine/parallel/pipeline.py)."""
     if layout.zero_stage != 3:
         return 0.0
     unit, root, b = h.dense_layer + h.expert_layer, h.emb + h.head, prec.gathered
     if not h.layers:
         return 2 * b * root
-    blocks = h.layers if layout.pp > 1 and layout.pp_schedule in ZERO_BUBBLE else 2
+    blocks = h.layers if layout.pp > 1 else 2
     return 2 * b * root + (blocks * b + b) * unit
 
 
@@ -530,7 +541,7 @@ def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: P
         st.activations += recompute
     st.comm_buffers = prec.grad * h.params if ddp_buckets(layout, profile) else 0.0
     subtotal = sum(getattr(st, k) for k in TERMS if k != "overhead")
-    st.overhead = fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal
+    st.overhead = _overhead(layout, prec, h, hw, profile, subtotal)
     st.total = subtotal + st.overhead
     return st
 
@@ -692,6 +703,26 @@ def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
     return layout.tp <= profile.grads_freed_max_tp
 
 
+def _overhead(layout: Layout, prec: Precision, h: _Held, hw: Hardware, profile: Profile, subtotal: float) -> float:
+    """Not tensor memory the probe sees: the fixed allowance, fragmentation, and (usp's engine on CPU) gloo's copy."""
+    gloo = gloo_copy(layout, prec, h, hw) if profile.name == "usp" else 0.0
+    return fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal + gloo
+
+
+def gloo_copy(layout: Layout, prec: Precision, h: _Held, hw: Hardware) -> float:
+    """CPU ranks (gloo): ProcessGroupGloo runs all_gather_into_tensor and reduce_scatter_tensor on a flat
+    copy of the gathered output / the scattered input, made inside its work, where the memory probe (a
+    Python dispatch mode) never sees it: measured, 2 ranks, a 64 MiB output: VmHWM grew 130 MiB for an
+    all-gather (output + copy), 96 for a reduce-scatter (its 32 MiB output + a 64 MiB copy), 2 for an
+    in-place all-reduce. Under FSDP2 (ZeRO-2/3) a layer's backward holds one block's: the next block's
+    all-gather (ZeRO-3, in the gathered dtype) or its gradients' reduce-scatter. Not tensor memory the
+    probe compares: part of the overhead. NCCL gathers in place: 0 on a GPU."""
+    if hw.device != "cpu" or layout.zero_stage < 2 or layout.shard_degree < 2 or not h.layers:
+        return 0.0
+    block = h.dense_layer + h.expert_layer
+    return block * max(prec.grad, prec.gathered if layout.zero_stage == 3 else 0)
+
+
 def fixed_overhead_gib(hw: Hardware, profile: Profile) -> float:
     """The fixed allowance (not tensor memory): the profile's, else the device's."""
     if profile.fixed_overhead_gib is not None:
@@ -764,7 +795,9 @@ def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pr
         else f"peak at the {stages[peak].peak_phase}: the larger of the loss backward's buffers and a layer "
         "backward's gradients + gathered units + recomputed layer",
         f"overhead: {fixed_overhead_gib(hw, profile)} GiB fixed + {profile.fragmentation:.0%} fragmentation "
-        "(not tensor memory)",
+        + ("+ gloo's flat copy of one FSDP block's all-gather / reduce-scatter " if profile.name == "usp"
+           and gloo_copy(layout, prec, _held(arch, layout, stages[peak].stage, profile), hw) else "")
+        + "(not tensor memory)",
         "build: the rank's parameters as allocated (fp32; its shards under FSDP2) + "
         + (f"the largest part of one parameter as model.init_from reads it ({load_bytes} B/value)" if load_bytes else
            f"the largest one's whole fp32 value while its part is cut ({DTENSOR_TRANSIENT:g}x for a sharded DTensor)"),
