@@ -32,12 +32,27 @@ USP_LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
 # Qwen3-MoE's experts of their own hidden size (moe_intermediate_size), top-2 of 4, renormalised or not
 QWEN3 = dict(head_dim=24)
 QWEN3_MOE = dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+# DeepSeek-V3: latent attention (a low-rank q or none, KV latent 32, RoPE part 8 shared by the heads, interleaved
+# or not), a dense first layer, 8 sigmoid-scored experts in 4 groups of which 2 are picked, top-2, scaled by 2.5,
+# a shared expert twice an expert's width; usp's values of the same (USP_KIND)
+DEEPSEEK = dict(num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=2, n_routed_experts=8,
+                routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+                qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                norm_topk_prob=True)
+DEEPSEEK_PLAIN = dict(DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False, rope_interleave=False,
+                      routed_scaling_factor=1.0)
+USP_DEEPSEEK = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                    rope_interleave=True, n_experts=8, top_k=2, moe_ffn_dim=32, shared_expert=True, n_shared_experts=2,
+                    router_score="sigmoid", router_groups=4, router_topk_groups=2, router_scale=2.5, n_dense_layers=1)
 # usp's model options of each kind (LlamaArgs / ModelConfig fields beside the shape of DIMS)
 USP_KIND = {"llama": {}, "llama3": USP_LLAMA3, "mixtral": dict(n_experts=4, top_k=2),
             "qwen3": dict(head_dim=24, qk_norm=True),
             "qwen3_moe": dict(head_dim=24, qk_norm=True, n_experts=4, top_k=2, moe_ffn_dim=48),
             "qwen3_moe_unnormalised": dict(head_dim=24, qk_norm=True, n_experts=4, top_k=2, moe_ffn_dim=48,
-                                           router_norm_topk=False)}
+                                           router_norm_topk=False),
+            "deepseek_v3": USP_DEEPSEEK,
+            "deepseek_v3_plain": dict(USP_DEEPSEEK, q_lora_rank=0, router_groups=1, router_topk_groups=1,
+                                      router_norm_topk=False, rope_interleave=False, router_scale=1.0)}
 
 
 def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
@@ -58,6 +73,9 @@ def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
         model = tf.MixtralForCausalLM(tf.MixtralConfig(**dims, **common, num_local_experts=4, num_experts_per_tok=2))
     elif kind == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**dims, **QWEN3}, **common))
+    elif kind.startswith("deepseek_v3"):
+        shape = DEEPSEEK if kind == "deepseek_v3" else DEEPSEEK_PLAIN
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**{**dims, **shape}, **common))
     else:
         topk = {"norm_topk_prob": kind == "qwen3_moe"}
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**dims, **QWEN3_MOE, **topk}, **common))
@@ -65,7 +83,11 @@ def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(directory)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias, which picks the experts
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)
+    # DeepSeek-V3 in several files (each rank reads its parts from whichever holds them)
+    model.save_pretrained(directory, **({"max_shard_size": "100KB"} if kind.startswith("deepseek") else {}))
     return directory
 
 
@@ -86,12 +108,15 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama3", False), ("mixtral", False),
                                        ("qwen3", True), ("qwen3", False), ("qwen3_moe", False),
-                                       ("qwen3_moe_unnormalised", False)])
+                                       ("qwen3_moe_unnormalised", False), ("deepseek_v3", False),
+                                       ("deepseek_v3_plain", True)])
 def test_import_matches_transformers_logits(tmp_path, kind, tied):
     """An HF checkpoint loaded into usp's model gives transformers' logits (q/k as they are: the same
     RoPE layout; Llama 3's frequency scaling; experts stacked and transposed; Qwen3's head_dim and
     QK-norm; Qwen3-MoE's router with and without norm_topk_prob), and usp's own export of it loads back
-    identically, as the same architecture."""
+    identically, as the same architecture. DeepSeek-V3: latent attention with and without the low-rank q, RoPE
+    on interleaved pairs or not, a dense first layer, sigmoid group routing with its correction bias (the
+    aux-loss-free expert_bias), scaled weights, a wide shared expert; split into several files."""
     from usp.engine.hf_checkpoint import load_hf_weights, write_hf
 
     src = make_hf(tmp_path / "hf", kind, 100, tied)

@@ -61,6 +61,35 @@ def test_forward_and_grads_match_dense_reference(capacity_factor, shared, top_k,
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("groups,topk_groups,norm,capacity_factor", [(4, 2, True, 0.0), (4, 1, False, 0.0),
+                                                                     (1, 1, True, 0.0), (2, 1, True, 1.0)])
+def test_deepseek_routing_matches_dense_reference(groups, topk_groups, norm, capacity_factor):
+    """DeepSeek-V3's router: sigmoid scores, a random correction bias picking the experts (the aux-loss-free
+    expert_bias, present with sigmoid scores), group-limited top-k, the weights scaled by 2.5, a shared
+    expert twice an expert's width; against the reference's token-by-token choice, values and gradients."""
+    m = moe_layer(n_experts=8, shared_expert=True, n_shared_experts=2, router_score="sigmoid", router_groups=groups,
+                  router_topk_groups=topk_groups, router_scale=2.5, router_norm_topk=norm,
+                  capacity_factor=capacity_factor)
+    assert m.expert_bias is not None and m.shared_expert is not None
+    assert m.shared_expert.w1.weight.shape == (2 * 48, 32)
+    with torch.no_grad():
+        m.expert_bias.uniform_(-0.3, 0.3, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(2, 24, 32, generator=g), torch.randn(2, 24, 32, generator=g)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, ref = m(x1), m.dense_reference(x2)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad(y, [x1, *m.parameters()], dy)
+    for a, b in zip(grads, torch.autograd.grad(ref, [x2, *m.parameters()], dy)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # expert gradients reach 15: relative rounding
+    top_w, top_e, _ = m.route(x.reshape(-1, 32))
+    if norm:  # renormalised then scaled
+        torch.testing.assert_close(top_w.sum(-1), torch.full((48,), 2.5))
+    if topk_groups < groups:  # every pick inside the token's allowed groups
+        per_token_groups = {(t, int(e) // (8 // groups)) for t, row in enumerate(top_e) for e in row}
+        assert max(sum(1 for tt, _ in per_token_groups if tt == t) for t in range(48)) <= topk_groups
+
+
 def test_capacity_keeps_first_tokens_in_order():
     m = moe_layer(n_experts=4, top_k=1, capacity_factor=1.0)
     T = 16
@@ -238,3 +267,29 @@ def test_verify_names_the_step_and_layer_where_routing_parts():
     got = routing_divergence(ref, [rec(1, [3, 5]), rec(2, [5, 3]), rec(3, [2, 6])])
     assert got == {"step": 2, "layer": "1", "reference": [4, 4], "layout": [5, 3]}
     assert routing_divergence([{"step": 1, "loss": 1.0}], [{"step": 1, "loss": 1.0}]) is None  # a dense model
+
+
+@pytest.mark.parametrize("q_lora_rank", [96, 0])
+def test_param_count_and_flops_match_deepseek_models(q_lora_rank):
+    """The planner's closed forms for DeepSeek-V3's options against the model built: latent attention (with
+    and without the low-rank q), a dense first block, a shared expert twice an expert's width; FLOPs per token
+    with each block's own active matmuls and the attention matmuls at (q width + value width) / 2."""
+    from usp.config.compose import compose_config
+
+    cfg, _ = compose_config(None, ["model=deepseek_v3_tiny", "model.vocab_size=50", f"model.q_lora_rank={q_lora_rank}",
+                                   "model.n_shared_experts=2"])
+    m = Llama(LlamaArgs.from_config(cfg.model), max_seq_len=8)
+    arch = Arch.from_model(cfg.model)
+    assert sum(p.numel() for p in m.parameters()) == arch.total_params
+    dense, moe = m.layers["0"], m.layers["1"]
+    assert not isinstance(dense.feed_forward, MoE) and isinstance(moe.feed_forward, MoE)
+    attention = sum(p.numel() for n, p in dense.attention.named_parameters() if not n.endswith("norm.weight"))
+    assert attention == arch.parts["attention"]
+    ffn = moe.feed_forward
+    assert ffn.shared_expert is not None and ffn.shared_expert.w1.weight.shape[0] == 2 * 64
+    one = sum(p[0].numel() for p in ffn.experts.parameters())
+    moe_token = attention + 2 * one + ffn.router.weight.numel() + sum(p.numel() for p in ffn.shared_expert.parameters())
+    dense_token = attention + sum(p.numel() for p in dense.feed_forward.parameters())
+    seq, heads = 16, 4
+    matmul = dense_token + 2 * moe_token + 50 * 128
+    assert arch.flops_per_token(seq) == 6 * matmul + 12 * 3 * heads * ((32 + 16) + 32) // 2 * seq

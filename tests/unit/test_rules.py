@@ -31,6 +31,8 @@ CLUSTERS = {
     "qwen3_8b": ["cluster=slurm_h100", "cluster.nodes=2"],
     "qwen3_30b_a3b": ["cluster=slurm_h100", "cluster.nodes=4"],
     "qwen3_235b_a22b": ["cluster=slurm_h100", "cluster.nodes=32", "train.global_batch=64"],
+    "deepseek_v3_tiny": ["cluster=local_cpu", "cluster.procs_per_node=4"],
+    "deepseek_v3_671b": ["cluster=slurm_h100", "cluster.nodes=64", "train.global_batch=128"],
 }
 
 

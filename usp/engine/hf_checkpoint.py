@@ -189,6 +189,16 @@ def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
             dest, index = _init_padding(model, name, shape, seed, dest, index, stored[0])
         if dest.numel():
             files.read_into(dest, name, index, args.n_experts)
+    for name, buf in _hf_buffers(model, files.kind):  # DeepSeek-V3's router biases: whole on every rank
+        files.read_into(buf, name, (slice(None),), args.n_experts)
+
+
+def _hf_buffers(model: nn.Module, kind: str) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint of `kind` holds values of (canonical name, buffer): DeepSeek-V3's
+    e_score_correction_bias is usp's aux-loss-free expert_bias."""
+    if kind != "deepseek_v3":
+        return []
+    return [(model.canonical_name(n), b) for n, b in model.named_buffers() if n.endswith("expert_bias")]
 
 
 class _HFFiles:
@@ -239,9 +249,12 @@ def _check_names(model_cls: type, args, available: set[str], path: Path, kind: s
     with torch.device("meta"):  # names only: nothing allocated
         whole = model_cls(args, max_seq_len=2)
     needed = {name: hf_names(name, args.n_experts, kind) for name, *_ in whole.full_parameters()}
+    needed.update({name: hf_names(name, args.n_experts, kind) for name, _ in _hf_buffers(whole, kind)})
     missing = sorted(name for name, hf in needed.items() if not set(hf) <= available)
     known = set().union(*needed.values()) | ({"lm_head.weight"} if args.tie_embeddings else set())
-    unexpected = sorted(n for n in available - known if not n.endswith("rotary_emb.inv_freq"))
+    mtp = f"model.layers.{args.n_layers}."  # DeepSeek's multi-token-prediction module, skipped as transformers does
+    unexpected = sorted(n for n in available - known
+                        if not n.endswith("rotary_emb.inv_freq") and not (kind == "deepseek_v3" and n.startswith(mtp)))
     if missing or unexpected:
         raise HFLoadError(f"{path} does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}",
                           key="model.init_from", value=str(path))

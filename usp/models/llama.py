@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.models.layers import FeedForward, apply_rope, precompute_rope, rope_inv_freq
+from usp.models.mla import LatentAttention
 from usp.models.moe import GroupedExperts, MoE
 
 # How a parameter receives its whole-model value (initialisation, an imported checkpoint):
@@ -62,6 +63,19 @@ class LlamaArgs:
     capacity_factor: float = 0.0  # 0 = dropless
     router_bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (usp.models.moe)
     router_norm_topk: bool = True  # the top-k router probabilities renormalised to sum to 1 (Mixtral)
+    # DeepSeek-V3's options (usp.models.moe, usp.models.mla; docs/models.md)
+    n_shared_experts: int = 1  # the shared expert's hidden size in experts (moe_ffn_dim x this)
+    router_score: str = "softmax"  # softmax | sigmoid: how the router's logits become the gate's scores
+    router_groups: int = 1  # experts in this many groups; a token picks among router_topk_groups of them
+    router_topk_groups: int = 1
+    router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
+    n_dense_layers: int = 0  # the first this many blocks have a dense MLP (ffn_dim) in a MoE model
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (usp.models.mla) with a KV latent this wide
+    q_lora_rank: int = 0  # MLA's low-rank q (0: one q projection)
+    qk_nope_head_dim: int = 0  # MLA: the per-head q/k part without RoPE
+    qk_rope_head_dim: int = 0  # MLA: the RoPE part (one key shared by the heads)
+    v_head_dim: int = 0  # MLA: width of a value head
+    rope_interleave: bool = False  # MLA: RoPE pairs channels (2j, 2j+1) (DeepSeek's checkpoints)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -75,10 +89,28 @@ class LlamaArgs:
             self.head_dim = self.dim // self.n_heads
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.kv_lora_rank > 0 and (self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2
+                                      or self.qk_nope_head_dim < 0 or self.v_head_dim < 1):
+            raise ValueError("multi-head latent attention (kv_lora_rank > 0) needs an even qk_rope_head_dim >= 2, "
+                             f"qk_nope_head_dim >= 0 and v_head_dim >= 1, got {self.qk_rope_head_dim}, "
+                             f"{self.qk_nope_head_dim}, {self.v_head_dim}")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels RoPE rotates per head: MLA's RoPE part, else the whole head."""
+        return self.qk_rope_head_dim if self.mla else int(self.head_dim or 0)
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has a MoE feed-forward (the first n_dense_layers are dense)."""
+        return self.n_experts > 0 and layer >= self.n_dense_layers
 
     def rope_tables(self, max_seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos/sin tables (max_seq_len, head_dim // 2), with this model's frequency scaling."""
-        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_type, self.rope_factor,
+        """RoPE's cos/sin tables (max_seq_len, rope_dim // 2), with this model's frequency scaling."""
+        inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_type, self.rope_factor,
                                  self.rope_low_freq_factor, self.rope_high_freq_factor,
                                  self.rope_original_max_positions, device=device)
         return precompute_rope(inv_freq, max_seq_len)
@@ -128,12 +160,13 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention: Attention | LatentAttention = LatentAttention(args) if args.mla else Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        if args.n_experts > 0:
+        self.feed_forward: MoE | FeedForward
+        if args.moe_layer(layer):
             self.feed_forward = MoE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
@@ -150,7 +183,7 @@ class Llama(nn.Module):
         super().__init__()
         self.args, self.max_seq_len = args, max_seq_len
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
