@@ -23,6 +23,10 @@ TIED_PP = ["model.tie_embeddings=true", "model.n_layers=4"]
 # load-balancing loss is on
 QWEN3 = ["model.head_dim=48", "model.qk_norm=true"]
 QWEN3_MOE = MOE + QWEN3  # embedding on the first stage, its copy on the last
+# DeepSeek-V3 as its tiny group has it (conf/model/deepseek_v3_tiny.yaml): latent attention (heads over tp, the
+# shared RoPE key's gradient summed there; values narrower than q / k through the CP ring), a dense first block,
+# sigmoid group routing with a shared expert, aux-loss-free balancing (the bias moving after each step)
+DSV3 = ["model=deepseek_v3_tiny"]
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
 # MixedPrecisionPolicy(bf16 params, fp32 reduction), the others bf16 autocast; the reference is a
 # bf16-autocast single process (tolerance: at the end of this file).
@@ -84,6 +88,11 @@ LAYOUTS = {
                                        "parallelism.pp_schedule=1f1b", "train.micro_batch=4"],
         "qwen3_moe_ep_x_fsdp": QWEN3_MOE + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                                             "parallelism.ep=2"],
+        "deepseek_v3_tp_sp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.tp=2"],
+        "deepseek_v3_cp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.cp=2"],
+        "deepseek_v3_pp_1f1b": DSV3 + ["parallelism.dp_replicate=1", "parallelism.pp=2", "train.micro_batch=4"],
+        "deepseek_v3_ep_x_fsdp_grad_accum": DSV3 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                                    "parallelism.ep=2", "train.micro_batch=4"],
     },
     4: {
         "dp_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2"],
@@ -150,6 +159,10 @@ LAYOUTS = {
                                           "parallelism.tp=2"],
         "qwen3_moe_ep_x_pp": QWEN3_MOE + PP + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                                                "parallelism.ep=2", "parallelism.pp=2", "train.micro_batch=4"],
+        "deepseek_v3_ep_x_tp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
+                                       "parallelism.tp=2"],
+        "deepseek_v3_ep_x_pp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep=2",
+                                       "parallelism.pp=2", "train.micro_batch=4"],
     },
     8: {
         # 3-D: ZeRO-3 data x tensor(+sequence) x pipeline

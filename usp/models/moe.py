@@ -4,10 +4,13 @@ Layout (FQNs under a block's `feed_forward`):
   router.weight  (E, dim)            softmax gate, no bias
   experts.w1/w3  (E, dim, hidden)    stacked per-expert SwiGLU weights, so expert parallelism
   experts.w2     (E, hidden, dim)    can slice dim 0 (expert parallelism)
-  shared_expert.*                    optional always-on `FeedForward` (hidden = expert hidden)
+  shared_expert.*                    optional always-on `FeedForward` (hidden = expert hidden x n_shared_experts)
 
 Routing: p = softmax(router(x)) in fp32; each token picks its top_k experts and their
-weights are renormalised to sum to 1. With capacity_factor > 0 an expert takes at most
+weights are renormalised to sum to 1. DeepSeek-V3's router (router_score "sigmoid"): p = sigmoid(router(x));
+with router_groups > 1 a token picks among the experts of its best router_topk_groups groups (a group ranked
+by its two best biased scores); the weights renormalised (+1e-20) and multiplied by router_scale.
+With capacity_factor > 0 an expert takes at most
 C = ceil(cf * T * top_k / E) of the T local tokens' assignments; assignments are ranked in
 token order (token 0 slot 0, token 0 slot 1, token 1 slot 0, ...) and the overflow is dropped
 (the token keeps its residual, no renormalisation). capacity_factor = 0 is dropless.
