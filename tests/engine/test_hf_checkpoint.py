@@ -216,3 +216,15 @@ def test_an_explicit_key_that_disagrees_is_refused(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     model = read_plan(tmp_path / "runs" / "ok" / "plan.yaml").config.model
     assert (model.dim, model.n_layers, model.tie_embeddings, model.vocab_size) == (64, 3, False, 512)
+
+
+def test_deepseek_multi_token_prediction_is_said_skipped(tmp_path):
+    """DeepSeek-V3's multi-token-prediction module (transformers' configs have num_nextn_predict_layers 1) is
+    not usp's: `usp plan` says its weights are skipped, and plans the model without it."""
+    src = make_hf(tmp_path / "hf", "deepseek_v3", 512, tied=False)
+    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    proc = usp_cli("plan", "data.tokenizer=bytes", f"model.init_from={src}", f"train.runs_dir={tmp_path / 'runs'}",
+                   cwd=tmp_path, columns=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "multi-token-prediction module (num_nextn_predict_layers=1, model.layers.2.*)" in out, out
