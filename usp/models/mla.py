@@ -78,6 +78,10 @@ class LatentAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, head width)
         if self.core_attention is not None:
             o = self.core_attention(q, k, v)
-        else:  # scale 1 / sqrt(q's width), as DeepSeek's (without YaRN's mscale)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # scale 1 / sqrt(q's width), as DeepSeek's (without YaRN's mscale). Values narrower than q / k
+            # are zero-padded (as torchtitan's): flash kernels need one head width, and without them SDPA
+            # materialises the scores; the padded output columns are zero, and dropped
+            narrow = q.shape[-1] - v.shape[-1]
+            o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, narrow)) if narrow > 0 else v, is_causal=True)
+            o = o[..., :self.v_dim]
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))

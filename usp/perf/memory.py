@@ -18,7 +18,10 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                  each norm's output, the input of the projections: h (DTensor's ColwiseParallel
                  keeps the input all-gathered over the sequence, so not divided by t);
                  attention: q, k, v after RoPE (q + 2kv)/t and the SDPA output q/t; with QK-norm
-                 (model.qk_norm) its input and x·rstd on q and k, 2(q + kv)/t;
+                 (model.qk_norm) its input and x·rstd on q and k, 2(q + kv)/t; latent attention
+                 (model.kv_lora_rank, _mla_values): the low-rank outputs and their norms' outputs
+                 3r_q + 3r_kv + d_rope (whole on every TP rank), q, k, the zero-padded v and SDPA
+                 output 4H·d_qk/t, wo's input H·d_v/t;
                  SwiGLU: w1 and w3 outputs, silu output, their product: 4f/t;
                  MoE MLP: router probabilities (E) + per routed copy (top_k) the token, the
                  expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert
@@ -175,6 +178,9 @@ def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[flo
     packed_kv = 2 * kv / t if profile.kv_packed_copy else 0
     qk_norm = 2 * (q + arch.kv_dim) / t if arch.qk_norm else 0  # QK-norm's input and x·rstd on q and k
     attention = norm + norm_out + (q + 2 * kv) / t + packed_kv + q / t + qk_norm  # + q/k/v after RoPE, SDPA out
+    if arch.mla:  # latent attention: its own tensors (_mla_values); the ring's K/V as GQA's
+        latent, heads, sdpa_out = _mla_values(arch, t)
+        attention = norm + norm_out + latent + heads + sdpa_out + (2 * kv / t if layout.cp > 1 else 0)
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
         # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
@@ -188,8 +194,22 @@ def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[flo
     if layout.recompute == "full":
         return h / t, full  # the block input
     if layout.recompute == "selective":  # matmul / attention outputs: q, k, v, SDPA out, wo out + the MLP's
+        if arch.mla:
+            latent, heads, sdpa_out = _mla_values(arch, t)
+            return h / t + latent + heads + sdpa_out + h + mlp_matmuls, full
         return h / t + (q + 2 * kv) / t + q / t + h + mlp_matmuls, full
     return full, full
+
+
+def _mla_values(arch: Arch, t: int) -> tuple[float, float, float]:
+    """Latent attention's kept values per token (usp/models/mla.py), as saved-tensor hooks count them on
+    one eager forward (4,602 values per token at dim 512, 8 heads of 64 + 32, v 64, ranks 192 / 128: these
+    4,576, and the log-sum-exp, RoPE tables and rstd): (the low-rank side, whole on every TP rank: wq_a's
+    output, q_a_norm's and its copy as wq_b's input, wkv_a's output, kv_a_norm's and its copy; the heads'
+    side over tp: q, k, the zero-padded v and SDPA output, all q/k wide; wo's input)."""
+    heads, qk = arch.n_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    latent = 3 * arch.q_lora_rank + 3 * arch.kv_lora_rank + arch.qk_rope_head_dim
+    return latent, 4 * heads * qk / t, heads * arch.v_head_dim / t
 
 
 def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precision,
@@ -215,7 +235,7 @@ def compiled_block_bytes(arch: Arch, layout: Layout, prec: Precision) -> float |
     """Bytes per token a compiled dense block keeps without recompute (AUTOCAST_RESIDUAL_BYTES: what
     inductor keeps and recomputes, measured); None where the eager count stands: eager, recompute, MoE or
     CP (not measured compiled). Under TP the terms divide as the eager ones do (not measured either)."""
-    if not prec.compiled or layout.recompute != "none" or arch.moe or layout.cp > 1:
+    if not prec.compiled or layout.recompute != "none" or arch.moe or arch.mla or layout.cp > 1:
         return None
     h, kv, f, t, q = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp, arch.q_dim
     autocast = prec.copy_bytes and not bf16_by_fsdp_policy(layout.dp_kind, layout.pp, 1)
