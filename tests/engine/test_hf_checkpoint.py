@@ -227,4 +227,38 @@ def test_deepseek_multi_token_prediction_is_said_skipped(tmp_path):
                    cwd=tmp_path, columns=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = " ".join(proc.stdout.split())
-    assert "multi-token-prediction module (num_nextn_predict_layers=1, model.layers.2.*)" in out, out
+    assert "multi-token-prediction module (num_nextn_predict_layers=1, model.layers.2.*) is skipped" in out, out
+
+
+def test_deepseek_multi_token_prediction_in_and_out(tmp_path):
+    """model.mtp_depth=1 on a transformers checkpoint (which has no MTP module): the main model loads with
+    transformers' logits and the MTP block keeps its initialisation; the export writes it as DeepSeek's files
+    do (model.layers.{n}: enorm, hnorm, eh_proj, shared_head.norm and a layer's tensors, num_nextn_predict_layers
+    1), transformers still loads it with the same logits, and usp reads the block back from it."""
+    from usp.engine.hf_checkpoint import load_hf_weights, write_hf
+    from usp.models.llama import Llama, LlamaArgs
+
+    src = make_hf(tmp_path / "hf", "deepseek_v3", 100, tied=False)
+    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=100, tie_embeddings=False,
+                norm_eps=1e-5, mtp_depth=1, **USP_DEEPSEEK)
+    model = Llama(LlamaArgs(**args), max_seq_len=64)
+    model.init_weights(3)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("layers.2.")}
+    load_hf_weights(model, src)
+    assert all(torch.equal(p, initial[n]) for n, p in model.named_parameters() if n in initial)
+    tokens = torch.randint(0, 100, (2, 48), generator=torch.Generator().manual_seed(1))
+    expected = hf_logits(src, tokens)
+    with torch.no_grad():
+        assert torch.allclose(model(tokens), expected, rtol=0, atol=TOL)
+    cfg = ModelConfig(**{k: v for k, v in args.items() if k != "vocab_size"}, rope_theta=10000.0)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    write_hf(state, cfg, 100, 64, str(tmp_path / "no-dataset"), tmp_path / "ckpt", 0, tmp_path / "back")
+    back = hf_tensors(tmp_path / "back")
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_b_proj.weight", "mlp.experts.7.down_proj.weight", "mlp.gate.e_score_correction_bias"):
+        assert f"model.layers.2.{name}" in back, name
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)
+    again = Llama(LlamaArgs(**args), max_seq_len=64)
+    load_hf_weights(again, tmp_path / "back")
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in again.named_parameters())

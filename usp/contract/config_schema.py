@@ -116,6 +116,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # DeepSeek-V3's multi-token prediction (docs/models.md): 1 = one more block predicting the token after next,
+    # its cross-entropy x mtp_loss_coef added to the training loss's gradient (DeepSeek: 0.3, later 0.1);
+    # not under tensor, context or pipeline parallelism
+    mtp_depth: int = 0
+    mtp_loss_coef: float = 0.3
     # For the planner only: a measured max / mean tokens per expert (metrics.jsonl expert_load ...
     # imbalance); the EP all-to-all and expert compute of the busiest rank scale by it. 1 = balanced.
     expert_load_imbalance: float = 1.0

@@ -158,6 +158,7 @@ def _type_fields(model: Any, kind: str, n_layers: int) -> dict:
             "max_window_layers": n_layers, "layer_types": ["full_attention"] * n_layers}
     if kind == "qwen3":
         return qwen
-    if kind == "deepseek_v3":  # no multi-token prediction module (usp trains none)
-        return {"attention_bias": False, "output_router_logits": False, "num_nextn_predict_layers": 0}
+    if kind == "deepseek_v3":  # the multi-token-prediction block, model.mtp_depth
+        return {"attention_bias": False, "output_router_logits": False,
+                "num_nextn_predict_layers": int(getattr(model, "mtp_depth", 0) or 0)}
     return {**qwen, **moe, "decoder_sparse_step": 1, "mlp_only_layers": []}

@@ -24,8 +24,11 @@ Names (usp -> HF; `layers.{i}` -> `model.layers.{i}`):
   layers.{i}.feed_forward.expert_bias     model.layers.{i}.mlp.gate.e_score_correction_bias (a buffer)
   layers.{i}.feed_forward.experts.w1/w3/w2[e]  model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
   layers.{i}.feed_forward.shared_expert.w1/w3/w2  model.layers.{i}.mlp.shared_experts.gate_proj/up_proj/down_proj
-  model.layers.{n_layers}.*               (DeepSeek's multi-token-prediction module: no usp equivalent, skipped
-                                          on import as transformers skips it)
+  layers.{n}.enorm/hnorm/eh_proj/head_norm  model.layers.{n}.enorm/hnorm/eh_proj/shared_head.norm (n = n_layers: the
+                                          multi-token-prediction block, model.mtp_depth=1; its other tensors as a
+                                          layer's. Without it, model.layers.{n}.* is skipped on import, as
+                                          transformers skips it; its embed_tokens and shared_head.head, copies of
+                                          the model's, are never read nor written)
   norm.weight                             model.norm.weight
   output.weight                           lm_head.weight    (absent when tied: tie_word_embeddings)
 
@@ -57,8 +60,11 @@ _DENSE = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
           "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
           "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
           "attention.wkv_b.weight": "self_attn.kv_b_proj.weight"}
-# DeepSeek-V3's one-of-a-kind MoE tensors (the router as the others: mlp.gate.weight)
-_DEEPSEEK = {"feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+# DeepSeek-V3's one-of-a-kind MoE tensors (the router as the others: mlp.gate.weight), and its multi-token-prediction
+# block's own (usp's MTPBlock, layers.{n_layers})
+_DEEPSEEK = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "head_norm.weight": "shared_head.norm.weight",
+             "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
              "feed_forward.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
              "feed_forward.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
              "feed_forward.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight"}

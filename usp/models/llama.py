@@ -20,7 +20,7 @@ from torch import nn
 
 from usp.models.layers import FeedForward, apply_rope, precompute_rope, rope_inv_freq
 from usp.models.mla import LatentAttention
-from usp.models.moe import GroupedExperts, MoE
+from usp.models.moe import AttachAuxLoss, GroupedExperts, MoE
 
 # How a parameter receives its whole-model value (initialisation, an imported checkpoint):
 # place(param, value). The model knows no parallelism: an engine that shards parameters passes a
@@ -76,6 +76,7 @@ class LlamaArgs:
     qk_rope_head_dim: int = 0  # MLA: the RoPE part (one key shared by the heads)
     v_head_dim: int = 0  # MLA: width of a value head
     rope_interleave: bool = False  # MLA: RoPE pairs channels (2j, 2j+1) (DeepSeek's checkpoints)
+    mtp_depth: int = 0  # 1: DeepSeek-V3's multi-token prediction, one more block predicting the token after next
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -89,6 +90,8 @@ class LlamaArgs:
             self.head_dim = self.dim // self.n_heads
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.mtp_depth not in (0, 1):
+            raise ValueError(f"mtp_depth={self.mtp_depth}: usp implements multi-token prediction of depth 1 (or 0)")
         if self.kv_lora_rank > 0 and (self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2
                                       or self.qk_nope_head_dim < 0 or self.v_head_dim < 1):
             raise ValueError("multi-head latent attention (kv_lora_rank > 0) needs an even qk_rope_head_dim >= 2, "
@@ -176,6 +179,28 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class MTPBlock(TransformerBlock):
+    """DeepSeek-V3's multi-token-prediction module of depth 1 (technical report section 2.2), a block of the
+    model's kind (the MoE one after the dense layers) after a projection of the token after each position and
+    the main model's last hidden state there: x = [embedding of t(i+1) | h(i)] (b, s, 2 dim) ->
+    eh_proj([enorm(embedding) | hnorm(h)]) -> the block -> head_norm; the model's output head then predicts
+    t(i+2). It sits in `layers` under key n_layers (so data / expert parallelism, recompute and compile treat
+    it as a block), and Llama.forward runs it apart from the main stack. Names as DeepSeek's checkpoints'
+    model.layers.{n_layers}: enorm, hnorm, eh_proj, shared_head.norm (head_norm)."""
+
+    def __init__(self, args: LlamaArgs, layer: int) -> None:
+        super().__init__(args, layer)
+        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.head_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        emb, h = x.chunk(2, dim=-1)
+        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))
+        return self.head_norm(super().forward(x, cos, sin))
+
+
 # ------------------------------------------------------------------------ model
 
 class Llama(nn.Module):
@@ -184,6 +209,12 @@ class Llama(nn.Module):
         self.args, self.max_seq_len = args, max_seq_len
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        if args.mtp_depth:  # a block after the main ones, which forward runs apart (MTPBlock)
+            self.layers[str(args.n_layers)] = MTPBlock(args, args.n_layers)
+        # > 0: the multi-token-prediction loss gets this gradient through the logits (AttachAuxLoss): mtp_loss_coef /
+        # micro batches per step, set by the engine; 0: the MTP block doesn't run
+        self.mtp_loss_scale = 0.0
+        self.mtp_loss: torch.Tensor | None = None  # the last training forward's MTP cross-entropy
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -212,13 +243,31 @@ class Llama(nn.Module):
             positions = positions.to(self.rope_cos.device)
         # Keep the rotation in fp32 even if the module was cast to bf16.
         cos, sin = self.rope_cos[positions].float(), self.rope_sin[positions].float()
+        mtp = self.layers[str(self.args.n_layers)] if str(self.args.n_layers) in self.layers else None
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            if layer is not mtp:
+                h = layer(h, cos, sin)
+        last = h
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
+        if mtp is not None and self.mtp_loss_scale and torch.is_grad_enabled():
+            h = AttachAuxLoss.apply(h, self._mtp_loss(mtp, tokens, last, cos, sin), self.mtp_loss_scale)
         return h
+
+    def _mtp_loss(self, mtp: nn.Module, tokens: torch.Tensor, last: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        """Multi-token prediction (depth 1): at each position i < s - 2 the MTP block, given t(i+1)'s embedding
+        and the main model's last hidden state at i, predicts t(i+2); the mean cross-entropy over those
+        positions. Every token it needs is in `tokens` (the input), so no label reaches the model."""
+        if self.tok_embeddings is None or self.output is None:
+            raise RuntimeError("multi-token prediction needs the whole model (no pipeline stage)")
+        x = torch.cat((self.tok_embeddings(tokens[:, 1:]), last[:, :-1]), dim=-1)
+        logits = self.output(mtp(x, cos[:-1], sin[:-1]))[:, :-1]
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 2:].flatten())
+        self.mtp_loss = loss.detach()
+        return loss
 
     def materialize(self, device, seed: int | None = None, place: Place | None = None) -> Llama:
         """A model built on the meta device (whole, cut to a pipeline stage, or already

@@ -310,10 +310,14 @@ def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, s
         tied_here = arch.tie_embeddings and pp == 1
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
     moe_layers = layers - n_dense
+    mtp = arch.mtp_depth if holds_head else 0  # multi-token prediction: a block more (whole models only)
+    moe_layers, layers = moe_layers + mtp, layers + mtp
+    mtp_extra = mtp * (2 * arch.dim * arch.dim + 3 * arch.dim)  # its eh_proj and three norms, whole
     return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
-                 moe_layers * dense_layer + n_dense * dense_block + emb + head, moe_layers * expert_layer,
+                 moe_layers * dense_layer + n_dense * dense_block + emb + head + mtp_extra, moe_layers * expert_layer,
                  _tensors(arch, t, ep, moe_layers, holds_emb, head > arch.dim, holds_head, vocab_pad)
-                 + _tensors(replace(arch, n_experts=0), t, ep, n_dense, False, False, False, vocab_pad))
+                 + _tensors(replace(arch, n_experts=0), t, ep, n_dense, False, False, False, vocab_pad)
+                 + (((arch.dim, 2 * arch.dim, mtp, False), (arch.dim, 1, 3 * mtp, False)) if mtp else ()))
 
 
 def _tensors(arch: Arch, t: int, ep: int, layers: int, emb: bool, head: bool, norm: bool, vocab_pad: int) -> tuple:

@@ -50,6 +50,7 @@ class Arch:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction: one more block (+ eh_proj, 3 norms), the head again
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
@@ -69,7 +70,8 @@ class Arch:
                    n_shared_experts=int(g("n_shared_experts", 1) or 1), n_dense_layers=int(g("n_dense_layers", 0) or 0),
                    kv_lora_rank=int(g("kv_lora_rank", 0) or 0), q_lora_rank=int(g("q_lora_rank", 0) or 0),
                    qk_nope_head_dim=int(g("qk_nope_head_dim", 0) or 0),
-                   qk_rope_head_dim=int(g("qk_rope_head_dim", 0) or 0), v_head_dim=int(g("v_head_dim", 0) or 0))
+                   qk_rope_head_dim=int(g("qk_rope_head_dim", 0) or 0), v_head_dim=int(g("v_head_dim", 0) or 0),
+                   mtp_depth=int(g("mtp_depth", 0) or 0))
 
     @property
     def mla(self) -> bool:
@@ -156,6 +158,11 @@ class Arch:
         return p["attention"] + p["dense_mlp"] + p["norms"]
 
     @property
+    def mtp_params(self) -> int:
+        """The multi-token-prediction module: a block of the MoE kind, eh_proj (2h x h), enorm, hnorm, head_norm."""
+        return self.mtp_depth * (self.layer_params + 2 * self.dim * self.dim + 3 * self.dim)
+
+    @property
     def layer_costs(self) -> list[int]:
         """Parameters of each block in order (the pipeline split's costs)."""
         return [self.dense_layer_params] * self.dense_layers + [self.layer_params] * (self.n_layers - self.dense_layers)
@@ -179,7 +186,7 @@ class Arch:
     def total_params(self) -> int:
         """Exact number of (unique) parameters, what `sum(p.numel() for p in model.parameters())` gives
         (for a MoE model: all experts, on one process before expert parallelism slices them)."""
-        return self.embed_params + sum(self.layer_costs) + self.head_params
+        return self.embed_params + sum(self.layer_costs) + self.head_params + self.mtp_params
 
     @property
     def matmul_params(self) -> int:
@@ -188,7 +195,8 @@ class Arch:
         do no matmul. For MoE, a token's matmuls: router + top_k experts + shared expert."""
         dense = self.dense_layers * (self.parts["attention"] + self.parts["dense_mlp"])
         moe = (self.n_layers - self.dense_layers) * self.active_layer_matmul_params
-        return moe + dense + self.vocab_size * self.dim
+        mtp = self.mtp_depth * (self.active_layer_matmul_params + 2 * self.dim * self.dim + self.vocab_size * self.dim)
+        return moe + dense + mtp + self.vocab_size * self.dim
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), Ultra-Scale Playbook convention:
@@ -201,8 +209,8 @@ class Arch:
         causal-mask halving, as in the playbook/PaLM MFU formula; q = n_heads x head_dim (q_dim), h
         unless model.head_dim says otherwise (latent attention: score_dim, the mean of the QK^T and AV
         widths). For MoE, N counts the active experts only (top_k + shared) plus the router, and the
-        dense first layers their MLP."""
-        return 6 * self.matmul_params + 12 * self.n_layers * self.score_dim * seq_len
+        dense first layers their MLP; multi-token prediction adds its block, eh_proj and the head again."""
+        return 6 * self.matmul_params + 12 * (self.n_layers + self.mtp_depth) * self.score_dim * seq_len
 
 
 @lru_cache(maxsize=256)

@@ -251,7 +251,8 @@ def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float
 def _flops_per_token(arch: Arch, layout: Layout, seq_len: int) -> tuple[float, float]:
     """(model FLOPs per token: the MFU numerator, hardware FLOPs per token). Full recomputation runs each
     block's forward (1/3 of its training FLOPs) again; the LM head is not recomputed."""
-    blocks_fpt = 6 * (arch.matmul_params - arch.vocab_size * arch.dim) + 12 * arch.n_layers * arch.score_dim * seq_len
+    blocks_fpt = 6 * (arch.matmul_params - arch.vocab_size * arch.dim) \
+        + 12 * (arch.n_layers + arch.mtp_depth) * arch.score_dim * seq_len
     model_fpt = blocks_fpt + 6 * arch.vocab_size * arch.dim
     return model_fpt, model_fpt + _recompute_extra(layout) * blocks_fpt
 

@@ -129,9 +129,9 @@ def _derive(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
 
 
 def _skipped_mtp(cfg) -> list[str]:
-    """A DeepSeek-V3 checkpoint's multi-token-prediction module, which usp doesn't train: said, not refused
-    (every DeepSeek-V3 config.json has one; transformers skips it too)."""
-    if not getattr(cfg.model, "init_from", None):
+    """A DeepSeek-V3 checkpoint's multi-token-prediction module, which a run without model.mtp_depth doesn't
+    train: said, not refused (every DeepSeek-V3 config.json has one; transformers skips it too)."""
+    if not getattr(cfg.model, "init_from", None) or int(getattr(cfg.model, "mtp_depth", 0) or 0):
         return []
     from usp.plan.hf_config import read_hf_config
 
@@ -141,7 +141,7 @@ def _skipped_mtp(cfg) -> list[str]:
         return []
     first = int(config.get("num_hidden_layers") or 0)
     return [f"the checkpoint's multi-token-prediction module (num_nextn_predict_layers={depth}, "
-            f"model.layers.{first}.*) is not usp's: its weights are skipped, the run trains no MTP loss, and "
+            f"model.layers.{first}.*) is skipped: the run trains no MTP loss (model.mtp_depth=1 would), and "
             "`usp export --format hf` writes num_nextn_predict_layers: 0 (docs/models.md)"]
 
 

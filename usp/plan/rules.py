@@ -510,6 +510,11 @@ FT_RULES = [  # fault_tolerance=torchft (docs/fault_tolerance.md)
 
 
 ENGINE_RULES = [
+    Rule("mtp_whole_sequence", "engine", lambda s: f"parallelism.{_mtp_split(s)}", lambda s: bool(_mtp_split(s)),
+         lambda s: f"multi-token prediction (model.mtp_depth=1) reads the next token's embedding and the main model's "
+                   f"last hidden state on one rank, with the whole sequence: not under {_mtp_split(s)} > 1",
+         lambda s: f"parallelism.{_mtp_split(s)}=1 (data and expert parallelism instead), or model.mtp_depth=0",
+         lambda s: getattr(s.layout, str(_mtp_split(s)))),
     Rule("expert_parallel", "engine", "parallelism.ep", lambda s: bool(_ep_problems(s)),
          lambda s: "; ".join(_ep_problems(s)), _ep_fix, lambda s: s.layout.ep),
     Rule("zero1_on_replicas", "engine", "parallelism.zero1",
@@ -734,6 +739,14 @@ def _moe(v: Values) -> bool:
     return int(v["model.n_experts"] or 0) > 0
 
 
+def _mtp_split(s: Subject) -> str | None:
+    """The parallelism that splits what multi-token prediction needs (tp: the hidden state over the sequence and
+    the vocabulary, cp: the sequence, pp: the embedding from the head), or None."""
+    if not s.arch.mtp_depth:
+        return None
+    return next((dim for dim in ("tp", "cp", "pp") if getattr(s.layout, dim) > 1), None)
+
+
 def _group_problem(v: Values) -> str | None:
     """Why model.router_groups / router_topk_groups can't route model.top_k of model.n_experts, or None:
     DeepSeek-V3 ranks a group by its two best experts, and a token's experts come from its best groups."""
@@ -875,6 +888,10 @@ MODEL_FIELD_RULES = [
            "model.qk_rope_head_dim=64 (DeepSeek-V3)", when=lambda v: int(v["model.kv_lora_rank"] or 0) > 0),
     _field("model.v_head_dim", _ints(1), "latent attention's value heads must be at least 1 wide",
            "model.v_head_dim=128 (DeepSeek-V3)", when=lambda v: int(v["model.kv_lora_rank"] or 0) > 0),
+    _field("model.mtp_depth", lambda x: x not in (0, 1), "usp implements multi-token prediction of depth 1 (or 0)",
+           "model.mtp_depth=1 (DeepSeek-V3)"),
+    _real("model.mtp_loss_coef", 0, lo_open=True, meaning=" (the MTP loss's weight; DeepSeek-V3: 0.3, then 0.1)",
+          when=lambda v: int(v["model.mtp_depth"] or 0) > 0),
     _field("model.qk_norm", lambda x: bool(x), "latent attention (model.kv_lora_rank > 0) has no QK-norm",
            "model.qk_norm=false", when=lambda v: int(v["model.kv_lora_rank"] or 0) > 0),
 ]
