@@ -399,10 +399,14 @@ def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
 
 
 def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, tokens_mb: float) -> Comm:
-    """Expert parallel: dispatch + combine all-to-alls, forward and backward, per layer."""
+    """Expert parallel: dispatch + combine all-to-alls, forward and backward, per layer: the routed copies
+    (top_k per token); a shared expert runs on each rank's own tokens and sends none. A MoE model's dense
+    first layers (model.n_dense_layers) exchange nothing: the per-layer size is scaled by the share of MoE
+    layers (over the whole model, not per stage)."""
     passes = 3 if layout.recompute == "full" else 2
     calls = 2 * passes * layout.grad_accum
-    size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout)  # the busiest rank's
+    moe_share = (arch.n_layers - arch.dense_layers) / arch.n_layers
+    size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout) * moe_share  # the busiest rank's
     return Comm("EP all-to-all (tokens)", "ep", "all_to_all", layout.ep, _ep_crosses_nodes(layout, hw),
                 min(layout.ep, hw.procs_per_node), calls, size, path=True, per_layer=True)
 
