@@ -103,6 +103,19 @@ def test_usp_verify_passes_an_exact_layout(tmp_path, shakespeare):
     assert len(result["rows"]) == 3 and result["max_rel_loss_diff"] <= LOSS_RTOL
 
 
+def test_usp_verify_takes_deepseek_v3(tmp_path, shakespeare):
+    """`usp verify model=deepseek_v3_tiny` (latent attention, a dense first block, sigmoid group routing with
+    a shared expert, the router bias moving each step) over EP x FSDP on 2 processes: exit 0, exact."""
+    from tests.helpers import run_usp
+
+    proc = run_usp("verify", "model=deepseek_v3_tiny", "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                   "parallelism.ep=2", f"train.runs_dir={tmp_path}", "--steps", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS" in proc.stdout
+    result = json.loads(next((tmp_path / "verify").glob("*/verify.json")).read_text())
+    assert len(result["rows"]) == 3 and result["max_rel_loss_diff"] <= LOSS_RTOL
+
+
 def test_usp_verify_fails_an_approximate_layout(tmp_path, shakespeare):
     """PowerSGD compression changes the loss: verify must notice and exit non-zero."""
     from tests.helpers import run_usp
