@@ -52,6 +52,16 @@ def within(out: str) -> float:
       "parallelism.tp=2", "parallelism.dp_shard=2", "cluster.procs_per_node=8", "train.micro_batch=1"], [0, 4, 7]),
     # the Qwen3-MoE recipe at its published scale: 64 ranks, EP 8 x FSDP 32 x PP 2
     (["conf=qwen3_30b_a3b", "0", "63"], [0, 63]),
+    # DeepSeek-V3's options: latent attention over tp (its low-rank projections whole on every rank), a dense
+    # first block on stage 0, a shared expert, in FSDP x TP x EP x PP
+    (["model=deepseek_v3_tiny", "model.vocab_size=4099", "parallelism.pp=2", "parallelism.tp=2",
+      "parallelism.dp_shard=2", "parallelism.ep=2", "cluster.procs_per_node=8", "train.micro_batch=1"], [0, 4, 7]),
+    # multi-token prediction: one block more (its experts over ep), its projection and norms
+    (["model=deepseek_v3_tiny", "model.mtp_depth=1", "model.vocab_size=4099", "parallelism.dp_shard=4",
+      "parallelism.ep=2", "cluster.procs_per_node=4", "train.micro_batch=1"], [0, 3]),
+    # the DeepSeek-V3 recipe at its published scale: 512 ranks, EP 32 x FSDP 128 x PP 4; the first pipeline
+    # rank (embedding, the 3 dense blocks) and the last (the LM head)
+    (["conf=deepseek_v3_671b", "0", "511"], [0, 511]),
 ])
 def test_small_layouts_build_as_planned(tmp_path, args, ranks):
     proc, _ = build_check(tmp_path, *args)

@@ -1,9 +1,9 @@
 """Hugging Face checkpoints through real runs, against the real `transformers`: `model.init_from=<dir>`
 alone takes the model's shape from config.json (a Llama, one with Llama 3's RoPE scaling, a Mixtral, a
-Qwen3, a Qwen3-MoE); an HF Llama, Qwen3 and Qwen3-MoE imported and trained under FSDP2 x TP2 (x EP2 for
-the MoE; 4 processes) follow a single process and export (`usp export --format hf`) keeping the tie
-and the architecture; an HF Mixtral likewise on one process; a tiktoken run
-exports the tokenizer transformers loads (loading and the config checks in this process:
+Qwen3, a Qwen3-MoE, a DeepSeek-V3 in several files); an HF Llama, Qwen3, Qwen3-MoE and DeepSeek-V3 imported
+and trained under FSDP2 x TP2 (x EP2 for the MoE; 4 processes) follow a single process and export
+(`usp export --format hf`) keeping the tie and the architecture; an HF Mixtral likewise on one process; a
+tiktoken run exports the tokenizer transformers loads (loading and the config checks in this process:
 tests/engine/test_hf_checkpoint.py)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.data_builders import WORDS, trained_tiktoken_file, word_corpus
-from tests.engine.test_hf_checkpoint import OWN_SHAPE, TOL, USP_DIMS, hf_logits, make_hf
+from tests.engine.test_hf_checkpoint import OWN_SHAPE, TOL, USP_DEEPSEEK, USP_DIMS, hf_logits, make_hf
 from tests.helpers import hf_tensors, losses, run_usp, usp_cli
 from usp.contract.hf_shape import ARCHITECTURES
 from usp.contract.plan_file import read_plan
@@ -88,7 +88,7 @@ def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama3", True), ("mixtral", False), ("qwen3", True),
-                                       ("qwen3_moe", False)])
+                                       ("qwen3_moe", False), ("deepseek_v3", False)])
 def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare, kind, tied):
     """`usp train model.init_from=<dir>` and no other model key: the run has the checkpoint's shape
     (dims, layers, heads, kv heads, ffn, vocab, tie, rope theta and scaling, norm eps, experts), its
@@ -109,10 +109,14 @@ def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare,
             model.vocab_size, model.tie_embeddings, model.rope_theta, model.norm_eps, model.rope_type) \
         == (f"hf_{kind}", hf.hidden_size, 3, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size,
             vocab, tied, 500000.0, 1e-6, rope["rope_type"])
-    assert (model.n_experts, model.top_k) == ((4, 2) if kind in ("mixtral", "qwen3_moe") else (0, 2))
+    experts = {"mixtral": (4, 2), "qwen3_moe": (4, 2), "deepseek_v3": (8, 2)}
+    assert (model.n_experts, model.top_k) == experts.get(kind, (0, 2))
     qwen = kind.startswith("qwen3")
-    assert (model.head_dim, model.qk_norm) == (hf.head_dim, qwen) and (hf.head_dim == 24) == qwen  # Qwen's: not 64/4
-    assert (model.moe_ffn_dim, model.router_norm_topk) == ((48 if kind == "qwen3_moe" else 0), True)
+    if kind == "deepseek_v3":  # every DeepSeek-V3 option from config.json
+        assert {k: getattr(model, k) for k in USP_DEEPSEEK} == USP_DEEPSEEK
+    else:
+        assert (model.head_dim, model.qk_norm) == (hf.head_dim, qwen) and (hf.head_dim == 24) == qwen  # not 64/4
+        assert (model.moe_ffn_dim, model.router_norm_topk) == ((48 if kind == "qwen3_moe" else 0), True)
     if kind == "llama3":
         assert [getattr(model, f"rope_{k}") for k in ("factor", "low_freq_factor", "high_freq_factor",
                                             "original_max_positions")] == [8.0, 1.0, 4.0, 32]
@@ -129,19 +133,20 @@ def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind,tied", [("llama", True), ("qwen3", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("kind,tied", [("llama", True), ("qwen3", True), ("qwen3_moe", False), ("deepseek_v3", False)])
 def test_import_trains_under_fsdp2_tp2_and_exports(tmp_path, shakespeare, kind, tied):
-    """An HF Llama, Qwen3 (QK-norm: its weights replicated over tp, their gradients summed) or Qwen3-MoE
-    (experts over ep 2 as well) as model.init_from under FSDP2 x TP2 (4 processes, each loading its
-    shards from the full tensors): its first loss is transformers' loss on the same batch, the 3 steps
-    follow one process within 1e-5, and the export loads in transformers as the same architecture with
-    usp's logits and its tie intact. The Llama's run sets its shape as well; the Qwen3 runs name nothing
-    but the checkpoint (its balancing loss the default's)."""
+    """An HF Llama, Qwen3 (QK-norm: its weights replicated over tp, their gradients summed), Qwen3-MoE or
+    DeepSeek-V3 (latent attention's heads over tp, its shared RoPE key's gradient summed; sigmoid group
+    routing with its correction bias; experts over ep 2 as well) as model.init_from under FSDP2 x TP2 (4
+    processes, each loading its shards from the full tensors): its first loss is transformers' loss on the
+    same batch, the 3 steps follow one process within 1e-5, and the export loads in transformers as the same
+    architecture with usp's logits and its tie intact. The Llama's run sets its shape as well; the others
+    name nothing but the checkpoint (its balancing loss the default's)."""
     vocab = int(shakespeare[1]["vocab_size"])
     src = make_hf(tmp_path / f"hf_{kind}", kind, vocab, tied=tied)
     common = [*(USP_DIMS if kind == "llama" else []), f"model.tie_embeddings={str(tied).lower()}",
               f"model.init_from={src}"]
-    ep = ["parallelism.ep=2"] if kind == "qwen3_moe" else []
+    ep = ["parallelism.ep=2"] if kind in ("qwen3_moe", "deepseek_v3") else []
     sharded = _train(tmp_path, "fsdp2_tp2", *common, "cluster.procs_per_node=4", "parallelism.dp_shard=2",
                      "parallelism.tp=2", "parallelism.dp_replicate=1", *ep)
     single = _train(tmp_path, "single", *common)

@@ -62,7 +62,9 @@ def test_matrix_covers_the_required_compositions():
                 "zero1_x_tp", "zero1_x_pp", "cp_x_pp", "dp_x_cp_x_tp_x_pp", "ep_x_tp", "ep_x_pp",
                 "tied_dp_x_pp", "ep_x_fsdp_x_tp_x_pp", "ep_aux_free_grad_accum", "ep_aux_free_x_pp", "ep_shared_expert",
                 "qwen3_tp_sp", "qwen3_fsdp_x_tp", "qwen3_cp", "qwen3_pp_1f1b", "qwen3_moe_ep_x_fsdp",
-                "qwen3_moe_ep_x_tp", "qwen3_moe_ep_x_pp"}
+                "qwen3_moe_ep_x_tp", "qwen3_moe_ep_x_pp", "deepseek_v3_tp_sp", "deepseek_v3_cp", "deepseek_v3_pp_1f1b",
+                "deepseek_v3_ep_x_fsdp_grad_accum", "deepseek_v3_ep_x_tp", "deepseek_v3_ep_x_pp",
+                "deepseek_v3_mtp_ep_x_fsdp_grad_accum"}
     assert required <= names, required - names
 
 
@@ -98,6 +100,19 @@ def test_usp_verify_passes_an_exact_layout(tmp_path, shakespeare):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS" in proc.stdout and "reference loss" in proc.stdout
     result = json.loads((tmp_path / "verify" / "tiny-pp2-tp2" / "verify.json").read_text())
+    assert len(result["rows"]) == 3 and result["max_rel_loss_diff"] <= LOSS_RTOL
+
+
+def test_usp_verify_takes_deepseek_v3(tmp_path, shakespeare):
+    """`usp verify model=deepseek_v3_tiny` (latent attention, a dense first block, sigmoid group routing with
+    a shared expert, the router bias moving each step) over EP x FSDP on 2 processes: exit 0, exact."""
+    from tests.helpers import run_usp
+
+    proc = run_usp("verify", "model=deepseek_v3_tiny", "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                   "parallelism.ep=2", f"train.runs_dir={tmp_path}", "--steps", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS" in proc.stdout
+    result = json.loads(next((tmp_path / "verify").glob("*/verify.json")).read_text())
     assert len(result["rows"]) == 3 and result["max_rel_loss_diff"] <= LOSS_RTOL
 
 

@@ -32,12 +32,27 @@ USP_LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
 # Qwen3-MoE's experts of their own hidden size (moe_intermediate_size), top-2 of 4, renormalised or not
 QWEN3 = dict(head_dim=24)
 QWEN3_MOE = dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+# DeepSeek-V3: latent attention (a low-rank q or none, KV latent 32, RoPE part 8 shared by the heads, interleaved
+# or not), a dense first layer, 8 sigmoid-scored experts in 4 groups of which 2 are picked, top-2, scaled by 2.5,
+# a shared expert twice an expert's width; usp's values of the same (USP_KIND)
+DEEPSEEK = dict(num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=2, n_routed_experts=8,
+                routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+                qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                norm_topk_prob=True)
+DEEPSEEK_PLAIN = dict(DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False, rope_interleave=False,
+                      routed_scaling_factor=1.0)
+USP_DEEPSEEK = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                    rope_interleave=True, n_experts=8, top_k=2, moe_ffn_dim=32, shared_expert=True, n_shared_experts=2,
+                    router_score="sigmoid", router_groups=4, router_topk_groups=2, router_scale=2.5, n_dense_layers=1)
 # usp's model options of each kind (LlamaArgs / ModelConfig fields beside the shape of DIMS)
 USP_KIND = {"llama": {}, "llama3": USP_LLAMA3, "mixtral": dict(n_experts=4, top_k=2),
             "qwen3": dict(head_dim=24, qk_norm=True),
             "qwen3_moe": dict(head_dim=24, qk_norm=True, n_experts=4, top_k=2, moe_ffn_dim=48),
             "qwen3_moe_unnormalised": dict(head_dim=24, qk_norm=True, n_experts=4, top_k=2, moe_ffn_dim=48,
-                                           router_norm_topk=False)}
+                                           router_norm_topk=False),
+            "deepseek_v3": USP_DEEPSEEK,
+            "deepseek_v3_plain": dict(USP_DEEPSEEK, q_lora_rank=0, router_groups=1, router_topk_groups=1,
+                                      router_norm_topk=False, rope_interleave=False, router_scale=1.0)}
 
 
 def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
@@ -58,6 +73,9 @@ def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
         model = tf.MixtralForCausalLM(tf.MixtralConfig(**dims, **common, num_local_experts=4, num_experts_per_tok=2))
     elif kind == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**{**dims, **QWEN3}, **common))
+    elif kind.startswith("deepseek_v3"):
+        shape = DEEPSEEK if kind == "deepseek_v3" else DEEPSEEK_PLAIN
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(**{**dims, **shape}, **common))
     else:
         topk = {"norm_topk_prob": kind == "qwen3_moe"}
         model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**{**dims, **QWEN3_MOE, **topk}, **common))
@@ -65,7 +83,11 @@ def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(directory)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias, which picks the experts
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)
+    # DeepSeek-V3 in several files (each rank reads its parts from whichever holds them)
+    model.save_pretrained(directory, **({"max_shard_size": "100KB"} if kind.startswith("deepseek") else {}))
     return directory
 
 
@@ -86,12 +108,15 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama3", False), ("mixtral", False),
                                        ("qwen3", True), ("qwen3", False), ("qwen3_moe", False),
-                                       ("qwen3_moe_unnormalised", False)])
+                                       ("qwen3_moe_unnormalised", False), ("deepseek_v3", False),
+                                       ("deepseek_v3_plain", True)])
 def test_import_matches_transformers_logits(tmp_path, kind, tied):
     """An HF checkpoint loaded into usp's model gives transformers' logits (q/k as they are: the same
     RoPE layout; Llama 3's frequency scaling; experts stacked and transposed; Qwen3's head_dim and
     QK-norm; Qwen3-MoE's router with and without norm_topk_prob), and usp's own export of it loads back
-    identically, as the same architecture."""
+    identically, as the same architecture. DeepSeek-V3: latent attention with and without the low-rank q, RoPE
+    on interleaved pairs or not, a dense first layer, sigmoid group routing with its correction bias (the
+    aux-loss-free expert_bias), scaled weights, a wide shared expert; split into several files."""
     from usp.engine.hf_checkpoint import load_hf_weights, write_hf
 
     src = make_hf(tmp_path / "hf", kind, 100, tied)
@@ -191,3 +216,49 @@ def test_an_explicit_key_that_disagrees_is_refused(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     model = read_plan(tmp_path / "runs" / "ok" / "plan.yaml").config.model
     assert (model.dim, model.n_layers, model.tie_embeddings, model.vocab_size) == (64, 3, False, 512)
+
+
+def test_deepseek_multi_token_prediction_is_said_skipped(tmp_path):
+    """DeepSeek-V3's multi-token-prediction module (transformers' configs have num_nextn_predict_layers 1) is
+    not usp's: `usp plan` says its weights are skipped, and plans the model without it."""
+    src = make_hf(tmp_path / "hf", "deepseek_v3", 512, tied=False)
+    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    proc = usp_cli("plan", "data.tokenizer=bytes", f"model.init_from={src}", f"train.runs_dir={tmp_path / 'runs'}",
+                   cwd=tmp_path, columns=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "multi-token-prediction module (num_nextn_predict_layers=1, model.layers.2.*) is skipped" in out, out
+
+
+def test_deepseek_multi_token_prediction_in_and_out(tmp_path):
+    """model.mtp_depth=1 on a transformers checkpoint (which has no MTP module): the main model loads with
+    transformers' logits and the MTP block keeps its initialisation; the export writes it as DeepSeek's files
+    do (model.layers.{n}: enorm, hnorm, eh_proj, shared_head.norm and a layer's tensors, num_nextn_predict_layers
+    1), transformers still loads it with the same logits, and usp reads the block back from it."""
+    from usp.engine.hf_checkpoint import load_hf_weights, write_hf
+    from usp.models.llama import Llama, LlamaArgs
+
+    src = make_hf(tmp_path / "hf", "deepseek_v3", 100, tied=False)
+    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=100, tie_embeddings=False,
+                norm_eps=1e-5, mtp_depth=1, **USP_DEEPSEEK)
+    model = Llama(LlamaArgs(**args), max_seq_len=64)
+    model.init_weights(3)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("layers.2.")}
+    load_hf_weights(model, src)
+    assert all(torch.equal(p, initial[n]) for n, p in model.named_parameters() if n in initial)
+    tokens = torch.randint(0, 100, (2, 48), generator=torch.Generator().manual_seed(1))
+    expected = hf_logits(src, tokens)
+    with torch.no_grad():
+        assert torch.allclose(model(tokens), expected, rtol=0, atol=TOL)
+    cfg = ModelConfig(**{k: v for k, v in args.items() if k != "vocab_size"}, rope_theta=10000.0)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    write_hf(state, cfg, 100, 64, str(tmp_path / "no-dataset"), tmp_path / "ckpt", 0, tmp_path / "back")
+    back = hf_tensors(tmp_path / "back")
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                 "self_attn.kv_b_proj.weight", "mlp.experts.7.down_proj.weight", "mlp.gate.e_score_correction_bias"):
+        assert f"model.layers.2.{name}" in back, name
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)
+    again = Llama(LlamaArgs(**args), max_seq_len=64)
+    load_hf_weights(again, tmp_path / "back")
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in again.named_parameters())

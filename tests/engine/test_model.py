@@ -368,3 +368,39 @@ def test_recompute_none_is_noop():
 def test_bad_recompute_mode():
     with pytest.raises(ValueError, match=r"train\.recompute.*'partial'.*none.*selective.*full"):
         apply_recompute(small_model(), "partial")
+
+
+def _saved_values_per_token(module: torch.nn.Module, *inputs: torch.Tensor) -> float:
+    """Values per token an eager forward of `module` keeps for its backward (saved-tensor hooks: each
+    storage once), without the parameters' and the first input's."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    own = {p.untyped_storage().data_ptr() for p in module.parameters()} | {inputs[0].untyped_storage().data_ptr()}
+    return sum(n for ptr, n in kept.items() if ptr not in own) / 4 / (inputs[0].shape[0] * inputs[0].shape[1])
+
+
+def test_latent_attention_keeps_what_the_planner_counts():
+    """The planner's activation count of latent attention (usp/perf/memory.py _mla_values) against what the
+    layer keeps, measured as the GQA count is: within 1 % (the rest: the log-sum-exp, RoPE tables, rstd), so
+    SDPA's flash path is taken (values zero-padded to q's width; the math path keeps 8 x 256 scores a token)."""
+    from types import SimpleNamespace
+
+    from usp.models.mla import LatentAttention
+    from usp.perf.memory import _mla_values
+    from usp.perf.specs import Arch
+
+    shape = dict(dim=512, n_heads=8, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=128,
+                 q_lora_rank=192)
+    layer = LatentAttention(SimpleNamespace(**shape, rope_interleave=True))
+    s = 256
+    x = torch.randn(2, s, 512, requires_grad=True)
+    measured = _saved_values_per_token(layer, x, torch.randn(s, 16), torch.randn(s, 16))
+    planned = sum(_mla_values(Arch(name="mla", n_layers=1, n_kv_heads=8, ffn_dim=1, vocab_size=1, tie_embeddings=False,
+                                   **shape), 1))
+    assert planned <= measured <= 1.01 * planned, (measured, planned)  # the math path's scores: +2,048

@@ -61,6 +61,35 @@ def test_forward_and_grads_match_dense_reference(capacity_factor, shared, top_k,
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("groups,topk_groups,norm,capacity_factor", [(4, 2, True, 0.0), (4, 1, False, 0.0),
+                                                                     (1, 1, True, 0.0), (2, 1, True, 1.0)])
+def test_deepseek_routing_matches_dense_reference(groups, topk_groups, norm, capacity_factor):
+    """DeepSeek-V3's router: sigmoid scores, a random correction bias picking the experts (the aux-loss-free
+    expert_bias, present with sigmoid scores), group-limited top-k, the weights scaled by 2.5, a shared
+    expert twice an expert's width; against the reference's token-by-token choice, values and gradients."""
+    m = moe_layer(n_experts=8, shared_expert=True, n_shared_experts=2, router_score="sigmoid", router_groups=groups,
+                  router_topk_groups=topk_groups, router_scale=2.5, router_norm_topk=norm,
+                  capacity_factor=capacity_factor)
+    assert m.expert_bias is not None and m.shared_expert is not None
+    assert m.shared_expert.w1.weight.shape == (2 * 48, 32)
+    with torch.no_grad():
+        m.expert_bias.uniform_(-0.3, 0.3, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(2, 24, 32, generator=g), torch.randn(2, 24, 32, generator=g)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, ref = m(x1), m.dense_reference(x2)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad(y, [x1, *m.parameters()], dy)
+    for a, b in zip(grads, torch.autograd.grad(ref, [x2, *m.parameters()], dy)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # expert gradients reach 15: relative rounding
+    top_w, top_e, _ = m.route(x.reshape(-1, 32))
+    if norm:  # renormalised then scaled
+        torch.testing.assert_close(top_w.sum(-1), torch.full((48,), 2.5))
+    if topk_groups < groups:  # every pick inside the token's allowed groups
+        per_token_groups = {(t, int(e) // (8 // groups)) for t, row in enumerate(top_e) for e in row}
+        assert max(sum(1 for tt, _ in per_token_groups if tt == t) for t in range(48)) <= topk_groups
+
+
 def test_capacity_keeps_first_tokens_in_order():
     m = moe_layer(n_experts=4, top_k=1, capacity_factor=1.0)
     T = 16
@@ -238,3 +267,66 @@ def test_verify_names_the_step_and_layer_where_routing_parts():
     got = routing_divergence(ref, [rec(1, [3, 5]), rec(2, [5, 3]), rec(3, [2, 6])])
     assert got == {"step": 2, "layer": "1", "reference": [4, 4], "layout": [5, 3]}
     assert routing_divergence([{"step": 1, "loss": 1.0}], [{"step": 1, "loss": 1.0}]) is None  # a dense model
+
+
+@pytest.mark.parametrize("q_lora_rank,mtp", [(96, 0), (0, 0), (96, 1)])
+def test_param_count_and_flops_match_deepseek_models(q_lora_rank, mtp):
+    """The planner's closed forms for DeepSeek-V3's options against the model built: latent attention (with
+    and without the low-rank q), a dense first block, a shared expert twice an expert's width; FLOPs per token
+    with each block's own active matmuls and the attention matmuls at (q width + value width) / 2."""
+    from usp.config.compose import compose_config
+
+    cfg, _ = compose_config(None, ["model=deepseek_v3_tiny", "model.vocab_size=50", f"model.q_lora_rank={q_lora_rank}",
+                                   "model.n_shared_experts=2", f"model.mtp_depth={mtp}"])
+    m = Llama(LlamaArgs.from_config(cfg.model), max_seq_len=8)
+    arch = Arch.from_model(cfg.model)
+    assert sum(p.numel() for p in m.parameters()) == arch.total_params
+    dense, moe = m.layers["0"], m.layers["1"]
+    assert not isinstance(dense.feed_forward, MoE) and isinstance(moe.feed_forward, MoE)
+    attention = sum(p.numel() for n, p in dense.attention.named_parameters() if not n.endswith("norm.weight"))
+    assert attention == arch.parts["attention"]
+    ffn = moe.feed_forward
+    assert ffn.shared_expert is not None and ffn.shared_expert.w1.weight.shape[0] == 2 * 64
+    one = sum(p[0].numel() for p in ffn.experts.parameters())
+    moe_token = attention + 2 * one + ffn.router.weight.numel() + sum(p.numel() for p in ffn.shared_expert.parameters())
+    dense_token = attention + sum(p.numel() for p in dense.feed_forward.parameters())
+    seq, heads = 16, 4
+    mtp_token = mtp * (moe_token + 2 * 128 * 128 + 50 * 128)  # its block, eh_proj, the head again
+    matmul = dense_token + 2 * moe_token + mtp_token + 50 * 128
+    assert arch.flops_per_token(seq) == 6 * matmul + 12 * (3 + mtp) * heads * ((32 + 16) + 32) // 2 * seq
+
+
+def test_multi_token_prediction_adds_its_loss_gradient():
+    """model.mtp_depth=1: the logits are the model's without it, and the gradients those of CE + coef x the MTP
+    cross-entropy, written out here: at position i, [enorm(embedding of t(i+1)) | hnorm(last hidden state at
+    i)] -> eh_proj -> the MTP block -> head_norm -> the shared head predicts t(i+2), for i < s - 2."""
+    from usp.config.compose import compose_config
+    from usp.models.llama import TransformerBlock
+
+    cfg, _ = compose_config(None, ["model=deepseek_v3_tiny", "model.vocab_size=64", "model.mtp_depth=1"])
+    model = Llama(LlamaArgs.from_config(cfg.model), max_seq_len=32)
+    mtp = model.layers["3"]
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(tokens)
+    model.mtp_loss_scale = 0.3
+    logits = model(tokens)
+    assert torch.equal(logits, plain) and model.mtp_loss is not None
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert all(g.abs().sum() > 0 for n, g in grads.items() if n.startswith("layers.3.") and "experts" not in n)
+    model.zero_grad()
+    model.mtp_loss_scale = 0.0  # by hand: the main stack, then the MTP module
+    cos, sin = model.rope_cos[:24], model.rope_sin[:24]
+    h = model.tok_embeddings(tokens)
+    for i in range(3):
+        h = model.layers[str(i)](h, cos, sin)
+    main = F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), labels.flatten())
+    x = mtp.eh_proj(torch.cat((mtp.enorm(model.tok_embeddings(tokens[:, 1:])), mtp.hnorm(h[:, :-1])), dim=-1))
+    ahead = model.output(mtp.head_norm(TransformerBlock.forward(mtp, x, cos[:-1], sin[:-1])))[:, :-1]
+    extra = F.cross_entropy(ahead.flatten(0, 1), tokens[:, 2:].flatten())
+    torch.testing.assert_close(model.mtp_loss, extra.detach(), rtol=1e-6, atol=0)
+    (main + 0.3 * extra).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-7, msg=n)

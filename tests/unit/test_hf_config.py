@@ -19,6 +19,12 @@ META_COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidde
 META_SCALING = {"llama3_1_8b": 8.0, "llama3_2_1b": 32.0}
 
 
+# the DeepSeek-V3 keys a group of another family leaves to config.json: off
+DEEPSEEK_OFF = dict(n_shared_experts=1, router_score="softmax", router_groups=1, router_topk_groups=1, router_scale=1.0,
+                    n_dense_layers=0, kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
+                    v_head_dim=0, rope_interleave=False)
+
+
 @pytest.mark.parametrize("group", sorted(META))
 def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
     """The catalogue's Llama 3.1 / 3.2 groups agree with Meta's config.json, RoPE scaling included: an
@@ -35,7 +41,7 @@ def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
     # the group sets every key but the MoE ones (a dense Llama: no experts) and the Qwen3 ones
     assert adopt_hf_shape(explicit.model) == {"n_experts": 0, "top_k": 2, "moe_ffn_dim": 0, "shared_expert": False,
                                               "router_norm_topk": True, "qk_norm": False,
-                                              "head_dim": META[group].get("head_dim")}
+                                              "head_dim": META[group].get("head_dim"), **DEEPSEEK_OFF}
     check_hf_config(config, explicit.model, 128256, str(tmp_path))  # raises on any disagreement
     alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
     adopt_hf_shape(alone.model)
@@ -133,7 +139,7 @@ def test_qwen3_parameter_counts_are_the_published_ones(group):
     assert arch.flops_per_token(4096) == 6 * arch.matmul_params + 12 * arch.n_layers * arch.n_heads * 128 * 4096
 
 
-@pytest.mark.parametrize("model_type", ["gemma3", "gpt_oss", "deepseek_v3", None])
+@pytest.mark.parametrize("model_type", ["gemma3", "gpt_oss", "deepseek_v32", None])
 def test_an_unsupported_model_type_is_refused_naming_the_supported_ones(tmp_path, model_type):
     from usp.config.compose import compose_config
     from usp.plan.hf_config import adopt_hf_shape
@@ -143,7 +149,8 @@ def test_an_unsupported_model_type_is_refused_naming_the_supported_ones(tmp_path
     with pytest.raises(PlanError) as err:
         adopt_hf_shape(alone.model)
     message = str(err.value)
-    assert f"model_type={model_type!r}" in message and "llama, mixtral, qwen3, qwen3_moe" in message, message
+    assert f"model_type={model_type!r}" in message, message
+    assert "llama, mixtral, qwen3, qwen3_moe, deepseek_v3" in message, message
 
 
 @pytest.mark.parametrize("change,says", [({"use_sliding_window": True}, "use_sliding_window=True"),
@@ -178,3 +185,64 @@ def test_a_qwen3_option_at_odds_with_config_json_is_refused(tmp_path, override, 
         check_hf_config(read_hf_config(tmp_path), cfg.model, 151936, str(tmp_path))
     message = str(err.value)
     assert key in message and fix in message, message
+
+
+# deepseek-ai/DeepSeek-V3's config.json (the fields usp reads; its quantization_config left out)
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
+                   attention_bias=False, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                   num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                   n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                   qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+                   num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
+                   rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False, vocab_size=129280,
+                   num_nextn_predict_layers=1, topk_method="noaux_tc", scoring_func="sigmoid",
+                   rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+def test_deepseek_v3_group_is_deepseeks_config(tmp_path):
+    """deepseek_v3_671b agrees with DeepSeek's config.json but for its YaRN RoPE scaling, which an import
+    refuses by name; without it, the file alone gives the group's shape; the planner counts DeepSeek's
+    published 671 B parameters (without the multi-token-prediction module), 37 B active per token."""
+    from usp.config.compose import compose_config
+    from usp.contract.hf_shape import CHECKPOINT_KEYS
+    from usp.perf.specs import Arch
+    from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
+    with pytest.raises(PlanError) as err:
+        adopt_hf_shape(alone.model)
+    assert "rope_parameters.rope_type='yarn'" in str(err.value), str(err.value)
+    plain = {k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"}
+    (tmp_path / "config.json").write_text(json.dumps(plain))
+    explicit, _ = compose_config(None, ["model=deepseek_v3_671b", f"model.init_from={tmp_path}"])
+    # the group sets every key config.json decides but the RoPE scaling's and the Qwen3 ones (none of them)
+    scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions")
+    assert adopt_hf_shape(explicit.model) == {"head_dim": None, "qk_norm": False, "rope_type": "default",
+                                              **{f"rope_{k}": None for k in scaling}}
+    check_hf_config(read_hf_config(tmp_path), explicit.model, 129280, str(tmp_path))
+    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
+    adopt_hf_shape(alone.model)
+    assert {k: alone.model[k] for k in CHECKPOINT_KEYS if k not in ("name", "head_dim")} == \
+        {k: explicit.model[k] for k in CHECKPOINT_KEYS if k not in ("name", "head_dim")}
+    arch = Arch.from_model(explicit.model)
+    active = arch.matmul_params + arch.embed_params + arch.n_layers * arch.norm_params + arch.dim
+    assert abs(arch.total_params - 671e9) <= 0.005 * 671e9 and abs(active - 37e9) <= 0.02 * 37e9, \
+        (arch.total_params, active)
+
+
+@pytest.mark.parametrize("override,key", [("model.router_score=softmax", "model.router_score"),
+                                          ("model.router_groups=4", "model.router_groups"),
+                                          ("model.q_lora_rank=0", "model.q_lora_rank"),
+                                          ("model.n_dense_layers=1", "model.n_dense_layers")])
+def test_a_deepseek_option_at_odds_with_config_json_is_refused(tmp_path, override, key):
+    from usp.config.compose import compose_config
+    from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"}))
+    cfg, _ = compose_config(None, ["model=deepseek_v3_671b", override, f"model.init_from={tmp_path}"])
+    adopt_hf_shape(cfg.model)
+    with pytest.raises(PlanError) as err:
+        check_hf_config(read_hf_config(tmp_path), cfg.model, 129280, str(tmp_path))
+    assert key in str(err.value), str(err.value)

@@ -97,11 +97,36 @@ class ModelConfig:
     # the top-k router probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob=true);
     # false: the softmax's own probabilities weight the experts (Qwen3-MoE's norm_topk_prob=false)
     router_norm_topk: bool = True
+    # DeepSeek-V3 (docs/models.md): the shared expert n_shared_experts x moe_ffn_dim wide; the router's scores
+    # softmax | sigmoid, the experts in router_groups groups of which a token picks among the best
+    # router_topk_groups, the routed weights x router_scale (routed_scaling_factor); the first n_dense_layers
+    # blocks of a MoE model dense (first_k_dense_replace, ffn_dim wide)
+    n_shared_experts: int = 1
+    router_score: str = "softmax"
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_scale: float = 1.0
+    n_dense_layers: int = 0
+    # Multi-head latent attention (DeepSeek-V3, usp/models/mla.py) when kv_lora_rank > 0: the KV latent's
+    # width, q's low-rank width (0: one q projection), the per-head q/k widths without and with RoPE (the
+    # RoPE key shared by the heads), the value head's width; RoPE on interleaved channel pairs (DeepSeek)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek-V3's multi-token prediction (docs/models.md): 1 = one more block predicting the token after next,
+    # its cross-entropy x mtp_loss_coef added to the training loss's gradient (DeepSeek: 0.3, later 0.1);
+    # not under tensor, context or pipeline parallelism
+    mtp_depth: int = 0
+    mtp_loss_coef: float = 0.3
     # For the planner only: a measured max / mean tokens per expert (metrics.jsonl expert_load ...
     # imbalance); the EP all-to-all and expert compute of the busiest rank scale by it. 1 = balanced.
     expert_load_imbalance: float = 1.0
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = tokens per expert capped at cf * tokens * top_k / E
-    # A Hugging Face checkpoint directory (Llama, Mixtral, Qwen3, Qwen3-MoE: config.json + safetensors) whose weights
+    # A Hugging Face checkpoint directory (Llama, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3: config.json +
+    # safetensors) whose weights
     # replace the initialisation. Its config.json gives the model's shape (the keys of
     # usp/config/init_from.py) unless a recipe or the command line sets them; a value set there must
     # agree with it (usp/plan/hf_config.py).

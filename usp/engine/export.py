@@ -215,14 +215,27 @@ def _check_hf_exportable(names, model) -> None:
     """Mixtral and Qwen3-MoE route by their gate's top-k alone: a model trained with aux-loss-free
     balancing picks its experts with a bias (usp.models.moe) that neither has a place for. Mixtral
     always renormalises the top-k weights (model.router_norm_topk=false needs Qwen3-MoE's norm_topk_prob,
-    so model.qk_norm)."""
+    so model.qk_norm). DeepSeek-V3 has the bias (e_score_correction_bias) and its router's options; the
+    other types none of them, nor dense first layers."""
+    kind = model_type(model)
+    if kind == "deepseek_v3":
+        if int(model.n_experts or 0) and model.router_score != "sigmoid":
+            raise ExportError("model.router_score=softmax: DeepSeek-V3 scores its experts by sigmoids, so "
+                              "transformers would route otherwise", key="--format", value="hf",
+                              fix="--format safetensors or --format torch")
+        return
+    for key, plain in (("router_score", "softmax"), ("router_groups", 1), ("router_scale", 1.0), ("n_dense_layers", 0)):
+        if int(model.n_experts or 0) and getattr(model, key) != plain:
+            raise ExportError(f"model.{key}={getattr(model, key)!r} is DeepSeek-V3's, whose Hugging Face model needs "
+                              "latent attention (model.kv_lora_rank > 0)", key="--format", value="hf",
+                              fix="--format safetensors or --format torch")
     biased = [k for k in names if k.endswith("expert_bias")]
     if biased:
         raise ExportError(f"the checkpoint has router biases ({biased[0]}, model.router_bias_update_rate > 0): "
                           "Mixtral and Qwen3-MoE have no router bias, so transformers would route other experts",
                           key="--format", value="hf",
                           fix="--format safetensors or --format torch (usp's own model keeps the bias)")
-    if model_type(model) == "mixtral" and not model.router_norm_topk:
+    if kind == "mixtral" and not model.router_norm_topk:
         raise ExportError("model.router_norm_topk=false: Mixtral renormalises the top-k router probabilities, so "
                           "transformers would weight the experts otherwise", key="--format", value="hf",
                           fix="--format safetensors or --format torch")

@@ -182,6 +182,8 @@ def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
     files = _HFFiles(path)
     _check_names(type(model), args, set(files.shapes), path, files.kind)
     for name, p, shape, rows in model.full_parameters():
+        if _mtp_absent(name, args, set(files.shapes), files.kind):  # keeps the model's own initialisation
+            continue
         stored = usp_shape(name, [files.shapes[n] for n in hf_names(name, args.n_experts, files.kind)])
         _check_shape(name, stored, shape, path)
         dest, index = local_tensor(p), local_index(p, rows)
@@ -189,6 +191,17 @@ def load_hf_weights(model: nn.Module, path: str | Path, seed: int = 0) -> None:
             dest, index = _init_padding(model, name, shape, seed, dest, index, stored[0])
         if dest.numel():
             files.read_into(dest, name, index, args.n_experts)
+    for name, buf in _hf_buffers(model, files.kind):  # DeepSeek-V3's router biases: whole on every rank
+        if not _mtp_absent(name, args, set(files.shapes), files.kind):
+            files.read_into(buf, name, (slice(None),), args.n_experts)
+
+
+def _hf_buffers(model: nn.Module, kind: str) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint of `kind` holds values of (canonical name, buffer): DeepSeek-V3's
+    e_score_correction_bias is usp's aux-loss-free expert_bias."""
+    if kind != "deepseek_v3":
+        return []
+    return [(model.canonical_name(n), b) for n, b in model.named_buffers() if n.endswith("expert_bias")]
 
 
 class _HFFiles:
@@ -233,15 +246,34 @@ def _init_padding(model: nn.Module, name: str, shape: tuple[int, ...], seed: int
     return dest[:keep], (slice(first, first + keep), *index[1:])
 
 
+def _mtp_skipped(name: str, args) -> bool:
+    """A DeepSeek-V3 checkpoint's multi-token-prediction tensor usp doesn't read: all of them without
+    model.mtp_depth (transformers skips them too), else the copies of the embedding and the head it keeps."""
+    mtp = f"model.layers.{args.n_layers}."
+    if not name.startswith(mtp):
+        return False
+    return not args.mtp_depth or name[len(mtp):] in ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def _mtp_absent(name: str, args, available: set[str], kind: str) -> bool:
+    """A parameter of usp's multi-token-prediction block (layers.{n_layers}) that the checkpoint lacks
+    (transformers writes none): it keeps its initialisation."""
+    return bool(args.mtp_depth) and name.startswith(f"layers.{args.n_layers}.") and \
+        not set(hf_names(name, args.n_experts, kind)) <= available
+
+
 def _check_names(model_cls: type, args, available: set[str], path: Path, kind: str) -> None:
     """The checkpoint holds every tensor of the whole model (whatever part this rank holds) and
     nothing else (a tied model's lm_head.weight and old RoPE frequency buffers are ignored)."""
     with torch.device("meta"):  # names only: nothing allocated
         whole = model_cls(args, max_seq_len=2)
     needed = {name: hf_names(name, args.n_experts, kind) for name, *_ in whole.full_parameters()}
-    missing = sorted(name for name, hf in needed.items() if not set(hf) <= available)
+    needed.update({name: hf_names(name, args.n_experts, kind) for name, _ in _hf_buffers(whole, kind)})
+    missing = sorted(name for name, hf in needed.items()
+                     if not set(hf) <= available and not _mtp_absent(name, args, available, kind))
     known = set().union(*needed.values()) | ({"lm_head.weight"} if args.tie_embeddings else set())
-    unexpected = sorted(n for n in available - known if not n.endswith("rotary_emb.inv_freq"))
+    unexpected = sorted(n for n in available - known
+                        if not n.endswith("rotary_emb.inv_freq") and not _mtp_skipped(n, args))
     if missing or unexpected:
         raise HFLoadError(f"{path} does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}",
                           key="model.init_from", value=str(path))

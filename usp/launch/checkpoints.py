@@ -81,7 +81,9 @@ def _bytes(n: float) -> str:
 # The model keys that decide the parameters' names and shapes: a checkpoint saved with other values
 # can't be loaded. (rope_theta, init_std, norm_eps, ... change no shape.)
 SHAPE_KEYS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "ffn_dim", "vocab_size",
-              "tie_embeddings", "n_experts", "moe_ffn_dim", "shared_expert")
+              "tie_embeddings", "n_experts", "moe_ffn_dim", "shared_expert", "n_shared_experts", "router_score",
+              "n_dense_layers", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "mtp_depth")
 
 
 class RunAlreadyDone(Exception):

@@ -16,6 +16,19 @@ Names (usp -> HF; `layers.{i}` -> `model.layers.{i}`):
   layers.{i}.feed_forward.router.weight   model.layers.{i}.mlp.gate.weight                          (Qwen3-MoE)
   layers.{i}.feed_forward.experts.w1/w3/w2[e]  model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
                                                                                           (Qwen3-MoE, transposed)
+  DeepSeek-V3 (deepseek_v3): MLA (usp/models/mla.py) and its MoE layers, the dense ones as above:
+  layers.{i}.attention.wq_a/q_a_norm/wq_b model.layers.{i}.self_attn.q_a_proj/q_a_layernorm/q_b_proj (wq: q_proj)
+  layers.{i}.attention.wkv_a/kv_a_norm    model.layers.{i}.self_attn.kv_a_proj_with_mqa/kv_a_layernorm
+  layers.{i}.attention.wkv_b              model.layers.{i}.self_attn.kv_b_proj
+  layers.{i}.feed_forward.router.weight   model.layers.{i}.mlp.gate.weight
+  layers.{i}.feed_forward.expert_bias     model.layers.{i}.mlp.gate.e_score_correction_bias (a buffer)
+  layers.{i}.feed_forward.experts.w1/w3/w2[e]  model.layers.{i}.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
+  layers.{i}.feed_forward.shared_expert.w1/w3/w2  model.layers.{i}.mlp.shared_experts.gate_proj/up_proj/down_proj
+  layers.{n}.enorm/hnorm/eh_proj/head_norm  model.layers.{n}.enorm/hnorm/eh_proj/shared_head.norm (n = n_layers: the
+                                          multi-token-prediction block, model.mtp_depth=1; its other tensors as a
+                                          layer's. Without it, model.layers.{n}.* is skipped on import, as
+                                          transformers skips it; its embed_tokens and shared_head.head, copies of
+                                          the model's, are never read nor written)
   norm.weight                             model.norm.weight
   output.weight                           lm_head.weight    (absent when tied: tie_word_embeddings)
 
@@ -40,10 +53,25 @@ _DENSE = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
           "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
           "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight",
-          "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
+          "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
+          "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+          "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+          "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+          "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+          "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+          "attention.wkv_b.weight": "self_attn.kv_b_proj.weight"}
+# DeepSeek-V3's one-of-a-kind MoE tensors (the router as the others: mlp.gate.weight), and its multi-token-prediction
+# block's own (usp's MTPBlock, layers.{n_layers})
+_DEEPSEEK = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "head_norm.weight": "shared_head.norm.weight",
+             "feed_forward.expert_bias": "mlp.gate.e_score_correction_bias",
+             "feed_forward.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
+             "feed_forward.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
+             "feed_forward.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight"}
 # model type -> (the MoE layer's module, usp's expert weight -> HF's per-expert module); the router is `<module>.gate`
 _MOE = {"mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
-        "qwen3_moe": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
+        "qwen3_moe": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+        "deepseek_v3": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 
@@ -72,7 +100,9 @@ def hf_names(name: str, n_experts: int, model_type: str) -> list[str]:
         return [f"{prefix}{module}.experts.{e}.{which}.weight" for e in range(n_experts)]
     if rest in _DENSE:
         return [prefix + _DENSE[rest]]
-    raise KeyError(f"{name}: no Hugging Face {model_type} equivalent (e.g. a shared expert)")
+    if model_type == "deepseek_v3" and rest in _DEEPSEEK:
+        return [prefix + _DEEPSEEK[rest]]
+    raise KeyError(f"{name}: no Hugging Face {model_type} equivalent (e.g. a shared expert, a router bias)")
 
 
 def usp_shape(name: str, hf_shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:

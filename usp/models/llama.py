@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.models.layers import FeedForward, apply_rope, precompute_rope, rope_inv_freq
-from usp.models.moe import GroupedExperts, MoE
+from usp.models.mla import LatentAttention
+from usp.models.moe import AttachAuxLoss, GroupedExperts, MoE
 
 # How a parameter receives its whole-model value (initialisation, an imported checkpoint):
 # place(param, value). The model knows no parallelism: an engine that shards parameters passes a
@@ -62,6 +63,20 @@ class LlamaArgs:
     capacity_factor: float = 0.0  # 0 = dropless
     router_bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (usp.models.moe)
     router_norm_topk: bool = True  # the top-k router probabilities renormalised to sum to 1 (Mixtral)
+    # DeepSeek-V3's options (usp.models.moe, usp.models.mla; docs/models.md)
+    n_shared_experts: int = 1  # the shared expert's hidden size in experts (moe_ffn_dim x this)
+    router_score: str = "softmax"  # softmax | sigmoid: how the router's logits become the gate's scores
+    router_groups: int = 1  # experts in this many groups; a token picks among router_topk_groups of them
+    router_topk_groups: int = 1
+    router_scale: float = 1.0  # the routed experts' weights are multiplied by this (routed_scaling_factor)
+    n_dense_layers: int = 0  # the first this many blocks have a dense MLP (ffn_dim) in a MoE model
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (usp.models.mla) with a KV latent this wide
+    q_lora_rank: int = 0  # MLA's low-rank q (0: one q projection)
+    qk_nope_head_dim: int = 0  # MLA: the per-head q/k part without RoPE
+    qk_rope_head_dim: int = 0  # MLA: the RoPE part (one key shared by the heads)
+    v_head_dim: int = 0  # MLA: width of a value head
+    rope_interleave: bool = False  # MLA: RoPE pairs channels (2j, 2j+1) (DeepSeek's checkpoints)
+    mtp_depth: int = 0  # 1: DeepSeek-V3's multi-token prediction, one more block predicting the token after next
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -75,10 +90,30 @@ class LlamaArgs:
             self.head_dim = self.dim // self.n_heads
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.mtp_depth not in (0, 1):
+            raise ValueError(f"mtp_depth={self.mtp_depth}: usp implements multi-token prediction of depth 1 (or 0)")
+        if self.kv_lora_rank > 0 and (self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2
+                                      or self.qk_nope_head_dim < 0 or self.v_head_dim < 1):
+            raise ValueError("multi-head latent attention (kv_lora_rank > 0) needs an even qk_rope_head_dim >= 2, "
+                             f"qk_nope_head_dim >= 0 and v_head_dim >= 1, got {self.qk_rope_head_dim}, "
+                             f"{self.qk_nope_head_dim}, {self.v_head_dim}")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The channels RoPE rotates per head: MLA's RoPE part, else the whole head."""
+        return self.qk_rope_head_dim if self.mla else int(self.head_dim or 0)
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has a MoE feed-forward (the first n_dense_layers are dense)."""
+        return self.n_experts > 0 and layer >= self.n_dense_layers
 
     def rope_tables(self, max_seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos/sin tables (max_seq_len, head_dim // 2), with this model's frequency scaling."""
-        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_type, self.rope_factor,
+        """RoPE's cos/sin tables (max_seq_len, rope_dim // 2), with this model's frequency scaling."""
+        inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_type, self.rope_factor,
                                  self.rope_low_freq_factor, self.rope_high_freq_factor,
                                  self.rope_original_max_positions, device=device)
         return precompute_rope(inv_freq, max_seq_len)
@@ -128,12 +163,13 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention: Attention | LatentAttention = LatentAttention(args) if args.mla else Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        if args.n_experts > 0:
+        self.feed_forward: MoE | FeedForward
+        if args.moe_layer(layer):
             self.feed_forward = MoE(args)
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim)
@@ -143,6 +179,28 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class MTPBlock(TransformerBlock):
+    """DeepSeek-V3's multi-token-prediction module of depth 1 (technical report section 2.2), a block of the
+    model's kind (the MoE one after the dense layers) after a projection of the token after each position and
+    the main model's last hidden state there: x = [embedding of t(i+1) | h(i)] (b, s, 2 dim) ->
+    eh_proj([enorm(embedding) | hnorm(h)]) -> the block -> head_norm; the model's output head then predicts
+    t(i+2). It sits in `layers` under key n_layers (so data / expert parallelism, recompute and compile treat
+    it as a block), and Llama.forward runs it apart from the main stack. Names as DeepSeek's checkpoints'
+    model.layers.{n_layers}: enorm, hnorm, eh_proj, shared_head.norm (head_norm)."""
+
+    def __init__(self, args: LlamaArgs, layer: int) -> None:
+        super().__init__(args, layer)
+        self.enorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.head_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        emb, h = x.chunk(2, dim=-1)
+        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))
+        return self.head_norm(super().forward(x, cos, sin))
+
+
 # ------------------------------------------------------------------------ model
 
 class Llama(nn.Module):
@@ -150,7 +208,13 @@ class Llama(nn.Module):
         super().__init__()
         self.args, self.max_seq_len = args, max_seq_len
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
+        if args.mtp_depth:  # a block after the main ones, which forward runs apart (MTPBlock)
+            self.layers[str(args.n_layers)] = MTPBlock(args, args.n_layers)
+        # > 0: the multi-token-prediction loss gets this gradient through the logits (AttachAuxLoss): mtp_loss_coef /
+        # micro batches per step, set by the engine; 0: the MTP block doesn't run
+        self.mtp_loss_scale = 0.0
+        self.mtp_loss: torch.Tensor | None = None  # the last training forward's MTP cross-entropy
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -179,13 +243,31 @@ class Llama(nn.Module):
             positions = positions.to(self.rope_cos.device)
         # Keep the rotation in fp32 even if the module was cast to bf16.
         cos, sin = self.rope_cos[positions].float(), self.rope_sin[positions].float()
+        mtp = self.layers[str(self.args.n_layers)] if str(self.args.n_layers) in self.layers else None
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            if layer is not mtp:
+                h = layer(h, cos, sin)
+        last = h
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
+        if mtp is not None and self.mtp_loss_scale and torch.is_grad_enabled():
+            h = AttachAuxLoss.apply(h, self._mtp_loss(mtp, tokens, last, cos, sin), self.mtp_loss_scale)
         return h
+
+    def _mtp_loss(self, mtp: nn.Module, tokens: torch.Tensor, last: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        """Multi-token prediction (depth 1): at each position i < s - 2 the MTP block, given t(i+1)'s embedding
+        and the main model's last hidden state at i, predicts t(i+2); the mean cross-entropy over those
+        positions. Every token it needs is in `tokens` (the input), so no label reaches the model."""
+        if self.tok_embeddings is None or self.output is None:
+            raise RuntimeError("multi-token prediction needs the whole model (no pipeline stage)")
+        x = torch.cat((self.tok_embeddings(tokens[:, 1:]), last[:, :-1]), dim=-1)
+        logits = self.output(mtp(x, cos[:-1], sin[:-1]))[:, :-1]
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 2:].flatten())
+        self.mtp_loss = loss.detach()
+        return loss
 
     def materialize(self, device, seed: int | None = None, place: Place | None = None) -> Llama:
         """A model built on the meta device (whole, cut to a pipeline stage, or already

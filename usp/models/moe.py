@@ -4,10 +4,13 @@ Layout (FQNs under a block's `feed_forward`):
   router.weight  (E, dim)            softmax gate, no bias
   experts.w1/w3  (E, dim, hidden)    stacked per-expert SwiGLU weights, so expert parallelism
   experts.w2     (E, hidden, dim)    can slice dim 0 (expert parallelism)
-  shared_expert.*                    optional always-on `FeedForward` (hidden = expert hidden)
+  shared_expert.*                    optional always-on `FeedForward` (hidden = expert hidden x n_shared_experts)
 
 Routing: p = softmax(router(x)) in fp32; each token picks its top_k experts and their
-weights are renormalised to sum to 1. With capacity_factor > 0 an expert takes at most
+weights are renormalised to sum to 1. DeepSeek-V3's router (router_score "sigmoid"): p = sigmoid(router(x));
+with router_groups > 1 a token picks among the experts of its best router_topk_groups groups (a group ranked
+by its two best biased scores); the weights renormalised (+1e-20) and multiplied by router_scale.
+With capacity_factor > 0 an expert takes at most
 C = ceil(cf * T * top_k / E) of the T local tokens' assignments; assignments are ranked in
 token order (token 0 slot 0, token 0 slot 1, token 1 slot 0, ...) and the overflow is dropped
 (the token keeps its residual, no renormalisation). capacity_factor = 0 is dropless.
@@ -48,6 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from usp.models.layers import FeedForward
+
+ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_score
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -108,7 +113,21 @@ class MoE(nn.Module):
         self.norm_topk = bool(getattr(args, "router_norm_topk", True))
         self.router = nn.Linear(dim, self.n_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, self.n_experts)
-        self.shared_expert: nn.Module | None = FeedForward(dim, hidden) if args.shared_expert else None
+        shared_hidden = hidden * int(getattr(args, "n_shared_experts", 1) or 1)  # DeepSeek: n_shared_experts wide
+        self.shared_expert: nn.Module | None = FeedForward(dim, shared_hidden) if args.shared_expert else None
+        # DeepSeek-V3's router: sigmoid scores, the experts in groups of which a token picks among the
+        # best router_topk_groups (a group ranked by its two best scores), the weights scaled
+        self.score = str(getattr(args, "router_score", "softmax"))
+        if self.score not in ROUTER_SCORES:
+            raise ValueError(f"router_score={self.score!r}: usp implements {', '.join(ROUTER_SCORES)}")
+        self.groups = int(getattr(args, "router_groups", 1) or 1)
+        self.topk_groups = int(getattr(args, "router_topk_groups", 1) or 1)
+        self.scale = float(getattr(args, "router_scale", 1.0))
+        if self.groups > 1 and (self.n_experts % self.groups or self.n_experts // self.groups < 2
+                                or not 1 <= self.topk_groups <= self.groups
+                                or self.topk_groups * self.n_experts // self.groups < self.top_k):
+            raise ValueError(f"router_groups={self.groups} must divide n_experts={self.n_experts} into groups of at "
+                             f"least 2, and router_topk_groups={self.topk_groups} groups hold top_k={self.top_k}")
         # optional (experts, routed (N, dim), counts (E,) int64) -> outputs (N, dim), replacing the
         # local experts (expert parallelism installs its token exchange here)
         self.expert_dispatch = None
@@ -121,7 +140,9 @@ class MoE(nn.Module):
         self.aux_loss_scale = 0.0
         self.bias_update_rate = float(getattr(args, "router_bias_update_rate", 0.0) or 0.0)
         # aux-loss-free balancing: a buffer, so checkpoints keep it (None: not registered)
-        self.register_buffer("expert_bias", torch.zeros(self.n_experts) if self.bias_update_rate > 0 else None)
+        # (sigmoid scoring always has it: DeepSeek-V3's e_score_correction_bias, which a checkpoint may set)
+        biased = self.bias_update_rate > 0 or self.score == "sigmoid"
+        self.register_buffer("expert_bias", torch.zeros(self.n_experts) if biased else None)
         self.step_tokens: torch.Tensor | None = None  # global tokens per expert, this step so far
 
     # ------------------------------------------------------------------ routing
@@ -135,14 +156,30 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, dim) -> top-k weights (T, k) (renormalised unless norm_topk is off, x's dtype), expert ids (T, k),
         router probabilities (T, E) fp32. Also sets self.aux_loss."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
-        choice = probs if self.expert_bias is None else probs + self.expert_bias  # the bias only picks
+        logits = self.router(x).float()
+        scores = logits.sigmoid() if self.score == "sigmoid" else F.softmax(logits, dim=-1)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias  # the bias only picks
+        if self.groups > 1:
+            choice = self.mask_groups(choice)
         top_e = choice.topk(self.top_k, dim=-1).indices
-        top_w = probs.gather(-1, top_e)
-        if self.norm_topk:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = scores.gather(-1, top_e)
+        if self.norm_topk:  # (+1e-20 for sigmoid scores, as DeepSeek's; softmax top-k sums are never 0)
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + (1e-20 if self.score == "sigmoid" else 0.0))
+        if self.scale != 1.0:
+            top_w = top_w * self.scale
+        # the balance loss on probabilities: sigmoid scores normalised per token (DeepSeek-V3's)
+        probs = scores if self.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         self.aux_loss = self.balance_loss(probs, top_e)
         return top_w.to(x.dtype), top_e, probs
+
+    def mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` (T, E) with the experts outside each token's best router_topk_groups groups at -inf; a
+        group's rank is the sum of its two best choice scores (DeepSeek-V3's group-limited routing)."""
+        T = choice.shape[0]
+        grouped = choice.view(T, self.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
 
     def balance_loss(self, probs: torch.Tensor, top_e: torch.Tensor) -> torch.Tensor:
         """E * sum_e f_e * P_e with f_e over the global batch of this micro-batch step (the counts
@@ -222,21 +259,28 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         T = x.shape[0]
-        probs = torch.softmax(x @ self.router.weight.t().float(), dim=-1)
+        logits = x @ self.router.weight.t().float()
+        probs = logits.sigmoid() if self.score == "sigmoid" else torch.softmax(logits, dim=-1)
         p_val = probs.detach().tolist()
         bias = [0.0] * E if self.expert_bias is None else self.expert_bias.tolist()
+        size = E // self.groups
         cap = self.capacity(T) or T * k
         taken = [0] * E
         zero = probs.new_zeros(())
         rows = []
         for t in range(T):
-            ranked = sorted(range(E), key=lambda e: -(p_val[t][e] + bias[e]))[:k]
+            def group_rank(g: int, t: int = t) -> float:  # its two best biased scores
+                return sum(sorted(p_val[t][e] + bias[e] for e in range(g * size, (g + 1) * size))[-2:])
+            groups = sorted(range(self.groups), key=lambda g: -group_rank(g))[:self.topk_groups] \
+                if self.groups > 1 else [0]
+            allowed = [e for e in range(E) if e // size in groups]
+            ranked = sorted(allowed, key=lambda e: -(p_val[t][e] + bias[e]))[:k]
             total = sum(probs[t, e] for e in ranked) if self.norm_topk else 1.0
             row = [zero] * E
             for e in ranked:
                 if taken[e] < cap:
                     taken[e] += 1
-                    row[e] = probs[t, e] / total
+                    row[e] = probs[t, e] / total * self.scale
             rows.append(torch.stack(row))
         combine = torch.stack(rows).to(x.dtype)  # (T, E) gate weight of every (token, expert)
         all_out = torch.stack([self.experts.expert(e, x) for e in range(E)], dim=1)  # (T, E, dim)

@@ -18,7 +18,10 @@ stores bf16 parameters (usp.perf.specs.Precision)):
                  each norm's output, the input of the projections: h (DTensor's ColwiseParallel
                  keeps the input all-gathered over the sequence, so not divided by t);
                  attention: q, k, v after RoPE (q + 2kv)/t and the SDPA output q/t; with QK-norm
-                 (model.qk_norm) its input and x·rstd on q and k, 2(q + kv)/t;
+                 (model.qk_norm) its input and x·rstd on q and k, 2(q + kv)/t; latent attention
+                 (model.kv_lora_rank, _mla_values): the low-rank outputs and their norms' outputs
+                 3r_q + 3r_kv + d_rope (whole on every TP rank), q, k, the zero-padded v and SDPA
+                 output 4H·d_qk/t, wo's input H·d_v/t;
                  SwiGLU: w1 and w3 outputs, silu output, their product: 4f/t;
                  MoE MLP: router probabilities (E) + per routed copy (top_k) the token, the
                  expert output and the weighted output (3h) + 4f_expert; a shared expert 4f_expert
@@ -92,7 +95,7 @@ in flight, no bf16 gradient) or its end (one less, all of them) (docs/planner.md
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from usp.contract.decide import autocast_weight_cache, bf16_by_fsdp_policy, compiles_loss, padded_vocab
@@ -182,11 +185,15 @@ def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[flo
     packed_kv = 2 * kv / t if profile.kv_packed_copy else 0
     qk_norm = 2 * (q + arch.kv_dim) / t if arch.qk_norm else 0  # QK-norm's input and x·rstd on q and k
     attention = norm + norm_out + (q + 2 * kv) / t + packed_kv + q / t + qk_norm  # + q/k/v after RoPE, SDPA out
+    if arch.mla:  # latent attention: its own tensors (_mla_values); the ring's K/V as GQA's
+        latent, heads, sdpa_out = _mla_values(arch, t)
+        attention = norm + norm_out + latent + heads + sdpa_out + (2 * kv / t if layout.cp > 1 else 0)
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
         # the MoE layer runs on the whole (all-gathered) sequence on every TP rank: nothing divided by t
-        mlp = norm + norm_out + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fe if arch.shared_expert else 0)
-        mlp_matmuls: float = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fe + h) if arch.shared_expert else 0)
+        fs = fe * arch.n_shared_experts
+        mlp = norm + norm_out + arch.n_experts + arch.top_k * (3 * h + 4 * fe) + (4 * fs if arch.shared_expert else 0)
+        mlp_matmuls: float = arch.n_experts + arch.top_k * (2 * fe + h) + ((2 * fs + h) if arch.shared_expert else 0)
     else:
         mlp = norm + norm_out + 4 * f / t  # + w1, w3 outputs, silu, product
         mlp_matmuls = 2 * f / t + h  # w1, w3 outputs; w2's (a partial sum over the whole sequence under TP)
@@ -194,8 +201,22 @@ def activation_values(arch: Arch, layout: Layout, profile: Profile) -> tuple[flo
     if layout.recompute == "full":
         return h / t, full  # the block input
     if layout.recompute == "selective":  # matmul / attention outputs: q, k, v, SDPA out, wo out + the MLP's
+        if arch.mla:
+            latent, heads, sdpa_out = _mla_values(arch, t)
+            return h / t + latent + heads + sdpa_out + h + mlp_matmuls, full
         return h / t + (q + 2 * kv) / t + q / t + h + mlp_matmuls, full
     return full, full
+
+
+def _mla_values(arch: Arch, t: int) -> tuple[float, float, float]:
+    """Latent attention's kept values per token (usp/models/mla.py), as saved-tensor hooks count them on
+    one eager forward (4,602 values per token at dim 512, 8 heads of 64 + 32, v 64, ranks 192 / 128: these
+    4,576, and the log-sum-exp, RoPE tables and rstd): (the low-rank side, whole on every TP rank: wq_a's
+    output, q_a_norm's and its copy as wq_b's input, wkv_a's output, kv_a_norm's and its copy; the heads'
+    side over tp: q, k, the zero-padded v and SDPA output, all q/k wide; wo's input)."""
+    heads, qk = arch.n_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+    latent = 3 * arch.q_lora_rank + 3 * arch.kv_lora_rank + arch.qk_rope_head_dim
+    return latent, 4 * heads * qk / t, heads * arch.v_head_dim / t
 
 
 def activation_per_layer(arch: Arch, layout: Layout, seq_len: int, prec: Precision,
@@ -237,7 +258,7 @@ def compiled_block_bytes(arch: Arch, layout: Layout, prec: Precision) -> float |
     """Bytes per token a compiled dense block keeps without recompute (AUTOCAST_RESIDUAL_BYTES: what
     inductor keeps and recomputes, measured); None where the eager count stands: eager, recompute, MoE or
     CP (not measured compiled). Under TP the terms divide as the eager ones do (not measured either)."""
-    if not prec.compiled or layout.recompute != "none" or arch.moe or layout.cp > 1:
+    if not prec.compiled or layout.recompute != "none" or arch.moe or arch.mla or layout.cp > 1:
         return None
     h, kv, f, t, q = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp, arch.q_dim
     autocast = prec.copy_bytes and not bf16_by_fsdp_policy(layout.dp_kind, layout.pp, 1)
@@ -297,20 +318,29 @@ def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, s
     counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers, split)
     held = ranks[r]
     layers = sum(counts[i] for i in held)
+    starts = [sum(counts[:i]) for i in range(len(counts))]  # a MoE model's dense first blocks: the stages holding them
+    n_dense = sum(max(0, min(starts[i] + counts[i], arch.dense_layers) - starts[i]) for i in held)
     holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
     vocab_pad = padded_vocab(arch.vocab_size, t)
     # a MoE layer is not TP-sliced (router, experts and shared expert replicated over tp); EP slices the experts
-    dense_layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
+    dense_layer = arch.attn_params_over(t) + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
         + arch.norm_params
     expert_layer = arch.expert_params / ep
+    dense_block = arch.attn_params_over(t) + arch.parts["dense_mlp"] / t + arch.norm_params  # a MoE model's dense one
     emb = vocab_pad * arch.dim / t if holds_emb else 0
     head: float = 0
     if holds_head:  # tied: the head is the embedding itself only without pp; a pipeline's last stage holds a copy
         tied_here = arch.tie_embeddings and pp == 1
         head = (0 if tied_here else vocab_pad * arch.dim / t) + arch.dim
+    moe_layers = layers - n_dense
+    mtp = arch.mtp_depth if holds_head else 0  # multi-token prediction: a block more (whole models only)
+    moe_layers, layers = moe_layers + mtp, layers + mtp
+    mtp_extra = mtp * (2 * arch.dim * arch.dim + 3 * arch.dim)  # its eh_proj and three norms, whole
     return _Held(held, layers, holds_emb, holds_head, vocab_pad, dense_layer, expert_layer, emb, head,
-                 layers * dense_layer + emb + head, layers * expert_layer,
-                 _tensors(arch, t, ep, layers, holds_emb, head > arch.dim, holds_head, vocab_pad))
+                 moe_layers * dense_layer + n_dense * dense_block + emb + head + mtp_extra, moe_layers * expert_layer,
+                 _tensors(arch, t, ep, moe_layers, holds_emb, head > arch.dim, holds_head, vocab_pad)
+                 + _tensors(replace(arch, n_experts=0), t, ep, n_dense, False, False, False, vocab_pad)
+                 + (((arch.dim, 2 * arch.dim, mtp, False), (arch.dim, 1, 3 * mtp, False)) if mtp else ()))
 
 
 def _tensors(arch: Arch, t: int, ep: int, layers: int, emb: bool, head: bool, norm: bool, vocab_pad: int) -> tuple:
@@ -320,19 +350,35 @@ def _tensors(arch: Arch, t: int, ep: int, layers: int, emb: bool, head: bool, no
     the experts over ep: what FSDP2 then cuts along dim 0 (sharded_params)."""
     h, kv, f, q = arch.dim, arch.kv_dim, arch.ffn_dim, arch.q_dim
     up = lambda x: -(-x // t)  # noqa: E731 - DTensor's Shard: torch.chunk pieces, the first ones the longest
-    out = [(h, 1, 2 * layers, False), (up(q), h, layers, False), (up(kv), h, 2 * layers, False),
-           (h, up(q), layers, False)]  # the two norms, wq, wk + wv, wo
+    if arch.mla:
+        out = _mla_tensors(arch, up, layers)
+    else:
+        out = [(h, 1, 2 * layers, False), (up(q), h, layers, False), (up(kv), h, 2 * layers, False),
+               (h, up(q), layers, False)]  # the two norms, wq, wk + wv, wo
     if arch.qk_norm:
         out.append((arch.head_dim, 1, 2 * layers, False))  # q_norm, k_norm: replicated over tp
     if arch.moe:
         fe = arch.moe_ffn_dim or arch.ffn_dim
         out += [(arch.n_experts, h, layers, False), (arch.n_experts // ep, h * fe, 3 * layers, True)]
         if arch.shared_expert:
-            out += [(fe, h, 2 * layers, False), (h, fe, layers, False)]
+            fs = fe * arch.n_shared_experts
+            out += [(fs, h, 2 * layers, False), (h, fs, layers, False)]
     else:
         out += [(up(f), h, 2 * layers, False), (h, up(f), layers, False)]  # w1 + w3, w2
     out += [(vocab_pad // t, h, int(emb) + int(head), False), (h, 1, int(norm), False)]  # embedding, LM head; norm
     return tuple(x for x in out if x[2] and x[0] * x[1])
+
+
+def _mla_tensors(arch: Arch, up, layers: int) -> list:
+    """Latent attention's parameters as tensor.py holds them: the two block norms; wq_a, q_a_norm, wkv_a,
+    kv_a_norm whole; wq (or wq_b) and wkv_b rows over tp; wo columns over tp (usp/models/mla.py)."""
+    h, heads, rank = arch.dim, arch.n_heads, arch.q_lora_rank
+    qk, rope, kv_rank = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.qk_rope_head_dim, arch.kv_lora_rank
+    q = [(rank, h, layers, False), (rank, 1, layers, False), (up(heads * qk), rank, layers, False)] if rank \
+        else [(up(heads * qk), h, layers, False)]
+    return [(h, 1, 2 * layers, False), *q, (kv_rank + rope, h, layers, False), (kv_rank, 1, layers, False),
+            (up(heads * (arch.qk_nope_head_dim + arch.v_head_dim)), kv_rank, layers, False),
+            (h, up(heads * arch.v_head_dim), layers, False)]
 
 
 def zero_sharding(layout: Layout, profile: Profile) -> tuple[int, int]:

@@ -41,6 +41,16 @@ class Arch:
     gated: bool = True  # SwiGLU MLP (w1, w3, w2: 3·h·ffn); False: a GeLU MLP (2·h·ffn: GPT, MPT, Megatron's GPT)
     attn_head_dim: int = 0  # model.head_dim; 0 = dim / n_heads (Qwen3: 128 whatever dim / n_heads is)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3): 2 x head_dim weights per layer
+    # DeepSeek-V3 (docs/models.md): the shared expert's width in experts, the dense first layers of a MoE
+    # model, multi-head latent attention (kv_lora_rank > 0: usp/models/mla.py)
+    n_shared_experts: int = 1
+    n_dense_layers: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction: one more block (+ eh_proj, 3 norms), the head again
 
     @classmethod
     def from_model(cls, m, vocab_size: int | None = None) -> Arch:
@@ -56,7 +66,21 @@ class Arch:
                    top_k=int(g("top_k", 2) or 2), moe_ffn_dim=int(g("moe_ffn_dim", 0) or 0),
                    shared_expert=bool(g("shared_expert", False)), attention=str(g("attention", "sdpa")),
                    expert_load_imbalance=float(g("expert_load_imbalance", 1.0) or 1.0),
-                   attn_head_dim=int(g("head_dim") or 0), qk_norm=bool(g("qk_norm", False)))
+                   attn_head_dim=int(g("head_dim") or 0), qk_norm=bool(g("qk_norm", False)),
+                   n_shared_experts=int(g("n_shared_experts", 1) or 1), n_dense_layers=int(g("n_dense_layers", 0) or 0),
+                   kv_lora_rank=int(g("kv_lora_rank", 0) or 0), q_lora_rank=int(g("q_lora_rank", 0) or 0),
+                   qk_nope_head_dim=int(g("qk_nope_head_dim", 0) or 0),
+                   qk_rope_head_dim=int(g("qk_rope_head_dim", 0) or 0), v_head_dim=int(g("v_head_dim", 0) or 0),
+                   mtp_depth=int(g("mtp_depth", 0) or 0))
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def dense_layers(self) -> int:
+        """Blocks with a dense MLP in a MoE model (the first ones); 0 for a dense model (every block is)."""
+        return min(self.n_dense_layers, self.n_layers) if self.moe else 0
 
     @property
     def head_dim(self) -> int:
@@ -65,12 +89,24 @@ class Arch:
     @property
     def q_dim(self) -> int:
         """Width of the queries and of the attention's output (wq's rows, wo's columns): n_heads x
-        head_dim, which is dim unless model.head_dim says otherwise."""
+        head_dim, which is dim unless model.head_dim says otherwise; latent attention's queries are
+        n_heads x (qk_nope_head_dim + qk_rope_head_dim)."""
+        if self.mla:
+            return self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
         return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
+        """One of K and V's width (latent attention: their mean, K of q's width and V n_heads x v_head_dim)."""
+        if self.mla:
+            return (self.q_dim + self.n_heads * self.v_head_dim) // 2
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def score_dim(self) -> int:
+        """The attention matmuls' width per token: QK^T over q's width, AV over V's; their mean (q_dim
+        unless latent attention's value heads are narrower than its query heads)."""
+        return (self.q_dim + self.n_heads * self.v_head_dim) // 2 if self.mla else self.q_dim
 
     @property
     def moe(self) -> bool:
@@ -83,6 +119,14 @@ class Arch:
     @property
     def attn_params(self) -> int:  # per layer, matmul weights
         return self.parts["attention"]
+
+    def attn_params_over(self, tp: int) -> float:
+        """One layer's attention weights on a tensor-parallel rank: all over tp, except latent attention's
+        low-rank projections (wq_a, wkv_a), held whole on every rank (usp/engine/parallel/tensor.py)."""
+        if not self.mla:
+            return self.attn_params / tp
+        whole = self.dim * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
+        return whole + (self.attn_params - whole) / tp
 
     @property
     def expert_params(self) -> int:  # per layer, all routed experts (0 for a dense model)
@@ -103,8 +147,25 @@ class Arch:
 
     @property
     def layer_params(self) -> int:
+        """One MoE block's parameters (a dense model's block)."""
         p = self.parts
         return p["attention"] + p["mlp"] + p["norms"]
+
+    @property
+    def dense_layer_params(self) -> int:
+        """One of a MoE model's dense first blocks (model.n_dense_layers): attention, SwiGLU of ffn_dim, norms."""
+        p = self.parts
+        return p["attention"] + p["dense_mlp"] + p["norms"]
+
+    @property
+    def mtp_params(self) -> int:
+        """The multi-token-prediction module: a block of the MoE kind, eh_proj (2h x h), enorm, hnorm, head_norm."""
+        return self.mtp_depth * (self.layer_params + 2 * self.dim * self.dim + 3 * self.dim)
+
+    @property
+    def layer_costs(self) -> list[int]:
+        """Parameters of each block in order (the pipeline split's costs)."""
+        return [self.dense_layer_params] * self.dense_layers + [self.layer_params] * (self.n_layers - self.dense_layers)
 
     @property
     def active_layer_matmul_params(self) -> int:
@@ -125,14 +186,17 @@ class Arch:
     def total_params(self) -> int:
         """Exact number of (unique) parameters, what `sum(p.numel() for p in model.parameters())` gives
         (for a MoE model: all experts, on one process before expert parallelism slices them)."""
-        return self.embed_params + self.n_layers * self.layer_params + self.head_params
+        return self.embed_params + sum(self.layer_costs) + self.head_params + self.mtp_params
 
     @property
     def matmul_params(self) -> int:
         """Parameters that take part in matmuls: all block projections plus the LM head (counted
         even when tied, since the v x h matmul still runs). The embedding lookup and the norm weights
         do no matmul. For MoE, a token's matmuls: router + top_k experts + shared expert."""
-        return self.n_layers * self.active_layer_matmul_params + self.vocab_size * self.dim
+        dense = self.dense_layers * (self.parts["attention"] + self.parts["dense_mlp"])
+        moe = (self.n_layers - self.dense_layers) * self.active_layer_matmul_params
+        mtp = self.mtp_depth * (self.active_layer_matmul_params + 2 * self.dim * self.dim + self.vocab_size * self.dim)
+        return moe + dense + mtp + self.vocab_size * self.dim
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), Ultra-Scale Playbook convention:
@@ -143,9 +207,10 @@ class Arch:
         multiply-add x (1 forward + 2 backward). The second term is the attention score/value
         matmuls (QK^T and AV): 2 matmuls x 2 FLOPs x 3 passes x q x s per layer, counted without the
         causal-mask halving, as in the playbook/PaLM MFU formula; q = n_heads x head_dim (q_dim), h
-        unless model.head_dim says otherwise. For MoE, N counts the active experts only (top_k +
-        shared) plus the router."""
-        return 6 * self.matmul_params + 12 * self.n_layers * self.q_dim * seq_len
+        unless model.head_dim says otherwise (latent attention: score_dim, the mean of the QK^T and AV
+        widths). For MoE, N counts the active experts only (top_k + shared) plus the router, and the
+        dense first layers their MLP; multi-token prediction adds its block, eh_proj and the head again."""
+        return 6 * self.matmul_params + 12 * (self.n_layers + self.mtp_depth) * self.score_dim * seq_len
 
 
 @lru_cache(maxsize=256)
@@ -153,31 +218,42 @@ def _parts(a: Arch) -> dict:
     """Parameter counts by part. `attention`, `mlp` and `norms` are PER LAYER.
 
     attention: wq (h x q) + wk, wv (h x h_kv*head_dim) + wo (q x h), no biases; q = n_heads*head_dim
-    mlp:       SwiGLU w1, w3 (h x ffn) + w2 (ffn x h)
+    mlp:       SwiGLU w1, w3 (h x ffn) + w2 (ffn x h) (dense_mlp: the same, a MoE model's dense first layers)
     norms:     attention_norm + ffn_norm (h each), + q_norm and k_norm (head_dim each) with qk_norm
     lm_head:   v x h when untied, 0 when it shares the embedding matrix
 
     MoE (n_experts > 0, usp.models.moe): `mlp` is the whole MoE layer = router + experts +
     shared_expert, and these extra PER LAYER keys are added: expert (one SwiGLU expert, hidden =
-    moe_ffn_dim or ffn_dim), experts (all E of them), router (h x E), shared_expert (one
-    expert-sized SwiGLU, or 0), active_mlp (what one token uses: router + top_k experts +
+    moe_ffn_dim or ffn_dim), experts (all E of them), router (h x E), shared_expert (a SwiGLU of
+    n_shared_experts experts' width, or 0), active_mlp (what one token uses: router + top_k experts +
     shared_expert)."""
     dim, h_kv = a.dim, a.n_kv_heads
     if (not a.attn_head_dim and dim % a.n_heads) or a.n_heads % h_kv:
         raise ValueError(f"dim={dim}, n_heads={a.n_heads}, n_kv_heads={h_kv} do not divide evenly")
     mlp = (3 if a.gated else 2) * dim * a.ffn_dim
     out = {"embedding": a.vocab_size * dim, "attention": 2 * dim * a.q_dim + 2 * dim * a.kv_dim, "mlp": mlp,
-           "norms": 2 * dim + (2 * a.head_dim if a.qk_norm else 0), "final_norm": dim,
+           "dense_mlp": mlp, "norms": 2 * dim + (2 * a.head_dim if a.qk_norm else 0), "final_norm": dim,
            "lm_head": 0 if a.tie_embeddings else a.vocab_size * dim}
+    if a.mla:
+        out.update(_mla_parts(a))
     if a.n_experts > 0:
         if not 0 < a.top_k <= a.n_experts:
             raise ValueError(f"top_k={a.top_k} must be in [1, n_experts={a.n_experts}]")
         expert = 3 * dim * (a.moe_ffn_dim or a.ffn_dim)
-        shared = expert if a.shared_expert else 0
+        shared = expert * a.n_shared_experts if a.shared_expert else 0
         out.update(expert=expert, experts=a.n_experts * expert, router=dim * a.n_experts, shared_expert=shared,
                    mlp=a.n_experts * expert + dim * a.n_experts + shared,
                    active_mlp=a.top_k * expert + dim * a.n_experts + shared)
     return out
+
+
+def _mla_parts(a: Arch) -> dict:
+    """Latent attention's matmul weights (usp/models/mla.py): q (wq_a + wq_b, or wq), wkv_a, wkv_b, wo; and
+    its norms: the two RMSNorms of the block and the latents' (q_a_norm, kv_a_norm)."""
+    heads, qk = a.n_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+    q = a.dim * a.q_lora_rank + a.q_lora_rank * heads * qk if a.q_lora_rank else a.dim * heads * qk
+    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)
+    return {"attention": q + kv + heads * a.v_head_dim * a.dim, "norms": 2 * a.dim + a.q_lora_rank + a.kv_lora_rank}
 
 
 @dataclass(frozen=True)

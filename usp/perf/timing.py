@@ -234,7 +234,7 @@ def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float
     t = layout.tp
     ep = max(1, layout.ep) if arch.moe else 1
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
-    layer = arch.attn_params / t + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
+    layer = arch.attn_params_over(t) + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
         + arch.norm_params + arch.expert_params / ep  # a MoE layer is not TP-sliced
     vocab_pad = -(-arch.vocab_size // t) * t
     out = []
@@ -251,7 +251,8 @@ def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float
 def _flops_per_token(arch: Arch, layout: Layout, seq_len: int) -> tuple[float, float]:
     """(model FLOPs per token: the MFU numerator, hardware FLOPs per token). Full recomputation runs each
     block's forward (1/3 of its training FLOPs) again; the LM head is not recomputed."""
-    blocks_fpt = arch.n_layers * (6 * arch.active_layer_matmul_params + 12 * arch.q_dim * seq_len)
+    blocks_fpt = 6 * (arch.matmul_params - arch.vocab_size * arch.dim) \
+        + 12 * (arch.n_layers + arch.mtp_depth) * arch.score_dim * seq_len
     model_fpt = blocks_fpt + 6 * arch.vocab_size * arch.dim
     return model_fpt, model_fpt + _recompute_extra(layout) * blocks_fpt
 
@@ -265,7 +266,13 @@ def linears(arch: Arch, layout: Layout, fused: bool) -> list[tuple[str, float, f
     h, kv, f, t, q = arch.dim, arch.kv_dim, arch.ffn_dim, layout.tp, arch.q_dim
     out: list[tuple[str, float, float]] = [("qkv", h, (q + 2 * kv) / t)] if fused else [
         ("q", h, q / t), ("k", h, kv / t), ("v", h, kv / t)]
-    out.append(("o", q / t, h))
+    if arch.mla:  # latent attention (usp/models/mla.py): the low-rank projections whole on every TP rank
+        r, c, v = arch.q_lora_rank, arch.kv_lora_rank, arch.n_heads * arch.v_head_dim
+        out = [("q_a", h, r), ("q_b", r, q / t)] if r else [("q", h, q / t)]
+        out += [("kv_a", h, c + arch.qk_rope_head_dim),
+                ("kv_b", c, arch.n_heads * (arch.qk_nope_head_dim + arch.v_head_dim) / t), ("o", v / t, h)]
+    else:
+        out.append(("o", q / t, h))
     if arch.gated:
         out += [("w13", h, 2 * f / t)] if fused else [("w1", h, f / t), ("w3", h, f / t)]
     else:
@@ -326,22 +333,24 @@ def _layer_work(arch: Arch, layout: Layout, seq_len: int, prec: Precision, profi
         add(t_tok, k_in, n_out, convert=fp8, again=i % 2 == 0)
     if arch.moe:
         _moe_gemms(arch, layout, t_tok, add)
-    attn = 12.0 * seq_len * (arch.q_dim / layout.tp) * t_tok
+    attn = 12.0 * seq_len * (arch.score_dim / layout.tp) * t_tok
     elem = elementwise_bytes_per_token(arch) * t_tok / layout.tp
     return LayerWork(w["fwd"], w["bwd"], w["fwd8"], w["bwd8"], w["op"], w["op8"], attn, elem, casts)
 
 
 def _moe_gemms(arch: Arch, layout: Layout, t_tok: float, add) -> None:
     """A MoE layer (not TP-sliced): the router, each local expert's SwiGLU over the tokens routed to it
-    (the busiest EP rank's: x model.expert_load_imbalance), the shared expert over every token."""
+    (the busiest EP rank's: x model.expert_load_imbalance), the shared expert over every token (it needs
+    no all-to-all: every rank runs it on its own tokens)."""
     h, fe = arch.dim, arch.moe_ffn_dim or arch.ffn_dim
     local = arch.n_experts / (layout.ep if layout.ep > 1 else 1)
     routed = t_tok * arch.top_k * _imbalance(arch, layout) / local
     add(t_tok, h, arch.n_experts)
-    for k_in, n_out in ((h, fe), (h, fe), (fe, h)):
+    fs = fe * arch.n_shared_experts  # the shared expert: n_shared_experts experts wide (DeepSeek-V3)
+    for (k_in, n_out), shared in zip(((h, fe), (h, fe), (fe, h)), ((h, fs), (h, fs), (fs, h)), strict=True):
         add(routed, k_in, n_out, count=local)
         if arch.shared_expert:
-            add(t_tok, k_in, n_out)
+            add(t_tok, *shared)
 
 
 def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple, tuple, int]:
@@ -349,7 +358,7 @@ def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
     layers = tuple(sum(counts[i] for i in held) for held in ranks)
     heads = tuple(r for r, held in enumerate(ranks) if len(counts) - 1 in held)
-    per_layer = arch.active_layer_matmul_params + 2 * arch.q_dim * seq_len
+    per_layer = arch.active_layer_matmul_params + 2 * arch.score_dim * seq_len
     busiest = max(range(layout.pp), key=lambda r: layers[r] * per_layer + (
         arch.vocab_size * arch.dim if r in heads else 0))
     return layers, heads, busiest
@@ -390,10 +399,14 @@ def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Preci
 
 
 def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, tokens_mb: float) -> Comm:
-    """Expert parallel: dispatch + combine all-to-alls, forward and backward, per layer."""
+    """Expert parallel: dispatch + combine all-to-alls, forward and backward, per layer: the routed copies
+    (top_k per token); a shared expert runs on each rank's own tokens and sends none. A MoE model's dense
+    first layers (model.n_dense_layers) exchange nothing: the per-layer size is scaled by the share of MoE
+    layers (over the whole model, not per stage)."""
     passes = 3 if layout.recompute == "full" else 2
     calls = 2 * passes * layout.grad_accum
-    size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout)  # the busiest rank's
+    moe_share = (arch.n_layers - arch.dense_layers) / arch.n_layers
+    size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout) * moe_share  # the busiest rank's
     return Comm("EP all-to-all (tokens)", "ep", "all_to_all", layout.ep, _ep_crosses_nodes(layout, hw),
                 min(layout.ep, hw.procs_per_node), calls, size, path=True, per_layer=True)
 

@@ -18,6 +18,7 @@ from usp.contract.hf_shape import (
     ARCHITECTURES,
     CHECKPOINT_KEYS,
     CONFIG,
+    DEEPSEEK_FIELDS,
     HF_DEFAULTS,
     HF_ROPE,
     MOE_TYPES,
@@ -82,6 +83,8 @@ _USP_KEY = {"model_type": "model.n_experts", "hidden_size": "model.dim", "num_hi
             "tie_word_embeddings": "model.tie_embeddings", "rope_theta": "model.rope_theta",
             "rms_norm_eps": "model.norm_eps", "num_local_experts": "model.n_experts",
             "num_experts_per_tok": "model.top_k", "rope_parameters.rope_type": "model.rope_type",
+            "q_lora_rank": "model.q_lora_rank", "n_shared_experts": "model.n_shared_experts",
+            **{hf: f"model.{usp}" for hf, usp in DEEPSEEK_FIELDS.items()},
             **{f"rope_parameters.{hf}": f"model.rope_{k}" for k, hf in HF_ROPE.items()}}
 
 
@@ -97,12 +100,15 @@ def check_hf_config(config: dict, model: Any, vocab: int, path: str) -> None:
     if kind == "mixtral" and not getattr(model, "router_norm_topk", True):
         raise PlanError("Mixtral renormalises the top-k router probabilities", key="model.router_norm_topk",
                         value=False, fix="model.router_norm_topk=true")
+    _check_router(kind, model)
     want = usp_fields(model, vocab)
     rope = hf_rope(config)
     hf = {**HF_DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None},
           "rope_theta": rope.pop("rope_theta"), **{f"rope_parameters.{k}": v for k, v in rope.items()},
           "head_dim": _head_dim(config)}
     hf.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
+    if "q_lora_rank" in config:  # null: DeepSeek's full q projection, not the default rank
+        hf["q_lora_rank"] = config["q_lora_rank"]
     hf.setdefault("tie_word_embeddings", False)  # transformers' default for these four types
     if kind == "qwen3_moe":
         hf["num_experts"] = _n_experts(config)
@@ -112,6 +118,23 @@ def check_hf_config(config: dict, model: Any, vocab: int, path: str) -> None:
             or have == value
         if not same:
             raise _disagrees(field, have, value, want["model_type"], path)
+
+
+def _check_router(kind: str, model: Any) -> None:
+    """DeepSeek-V3 routes by sigmoid scores; the other types by a softmax over one group of experts, their
+    weights unscaled, with a MoE layer in every block."""
+    deepseek = kind == "deepseek_v3"
+    if deepseek and int(model.n_experts or 0) and str(model.router_score) != "sigmoid":
+        raise PlanError("DeepSeek-V3's router scores are sigmoids", key="model.router_score", value=model.router_score,
+                        fix="model.router_score=sigmoid")
+    if deepseek:
+        return
+    for key, usp_has in (("router_score", "softmax"), ("router_groups", 1), ("router_topk_groups", 1),
+                         ("router_scale", 1.0), ("n_dense_layers", 0)):
+        if getattr(model, key) != usp_has:
+            raise PlanError(f"{ARCHITECTURES[kind]} has no equivalent of model.{key}={getattr(model, key)!r} "
+                            "(a DeepSeek-V3 option)", key=f"model.{key}", value=getattr(model, key),
+                            fix=f"model.{key}={usp_has}")
 
 
 def _disagrees(field: str, have: Any, value: Any, model_type: str, path: str) -> PlanError:
@@ -180,6 +203,8 @@ def _check_attention_span(config: dict, refuse) -> None:
 def _head_dim(config: dict) -> Any:
     """config.json's head_dim as transformers reads it: its own, the model type's default (Qwen3: 128),
     else hidden_size / num_attention_heads."""
+    if config.get("model_type") == "deepseek_v3":  # RoPE's part of a latent attention head (HF sets head_dim to it)
+        return config.get("qk_rope_head_dim", HF_DEFAULTS["deepseek_v3"]["qk_rope_head_dim"])
     given = config.get("head_dim") or HF_DEFAULTS.get(str(config.get("model_type")), {}).get("head_dim")
     if given is not None:
         return given
@@ -200,6 +225,8 @@ def usp_values(config: dict, path: str) -> dict:
     _check_supported(config, path)
     model_type = config["model_type"]
     hf = {**HF_DEFAULTS[model_type], **{k: v for k, v in config.items() if v is not None}}
+    if "q_lora_rank" in config:  # null: DeepSeek's full q projection, not the default rank
+        hf["q_lora_rank"] = config["q_lora_rank"]
     rope = hf_rope(config)
     n_heads = int(hf["num_attention_heads"])
     given_head_dim = config.get("head_dim") or HF_DEFAULTS[model_type].get("head_dim")
@@ -209,14 +236,37 @@ def usp_values(config: dict, path: str) -> dict:
               "qk_norm": model_type in QK_NORM_TYPES, "ffn_dim": int(hf["intermediate_size"]), "moe_ffn_dim": 0,
               "vocab_size": int(hf["vocab_size"]), "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
               "rope_theta": rope["rope_theta"], "rope_type": rope["rope_type"], "norm_eps": float(hf["rms_norm_eps"]),
-              "n_experts": 0, "top_k": ModelConfig.top_k, "shared_expert": False, "router_norm_topk": True}
+              "n_experts": 0, "top_k": ModelConfig.top_k, "shared_expert": False, "router_norm_topk": True,
+              **{k: getattr(ModelConfig, k) for k in ("n_shared_experts", "router_score", "router_groups",
+                                                      "router_topk_groups", "router_scale", "n_dense_layers",
+                                                      "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                                      "qk_rope_head_dim", "v_head_dim", "rope_interleave")}}
     if model_type == "mixtral":
         values.update(n_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]))
     if model_type == "qwen3_moe":
         values.update(n_experts=_n_experts(config), top_k=int(hf["num_experts_per_tok"]),
                       moe_ffn_dim=int(hf["moe_intermediate_size"]), router_norm_topk=bool(hf["norm_topk_prob"]))
+    if model_type == "deepseek_v3":
+        values.update(_deepseek_values(hf))
     values.update({f"rope_{k}": rope.get(hf) for k, hf in HF_ROPE.items()})
     assert set(values) == set(CHECKPOINT_KEYS), set(values) ^ set(CHECKPOINT_KEYS)
+    return values
+
+
+def _deepseek_values(hf: dict) -> dict:
+    """A DeepSeek-V3 config.json's usp values (`hf`: with transformers' defaults): latent attention, sigmoid
+    group routing, the shared experts, the dense first layers (all of them: a dense model). Its multi-token
+    prediction module (num_nextn_predict_layers) is not usp's: its weights are skipped (docs/models.md)."""
+    values = {usp: hf[field] for field, usp in DEEPSEEK_FIELDS.items()}
+    shared = int(hf["n_shared_experts"] or 0)
+    values.update(head_dim=None, n_kv_heads=int(hf["num_attention_heads"]), q_lora_rank=int(hf["q_lora_rank"] or 0),
+                  top_k=int(hf["num_experts_per_tok"]), router_score="sigmoid",
+                  router_scale=float(hf["routed_scaling_factor"]), shared_expert=shared > 0,
+                  n_shared_experts=max(shared, 1), rope_interleave=bool(hf["rope_interleave"]),
+                  router_norm_topk=bool(hf["norm_topk_prob"]))
+    if int(hf["first_k_dense_replace"]) >= int(hf["num_hidden_layers"]):  # no MoE layer
+        values.update(n_experts=0, n_dense_layers=0, moe_ffn_dim=0, router_groups=1, router_topk_groups=1,
+                      router_scale=1.0, shared_expert=False, n_shared_experts=1, top_k=ModelConfig.top_k)
     return values
 
 

@@ -55,7 +55,7 @@ def build_plan(cfg, choices: dict | None = None, cpu_count: int | None = None, *
         dataset_dir=_planned_dataset_dir(cfg.data, data_warnings),
         choices=dict(choices or {}), config=config,
         decisions=decisions(config, degrees, str(cluster.device), run_dir, arch.vocab_size),
-        pipeline=pipeline, warnings=data_warnings + _unused_rows(cfg, int(cfg.model.vocab_size)),
+        pipeline=pipeline, warnings=data_warnings + _unused_rows(cfg, int(cfg.model.vocab_size)) + _skipped_mtp(cfg),
     )
     ft = fault_tolerance_plan(config, degrees, nodes, per_node)
     plan.fault_tolerance = FaultTolerancePlan(**ft) if ft is not None else None
@@ -126,6 +126,23 @@ def _derive(cfg) -> tuple[rules.Subject, dict, BatchPlan]:
         check_hf_config(read_hf_config(init_from), cfg.model, vocab, str(init_from))
         check_hf_files(init_from)
     return rule_subject(cfg, degrees, batch, vocab), degrees, batch
+
+
+def _skipped_mtp(cfg) -> list[str]:
+    """A DeepSeek-V3 checkpoint's multi-token-prediction module, which a run without model.mtp_depth doesn't
+    train: said, not refused (every DeepSeek-V3 config.json has one; transformers skips it too)."""
+    if not getattr(cfg.model, "init_from", None) or int(getattr(cfg.model, "mtp_depth", 0) or 0):
+        return []
+    from usp.plan.hf_config import read_hf_config
+
+    config = read_hf_config(cfg.model.init_from)
+    depth = int(config.get("num_nextn_predict_layers") or 0) if config.get("model_type") == "deepseek_v3" else 0
+    if not depth:
+        return []
+    first = int(config.get("num_hidden_layers") or 0)
+    return [f"the checkpoint's multi-token-prediction module (num_nextn_predict_layers={depth}, "
+            f"model.layers.{first}.*) is skipped: the run trains no MTP loss (model.mtp_depth=1 would), and "
+            "`usp export --format hf` writes num_nextn_predict_layers: 0 (docs/models.md)"]
 
 
 def _unused_rows(cfg, model_vocab: int) -> list[str]:

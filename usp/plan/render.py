@@ -117,9 +117,15 @@ def moe_summary(model: ModelConfig) -> str:
     rate, coef = float(model.router_bias_update_rate or 0.0), float(model.aux_loss_coef or 0.0)
     balance = [f"aux loss x {coef:g} over the global batch"] if coef > 0 else []
     balance += [f"aux-loss-free bias, rate {rate:g}"] if rate > 0 else []
-    shared = ", 1 shared expert" if model.shared_expert else ""
-    return (f"{model.n_experts} experts, top-{model.top_k}{shared}; balancing: "
-            f"{' + '.join(balance) or 'none'}")
+    width = int(getattr(model, "n_shared_experts", 1) or 1)
+    shared = (", 1 shared expert" + (f" ({width} experts wide)" if width > 1 else "")) if model.shared_expert else ""
+    groups = int(getattr(model, "router_groups", 1) or 1)
+    router = f"{getattr(model, 'router_score', 'softmax')} scores" + (
+        f", the best {model.router_topk_groups} of {groups} groups" if groups > 1 else "")
+    dense = int(getattr(model, "n_dense_layers", 0) or 0)
+    return (f"{model.n_experts} experts, top-{model.top_k}{shared}; {router}"
+            + (f"; the first {dense} block(s) dense" if dense else "")
+            + f"; balancing: {' + '.join(balance) or 'none'}")
 
 
 def rank_table(plan) -> Table:

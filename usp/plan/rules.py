@@ -510,6 +510,11 @@ FT_RULES = [  # fault_tolerance=torchft (docs/fault_tolerance.md)
 
 
 ENGINE_RULES = [
+    Rule("mtp_whole_sequence", "engine", lambda s: f"parallelism.{_mtp_split(s)}", lambda s: bool(_mtp_split(s)),
+         lambda s: f"multi-token prediction (model.mtp_depth=1) reads the next token's embedding and the main model's "
+                   f"last hidden state on one rank, with the whole sequence: not under {_mtp_split(s)} > 1",
+         lambda s: f"parallelism.{_mtp_split(s)}=1 (data and expert parallelism instead), or model.mtp_depth=0",
+         lambda s: getattr(s.layout, str(_mtp_split(s)))),
     Rule("expert_parallel", "engine", "parallelism.ep", lambda s: bool(_ep_problems(s)),
          lambda s: "; ".join(_ep_problems(s)), _ep_fix, lambda s: s.layout.ep),
     Rule("zero1_on_replicas", "engine", "parallelism.zero1",
@@ -734,6 +739,27 @@ def _moe(v: Values) -> bool:
     return int(v["model.n_experts"] or 0) > 0
 
 
+def _mtp_split(s: Subject) -> str | None:
+    """The parallelism that splits what multi-token prediction needs (tp: the hidden state over the sequence and
+    the vocabulary, cp: the sequence, pp: the embedding from the head), or None."""
+    if not s.arch.mtp_depth:
+        return None
+    return next((dim for dim in ("tp", "cp", "pp") if getattr(s.layout, dim) > 1), None)
+
+
+def _group_problem(v: Values) -> str | None:
+    """Why model.router_groups / router_topk_groups can't route model.top_k of model.n_experts, or None:
+    DeepSeek-V3 ranks a group by its two best experts, and a token's experts come from its best groups."""
+    e, g, k, top = (int(v[f"model.{x}"]) for x in ("n_experts", "router_groups", "router_topk_groups", "top_k"))
+    if g == 1:
+        return None
+    if e % g or e // g < 2:
+        return f"model.n_experts={e} must split into {g} groups of at least 2 experts"
+    if not k <= g or k * (e // g) < top:
+        return f"model.router_topk_groups={k} must be at most {g} groups holding top_k={top} experts"
+    return None
+
+
 def _token_files(v: Values) -> bool:
     return str(v["data.source"]) == "token_files"
 
@@ -818,6 +844,7 @@ def _lines(key: str, option: bool, why: str, fix: str) -> Rule:
 
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_score (usp/models/moe.py)
 MODEL_FAMILIES = ("llama",)  # the decoder usp builds (usp/models/llama.py; n_experts > 0: MoE blocks, as Mixtral)
 DATA_SOURCES = (*TEXT_SOURCES, "blend", "token_files")
 SLURM_TIME = re.compile(r"^\d+(-\d+)?(:\d+){0,2}$")  # minutes | [D-]H[:M[:S]] | M:S (sbatch --time forms)
@@ -843,6 +870,30 @@ MODEL_FIELD_RULES = [
     _real("model.aux_loss_coef", 0),
     _real("model.capacity_factor", 0, meaning=" (0 = dropless)"),
     _real("model.router_bias_update_rate", 0, meaning=" (0 = off; > 0: aux-loss-free balancing, the bias step)"),
+    # DeepSeek-V3's options (docs/models.md)
+    _at_least("model.n_shared_experts", 1, " (the shared expert's width in experts)"),
+    _one_of("model.router_score", ROUTER_SCORES, "router score (softmax: Mixtral, Qwen3-MoE; sigmoid: DeepSeek-V3)"),
+    _at_least("model.router_groups", 1, " (1 = no group-limited routing)"),
+    _at_least("model.router_topk_groups", 1),
+    Rule("model.router_groups_split_experts", "plan", "model.router_groups",
+         lambda v: _moe(v) and _set(v, "model.router_groups", "model.router_topk_groups", "model.top_k")
+         and _group_problem(v) is not None, lambda v: str(_group_problem(v)),
+         "model.router_groups=1 (DeepSeek-V3: 8 groups of 32 experts, router_topk_groups=4)",
+         lambda v: v["model.router_groups"]),
+    _real("model.router_scale", 0, lo_open=True, meaning=" (routed_scaling_factor; 1 = none)"),
+    _at_least("model.n_dense_layers", 0, " (the first blocks of a MoE model with a dense MLP)"),
+    *(_at_least(f"model.{k}", 0) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim")),
+    _field("model.qk_rope_head_dim", lambda x: isinstance(x, bool) or not isinstance(x, int) or x < 2 or x % 2 != 0,
+           "latent attention's RoPE part must be a positive even width: RoPE rotates pairs of channels",
+           "model.qk_rope_head_dim=64 (DeepSeek-V3)", when=lambda v: int(v["model.kv_lora_rank"] or 0) > 0),
+    _field("model.v_head_dim", _ints(1), "latent attention's value heads must be at least 1 wide",
+           "model.v_head_dim=128 (DeepSeek-V3)", when=lambda v: int(v["model.kv_lora_rank"] or 0) > 0),
+    _field("model.mtp_depth", lambda x: x not in (0, 1), "usp implements multi-token prediction of depth 1 (or 0)",
+           "model.mtp_depth=1 (DeepSeek-V3)"),
+    _real("model.mtp_loss_coef", 0, lo_open=True, meaning=" (the MTP loss's weight; DeepSeek-V3: 0.3, then 0.1)",
+          when=lambda v: int(v["model.mtp_depth"] or 0) > 0),
+    _field("model.qk_norm", lambda x: bool(x), "latent attention (model.kv_lora_rank > 0) has no QK-norm",
+           "model.qk_norm=false", when=lambda v: int(v["model.kv_lora_rank"] or 0) > 0),
 ]
 PARALLEL_FIELD_RULES = [
     _at_least("parallelism.ddp_bucket_mb", 1),

@@ -202,6 +202,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if dist.get_world_size(group) == 1:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    narrow = q.shape[-1] - v.shape[-1]  # latent attention: values narrower than q / k (DeepSeek-V3: 128 vs 192)
+    if narrow < 0:
+        raise ValueError(f"ring attention needs values at most q's width, got {v.shape[-1]} > {q.shape[-1]}")
+    if narrow:  # zero columns travel the ring with K: the output's are zero, and dropped
+        return _RingAttention.apply(q, k, torch.nn.functional.pad(v, (0, narrow)), group)[..., :v.shape[-1]]
     return _RingAttention.apply(q, k, v, group)
 
 
@@ -214,10 +219,11 @@ def apply_context_parallel(model: nn.Module, cp_group, positions: torch.Tensor |
     its input alone, yet its RoPE must rotate the shard's global positions.
     """
     from usp.models.llama import Attention
+    from usp.models.mla import LatentAttention
 
     n = 0
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, Attention | LatentAttention):
             m.core_attention = functools.partial(ring_attention, group=cp_group)
             n += 1
     if n == 0:

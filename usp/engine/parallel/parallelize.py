@@ -49,6 +49,8 @@ def parallelize(model: nn.Module, plan: RunPlan, ctx: DistContext) -> nn.Module:
 
         apply_moe_balancing(model, ctx.group(*BATCH_DIMS), float(plan.config.model.aux_loss_coef),
                             int(plan.batch.grad_accum))
+    if int(plan.config.model.mtp_depth or 0):  # the MTP loss's gradient through the logits (Llama.forward)
+        model.mtp_loss_scale = float(plan.config.model.mtp_loss_coef) / int(plan.batch.grad_accum)
     apply_recompute(model, choose.recompute)
     if choose.compile:  # train.compile=auto: on for CUDA
         for name, block in list(model.layers.named_children()):

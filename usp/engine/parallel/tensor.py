@@ -15,13 +15,22 @@ so they run on this rank's heads. Their weights (head_dim) are replicated; each 
 its heads' part of the whole, so it must be summed over the TP ranks. As torchtitan's Qwen3 plan
 does: SequenceParallel over dim 2 (the heads of (b, s, heads, head_dim)) makes the local q / k a
 DTensor sharded over the heads, the weight a Replicate DTensor, and DTensor's RMSNorm backward
-gives the weight a Partial gradient that it all-reduces."""
+gives the weight a Partial gradient that it all-reduces.
+
+Latent attention (model.kv_lora_rank > 0, DeepSeek-V3, usp/models/mla.py) is tensor-parallel over its
+heads as torchtitan's DeepSeek-V3 plan is: wq (or wq_b) and wkv_b column-parallel, wo row-parallel; the
+low-rank projections wq_a, wkv_a and their norms stay whole on every rank, as plain tensors (like a MoE
+layer's). Their gradients are the whole model's on every rank: the column-parallel layers after them
+sum their inputs' gradients over tp, and the RoPE key, which this rank's heads alone use, passes through
+`rope_key_grad`, an identity whose backward sums over tp."""
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -31,6 +40,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from usp.models.mla import LatentAttention
 from usp.models.moe import MoE
 
 
@@ -50,13 +60,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, real_vocab: int
         model.output.weight = model.tok_embeddings.weight
 
     for block in model.layers.values():
+        mla = isinstance(block.attention, LatentAttention)
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),  # (MLA's low-rank layers: local)
+                                            desired_input_layouts=(Replicate(), None, None), use_local_output=mla),
+            **(_mla_plan(block.attention, tp_mesh) if mla else {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+            }),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             **_qk_norm_plan(block.attention),
             "ffn_norm": SequenceParallel(),
@@ -75,6 +88,18 @@ def _qk_norm_plan(attention: nn.Module) -> dict:
         return {}
     style = SequenceParallel(sequence_dim=2, use_local_output=True)
     return {"attention.q_norm": style, "attention.k_norm": style}
+
+
+def _mla_plan(attention: LatentAttention, tp_mesh: DeviceMesh) -> dict:
+    """Latent attention's head-sharded projections (module docstring); installs its RoPE key's gradient sum."""
+    attention.rope_key_grad = partial(_sum_grad_over, tp_mesh)
+    return {f"attention.{name}": ColwiseParallel() for name in ("wq", "wq_b", "wkv_b")
+            if getattr(attention, name) is not None}
+
+
+def _sum_grad_over(mesh: DeviceMesh, x: torch.Tensor) -> torch.Tensor:
+    """x itself, whose gradient is summed over `mesh` in the backward (each rank holds a part of it)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def _mlp_plan() -> dict:
