@@ -14,7 +14,7 @@ from tests.helpers import plan_for, usp_cli
 from usp.config.compose import compose_config
 from usp.contract.dims import rank_table
 from usp.errors import PlanError
-from usp.perf.memory import in_flight, memory_plan, stage_memory
+from usp.perf.memory import FIXED_OVERHEAD_GIB, in_flight, memory_plan, stage_memory
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.perf.stack_profile import PROFILES
 from usp.perf.timing import timing_plan
@@ -145,7 +145,7 @@ def mem8b(**kw) -> object:
     return stage_memory(arch("llama3_1_8b"), lay, S, h100(), BF16, 0, USP)
 
 
-def overhead(subtotal: float, fixed_gib: float = 1.0) -> float:
+def overhead(subtotal: float, fixed_gib: float = FIXED_OVERHEAD_GIB["cuda"]) -> float:
     return fixed_gib * GIB + 0.05 * subtotal
 
 
@@ -166,7 +166,7 @@ def test_memory_ddp_mixed_precision():
     assert st.logits == 3 * logits
     subtotal = 16 * PSI_8B + acts + 3 * logits
     assert st.total == pytest.approx(subtotal + overhead(subtotal))
-    assert st.total / GIB == pytest.approx(156.53, abs=0.01)  # 168e9 bytes: 8B never fits 80 GiB with DDP
+    assert st.total / GIB == pytest.approx(156.83, abs=0.01)  # 168e9 bytes: 8B never fits 80 GiB with DDP
     accum = mem8b(grad_accum=4)  # earlier micro batches left every gradient: they meet every activation
     assert accum.gradients == 2 * PSI_8B and accum.peak_phase == "loss backward"
 
@@ -754,5 +754,5 @@ def test_planner_follows_the_h100_session(case, model, micro, accum, compiled, f
     measured peak, as the session planned it (cluster=local_gpu, 79.2 GiB, seq 2048, no recompute)."""
     st = plan_for(f"model={model}", "cluster=local_gpu", "cluster.device_memory_gb=79.2", "train.seq_len=2048",
                   "train.dtype=bf16", f"train.compile={compiled}", f"train.fp8={fp8}", f"train.micro_batch={micro}",
-                  f"train.global_batch={micro * accum}").memory.peak
+                  f"train.global_batch={micro * accum}", force=True).memory.peak  # its tensors, fit or not
     assert (st.total - st.overhead) / GIB == pytest.approx(measured, rel=0.05)
