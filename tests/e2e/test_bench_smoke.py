@@ -121,11 +121,14 @@ def test_gpu_session_plans_an_h100_without_a_gpu():
     assert cases["tiny fp32 cpu"]["on_cpu"] and not cases["tiny fp32"]["on_cpu"]
     assert cases["1b compiled"]["model"] == "llama3_2_1b" and cases["1b compiled"]["steps"] == 50
     assert cases["largest fp8 tensorwise compiled"]["model"] == "llama3_2_3b"
-    assert all(c["estimate_s"] > 0 for c in cases.values())
+    # 3B eager at the compiled case's 2 x 4 needs more than 80 GB once autocast's input casts and the
+    # measured GPU allowance are counted (docs/benchmarks.md, runs 8 and 9): said, not run
+    assert cases["largest eager"]["error"] == "the planner predicts no micro batch fits"
+    assert all(c["estimate_s"] > 0 for name, c in cases.items() if name != "largest eager")
     fp8, bf16 = cases["1b fp8 tensorwise compiled"], cases["1b compiled"]
     assert fp8["in_budget"] and fp8["predicted_tokens_per_s"] > bf16["predicted_tokens_per_s"]  # the 1st call's FP8
     batch = ("micro_batch", "grad_accum")  # FP8 and eager run the batch of the case they are compared with
-    for name in ("largest fp8 tensorwise compiled", "largest eager"):
+    for name in ("largest fp8 tensorwise compiled",):
         assert [cases[name][k] for k in batch] == [cases["largest compiled"][k] for k in batch]
     # FP8's own fit: the bf16 case's global batch, in the larger micro batches the memory FP8 saves lets fit
     own, bf16 = cases["largest fp8 tensorwise own fit"], cases["largest compiled"]

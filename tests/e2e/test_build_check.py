@@ -59,7 +59,7 @@ def within(out: str) -> float:
     # multi-token prediction: one block more (its experts over ep), its projection and norms
     (["model=deepseek_v3_tiny", "model.mtp_depth=1", "model.vocab_size=4099", "parallelism.dp_shard=4",
       "parallelism.ep=2", "cluster.procs_per_node=4", "train.micro_batch=1"], [0, 3]),
-    # the DeepSeek-V3 recipe at its published scale: 512 ranks, EP 32 x FSDP 128 x PP 4; the first pipeline
+    # the DeepSeek-V3 recipe at its published scale: 512 ranks, EP 32 x FSDP 64 x PP 8; the first pipeline
     # rank (embedding, the 3 dense blocks) and the last (the LM head)
     (["conf=deepseek_v3_671b", "0", "511"], [0, 511]),
 ])

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 GIB = 2 ** 30
 PROMISE = 1.05  # a rank's peak / the plan's printed per-rank figure, at most
 FLOOR = 0.9  # ... and at least: a plan far above every rank wastes the memory it refuses
-ALLOWANCE_ABOVE_BARE = 1.3  # the fixed allowance may not be far above the bare rank it stands for
+ALLOWANCE_ABOVE_BARE = 1.5  # the fixed allowance may not be far above the bare rank it stands for (0.27-0.34 GiB)
 BARE = REPO / "tests" / "dist" / "bare_rank.py"
 # The children's peak: torchrun's agent and its ranks; the agent imports less than a rank (0.22 GiB).
 _OUTER = """

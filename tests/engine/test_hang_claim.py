@@ -21,7 +21,8 @@ def test_one_verdict_per_stall_and_a_later_stall_gets_its_own(tmp_path):
     stopped_since = time.time() - 30  # rank 1 was SIGSTOPped in step 4
     waiting_since = time.time() - 20  # rank 0 began step 5 and waits for it in a collective
     assert _claim(tmp_path, 5, waiting_since)  # rank 0 detects first: the verdict is its
+    time.sleep(0.05)  # claims seconds apart in a run; here past the file system's timestamp granularity
     assert not _claim(tmp_path, 4, stopped_since)  # rank 1, resumed, detects the same stall: quiet
     assert not _claim(tmp_path, 5, waiting_since)  # another rank stalled at rank 0's beat: quiet
-    time.sleep(0.01)
+    time.sleep(0.05)
     assert _claim(tmp_path, 9, time.time())  # a stall that began after those claims is a new one

@@ -281,7 +281,7 @@ def test_memory_fp32_on_cpu():
     # fp32: 4 bytes per value; 1B: h 2048, kv 512 (8 KV heads x 64), f 8192: 8h + 2kv + 4f values per token
     assert st.activation_per_layer == 4 * 512 * (8 * 2048 + 2 * 512 + 4 * 8192)
     subtotal = 20 * psi + st.activations + st.logits
-    assert st.total == pytest.approx(subtotal + overhead(subtotal, 0.3))
+    assert st.total == pytest.approx(subtotal + overhead(subtotal, FIXED_OVERHEAD_GIB["cpu"]))
     assert Precision.resolve("auto", "cpu") == FP32 and Precision.resolve("auto", "cuda") == BF16
 
 

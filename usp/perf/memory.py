@@ -82,7 +82,7 @@ stores bf16 parameters (usp.perf.specs.Precision)):
   overhead     a fixed allowance per device kind (FIXED_OVERHEAD_GIB: CUDA/XPU context, NCCL and cuBLAS
                workspaces: 1.3 GiB, measured on an H200; CPU: a bare rank, Python + torch + gloo + usp's
                engine imports, measured
-               0.27 GiB, allowed 0.3: tests/e2e/test_memory_promise.py keeps it current) + 5 % of everything
+               0.27-0.34 GiB, allowed 0.375: tests/e2e/test_memory_promise.py keeps it current) + 5 % of everything
                else for allocator fragmentation + on CPU gloo's flat copy of one FSDP2 block's all-gather or
                reduce-scatter (gloo_copy). Not tensor memory: the engine's memory probe
                (usp/engine/observe/memory_probe.py) compares the total WITHOUT it with the measured tensor peak.
@@ -106,12 +106,14 @@ from usp.perf.stack_profile import PROFILES, Profile
 
 # The fixed allowance per device kind, the one place it is set. cpu: a bare rank (the worker's imports, plan,
 # gloo process group and device mesh; tests/dist/bare_rank.py), peak resident set measured from outside 0.27 GiB
-# on 2 and on 8 ranks (torch 2.13), kept within 1.3x of it by tests/e2e/test_memory_promise.py.
+# on 2 and on 8 ranks (torch 2.13) and 0.34 GiB from a freshly installed environment (the same files: the kernel
+# maps more of libtorch's pages around each fault while they are all in the page cache); kept between the bare
+# rank and 1.5x of it by tests/e2e/test_memory_promise.py.
 # cuda: outside the caching allocator, measured on one H200 (torch 2.11, scripts/bench/gpu_context.py): the CUDA
 # context 0.60 GiB, + cuBLAS 0.73, + flash attention's kernels 0.75, + an NCCL communicator 1.29 GiB (a one-GPU
 # run, without NCCL, held 0.73 at 8B). An NCCL group's per-peer buffers come on top, inside the 5 % margin (its
 # reserved-beyond-allocated measured 0.12 GiB at 8B compiled). xpu: CUDA's, not measured.
-FIXED_OVERHEAD_GIB = {"cpu": 0.3, "cuda": 1.3, "xpu": 1.3}
+FIXED_OVERHEAD_GIB = {"cpu": 0.375, "cuda": 1.3, "xpu": 1.3}
 DEFAULT_FIXED_OVERHEAD_GIB = FIXED_OVERHEAD_GIB["cuda"]  # a device kind the table doesn't name
 LOSS_BACKWARD_BUFFERS = 2  # fp32 logits-sized buffers alive besides the kept log-probs while the loss is differentiated
 VOCAB_PARALLEL_LOSS_BACKWARD_BUFFERS = 3  # torch's loss_parallel: one-hot gradient, exp(log-probs), their sum

@@ -219,7 +219,7 @@ class HangWatch:
         for path in logs_dir(self.run_dir).glob(f"{stem}*"):
             with contextlib.suppress(OSError):
                 mtime = path.stat().st_mtime_ns
-                if mtime >= since_ns:
+                if mtime >= since_ns or path.name == mine:  # its own claim is of this stall, however coarse the clock
                     claims.append((mtime, path.name))
         return min(claims, default=(0, mine))[1] == mine
 
