@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import gpu_context  # noqa: E402
 import gpu_peak  # noqa: E402
 
 from usp.contract.run_plan import RunPlan  # noqa: E402
@@ -167,9 +168,7 @@ def gross_memory(torch) -> dict:
     peak = the gross peak, what the plan's printed figure (its fixed allowance included) promises."""
     if not torch.cuda.is_available():
         return {}
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    outside = (total - free - torch.cuda.memory_reserved()) / 2**30
+    outside = gpu_context.outside_allocator(torch)
     reserved_peak = torch.cuda.max_memory_reserved() / 2**30
     return {"reserved_peak_gib": reserved_peak, "outside_allocator_gib": outside,
             "gross_peak_gib": reserved_peak + outside}

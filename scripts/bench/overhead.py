@@ -53,14 +53,12 @@ def overrides(world: int, warmup: int, steps: int) -> list[str]:
 def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
     """Both loops, `rounds` times each, every run a fresh process (or torchrun's ranks); tokens/s
     of each timed step, rank 0's clock."""
-    from usp.contract.plan_file import plan_from_dict
     from usp.launch.local import plan_accelerator_env
 
     with tempfile.TemporaryDirectory() as runs:
         plan = _common.plan_for(overrides(world, warmup, steps), world, runs)
         plan_path = Path(runs) / "plan.json"
         plan_path.write_text(json.dumps(plan.to_dict()))
-        plan_from_dict(json.loads(plan_path.read_text()))  # it reads back
         envs = {"usp": {**os.environ, **plan_accelerator_env(plan, os.environ)}, "hand": dict(os.environ)}
         out: dict[str, list] = {"usp": [], "hand": []}
         for r in range(rounds):
