@@ -17,7 +17,7 @@ from typing import Any
 from usp.errors import PlanError
 
 SELECTIVE = ("elementwise", "attention", "op")  # what train.recompute=selective re-runs
-CP_RINGS = ("usp", "kv", "allgather")
+CP_RINGS = ("usp", "kv", "allgather", "torch")
 ZERO1 = ("zero_redundancy", "blocking", "distributed")
 
 
@@ -95,7 +95,9 @@ class Profile:
     #   a split balanced by cost gives (whole layers; the LM head and loss counted)
     fused_projections: bool = False  # q, k, v one matmul and the MLP's gate and up one (Megatron, nanotron)
     selective: str = "elementwise"  # what train.recompute=selective re-runs (SELECTIVE)
-    cp_ring: str = "usp"  # usp: fp32 K/V of every head; kv: bf16 K/V of the KV heads; allgather: K/V gathered, exposed
+    # usp: fp32 K/V of every head; kv: bf16 K/V of the KV heads; allgather: K/V gathered, exposed; torch: torch's
+    # context_parallel (all-gather rotation) with K/V repeated to every head (usp.perf.timing._torch_cp_comms)
+    cp_ring: str = "usp"
     zero1: str = "zero_redundancy"  # ZeRO-1 (ZERO1): usp's DDP + ZeroRedundancyOptimizer (fp32 broadcast after the
     #   step); blocking (nanotron: all-reduce, then all-gather, neither overlapped); distributed (Megatron's distributed
     #   optimizer: reduce-scatter behind the last backward, bf16 all-gather behind the first forward)
@@ -194,7 +196,7 @@ PROFILES = {
     "torchtitan": Profile(
         "torchtitan", "torchtitan (PyTorch's reference stack): FSDP2 (bf16 gathers, fp32 reduce-scatters), "
         "optional async TP, op-level selective recompute, torch.compile, torch.distributed.pipelining",
-        pp_split="even", selective="op", cp_ring="kv", fsdp_reduce_per_micro_batch=True, reduce_bytes=4,
+        pp_split="even", selective="op", cp_ring="torch", fsdp_reduce_per_micro_batch=True, reduce_bytes=4,
         time=StackTime(elementwise_factor=1.0, eager_elementwise_factor=3.116, attention_efficiency=0.5383,
                        loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0, async_tp_overlap=0.8314,
                        **_BORROWED_HOST),
