@@ -94,8 +94,7 @@ def test_residuals_on_the_tables_the_constants_were_fitted_on():
 # The published runs beyond 15 % today (docs/planner.md "Time on real runs: published runs at 48-16,384 GPUs"):
 # torchtitan's 8B at 131k-262k tokens with CP 4-8 and at 64 GPUs over-predicted, Megatron's 177B at 4,608 GPUs
 # under-predicted. A run not named here that leaves the 15 % band is a regression.
-MISSES_EVAL = {"tt_8b_cp4_s131072", "tt_8b_cp8_s262144", "tt_8b_64_bf16_vanillaTP", "tt_8b_64_bf16_asyncTP",
-               "mlm_h100_177B_strong_4608"}
+MISSES_EVAL = {"tt_8b_cp4_s131072", "tt_8b_cp8_s262144", "tt_8b_64_bf16_asyncTP", "mlm_h100_177B_strong_4608"}
 
 
 def _published(use: str):
@@ -109,7 +108,7 @@ def _misses(sc, beyond: float = 0.15) -> set[str]:
 def test_the_published_runs_none_was_fitted_on():
     """calibration/published_runs.csv's bf16 runs marked eval (none fitted: the stacks' fitted runs are marked
     fit), each on its catalogue cluster group with its stack's profile, by stack and by scale. Issue #38's
-    targets: median |error| <= 10 % (met: 6.2 %), >= 80 % within 15 % (missed: 18 of 23, 78 %), max <= 25 %
+    targets: median |error| <= 10 % (met: 6.2 %), >= 80 % within 15 % (met: 19 of 23, 83 %), max <= 25 %
     (met: 24.2 %). The bounds are the figures achieved with a small margin, so a regression fails."""
     ev = _published("eval")
     s = ev.scored
@@ -121,7 +120,7 @@ def test_the_published_runs_none_was_fitted_on():
     assert len(ev.runs) == 23 and {r.profile for r in ev.runs} == {"megatron", "megatron_legacy", "meta_llama3",
                                                                      "torchtitan"}
     assert max(r.layout.world for r in ev.runs) == 16384
-    assert s.rel_err_p50 <= 0.07 and s.within_15 >= 18 / 23 and s.rel_err_max <= 0.25
+    assert s.rel_err_p50 <= 0.07 and s.within_15 >= 19 / 23 and s.rel_err_max <= 0.25
     assert _misses(ev) <= MISSES_EVAL, _misses(ev) - MISSES_EVAL
     by_stack = {k: v.scored for k, v in ev.by(lambda r: r.profile).items()}
     assert by_stack["megatron"].rel_err_p50 <= 0.06 and by_stack["megatron_legacy"].rel_err_max <= 0.06
@@ -337,6 +336,31 @@ def test_torchtitan_context_parallel_moves_every_heads_kv_as_its_code_does():
     assert dkv.bytes_per_step == pytest.approx(32 * 8 * 2 * tokens * 4096 * 4)
     assert ring[0].bytes_per_step == pytest.approx(32 * 3 * 7 * 2 * tokens * 1024 * 2)
     assert all(c.hidden > 0 for c in torch_cp + ring)
+
+
+def test_recompute_re_runs_the_tp_collectives_its_checkpoint_does_not_keep():
+    """Per layer, 2 all-gathers and 2 reduce-scatters forward, as many backward, and what the recompute runs
+    again (counted on usp's TP block on gloo: docs/planner.md): torch's checkpoint replays the block, takes
+    the saved ops' outputs from its cache and stops once the backward's tensors exist, so the block's last
+    reduce-scatter never re-runs. usp's selective (matmuls, attention kept) re-runs as much as full; torchtitan's
+    per-op policy (reduce_scatter_tensor kept) the all-gathers; Megatron's core-attention recompute nothing,
+    its full recompute the whole layer."""
+    lay = Layout(tp=8, dp_shard=48, micro_batch=1, grad_accum=2, recompute="selective")
+
+    def calls(profile: str, layout: Layout = lay) -> tuple[float, float]:
+        plan = _plan(profile, layout)
+        ag, rs = (next(c.bytes_per_step for c in plan.comm if c.name.startswith(f"TP {kind}"))
+                  for kind in ("all-gather", "reduce-scatter"))
+        return ag / one, rs / one
+
+    one = 1.0
+    one = calls("megatron")[0] / 4  # forward + backward: 4 all-gathers per layer
+    assert calls("megatron") == pytest.approx((4, 4))
+    assert calls("torchtitan") == pytest.approx((6, 4))
+    assert calls("usp") == pytest.approx((6, 5))
+    full = replace(lay, recompute="full")
+    assert calls("usp", full) == pytest.approx((6, 5)) and calls("torchtitan", full) == pytest.approx((6, 5))
+    assert calls("megatron", full) == pytest.approx((6, 6))
 
 
 def test_three_gemms_per_linear_and_the_weight_gradient_reduces_over_the_tokens():

@@ -95,6 +95,9 @@ class Profile:
     #   a split balanced by cost gives (whole layers; the LM head and loss counted)
     fused_projections: bool = False  # q, k, v one matmul and the MLP's gate and up one (Megatron, nanotron)
     selective: str = "elementwise"  # what train.recompute=selective re-runs (SELECTIVE)
+    # full recompute replays the whole layer (Megatron's own CheckpointFunction, reentrant); False: torch's
+    # non-reentrant checkpoint, which stops once the backward's tensors exist (usp.perf.timing._tp_reruns)
+    recompute_replays_layer: bool = False
     # usp: fp32 K/V of every head; kv: bf16 K/V of the KV heads; allgather: K/V gathered, exposed; torch: torch's
     # context_parallel (all-gather rotation) with K/V repeated to every head (usp.perf.timing._torch_cp_comms)
     cp_ring: str = "usp"
@@ -166,7 +169,7 @@ PROFILES = {
         "megatron", "Megatron-LM / Megatron-Core (r0.8 and later): distributed optimizer with overlapped gradient "
         "reduce-scatter and bf16 parameter all-gather, TE communication-overlapped TP, overlapped pipeline P2P",
         **_BF16_STORING, pp_split="even", fused_projections=True, selective="attention", cp_ring="kv",
-        zero1="distributed",
+        zero1="distributed", recompute_replays_layer=True,
         time=StackTime(elementwise_factor=_MEGATRON_ELEMENTWISE, attention_efficiency=0.95,
                        loss_bytes_per_logit=_NANOTRON_TIME.loss_bytes_per_logit, tp_overlap=0.9, async_tp_overlap=0.9,
                        pp_overlap=0.8, dp_overlap=1.0, param_gather_overlap=1.0, **_BORROWED_HOST),
@@ -176,7 +179,7 @@ PROFILES = {
         "megatron_legacy", "Megatron-LM before its communication overlaps (the 2021 paper's code, MegaScale's 2023 "
         "baseline): TP, PP and data-parallel communication all exposed",
         **_BF16_STORING, pp_split="even", fused_projections=True, selective="attention", cp_ring="kv",
-        zero1="distributed",
+        zero1="distributed", recompute_replays_layer=True,
         time=StackTime(elementwise_factor=7.046, attention_efficiency=0.95,
                        loss_bytes_per_logit=_NANOTRON_TIME.loss_bytes_per_logit, dp_overlap=0.0,
                        **{**_BORROWED_HOST, "step_ms": 1516.0}),

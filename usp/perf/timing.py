@@ -366,15 +366,32 @@ def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple
 
 # --- communication -------------------------------------------------------------------------------------
 
-def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> list[Comm]:
-    """Tensor parallel (+ sequence parallel): 2 all-gathers + 2 reduce-scatters per layer and pass,
-    each of the micro batch's full activation (b·s·h); calls per layer of the pp rank."""
-    passes = 3 if layout.recompute == "full" else 2
-    calls = 2 * passes * layout.grad_accum  # per kind and layer
+# The sequence-parallel collectives a block's recompute runs again, per layer (all-gathers, reduce-scatters),
+# measured by counting the functional collectives of usp's own TP block on gloo. torch's checkpoint replays
+# the block's forward, takes the saved ops' outputs from its cache (selective) and stops once every tensor the
+# backward needs exists: the block's last reduce-scatter (its output) never runs again. usp's selective policy
+# saves matmuls and attention, so it re-runs as much as full recompute; torchtitan's per-op policy also saves
+# reduce_scatter_tensor; Megatron's and nanotron's core-attention recompute re-runs no collective, and
+# Megatron's full recompute replays the whole layer (Profile.recompute_replays_layer).
+def _tp_reruns(recompute: str, profile: Profile) -> tuple[int, int]:
+    if recompute == "full":
+        return (2, 2) if profile.recompute_replays_layer else (2, 1)
+    if recompute == "selective":
+        return {"elementwise": (2, 1), "op": (2, 0)}.get(profile.selective, (0, 0))
+    return 0, 0
+
+
+def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+             profile: Profile) -> list[Comm]:
+    """Tensor parallel (+ sequence parallel): 2 all-gathers + 2 reduce-scatters per layer, forward and
+    backward, each of the micro batch's full activation (b·s·h), and those the recompute runs again
+    (_tp_reruns); calls per layer of the pp rank."""
     size = (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act
     overlap = "async_tp_overlap" if layout.async_tp else "tp_overlap"
-    return [_term(f"TP {kind.replace('_', '-')} (activations)", ("tp",), kind, layout.tp, layout, hw, calls, size,
-                  "self", overlap, path=True, per_layer=True) for kind in ("all_gather", "reduce_scatter")]
+    reruns = _tp_reruns(layout.recompute, profile)
+    return [_term(f"TP {kind.replace('_', '-')} (activations)", ("tp",), kind, layout.tp, layout, hw,
+                  (4 + again) * layout.grad_accum, size, "self", overlap, path=True, per_layer=True)
+            for kind, again in zip(("all_gather", "reduce_scatter"), reruns)]
 
 
 def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
@@ -459,7 +476,7 @@ def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pre
     """The communication on the pipeline's critical path: TP, CP, EP (per layer), PP."""
     comm = []
     if layout.tp > 1:
-        comm += _tp_comm(arch, layout, seq_len, hw, prec)
+        comm += _tp_comm(arch, layout, seq_len, hw, prec, profile)
     if layout.cp > 1:
         comm.extend(_cp_comm(arch, layout, seq_len, hw, prec, profile))
     if arch.moe and layout.ep > 1:
