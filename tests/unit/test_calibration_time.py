@@ -92,9 +92,9 @@ def test_residuals_on_the_tables_the_constants_were_fitted_on():
 
 
 # The published runs beyond 15 % today (docs/planner.md "Time on real runs: published runs at 48-16,384 GPUs"):
-# torchtitan's 8B at 131k-262k tokens with CP 4-8 and at 64 GPUs over-predicted, Megatron's 177B at 4,608 GPUs
+# torchtitan's 8B at 131k-262k tokens with CP 4-8 over-predicted, Megatron's 177B at 4,608 GPUs
 # under-predicted. A run not named here that leaves the 15 % band is a regression.
-MISSES_EVAL = {"tt_8b_cp4_s131072", "tt_8b_cp8_s262144", "tt_8b_64_bf16_asyncTP", "mlm_h100_177B_strong_4608"}
+MISSES_EVAL = {"tt_8b_cp4_s131072", "tt_8b_cp8_s262144", "mlm_h100_177B_strong_4608"}
 
 
 def _published(use: str):
@@ -108,8 +108,8 @@ def _misses(sc, beyond: float = 0.15) -> set[str]:
 def test_the_published_runs_none_was_fitted_on():
     """calibration/published_runs.csv's bf16 runs marked eval (none fitted: the stacks' fitted runs are marked
     fit), each on its catalogue cluster group with its stack's profile, by stack and by scale. Issue #38's
-    targets: median |error| <= 10 % (met: 6.2 %), >= 80 % within 15 % (met: 19 of 23, 83 %), max <= 25 %
-    (met: 24.2 %). The bounds are the figures achieved with a small margin, so a regression fails."""
+    targets: median |error| <= 10 % (met: 6.2 %), >= 80 % within 15 % (met: 20 of 23, 87 %), max <= 25 %
+    (met: 22.8 %). The bounds are the figures achieved with a small margin, so a regression fails."""
     ev = _published("eval")
     s = ev.scored
     print("\n" + _line("published eval (bf16)", s))
@@ -120,7 +120,7 @@ def test_the_published_runs_none_was_fitted_on():
     assert len(ev.runs) == 23 and {r.profile for r in ev.runs} == {"megatron", "megatron_legacy", "meta_llama3",
                                                                      "torchtitan"}
     assert max(r.layout.world for r in ev.runs) == 16384
-    assert s.rel_err_p50 <= 0.07 and s.within_15 >= 19 / 23 and s.rel_err_max <= 0.25
+    assert s.rel_err_p50 <= 0.07 and s.within_15 >= 20 / 23 and s.rel_err_max <= 0.24
     assert _misses(ev) <= MISSES_EVAL, _misses(ev) - MISSES_EVAL
     by_stack = {k: v.scored for k, v in ev.by(lambda r: r.profile).items()}
     assert by_stack["megatron"].rel_err_p50 <= 0.06 and by_stack["megatron_legacy"].rel_err_max <= 0.06
