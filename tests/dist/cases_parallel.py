@@ -66,6 +66,47 @@ def bf16_fsdp_dtypes() -> dict:
         del trainer
     return result
 
+def tp_recompute_collectives() -> dict:
+    """The sequence-parallel collectives each recompute mode runs again in the backward, per layer: usp's
+    own TP plan and recompute wrappers on a 2-layer model, the functional collectives counted as they
+    dispatch (the planner's usp.perf.timing._tp_reruns; tests/e2e/test_parallel.py compares)."""
+    import collections
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from usp.engine.parallel.recompute import apply_recompute
+    from usp.engine.parallel.tensor import apply_tensor_parallel
+    from usp.models.llama import Llama, LlamaArgs
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "_c10d_functional" in name:
+                self.calls[name.split(".")[1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    mesh, layers, backward = init_device_mesh("cpu", (2,)), 2, {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = Llama(LlamaArgs(n_layers=layers, tie_embeddings=False))
+        apply_tensor_parallel(model, mesh, model.args.vocab_size)
+        apply_recompute(model, mode)
+        logits = model(torch.randint(0, model.args.vocab_size, (2, 16)))
+        loss = logits.full_tensor().float().square().mean()
+        count = Count()
+        with count:
+            loss.backward()
+        backward[mode] = count.calls
+    return {mode: [(backward[mode][kind] - backward["none"][kind]) / layers
+                   for kind in ("all_gather_into_tensor", "reduce_scatter_tensor")] for mode in ("selective", "full")}
+
+
 if __name__ == "__main__":
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))  # a broken case fails, not hangs
@@ -73,6 +114,7 @@ if __name__ == "__main__":
              for name, overrides in LAYOUTS[world].items()}
     if world == 2:
         cases["bf16_fsdp_dtypes"] = bf16_fsdp_dtypes
+        cases["tp_recompute_collectives"] = tp_recompute_collectives
         # FP8 (torch's CPU _scaled_mm) under FSDP2 ZeRO-3 against one FP8 process: FSDP gathers the weights,
         # each Float8Linear casts them (tests/e2e/test_parallel.py: test_fp8_under_fsdp_tracks_one_process)
         cases["fp8_fsdp"] = lambda: verify_case(STEPS + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2"],

@@ -68,6 +68,18 @@ def test_matrix_covers_the_required_compositions():
     assert required <= names, required - names
 
 
+def test_the_planner_counts_the_tp_collectives_recompute_runs_again(results):
+    """Counted on usp's own TP block (gloo, 2 ranks): the all-gathers and reduce-scatters each recompute mode
+    runs again per layer in the backward are the ones the time model charges (usp.perf.timing._tp_reruns)."""
+    from usp.perf.stack_profile import PROFILES
+    from usp.perf.timing import _tp_reruns
+
+    result = results(2).get("tp_recompute_collectives")
+    assert result is not None and result["ok"], result
+    for mode in ("selective", "full"):
+        assert result[mode] == list(_tp_reruns(mode, PROFILES["usp"])), (mode, result[mode])
+
+
 def test_bf16_fsdp_computes_in_bf16_over_fp32_master_weights(results):
     """The GPU's FSDP recipe (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), run on
     gloo: a block's forward sees bf16 weights at every micro batch; the sharded parameters, the

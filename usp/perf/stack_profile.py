@@ -17,7 +17,7 @@ from typing import Any
 from usp.errors import PlanError
 
 SELECTIVE = ("elementwise", "attention", "op")  # what train.recompute=selective re-runs
-CP_RINGS = ("usp", "kv", "allgather")
+CP_RINGS = ("usp", "kv", "allgather", "torch")
 ZERO1 = ("zero_redundancy", "blocking", "distributed")
 
 
@@ -95,7 +95,12 @@ class Profile:
     #   a split balanced by cost gives (whole layers; the LM head and loss counted)
     fused_projections: bool = False  # q, k, v one matmul and the MLP's gate and up one (Megatron, nanotron)
     selective: str = "elementwise"  # what train.recompute=selective re-runs (SELECTIVE)
-    cp_ring: str = "usp"  # usp: fp32 K/V of every head; kv: bf16 K/V of the KV heads; allgather: K/V gathered, exposed
+    # full recompute replays the whole layer (Megatron's own CheckpointFunction, reentrant); False: torch's
+    # non-reentrant checkpoint, which stops once the backward's tensors exist (usp.perf.timing._tp_reruns)
+    recompute_replays_layer: bool = False
+    # usp: fp32 K/V of every head; kv: bf16 K/V of the KV heads; allgather: K/V gathered, exposed; torch: torch's
+    # context_parallel (all-gather rotation) with K/V repeated to every head (usp.perf.timing._torch_cp_comms)
+    cp_ring: str = "usp"
     zero1: str = "zero_redundancy"  # ZeRO-1 (ZERO1): usp's DDP + ZeroRedundancyOptimizer (fp32 broadcast after the
     #   step); blocking (nanotron: all-reduce, then all-gather, neither overlapped); distributed (Megatron's distributed
     #   optimizer: reduce-scatter behind the last backward, bf16 all-gather behind the first forward)
@@ -164,7 +169,7 @@ PROFILES = {
         "megatron", "Megatron-LM / Megatron-Core (r0.8 and later): distributed optimizer with overlapped gradient "
         "reduce-scatter and bf16 parameter all-gather, TE communication-overlapped TP, overlapped pipeline P2P",
         **_BF16_STORING, pp_split="even", fused_projections=True, selective="attention", cp_ring="kv",
-        zero1="distributed",
+        zero1="distributed", recompute_replays_layer=True,
         time=StackTime(elementwise_factor=_MEGATRON_ELEMENTWISE, attention_efficiency=0.95,
                        loss_bytes_per_logit=_NANOTRON_TIME.loss_bytes_per_logit, tp_overlap=0.9, async_tp_overlap=0.9,
                        pp_overlap=0.8, dp_overlap=1.0, param_gather_overlap=1.0, **_BORROWED_HOST),
@@ -174,7 +179,7 @@ PROFILES = {
         "megatron_legacy", "Megatron-LM before its communication overlaps (the 2021 paper's code, MegaScale's 2023 "
         "baseline): TP, PP and data-parallel communication all exposed",
         **_BF16_STORING, pp_split="even", fused_projections=True, selective="attention", cp_ring="kv",
-        zero1="distributed",
+        zero1="distributed", recompute_replays_layer=True,
         time=StackTime(elementwise_factor=7.046, attention_efficiency=0.95,
                        loss_bytes_per_logit=_NANOTRON_TIME.loss_bytes_per_logit, dp_overlap=0.0,
                        **{**_BORROWED_HOST, "step_ms": 1516.0}),
@@ -194,9 +199,9 @@ PROFILES = {
     "torchtitan": Profile(
         "torchtitan", "torchtitan (PyTorch's reference stack): FSDP2 (bf16 gathers, fp32 reduce-scatters), "
         "optional async TP, op-level selective recompute, torch.compile, torch.distributed.pipelining",
-        pp_split="even", selective="op", cp_ring="kv", fsdp_reduce_per_micro_batch=True, reduce_bytes=4,
-        time=StackTime(elementwise_factor=1.0, eager_elementwise_factor=3.116, attention_efficiency=0.5383,
-                       loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0, async_tp_overlap=0.8314,
+        pp_split="even", selective="op", cp_ring="torch", fsdp_reduce_per_micro_batch=True, reduce_bytes=4,
+        time=StackTime(elementwise_factor=1.0, eager_elementwise_factor=3.401, attention_efficiency=0.554,
+                       loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0, async_tp_overlap=0.7486,
                        **_BORROWED_HOST),
         fitted_on="eager_elementwise_factor, attention_efficiency, async_tp_overlap on torchtitan's 2024-12 tables "
                   "(10 runs) + one published run; host costs nanotron's (borrowed)",

@@ -366,36 +366,75 @@ def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple
 
 # --- communication -------------------------------------------------------------------------------------
 
-def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> list[Comm]:
-    """Tensor parallel (+ sequence parallel): 2 all-gathers + 2 reduce-scatters per layer and pass,
-    each of the micro batch's full activation (b·s·h); calls per layer of the pp rank."""
-    passes = 3 if layout.recompute == "full" else 2
-    calls = 2 * passes * layout.grad_accum  # per kind and layer
+# The sequence-parallel collectives a block's recompute runs again, per layer (all-gathers, reduce-scatters),
+# measured by counting the functional collectives of usp's own TP block on gloo. torch's checkpoint replays
+# the block's forward, takes the saved ops' outputs from its cache (selective) and stops once every tensor the
+# backward needs exists: the block's last reduce-scatter (its output) never runs again. usp's selective policy
+# saves matmuls and attention, so it re-runs as much as full recompute; torchtitan's per-op policy also saves
+# reduce_scatter_tensor; Megatron's and nanotron's core-attention recompute re-runs no collective, and
+# Megatron's full recompute replays the whole layer (Profile.recompute_replays_layer).
+def _tp_reruns(recompute: str, profile: Profile) -> tuple[int, int]:
+    if recompute == "full":
+        return (2, 2) if profile.recompute_replays_layer else (2, 1)
+    if recompute == "selective":
+        return {"elementwise": (2, 1), "op": (2, 0)}.get(profile.selective, (0, 0))
+    return 0, 0
+
+
+def _tp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+             profile: Profile) -> list[Comm]:
+    """Tensor parallel (+ sequence parallel): 2 all-gathers + 2 reduce-scatters per layer, forward and
+    backward, each of the micro batch's full activation (b·s·h), and those the recompute runs again
+    (_tp_reruns); calls per layer of the pp rank."""
     size = (seq_len / layout.cp) * layout.micro_batch * arch.dim * prec.act
     overlap = "async_tp_overlap" if layout.async_tp else "tp_overlap"
-    return [_term(f"TP {kind.replace('_', '-')} (activations)", ("tp",), kind, layout.tp, layout, hw, calls, size,
-                  "self", overlap, path=True, per_layer=True) for kind in ("all_gather", "reduce_scatter")]
+    reruns = _tp_reruns(layout.recompute, profile)
+    return [_term(f"TP {kind.replace('_', '-')} (activations)", ("tp",), kind, layout.tp, layout, hw,
+                  (4 + again) * layout.grad_accum, size, "self", overlap, path=True, per_layer=True)
+            for kind, again in zip(("all_gather", "reduce_scatter"), reruns)]
 
 
-def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile) -> Comm:
+def _cp_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
+             profile: Profile) -> list[Comm]:
     """Context parallel, per layer of this pp rank and micro batch. usp's engine: the ring passes a K/V
     block c-1 times forward (again when recomputed), c-1 times backward, and the dK/dV accumulator c
     times, fp32 blocks expanded to every query head (usp/engine/parallel/context_parallel.py). A flash
     ring (kv): 3(c-1) exchanges of the K/V of the KV heads in bf16. Llama 3's all-gather (allgather):
-    3 all-gathers of K and V per layer, exposed. The rings hide behind their layer's attention."""
+    3 all-gathers of K and V per layer, exposed. torch's context_parallel as torchtitan called it at the
+    end of 2024 (torch): its model repeats K/V to every query head before SDPA, so torch's ring moves
+    them all; one bf16 all-gather per forward pass (again when recomputed) and one in the backward, and
+    the fp32 dK/dV accumulator rotated c times by all-to-all. The rings hide behind their layer's
+    attention."""
+    if profile.cp_ring == "torch":
+        return _torch_cp_comms(arch, layout, seq_len, hw, prec)
     c, t, m = layout.cp, layout.tp, layout.grad_accum
     tokens = (seq_len / c) * layout.micro_batch
     if profile.cp_ring == "usp":
         kv = 2 * tokens * arch.q_dim / t * 4
         hops = (2 if layout.recompute == "full" else 1) * (c - 1) + (c - 1) + c
-        return _term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, hops * m, kv, "attn",
-                     "cp_overlap", path=True, per_layer=True)
+        return [_term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, hops * m, kv, "attn",
+                      "cp_overlap", path=True, per_layer=True)]
     kv = 2 * tokens * arch.kv_dim / t * prec.act
     if profile.cp_ring == "allgather":
-        return _term("CP K/V all-gather", ("cp",), "all_gather", c, layout, hw, 3 * m, kv * c, path=True,
-                     per_layer=True)
-    return _term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, 3 * (c - 1) * m, kv, "attn",
-                 "cp_overlap", path=True, per_layer=True)
+        return [_term("CP K/V all-gather", ("cp",), "all_gather", c, layout, hw, 3 * m, kv * c, path=True,
+                      per_layer=True)]
+    return [_term("CP ring K/V exchange", ("cp",), "p2p", c, layout, hw, 3 * (c - 1) * m, kv, "attn",
+                  "cp_overlap", path=True, per_layer=True)]
+
+
+def _torch_cp_comms(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision) -> list[Comm]:
+    """torch.distributed.tensor.experimental.context_parallel with its all-gather rotation (torchtitan's
+    default since 2024-12): the gathered K/V arrive while the first sub-SDPA (the local block) runs, and
+    each step's dK/dV all-to-all while the next step's backward does; both counted behind the attention."""
+    c, t, m = layout.cp, layout.tp, layout.grad_accum
+    tokens = (seq_len / c) * layout.micro_batch
+    gathers = (2 if layout.recompute == "full" else 1) + 1
+    kv = 2 * tokens * arch.q_dim / t * prec.act  # K and V repeated to every query head
+    dkv = 2 * tokens * arch.q_dim / t * 4  # the fp32 accumulator (convert_to_f32)
+    return [_term("CP K/V all-gather (every head)", ("cp",), "all_gather", c, layout, hw, gathers * m, kv * c, "attn",
+                  "cp_overlap", path=True, per_layer=True),
+            _term("CP dK/dV rotation (fp32)", ("cp",), "p2p", c, layout, hw, c * m, dkv, "attn", "cp_overlap",
+                  path=True, per_layer=True)]
 
 
 def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, tokens_mb: float) -> Comm:
@@ -437,9 +476,9 @@ def _path_comm(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pre
     """The communication on the pipeline's critical path: TP, CP, EP (per layer), PP."""
     comm = []
     if layout.tp > 1:
-        comm += _tp_comm(arch, layout, seq_len, hw, prec)
+        comm += _tp_comm(arch, layout, seq_len, hw, prec, profile)
     if layout.cp > 1:
-        comm.append(_cp_comm(arch, layout, seq_len, hw, prec, profile))
+        comm.extend(_cp_comm(arch, layout, seq_len, hw, prec, profile))
     if arch.moe and layout.ep > 1:
         comm.append(_ep_comm(arch, layout, hw, prec, tokens_mb))
     if layout.pp > 1:
