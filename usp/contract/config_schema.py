@@ -77,13 +77,21 @@ class ModelConfig:
     vocab_size: int = -1  # -1 = take it from the data group's tokenizer
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
-    # RoPE frequency scaling, transformers' rope_type: default (none) | llama3 (Llama 3.1 / 3.2: the
-    # four values below, as in config.json's rope_scaling; usp/models/layers.py rope_inv_freq)
+    # RoPE frequency scaling, transformers' rope_type: default (none) | llama3 (Llama 3.1 / 3.2: factor,
+    # low/high_freq_factor, original_max_positions) | yarn (DeepSeek-V3, Qwen3's long context: factor,
+    # original_max_positions and the optional beta_fast .. truncate), as in config.json's rope_scaling
+    # (usp/models/layers.py rope_inv_freq; docs/models.md "RoPE scaling")
     rope_type: str = "default"
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None
     rope_high_freq_factor: float | None = None
     rope_original_max_positions: int | None = None  # original_max_position_embeddings
+    rope_beta_fast: float | None = None  # None: 32
+    rope_beta_slow: float | None = None  # None: 1
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_attention_factor: float | None = None  # None: from factor, mscale and mscale_all_dim
+    rope_truncate: bool | None = None  # None: true
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention: str = "sdpa"  # sdpa | flash_attn (GPU extra)
