@@ -100,7 +100,10 @@ class ModelConfig:
     top_k: int = 2
     moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
     shared_expert: bool = False  # one always-on expert beside the routed ones
-    aux_loss_coef: float = 0.01  # load-balancing loss weight (over the global batch, docs/moe.md)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (docs/moe.md)
+    # its f_e and P_e over the global batch (batch: Switch, Qwen3-MoE) or per sequence, averaged over the
+    # sequences (sequence: DeepSeek-V3's complementary sequence-wise loss)
+    aux_loss_scope: str = "batch"
     router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing (DeepSeek-V3), the bias step
     # the top-k router probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob=true);
     # false: the softmax's own probabilities weight the experts (Qwen3-MoE's norm_topk_prob=false)

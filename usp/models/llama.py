@@ -76,6 +76,7 @@ class LlamaArgs:
     capacity_factor: float = 0.0  # 0 = dropless
     router_bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (usp.models.moe)
     router_norm_topk: bool = True  # the top-k router probabilities renormalised to sum to 1 (Mixtral)
+    aux_loss_scope: str = "batch"  # the balance loss over the global batch, or per sequence (DeepSeek-V3's)
     # DeepSeek-V3's options (usp.models.moe, usp.models.mla; docs/models.md)
     n_shared_experts: int = 1  # the shared expert's hidden size in experts (moe_ffn_dim x this)
     router_score: str = "softmax"  # softmax | sigmoid: how the router's logits become the gate's scores

@@ -888,6 +888,7 @@ def _lines(key: str, option: bool, why: str, fix: str) -> Rule:
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_score (usp/models/moe.py)
+AUX_LOSS_SCOPES = ("batch", "sequence")  # model.aux_loss_scope (usp/models/moe.py)
 MODEL_FAMILIES = ("llama",)  # the decoder usp builds (usp/models/llama.py; n_experts > 0: MoE blocks, as Mixtral)
 DATA_SOURCES = (*TEXT_SOURCES, "blend", "token_files")
 SLURM_TIME = re.compile(r"^\d+(-\d+)?(:\d+){0,2}$")  # minutes | [D-]H[:M[:S]] | M:S (sbatch --time forms)
@@ -911,6 +912,8 @@ MODEL_FIELD_RULES = [
          lambda v: f"model.top_k<={v['model.n_experts']} (Mixtral: 2)", lambda v: v["model.top_k"]),
     _at_least("model.moe_ffn_dim", 0, " (0 = model.ffn_dim)"),
     _real("model.aux_loss_coef", 0),
+    _one_of("model.aux_loss_scope", AUX_LOSS_SCOPES, "balance loss scope (batch: over the global batch, Qwen3-MoE; "
+            "sequence: per sequence, DeepSeek-V3)"),
     _real("model.capacity_factor", 0, meaning=" (0 = dropless)"),
     _real("model.router_bias_update_rate", 0, meaning=" (0 = off; > 0: aux-loss-free balancing, the bias step)"),
     # DeepSeek-V3's options (docs/models.md)
