@@ -140,8 +140,9 @@ def test_import_trains_under_fsdp2_tp2_and_exports(tmp_path, shakespeare, kind, 
     routing with its correction bias; experts over ep 2 as well) as model.init_from under FSDP2 x TP2 (4
     processes, each loading its shards from the full tensors): its first loss is transformers' loss on the
     same batch, the 3 steps follow one process within 1e-5, and the export loads in transformers as the same
-    architecture with usp's logits and its tie intact. The Llama's run sets its shape as well; the others
-    name nothing but the checkpoint (its balancing loss the default's)."""
+    architecture with usp's logits and its tie intact. (The logits of a DeepSeek-V3 checkpoint under
+    FSDP2 x TP2 x EP2, gathered, against transformers': tests/e2e/test_build.py.) The Llama's run sets its
+    shape as well; the others name nothing but the checkpoint (its balancing loss the default's)."""
     vocab = int(shakespeare[1]["vocab_size"])
     src = make_hf(tmp_path / f"hf_{kind}", kind, vocab, tied=tied)
     common = [*(USP_DIMS if kind == "llama" else []), f"model.tie_embeddings={str(tied).lower()}",
