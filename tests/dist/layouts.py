@@ -38,6 +38,9 @@ QWEN3_MOE = MOE + QWEN3  # embedding on the first stage, its copy on the last
 # sigmoid group routing with a shared expert, aux-loss-free balancing (the bias moving after each step) and the
 # sequence-wise balance loss (each sequence's counts summed over cp in deepseek_v3_cp)
 DSV3 = ["model=deepseek_v3_tiny"]
+# DeepSeek-V3's YaRN (its beta and mscale values) over a short original context, so that it moves the rotation
+YARN = ["model.rope_type=yarn", "model.rope_factor=4", "model.rope_original_max_positions=16",
+        "model.rope_beta_fast=32", "model.rope_beta_slow=1", "model.rope_mscale=1", "model.rope_mscale_all_dim=1"]
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
 # MixedPrecisionPolicy(bf16 params, fp32 reduction), the others bf16 autocast; the reference is a
 # bf16-autocast single process (tolerance: at the end of this file).
@@ -101,6 +104,9 @@ LAYOUTS = {
                                             "parallelism.ep=2"],
         "deepseek_v3_tp_sp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.tp=2"],
         "deepseek_v3_cp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.cp=2"],
+        # YaRN over a 16-token original context (sequences of 64): each rank's rotated positions and the softmax
+        # mscale^2 (in q) through the ring
+        "deepseek_v3_yarn_cp": DSV3 + YARN + ["parallelism.dp_replicate=1", "parallelism.cp=2"],
         "deepseek_v3_pp_1f1b": DSV3 + ["parallelism.dp_replicate=1", "parallelism.pp=2", "train.micro_batch=4"],
         "deepseek_v3_ep_x_fsdp_grad_accum": DSV3 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                                                     "parallelism.ep=2", "train.micro_batch=4"],
