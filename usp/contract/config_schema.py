@@ -80,7 +80,7 @@ class ModelConfig:
     # RoPE frequency scaling, transformers' rope_type: default (none) | llama3 (Llama 3.1 / 3.2: factor,
     # low/high_freq_factor, original_max_positions) | yarn (DeepSeek-V3, Qwen3's long context: factor,
     # original_max_positions and the optional beta_fast .. truncate), as in config.json's rope_scaling
-    # (usp/models/layers.py rope_inv_freq; docs/models.md "RoPE scaling")
+    # (usp/models/layers.py rope_inv_freq; docs/hf_checkpoints.md "YaRN RoPE scaling")
     rope_type: str = "default"
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None
