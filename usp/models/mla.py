@@ -53,7 +53,7 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(heads * self.v_dim, dim, bias=False)
         # YaRN's mscale^2 on the softmax scale, applied to q so every attention kernel (SDPA, flash, the
         # context-parallel ring) keeps its default 1 / sqrt(width) and gets the same scores
-        self.q_scale = args.softmax_mscale
+        self.q_scale = float(getattr(args, "softmax_mscale", 1.0))
         self.core_attention = None  # optional (q, k, v) -> o replacing SDPA (context parallel)
         self.rope_key_grad = None  # optional identity on the shared RoPE key (tensor parallel: sums its gradient)
 
