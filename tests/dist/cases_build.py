@@ -12,7 +12,9 @@ meta device, parallelize, allocate this rank's shards, initialise) from a real p
   slices equal their rows; the ranks together cover every parameter of the model; the RoPE tables
   (buffers, computed when the shards are allocated) equal the ones the model's args give, Llama 3's
   frequency scaling included. The same for a Hugging Face checkpoint loaded into the shards
-  (model.init_from) against one process's load."""
+  (model.init_from) against one process's load;
+- logits: a DeepSeek-V3 (with and without YaRN), Qwen3 or Qwen3-MoE checkpoint built under FSDP2 x TP2
+  (x EP2 with experts) gives transformers' logits, gathered over tp."""
 from __future__ import annotations
 
 import gc
@@ -200,6 +202,39 @@ def make_hf(tmp: str, kind: str, **shape) -> str:
     return path[0]
 
 
+# Checkpoints of tests/engine/test_hf_checkpoint.py (DeepSeek-V3: latent attention, a dense first block, sigmoid
+# group routing, a shared expert, with and without YaRN; Qwen3 with QK-norm; Qwen3-MoE) under FSDP2 x TP2 (x EP2
+# with experts), their logits against transformers': {case: (kind, ep)}
+HF_LOGITS = {"hf_deepseek_v3_logits": ("deepseek_v3", 2), "hf_deepseek_v3_yarn_logits": ("deepseek_v3_yarn", 2),
+             "hf_qwen3_logits": ("qwen3", 1), "hf_qwen3_moe_logits": ("qwen3_moe", 2)}
+HF_LOGITS_LAYOUT = ONE + ["data.tokenizer=bytes", "parallelism.dp_shard=2", "parallelism.tp=2"]
+
+
+def logits_vs_transformers(tmp: str, kind: str, ep: int) -> dict:
+    """The sharded model's first forward (every rank the same 2 x 48 tokens, as the first step's
+    forward sees its own), the logits gathered over tp (DTensor.full_tensor(), the padded vocabulary
+    cut), against transformers' logits of the same checkpoint: the max |difference| over the ranks."""
+    from tests.engine.test_hf_checkpoint import hf_logits
+    from tests.engine.test_hf_checkpoint import make_hf as make_hf_kind
+
+    box = [str(make_hf_kind(Path(tmp) / f"hf_{kind}", kind, 511, tied=False)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    plan = planned(HF_LOGITS_LAYOUT + [f"parallelism.ep={ep}", f"model.init_from={box[0]}"], tmp)
+    parts = build_model(plan, make_context(plan))
+    model = parts.stage_modules[0]
+    tokens = torch.randint(0, 511, (2, 48), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        out = model(tokens)
+    logits = (out.full_tensor() if isinstance(out, DTensor) else out)[..., :511]
+    expected = hf_logits(Path(box[0]), tokens)
+    err = torch.tensor([(logits - expected).abs().max().item()], dtype=torch.float64)
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    return {"max_abs_err": float(err), "logits_max": float(expected.abs().max()),
+            "rope_type": plan.config.model.rope_type,
+            "layout": [int(plan.degrees["dp_shard"]), int(plan.degrees["tp"]), int(plan.config.parallelism.ep)]}
+
+
 def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # a broken case fails, not hangs
     box = [tempfile.mkdtemp(prefix="usp-build-") if dist.get_rank() == 0 else None]
@@ -213,6 +248,8 @@ def main() -> None:
     for name, ov in HF_LAYOUTS.items():
         kind = "mixtral" if "mixtral" in name else "llama3" if "llama3" in name else "llama"
         cases[name] = lambda ov=HF_DIMS + ov, kind=kind: compare(ov, tmp, make_hf(tmp, kind))
+    for name, (kind, ep) in HF_LOGITS.items():
+        cases[name] = lambda kind=kind, ep=ep: logits_vs_transformers(tmp, kind, ep)
     run_cases(cases)
 
 

@@ -3,7 +3,8 @@
 Every rank feeds DIFFERENT data: rank r takes batch r of a fixed global batch. Each rank also
 builds the single-process reference itself (same seed, all experts) and compares; the
 reported errors are maximised over ranks. The load-balancing loss is the global batch's
-(usp/engine/parallel/balance.py): the reference computes it in one forward on the whole batch."""
+(usp/engine/parallel/balance.py), or DeepSeek-V3's per sequence: the reference computes it in one forward
+on the whole batch."""
 from __future__ import annotations
 
 import copy
@@ -161,10 +162,11 @@ def layer_forward(capacity_factor: float, shared: bool) -> dict:
             "dropped": int(dropped), "n_local_experts": m_ep.experts.n_local}
 
 
-def llama_grads(with_aux: bool) -> dict:
+def llama_grads(with_aux: bool, **kw) -> dict:
     """Full tiny MoE Llama: EP + reduce_gradients after backward of each rank's mean loss, vs one
-    process: ONE forward on the whole global batch, loss CE (+ AUX_COEF x the aux loss, added)."""
-    ref, ep = _models()
+    process: ONE forward on the whole global batch, loss CE (+ AUX_COEF x the aux loss, added).
+    `kw`: model options (DeepSeek-V3's sequence-wise loss: each rank's sequences are its own)."""
+    ref, ep = _models(**kw)
     x, y = _global_batch()
     loss_ref = _ce(ref, x, y)
     if with_aux:
@@ -274,6 +276,38 @@ def balance_loss_collectives() -> dict:
     return {**out, "grad_size": ref.router.weight.grad.abs().max().item()}
 
 
+def sequence_loss_over_cp() -> dict:
+    """DeepSeek-V3's sequence-wise balance loss with each sequence split over the ranks (rank r holds
+    tokens [r S/2, (r+1) S/2) of every sequence, as context parallelism does): the per-sequence counts
+    summed over the ranks (reduce_sequence_stats), P this rank's mean over its part; the router gradient
+    averaged over the ranks and the mean loss vs one process on the whole sequences. Without the sum
+    ("unreduced") each rank's f is its half's: the check has teeth if that one differs."""
+    E, k, dim, B, S = 8, 2, 16, 3, 32
+    x = torch.randn(B, S, dim, generator=torch.Generator().manual_seed(6))
+    args = type("A", (), dict(dim=dim, n_experts=E, top_k=k, ffn_dim=8, moe_ffn_dim=0, shared_expert=False,
+                              capacity_factor=0.0, router_score="sigmoid", aux_loss_scope="sequence"))
+    torch.manual_seed(0)
+    template = MoE(args)
+    ref = copy.deepcopy(template)
+    ref.route(x.flatten(0, 1), sequences=B)
+    ref.aux_loss.backward()
+    mine = x[:, RANK * S // WORLD:(RANK + 1) * S // WORLD].flatten(0, 1)
+    out = {}
+    for name in ("reduced", "unreduced"):
+        m = copy.deepcopy(template)
+        if name == "reduced":
+            m.reduce_sequence_stats = functools.partial(_all_reduce_sum, group=EP)
+        m.route(mine, sequences=B)
+        m.aux_loss.backward()
+        grad, value = m.router.weight.grad.clone(), m.aux_loss.detach().clone()
+        dist.all_reduce(grad)
+        dist.all_reduce(value)
+        grad_err, value_err = _max_over((grad / WORLD - ref.router.weight.grad).abs().max().item(),
+                                        abs(value.item() / WORLD - ref.aux_loss.item()))
+        out[name] = {"grad_err": grad_err, "value_err": value_err}
+    return {**out, "grad_size": ref.router.weight.grad.abs().max().item()}
+
+
 class _AllReduceSum(torch.autograd.Function):
     """Sum over the ranks; the backward sums the gradients over the ranks (each rank's loss
     depends on every rank's input)."""
@@ -299,6 +333,8 @@ CASES = {
     "layer_shared": lambda: layer_forward(0.0, True),
     "llama_grads_ce": lambda: llama_grads(False),
     "llama_grads_aux": lambda: llama_grads(True),
+    "llama_grads_aux_sequence": lambda: llama_grads(True, router_score="sigmoid", aux_loss_scope="sequence"),
+    "sequence_loss_over_cp": sequence_loss_over_cp,
     "adamw_3_steps": adamw_steps,
     "init_after_ep": init_after_ep,
     "balance_loss_collectives": balance_loss_collectives,

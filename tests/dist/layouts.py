@@ -16,7 +16,13 @@ PARAM_ATOL: dict[str, float] = {"tp_x_pp": 2e-4, "cp_x_pp": 2e-4, "cp_x_pp_inter
                                 # measured 8.6e-5 in tok_embeddings.weight (losses within 5.9e-8), which the MTP
                                 # loss reaches by a second path; the same margin as the layouts above (the
                                 # elements not analysed further)
-                                "deepseek_v3_mtp_ep_x_fsdp_grad_accum": 2e-4}
+                                "deepseek_v3_mtp_ep_x_fsdp_grad_accum": 2e-4,
+                                # DeepSeek-V3's sequence-wise balance loss (its group's default): measured 1.17e-4
+                                # (ep_x_tp) and 9.9e-5 (tp_sp) in tok_embeddings.weight, 2.5e-5 / 3.9e-5 with the
+                                # global-batch loss; the same losses (1.1e-7 / 2.3e-7) and grad norms (1.6e-5)
+                                # either way. Adam's eps amplifying rounding: under SGD both read 5.6e-7, under
+                                # optimizer.eps=1e-6 2.5e-6 (sequence) and 3.9e-6 (batch) (ep_x_tp, measured)
+                                "deepseek_v3_ep_x_tp": 2e-4, "deepseek_v3_tp_sp": 2e-4}
 PP = ["model.tie_embeddings=false", "model.n_layers=4"]
 # moe_tiny as users run it: the load-balancing loss on (over the global batch; docs/moe.md)
 MOE = ["model=moe_tiny"]
@@ -29,8 +35,12 @@ QWEN3 = ["model.head_dim=48", "model.qk_norm=true"]
 QWEN3_MOE = MOE + QWEN3  # embedding on the first stage, its copy on the last
 # DeepSeek-V3 as its tiny group has it (conf/model/deepseek_v3_tiny.yaml): latent attention (heads over tp, the
 # shared RoPE key's gradient summed there; values narrower than q / k through the CP ring), a dense first block,
-# sigmoid group routing with a shared expert, aux-loss-free balancing (the bias moving after each step)
+# sigmoid group routing with a shared expert, aux-loss-free balancing (the bias moving after each step) and the
+# sequence-wise balance loss (each sequence's counts summed over cp in deepseek_v3_cp)
 DSV3 = ["model=deepseek_v3_tiny"]
+# DeepSeek-V3's YaRN (its beta and mscale values) over a short original context, so that it moves the rotation
+YARN = ["model.rope_type=yarn", "model.rope_factor=4", "model.rope_original_max_positions=16",
+        "model.rope_beta_fast=32", "model.rope_beta_slow=1", "model.rope_mscale=1", "model.rope_mscale_all_dim=1"]
 # The GPU's precision recipe, run on CPU (train.dtype=bf16): FSDP2 layouts get
 # MixedPrecisionPolicy(bf16 params, fp32 reduction), the others bf16 autocast; the reference is a
 # bf16-autocast single process (tolerance: at the end of this file).
@@ -94,6 +104,9 @@ LAYOUTS = {
                                             "parallelism.ep=2"],
         "deepseek_v3_tp_sp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.tp=2"],
         "deepseek_v3_cp": DSV3 + ["parallelism.dp_replicate=1", "parallelism.cp=2"],
+        # YaRN over a 16-token original context (sequences of 64): each rank's rotated positions and the softmax
+        # mscale^2 (in q) through the ring
+        "deepseek_v3_yarn_cp": DSV3 + YARN + ["parallelism.dp_replicate=1", "parallelism.cp=2"],
         "deepseek_v3_pp_1f1b": DSV3 + ["parallelism.dp_replicate=1", "parallelism.pp=2", "train.micro_batch=4"],
         "deepseek_v3_ep_x_fsdp_grad_accum": DSV3 + ["parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                                                     "parallelism.ep=2", "train.micro_batch=4"],

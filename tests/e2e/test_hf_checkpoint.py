@@ -88,10 +88,10 @@ def _check_export(tmp_path: Path, run_dir: Path, tied: bool, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama3", True), ("mixtral", False), ("qwen3", True),
-                                       ("qwen3_moe", False), ("deepseek_v3", False)])
+                                       ("qwen3_moe", False), ("deepseek_v3", False), ("qwen3_yarn", True)])
 def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare, kind, tied):
     """`usp train model.init_from=<dir>` and no other model key: the run has the checkpoint's shape
-    (dims, layers, heads, kv heads, ffn, vocab, tie, rope theta and scaling, norm eps, experts), its
+    (dims, layers, heads, kv heads, ffn, vocab, tie, rope theta and scaling: llama3's, YaRN's, norm eps, experts), its
     first loss is transformers' on the same batch, and usp's model built from the run's plan gives
     transformers' logits within 1e-5."""
     from transformers import AutoConfig
@@ -120,6 +120,9 @@ def test_init_from_alone_takes_the_shape_from_config_json(tmp_path, shakespeare,
     if kind == "llama3":
         assert [getattr(model, f"rope_{k}") for k in ("factor", "low_freq_factor", "high_freq_factor",
                                             "original_max_positions")] == [8.0, 1.0, 4.0, 32]
+    if kind == "qwen3_yarn":  # Qwen3's YaRN: the factor and the original context, the rest transformers' defaults
+        assert (model.rope_factor, model.rope_original_max_positions, model.rope_beta_fast, model.rope_mscale) == \
+            (4.0, 16, None, None)
     first = _first_batch_loss(run, src)
     assert abs(losses(run)[1] - first) <= TOL * first, (losses(run), first)
     ours = Llama(LlamaArgs.from_config(model, vocab), max_seq_len=64)
@@ -140,8 +143,9 @@ def test_import_trains_under_fsdp2_tp2_and_exports(tmp_path, shakespeare, kind, 
     routing with its correction bias; experts over ep 2 as well) as model.init_from under FSDP2 x TP2 (4
     processes, each loading its shards from the full tensors): its first loss is transformers' loss on the
     same batch, the 3 steps follow one process within 1e-5, and the export loads in transformers as the same
-    architecture with usp's logits and its tie intact. The Llama's run sets its shape as well; the others
-    name nothing but the checkpoint (its balancing loss the default's)."""
+    architecture with usp's logits and its tie intact. (The logits of a DeepSeek-V3 checkpoint under
+    FSDP2 x TP2 x EP2, gathered, against transformers': tests/e2e/test_build.py.) The Llama's run sets its
+    shape as well; the others name nothing but the checkpoint (its balancing loss the default's)."""
     vocab = int(shakespeare[1]["vocab_size"])
     src = make_hf(tmp_path / f"hf_{kind}", kind, vocab, tied=tied)
     common = [*(USP_DIMS if kind == "llama" else []), f"model.tie_embeddings={str(tied).lower()}",

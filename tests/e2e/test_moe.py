@@ -34,7 +34,7 @@ def test_ep_layer_matches_single_process(ep_results, case):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["llama_grads_ce", "llama_grads_aux"])
+@pytest.mark.parametrize("case", ["llama_grads_ce", "llama_grads_aux", "llama_grads_aux_sequence"])
 def test_ep_llama_gradients_match_single_process(ep_results, case):
     r = _ok(ep_results, case)
     print(case, r)
@@ -66,6 +66,17 @@ def test_global_balance_loss_needs_no_collective_in_backward(ep_results):
     assert r["grad_size"] > 1e-3  # the loss moves the router
     for way in ("counts", "autograd"):
         assert r[way]["grad_err"] < 1e-7 and r[way]["value_err"] < 1e-6, way
+
+
+@pytest.mark.distributed
+def test_sequence_balance_loss_over_split_sequences(ep_results):
+    """DeepSeek-V3's sequence-wise loss with each sequence split over 2 ranks (context parallelism's
+    case): the per-sequence counts summed over them give one process's loss and router gradient."""
+    r = _ok(ep_results, "sequence_loss_over_cp")
+    print(r)
+    assert r["grad_size"] > 1e-3
+    assert r["reduced"]["grad_err"] < 1e-7 and r["reduced"]["value_err"] < 1e-6
+    assert r["unreduced"]["value_err"] > 1e-3  # each half's own counts are another loss
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 USP_LLAMA3 = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                   rope_original_max_positions=32)
+# YaRN over a 16-token original context (48-token inputs reach past it): Qwen3's form (no mscale: cos and sin
+# x 0.1 ln 4 + 1) and DeepSeek-V3's (beta 32 / 1, mscale = mscale_all_dim = 1: the softmax scale x mscale^2)
+YARN = {"qwen3": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        "deepseek_v3": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+USP_YARN = {kind: {f"rope_{k}": v for k, v in (("type", "yarn"), ("factor", 4.0), ("original_max_positions", 16),
+                                               *((k, rope[k]) for k in ("beta_fast", "beta_slow", "mscale",
+                                                                        "mscale_all_dim") if k in rope))}
+            for kind, rope in YARN.items()}
 
 
 # Qwen3's attention: heads of head_dim 24, not hidden_size / heads = 16 (Qwen3-0.6B: 128, not 64), QK-norm;
@@ -53,19 +62,24 @@ USP_KIND = {"llama": {}, "llama3": USP_LLAMA3, "mixtral": dict(n_experts=4, top_
             "deepseek_v3": USP_DEEPSEEK,
             "deepseek_v3_plain": dict(USP_DEEPSEEK, q_lora_rank=0, router_groups=1, router_topk_groups=1,
                                       router_norm_topk=False, rope_interleave=False, router_scale=1.0)}
+USP_KIND.update({f"{kind}_yarn": {**USP_KIND[kind], **USP_YARN[kind]} for kind in YARN})
 
 
 def make_hf(directory: Path, kind: str, vocab: int, tied: bool, **dims) -> Path:
     """A random tiny LlamaForCausalLM (kind "llama", or "llama3": with Llama 3's RoPE scaling),
     MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM ("qwen3_moe"; "qwen3_moe_unnormalised":
-    norm_topk_prob false) saved with save_pretrained; `dims` replace DIMS' values. Every RMSNorm weight
-    is drawn around 1 (transformers initialises them to 1, which would hide a norm read as another)."""
+    norm_topk_prob false) or DeepseekV3ForCausalLM (a kind ending "_yarn": with YaRN's scaling, YARN), saved
+    with save_pretrained; `dims` replace DIMS' values. Every RMSNorm weight is drawn around 1 (transformers
+    initialises them to 1, which would hide a norm read as another)."""
     import transformers as tf
 
     torch.manual_seed(0)
     dims = {**DIMS, **dims}
     if kind == "llama3":
         dims["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": dims.pop("rope_theta")}
+    if kind.endswith("_yarn"):
+        kind = kind.removesuffix("_yarn")
+        dims["rope_parameters"] = {**YARN[kind], "rope_theta": dims.pop("rope_theta")}
     common = dict(vocab_size=vocab, tie_word_embeddings=tied)
     if kind in ("llama", "llama3"):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**dims, **common))
@@ -109,7 +123,8 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama3", False), ("mixtral", False),
                                        ("qwen3", True), ("qwen3", False), ("qwen3_moe", False),
                                        ("qwen3_moe_unnormalised", False), ("deepseek_v3", False),
-                                       ("deepseek_v3_plain", True)])
+                                       ("deepseek_v3_plain", True), ("qwen3_yarn", False),
+                                       ("deepseek_v3_yarn", False)])
 def test_import_matches_transformers_logits(tmp_path, kind, tied):
     """An HF checkpoint loaded into usp's model gives transformers' logits (q/k as they are: the same
     RoPE layout; Llama 3's frequency scaling; experts stacked and transposed; Qwen3's head_dim and
@@ -144,10 +159,11 @@ def test_import_matches_transformers_logits(tmp_path, kind, tied):
     assert torch.allclose(hf_logits(tmp_path / "back", tokens), expected, rtol=0, atol=TOL)
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert written["architectures"] == json.loads((src / "config.json").read_text())["architectures"]
-    if kind == "llama3":  # the scaling is in the export's config.json, and it matters
+    scaled = {"llama3": LLAMA3_ROPE, **{f"{k}_yarn": v for k, v in YARN.items()}}.get(kind)
+    if scaled is not None:  # the scaling is in the export's config.json, and it matters
         assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == \
-            {**LLAMA3_ROPE, "rope_theta": 10000.0}
-        plain = usp_model("llama", 100, tied)
+            {**scaled, "rope_theta": 10000.0}
+        plain = usp_model(kind.removesuffix("_yarn") if kind.endswith("_yarn") else "llama", 100, tied)
         plain.load_state_dict(model.state_dict())
         with torch.no_grad():
             assert (plain(tokens) - expected).abs().max() > 100 * TOL
@@ -176,7 +192,7 @@ def test_config_mismatch_is_refused_before_launch(tmp_path):
             assert "model.init_from=" in out and field in out and fix in out, (extra, out)
     assert not (tmp_path / "runs").exists()  # nothing launched, nothing written
     config = json.loads((src / "config.json").read_text())
-    for rope, says in [({"rope_type": "yarn", "factor": 4.0}, "rope_parameters.rope_type='yarn'"),
+    for rope, says in [({"rope_type": "longrope", "factor": 4.0}, "rope_parameters.rope_type='longrope'"),
                        ({"rope_type": "llama3", "factor": 8.0}, "rope_parameters.low_freq_factor=None")]:
         (src / "config.json").write_text(json.dumps({**config, "rope_parameters": {**rope, "rope_theta": 10000.0}}))
         proc = usp_cli("plan", *base, cwd=tmp_path)

@@ -204,8 +204,46 @@ def test_llama3_frequencies_are_transformers(hd, theta, factor, low, high, origi
     assert scaling == 1.0 and ours.dtype == expected.dtype and torch.equal(ours, expected)
     plain = rope_inv_freq(hd, theta)
     assert (ours < plain).any() and (ours == plain).any()  # scaled somewhere, kept somewhere
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(hd, theta, "yarn", factor)
+    with pytest.raises(ValueError, match="longrope"):
+        rope_inv_freq(hd, theta, "longrope", factor)
+
+
+# (head_dim, theta, config.json's rope_scaling): DeepSeek-V3's released one (mscale 1 on both: attention factor 1),
+# Qwen3's long-context one (no mscale: 0.1 ln 4 + 1), a short original context whose ramp covers several
+# channels with truncate false, mscale != mscale_all_dim, and an explicit attention_factor
+YARN_SCALINGS = [(64, 10000.0, dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                                    mscale=1.0, mscale_all_dim=1.0)),
+                 (128, 1e6, dict(factor=4.0, original_max_position_embeddings=32768)),
+                 (16, 10000.0, dict(factor=8.0, original_max_position_embeddings=32, truncate=False)),
+                 (16, 500.0, dict(factor=8.0, original_max_position_embeddings=32, beta_fast=16.0, beta_slow=2.0,
+                                  mscale=0.707, mscale_all_dim=1.0)),
+                 (32, 10000.0, dict(factor=2.0, original_max_position_embeddings=64, attention_factor=0.8))]
+
+
+@pytest.mark.parametrize("hd,theta,params", YARN_SCALINGS)
+def test_yarn_is_transformers(hd, theta, params):
+    """rope_type yarn: transformers' inverse frequencies bit for bit, its attention factor (cos and sin
+    multiplied by it, in the model's tables) and DeepSeek's softmax mscale^2 (transformers' yarn_apply_mscale)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    rope = {"rope_type": "yarn", "rope_theta": theta, **params}
+    config = LlamaConfig(hidden_size=hd * 4, num_attention_heads=4, rope_parameters=rope,
+                         max_position_embeddings=int(params["original_max_position_embeddings"] * params["factor"]))
+    expected, attention = ROPE_INIT_FUNCTIONS["yarn"](config)
+    usp = {k: params.get(k) for k in ("beta_fast", "beta_slow", "truncate")}
+    ours = rope_inv_freq(hd, theta, "yarn", params["factor"], None, None, params["original_max_position_embeddings"],
+                         **usp)
+    assert ours.dtype == expected.dtype and torch.equal(ours, expected)
+    args = LlamaArgs(dim=hd * 4, n_heads=4, rope_theta=theta, rope_type="yarn", rope_factor=params["factor"],
+                     rope_original_max_positions=params["original_max_position_embeddings"],
+                     **{f"rope_{k}": params.get(k) for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                                             "attention_factor", "truncate")})
+    cos, sin = args.rope_tables(64)
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), expected)
+    assert torch.equal(cos, angles.cos() * attention) and torch.equal(sin, angles.sin() * attention)
+    assert args.softmax_mscale == pytest.approx(yarn_apply_mscale(rope, 1.0), rel=1e-12)
+    assert (ours < rope_inv_freq(hd, theta)).any() and (ours == rope_inv_freq(hd, theta)).any()
 
 
 def test_legacy_interleaved_rows_convert_to_the_same_attention():

@@ -128,6 +128,33 @@ def test_aux_loss_formula_and_uniform_routing():
     assert m.aux_loss.item() > 1.5
 
 
+def test_sequence_balance_loss_is_deepseeks_formula():
+    """aux_loss_scope=sequence on a tiny batch (2 sequences of 3 tokens, 4 sigmoid-scored experts, top-2)
+    equals DeepSeek-V3's eqs. 17-20 computed by hand in plain Python: per sequence, f_i = N_r / (K_r T) x
+    the tokens whose top-K holds i, s'_{i,t} = s_{i,t} / sum_j s_{j,t}, P_i = mean_t s'_{i,t},
+    L = sum_i f_i P_i; averaged over the sequences. It differs from the global-batch form on the same
+    batch, and trains the router."""
+    E, k, B, T = 4, 2, 2, 3
+    m = moe_layer(dim=8, n_experts=E, top_k=k, router_score="sigmoid", aux_loss_scope="sequence")
+    x = torch.randn(B, T, 8, generator=torch.Generator().manual_seed(5))
+    m(x)
+    scores = torch.sigmoid(x @ m.router.weight.detach().T).tolist()  # [b][t][i]
+    losses = []
+    for seq in scores:
+        top = [sorted(range(E), key=lambda i, s=s: -s[i])[:k] for s in seq]
+        f = [E / (k * T) * sum(i in chosen for chosen in top) for i in range(E)]
+        p = [sum(s[i] / sum(s) for s in seq) / T for i in range(E)]
+        losses.append(sum(fi * pi for fi, pi in zip(f, p)))
+    assert abs(m.aux_loss.item() - sum(losses) / B) < 1e-6, (m.aux_loss.item(), losses)
+    m.aux_loss.backward()
+    assert m.router.weight.grad.abs().max() > 1e-4
+    whole = moe_layer(dim=8, n_experts=E, top_k=k, router_score="sigmoid")  # the same weights, batch scope
+    whole(x)
+    assert abs(whole.aux_loss.item() - m.aux_loss.item()) > 1e-3
+    with pytest.raises(ValueError, match="aux_loss_scope='token'"):
+        moe_layer(aux_loss_scope="token")
+
+
 def test_expert_bias_picks_experts_but_not_gate_weights():
     """Aux-loss-free balancing (DeepSeek-V3): the bias decides the top-k choice; the gate weights
     stay the router probabilities of the chosen experts, renormalised."""

@@ -23,6 +23,9 @@ META_SCALING = {"llama3_1_8b": 8.0, "llama3_2_1b": 32.0}
 DEEPSEEK_OFF = dict(n_shared_experts=1, router_score="softmax", router_groups=1, router_topk_groups=1, router_scale=1.0,
                     n_dense_layers=0, kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
                     v_head_dim=0, rope_interleave=False)
+# YaRN's values, which a llama3-scaled config.json leaves unset
+YARN_OFF = {f"rope_{k}": None for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                                        "truncate")}
 
 
 @pytest.mark.parametrize("group", sorted(META))
@@ -41,7 +44,7 @@ def test_catalogue_llama3_groups_are_metas_config(tmp_path, group):
     # the group sets every key but the MoE ones (a dense Llama: no experts) and the Qwen3 ones
     assert adopt_hf_shape(explicit.model) == {"n_experts": 0, "top_k": 2, "moe_ffn_dim": 0, "shared_expert": False,
                                               "router_norm_topk": True, "qk_norm": False,
-                                              "head_dim": META[group].get("head_dim"), **DEEPSEEK_OFF}
+                                              "head_dim": META[group].get("head_dim"), **DEEPSEEK_OFF, **YARN_OFF}
     check_hf_config(config, explicit.model, 128256, str(tmp_path))  # raises on any disagreement
     alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
     adopt_hf_shape(alone.model)
@@ -201,31 +204,33 @@ DEEPSEEK_V3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausal
 
 
 def test_deepseek_v3_group_is_deepseeks_config(tmp_path):
-    """deepseek_v3_671b agrees with DeepSeek's config.json but for its YaRN RoPE scaling, which an import
-    refuses by name; without it, the file alone gives the group's shape; the planner counts DeepSeek's
-    published 671 B parameters (without the multi-token-prediction module), 37 B active per token."""
+    """deepseek_v3_671b agrees with DeepSeek's config.json, its YaRN RoPE scaling included (rope_scaling's
+    older `type` name); the file alone gives the group's shape; the planner counts DeepSeek's published 671 B
+    parameters (without the multi-token-prediction module), 37 B active per token."""
     from usp.config.compose import compose_config
     from usp.contract.hf_shape import CHECKPOINT_KEYS
     from usp.perf.specs import Arch
     from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
-    alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
-    with pytest.raises(PlanError) as err:
-        adopt_hf_shape(alone.model)
-    assert "rope_parameters.rope_type='yarn'" in str(err.value), str(err.value)
-    plain = {k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"}
-    (tmp_path / "config.json").write_text(json.dumps(plain))
     explicit, _ = compose_config(None, ["model=deepseek_v3_671b", f"model.init_from={tmp_path}"])
-    # the group sets every key config.json decides but the RoPE scaling's and the Qwen3 ones (none of them)
-    scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions")
-    assert adopt_hf_shape(explicit.model) == {"head_dim": None, "qk_norm": False, "rope_type": "default",
-                                              **{f"rope_{k}": None for k in scaling}}
+    # the group sets every key config.json decides but the Qwen3 ones, llama3's and the yarn ones DeepSeek leaves out
+    assert adopt_hf_shape(explicit.model) == {"head_dim": None, "qk_norm": False, "rope_low_freq_factor": None,
+                                              "rope_high_freq_factor": None, "rope_attention_factor": None,
+                                              "rope_truncate": None}
     check_hf_config(read_hf_config(tmp_path), explicit.model, 129280, str(tmp_path))
     alone, _ = compose_config(None, [f"model.init_from={tmp_path}"])
     adopt_hf_shape(alone.model)
     assert {k: alone.model[k] for k in CHECKPOINT_KEYS if k not in ("name", "head_dim")} == \
         {k: explicit.model[k] for k in CHECKPOINT_KEYS if k not in ("name", "head_dim")}
+    assert (alone.model.rope_type, alone.model.rope_factor, alone.model.rope_mscale_all_dim) == ("yarn", 40.0, 1.0)
+    plain = {k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"}  # plain RoPE: the group's YaRN disagrees
+    (tmp_path / "config.json").write_text(json.dumps(plain))
+    explicit, _ = compose_config(None, ["model=deepseek_v3_671b", f"model.init_from={tmp_path}"])
+    adopt_hf_shape(explicit.model)
+    with pytest.raises(PlanError) as err:
+        check_hf_config(read_hf_config(tmp_path), explicit.model, 129280, str(tmp_path))
+    assert "rope_parameters.rope_type='default'" in str(err.value) and "model.rope_type=default" in err.value.fix
     arch = Arch.from_model(explicit.model)
     active = arch.matmul_params + arch.embed_params + arch.n_layers * arch.norm_params + arch.dim
     assert abs(arch.total_params - 671e9) <= 0.005 * 671e9 and abs(active - 37e9) <= 0.02 * 37e9, \
@@ -240,7 +245,7 @@ def test_a_deepseek_option_at_odds_with_config_json_is_refused(tmp_path, overrid
     from usp.config.compose import compose_config
     from usp.plan.hf_config import adopt_hf_shape, check_hf_config, read_hf_config
 
-    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"}))
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     cfg, _ = compose_config(None, ["model=deepseek_v3_671b", override, f"model.init_from={tmp_path}"])
     adopt_hf_shape(cfg.model)
     with pytest.raises(PlanError) as err:

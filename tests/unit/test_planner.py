@@ -359,6 +359,53 @@ def test_ep_all_to_all_link_is_the_ep_groups_own():
     assert not ep[1].crosses_nodes and ep[2].crosses_nodes
 
 
+def test_deepseeks_dense_first_blocks_are_timed_as_dense_blocks():
+    """DeepSeek-V3's 3 dense first blocks (model.n_dense_layers) cost what a dense block costs in the time model:
+    their matmuls are a dense model's layer's (a TP-sliced SwiGLU of ffn_dim, no router or experts), they send
+    no EP all-to-all (calls per MoE layer of the stage holding them, each of a whole layer's tokens), and
+    their parameters are a dense block's in the FSDP traffic; a MoE layer's work is unchanged."""
+    from usp.perf.timing import _calls, _layer_times, _matmul_flops, _stages, micro_batches, time_shape
+
+    cfg, _ = cfg_for("model=deepseek_v3_671b")
+    a, hw = Arch.from_model(cfg.model), h100(nodes=16)
+    all_moe = replace(a, n_dense_layers=0)
+    lay = Layout(dp_shard=64, pp=2, ep=8, micro_batch=1, grad_accum=4)
+    shape, moe_shape = (time_shape(x, lay, 4096, 256, hw, BF16, USP) for x in (a, all_moe))
+    dense_model = time_shape(replace(a, n_experts=0), lay, 4096, 256, hw, BF16, USP)
+    assert shape.stage_dense == (3, 0) and moe_shape.stage_dense == (0, 0)
+    assert _matmul_flops(shape.dense_layer) == _matmul_flops(dense_model.layer) != _matmul_flops(shape.layer)
+    assert _matmul_flops(shape.layer) == _matmul_flops(moe_shape.layer)
+    layers, dense, _, busiest = _stages(a, lay, 4096, USP.pp_split)
+    assert shape.matmul_flops_mb == pytest.approx((layers[busiest] - dense[busiest]) * _matmul_flops(shape.layer)
+                                                  + dense[busiest] * _matmul_flops(shape.dense_layer)
+                                                  + (shape.head_fwd.flops + shape.head_bwd.flops
+                                                     if busiest in shape.head_ranks else 0.0))
+    # the stage with the dense blocks (31 layers, 3 dense) and the head's (30): EP calls per MoE layer
+    mbs = {mb.rank: mb for mb in micro_batches(shape, hw.timing, USP.time)}
+    ep_term = next(ct for ct in shape.comms if ct.name.startswith("EP"))
+    assert (mbs[0].layers, mbs[0].dense_layers, mbs[1].dense_layers) == (31, 3, 0)
+    assert _calls(ep_term, mbs[0]) == ep_term.calls * 28 and _calls(ep_term, mbs[1]) == ep_term.calls * 30
+    def gemm_s(work):  # one layer's matmul seconds under the constants
+        return _layer_times(shape, work, hw.timing, USP.time).gemm
+
+    assert mbs[0].gemm == pytest.approx(28 * gemm_s(shape.layer) + 3 * gemm_s(dense_model.layer))
+    assert gemm_s(dense_model.layer) != pytest.approx(gemm_s(shape.layer), rel=1e-3)
+    all_moe_mb = {mb.rank: mb for mb in micro_batches(moe_shape, hw.timing, USP.time)}
+    assert mbs[1].gemm == pytest.approx(all_moe_mb[1].gemm) and all_moe_mb[0].dense_layers == 0
+    plan = timing_plan(a, lay, 4096, 256, hw, BF16)  # the busiest stage (the head's) sends a whole layer's tokens
+    ep = next(c for c in plan.comm if c.name.startswith("EP"))
+    assert plan.efficiency_terms["busiest_pp_rank"] == 1 and ep.calls == 2 * 2 * lay.grad_accum * 30
+    per_call = 4096 * a.top_k * a.dim * BF16.act * (lay.ep - 1) / lay.ep
+    assert ep.bytes_per_step == pytest.approx(ep.calls * per_call)
+    # stage 0's parameters: 3 dense blocks (attention + 3 x dim x ffn_dim, norms), not 3 MoE layers
+    from usp.perf.timing import rank_params
+
+    params, moe_params = rank_params(a, lay), rank_params(all_moe, lay)
+    block = a.attn_params_over(1) + a.parts["dense_mlp"] + a.norm_params
+    moe_layer = a.attn_params_over(1) + a.dense_mlp_params + a.router_params + a.norm_params + a.expert_params / 8
+    assert moe_params[0] - params[0] == pytest.approx(3 * (moe_layer - block)) and params[1] == moe_params[1]
+
+
 def test_mixtral_plans_with_ep_x_fsdp_x_tp_x_pp_on_h100():
     cfg, choices = compose_config(None, ["model=mixtral_8x7b", "cluster=slurm_h100", "cluster.nodes=16",
                                          "parallelism.ep=8", "parallelism.dp_shard=8", "parallelism.tp=4",

@@ -145,13 +145,14 @@ def test_moe_with_tp_plans_with_a_warning_not_a_refusal():
     assert any("parallelism.tp=2: MoE layers are not tensor-parallel" in w for w in plan.warnings)
 
 
-def test_rope_types_other_than_default_and_llama3_are_refused_by_name():
-    """model.rope_type: default and llama3 plan; the others transformers knows are refused by name;
-    llama3 needs its four values, each checked; a scaling value with rope_type=default is a warning."""
-    for rope_type in ("linear", "dynamic", "yarn", "longrope"):
+def test_rope_types_other_than_default_llama3_and_yarn_are_refused_by_name():
+    """model.rope_type: default, llama3 and yarn plan; the others transformers knows are refused by name;
+    llama3 needs its four values, yarn its factor and original context, each value checked (yarn's optional
+    ones when set); a scaling value the type doesn't read is a warning naming the type that does."""
+    for rope_type in ("linear", "dynamic", "longrope"):
         plan, errors = _plan(f"model.rope_type={rope_type}", "model.rope_factor=4")
         assert plan is None and errors[0].key == "model.rope_type" and errors[0].value == rope_type
-        assert "default and llama3" in str(errors[0]) and "model.rope_type=default" in errors[0].fix
+        assert "default, llama3, yarn" in str(errors[0]) and "model.rope_type=default" in errors[0].fix
     llama3 = ["model.rope_type=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
               "model.rope_high_freq_factor=4", "model.rope_original_max_positions=8192"]
     plan, errors = _plan(*llama3)
@@ -162,9 +163,26 @@ def test_rope_types_other_than_default_and_llama3_are_refused_by_name():
                      ("model.rope_original_max_positions=null", "model.rope_original_max_positions")]:
         plan, errors = _plan(*llama3, bad)
         assert plan is None and [e.key for e in errors] == [key], (bad, errors)
+    yarn = ["model.rope_type=yarn", "model.rope_factor=40", "model.rope_original_max_positions=4096"]
+    plan, errors = _plan(*yarn, "model.rope_mscale=1", "model.rope_mscale_all_dim=1")
+    assert plan is not None and errors == [] and plan.config.model.rope_mscale_all_dim == 1.0
+    for bad, key in [("model.rope_factor=null", "model.rope_factor"), ("model.rope_factor=0.5", "model.rope_factor"),
+                     ("model.rope_original_max_positions=null", "model.rope_original_max_positions"),
+                     ("model.rope_beta_fast=0", "model.rope_beta_fast"),
+                     ("model.rope_beta_slow=64", "model.rope_beta_slow"),
+                     ("model.rope_mscale=-1", "model.rope_mscale"),
+                     ("model.rope_mscale_all_dim=-0.5", "model.rope_mscale_all_dim"),
+                     ("model.rope_attention_factor=0", "model.rope_attention_factor")]:
+        plan, errors = _plan(*yarn, bad)
+        assert plan is None and [e.key for e in errors] == [key], (bad, errors)
+        assert "model.rope_type=yarn needs" in str(errors[0]) and errors[0].fix.startswith(key + "="), errors[0]
     plan, errors = _plan("model.rope_factor=8")
     assert plan is not None and errors == []
     assert any(w.startswith("model.rope_factor=8.0: model.rope_type=default") for w in plan.warnings), plan.warnings
+    plan, errors = _plan(*yarn, "model.rope_low_freq_factor=1")
+    assert plan is not None and errors == []
+    assert any(w.startswith("model.rope_low_freq_factor=1.0: model.rope_type=yarn doesn't read it")
+               for w in plan.warnings), plan.warnings
 
 
 def test_head_dim_is_an_option_with_its_own_rule():

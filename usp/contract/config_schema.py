@@ -77,13 +77,21 @@ class ModelConfig:
     vocab_size: int = -1  # -1 = take it from the data group's tokenizer
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
-    # RoPE frequency scaling, transformers' rope_type: default (none) | llama3 (Llama 3.1 / 3.2: the
-    # four values below, as in config.json's rope_scaling; usp/models/layers.py rope_inv_freq)
+    # RoPE frequency scaling, transformers' rope_type: default (none) | llama3 (Llama 3.1 / 3.2: factor,
+    # low/high_freq_factor, original_max_positions) | yarn (DeepSeek-V3, Qwen3's long context: factor,
+    # original_max_positions and the optional beta_fast .. truncate), as in config.json's rope_scaling
+    # (usp/models/layers.py rope_inv_freq; docs/hf_checkpoints.md "YaRN RoPE scaling")
     rope_type: str = "default"
     rope_factor: float | None = None
     rope_low_freq_factor: float | None = None
     rope_high_freq_factor: float | None = None
     rope_original_max_positions: int | None = None  # original_max_position_embeddings
+    rope_beta_fast: float | None = None  # None: 32
+    rope_beta_slow: float | None = None  # None: 1
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_attention_factor: float | None = None  # None: from factor, mscale and mscale_all_dim
+    rope_truncate: bool | None = None  # None: true
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention: str = "sdpa"  # sdpa | flash_attn (GPU extra)
@@ -92,7 +100,10 @@ class ModelConfig:
     top_k: int = 2
     moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
     shared_expert: bool = False  # one always-on expert beside the routed ones
-    aux_loss_coef: float = 0.01  # load-balancing loss weight (over the global batch, docs/moe.md)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (docs/moe.md)
+    # its f_e and P_e over the global batch (batch: Switch, Qwen3-MoE) or per sequence, averaged over the
+    # sequences (sequence: DeepSeek-V3's complementary sequence-wise loss)
+    aux_loss_scope: str = "batch"
     router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing (DeepSeek-V3), the bias step
     # the top-k router probabilities renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob=true);
     # false: the softmax's own probabilities weight the experts (Qwen3-MoE's norm_topk_prob=false)

@@ -15,9 +15,10 @@ num_attention_heads -> n_heads, num_key_value_heads -> n_kv_heads, head_dim -> h
 is hidden_size / num_attention_heads and config.json leaves it out), intermediate_size -> ffn_dim
 (Mixtral: the expert's hidden size, moe_ffn_dim or ffn_dim; Qwen3-MoE: moe_intermediate_size is the
 expert's), vocab_size -> the model's vocabulary, tie_word_embeddings -> tie_embeddings, rope_theta (or
-rope_parameters.rope_theta) -> rope_theta, rope_scaling / rope_parameters (rope_type, factor,
-low_freq_factor, high_freq_factor, original_max_position_embeddings) -> rope_type, rope_factor,
-rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions, rms_norm_eps -> norm_eps,
+rope_parameters.rope_theta) -> rope_theta, rope_scaling / rope_parameters (rope_type and the values of
+HF_ROPE that the type reads, ROPE_VALUES: llama3's factor, low_freq_factor, high_freq_factor,
+original_max_position_embeddings; yarn's factor, original_max_position_embeddings, beta_fast, beta_slow,
+mscale, mscale_all_dim, attention_factor, truncate) -> rope_type, rope_<usp name>, rms_norm_eps -> norm_eps,
 num_local_experts (Qwen3-MoE: num_experts) -> n_experts, num_experts_per_tok -> top_k, norm_topk_prob ->
 router_norm_topk (Mixtral always renormalises); the model type -> qk_norm (the Qwen3 types have it);
 a field config.json leaves out has transformers' default for that model type. DeepSeek-V3's own
@@ -35,7 +36,9 @@ CONFIG = "config.json"
 # command line set MISSING (usp/config/init_from.py), and the planner fills them (usp/plan/hf_config.py).
 CHECKPOINT_KEYS = ("name", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qk_norm", "ffn_dim", "moe_ffn_dim",
                    "vocab_size", "tie_embeddings", "rope_theta", "rope_type", "rope_factor", "rope_low_freq_factor",
-                   "rope_high_freq_factor", "rope_original_max_positions", "norm_eps", "n_experts", "top_k",
+                   "rope_high_freq_factor", "rope_original_max_positions", "rope_beta_fast", "rope_beta_slow",
+                   "rope_mscale", "rope_mscale_all_dim", "rope_attention_factor", "rope_truncate", "norm_eps",
+                   "n_experts", "top_k",
                    "shared_expert", "router_norm_topk", "n_shared_experts", "router_score", "router_groups",
                    "router_topk_groups", "router_scale", "n_dense_layers", "kv_lora_rank", "q_lora_rank",
                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave")
@@ -65,7 +68,15 @@ HF_DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
                                "norm_topk_prob": True, "num_nextn_predict_layers": 1}}
 # config.json's name of each RoPE scaling value (model.rope_<usp name>)
 HF_ROPE = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
-           "original_max_positions": "original_max_position_embeddings"}
+           "original_max_positions": "original_max_position_embeddings", "beta_fast": "beta_fast",
+           "beta_slow": "beta_slow", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
+           "attention_factor": "attention_factor", "truncate": "truncate"}
+# The RoPE types usp implements (transformers' rope_type names; usp/models/layers.py rope_inv_freq), the
+# scaling values each reads (usp names), and those of them it can't do without (the others: transformers' defaults)
+ROPE_VALUES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions"),
+               "yarn": ("factor", "original_max_positions", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                        "attention_factor", "truncate")}
+ROPE_REQUIRED = {"default": (), "llama3": ROPE_VALUES["llama3"], "yarn": ("factor", "original_max_positions")}
 
 
 def model_type(model: Any) -> str:
@@ -96,8 +107,8 @@ def usp_fields(model: Any, vocab: int) -> dict:
         "rope_theta": float(get("rope_theta")), "rms_norm_eps": float(get("norm_eps")),
         "rope_parameters.rope_type": str(get("rope_type") or "default"),
     }
-    if out["rope_parameters.rope_type"] == "llama3":
-        out.update({f"rope_parameters.{hf}": get(f"rope_{k}") for k, hf in HF_ROPE.items()})
+    out.update({f"rope_parameters.{HF_ROPE[k]}": get(f"rope_{k}")
+                for k in ROPE_VALUES.get(str(out["rope_parameters.rope_type"]), ())})
     if kind == "mixtral":
         out.update(num_local_experts=int(get("n_experts")), num_experts_per_tok=int(get("top_k")))
     if kind == "qwen3_moe":
@@ -132,7 +143,9 @@ def hf_config(model: Any, vocab: int, max_seq_len: int, dtype: str, extra: dict 
     fields = usp_fields(model, vocab)
     kind = fields["model_type"]
     theta = fields.pop("rope_theta")
-    rope = {k.split(".", 1)[1]: fields.pop(k) for k in list(fields) if k.startswith("rope_parameters.")}
+    # a value left unset (None) is left out: transformers' default for it is usp's
+    rope = {k.split(".", 1)[1]: v for k in list(fields) if k.startswith("rope_parameters.")
+            if (v := fields.pop(k)) is not None}
     config = {"architectures": [ARCHITECTURES[kind]], **fields, "hidden_act": "silu",
               "max_position_embeddings": int(max_seq_len),
               # transformers >= 5 reads rope_parameters; older versions the top-level rope_theta and

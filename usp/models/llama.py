@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from usp.models.layers import FeedForward, apply_rope, precompute_rope, rope_inv_freq
+from usp.models.layers import (
+    FeedForward,
+    apply_rope,
+    precompute_rope,
+    rope_inv_freq,
+    yarn_attention_factor,
+    yarn_mscale,
+)
 from usp.models.mla import LatentAttention
 from usp.models.moe import AttachAuxLoss, GroupedExperts, MoE
 
@@ -47,12 +54,18 @@ class LlamaArgs:
     vocab_size: int = 4096
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
-    # RoPE frequency scaling (usp.models.layers.rope_inv_freq): "default" (none) or "llama3"
+    # RoPE frequency scaling (usp.models.layers.rope_inv_freq): "default" (none), "llama3" or "yarn"
     rope_type: str = "default"
     rope_factor: float | None = None
-    rope_low_freq_factor: float | None = None
-    rope_high_freq_factor: float | None = None
+    rope_low_freq_factor: float | None = None  # llama3
+    rope_high_freq_factor: float | None = None  # llama3
     rope_original_max_positions: int | None = None
+    rope_beta_fast: float | None = None  # yarn (None: 32)
+    rope_beta_slow: float | None = None  # yarn (None: 1)
+    rope_mscale: float | None = None  # yarn: the attention temperature's terms (usp.models.layers.yarn_*)
+    rope_mscale_all_dim: float | None = None
+    rope_attention_factor: float | None = None
+    rope_truncate: bool | None = None  # yarn: round the ramp's bounds (None: true)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # Mixture of experts (usp.models.moe): n_experts > 0 replaces every block's MLP.
@@ -63,6 +76,7 @@ class LlamaArgs:
     capacity_factor: float = 0.0  # 0 = dropless
     router_bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing (usp.models.moe)
     router_norm_topk: bool = True  # the top-k router probabilities renormalised to sum to 1 (Mixtral)
+    aux_loss_scope: str = "batch"  # the balance loss over the global batch, or per sequence (DeepSeek-V3's)
     # DeepSeek-V3's options (usp.models.moe, usp.models.mla; docs/models.md)
     n_shared_experts: int = 1  # the shared expert's hidden size in experts (moe_ffn_dim x this)
     router_score: str = "softmax"  # softmax | sigmoid: how the router's logits become the gate's scores
@@ -112,11 +126,29 @@ class LlamaArgs:
         return self.n_experts > 0 and layer >= self.n_dense_layers
 
     def rope_tables(self, max_seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos/sin tables (max_seq_len, rope_dim // 2), with this model's frequency scaling."""
+        """RoPE's cos/sin tables (max_seq_len, rope_dim // 2), with this model's frequency scaling; under
+        YaRN both multiplied by its attention factor (transformers' attention_scaling), which scales the
+        rotated channels' share of q . k by its square."""
         inv_freq = rope_inv_freq(self.rope_dim, self.rope_theta, self.rope_type, self.rope_factor,
                                  self.rope_low_freq_factor, self.rope_high_freq_factor,
-                                 self.rope_original_max_positions, device=device)
-        return precompute_rope(inv_freq, max_seq_len)
+                                 self.rope_original_max_positions, device=device, beta_fast=self.rope_beta_fast,
+                                 beta_slow=self.rope_beta_slow, truncate=self.rope_truncate)
+        cos, sin = precompute_rope(inv_freq, max_seq_len)
+        if self.rope_type != "yarn":
+            return cos, sin
+        assert self.rope_factor is not None  # rope_inv_freq refused yarn without one
+        scale = yarn_attention_factor(self.rope_factor, self.rope_mscale, self.rope_mscale_all_dim,
+                                      self.rope_attention_factor)
+        return cos * scale, sin * scale
+
+    @property
+    def softmax_mscale(self) -> float:
+        """What latent attention multiplies its softmax scale by: YaRN's mscale(factor, mscale_all_dim)
+        squared when mscale_all_dim is set (DeepSeek-V3's reference code, transformers' yarn_apply_mscale:
+        every channel, not only the rotated ones), else 1."""
+        if self.rope_type != "yarn" or not self.rope_mscale_all_dim or self.rope_factor is None:
+            return 1.0
+        return yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
 
     @classmethod
     def from_config(cls, model_cfg: Any, vocab_size: int | None = None) -> LlamaArgs:

@@ -6,7 +6,8 @@ Per token x (dim) and head i (n_heads of them):
   [c | kr] = wkv_a(x)               c: the compressed KV (kv_lora_rank), kr: ONE RoPE key (qk_rope_head_dim)
   [k_nope | v] = wkv_b(kv_a_norm(c))                                           -> per head
   k      = [k_nope | rope(kr)]      the RoPE part shared by every head
-  o      = wo(softmax(q k^T / sqrt(qk_nope_head_dim + qk_rope_head_dim)) v)    v is v_head_dim wide
+  o      = wo(softmax(m q k^T / sqrt(qk_nope_head_dim + qk_rope_head_dim)) v)  v is v_head_dim wide; m: YaRN's
+                                    mscale(factor, mscale_all_dim)^2 (1 without YaRN), folded into q
 
 Names follow transformers' DeepseekV3Attention (q_a_proj -> wq_a, q_a_layernorm -> q_a_norm, q_b_proj -> wq_b,
 kv_a_proj_with_mqa -> wkv_a, kv_a_layernorm -> kv_a_norm, kv_b_proj -> wkv_b, o_proj -> wo); the two latent
@@ -50,6 +51,9 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = nn.RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, dim, bias=False)
+        # YaRN's mscale^2 on the softmax scale, applied to q so every attention kernel (SDPA, flash, the
+        # context-parallel ring) keeps its default 1 / sqrt(width) and gets the same scores
+        self.q_scale = float(getattr(args, "softmax_mscale", 1.0))
         self.core_attention = None  # optional (q, k, v) -> o replacing SDPA (context parallel)
         self.rope_key_grad = None  # optional identity on the shared RoPE key (tensor parallel: sums its gradient)
 
@@ -74,11 +78,13 @@ class LatentAttention(nn.Module):
         if self.rope_key_grad is not None:
             k_rope = self.rope_key_grad(k_rope)
         q = torch.cat((q_nope, self._rope(q_rope, cos, sin)), dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         k = torch.cat((k_nope, self._rope(k_rope, cos, sin).expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, head width)
         if self.core_attention is not None:
             o = self.core_attention(q, k, v)
-        else:  # scale 1 / sqrt(q's width), as DeepSeek's (without YaRN's mscale). Values narrower than q / k
+        else:  # scale 1 / sqrt(q's width), as DeepSeek's (YaRN's mscale^2 is in q). Values narrower than q / k
             # are zero-padded (as torchtitan's): flash kernels need one head width, and without them SDPA
             # materialises the scores; the padded output columns are zero, and dropped
             narrow = q.shape[-1] - v.shape[-1]

@@ -26,6 +26,11 @@ Load balancing (docs/moe.md has the formulas and their sources):
   Each forward stores it in `self.aux_loss`; with `aux_loss_scale` > 0 (coef / micro batches per
   step, set by the engine) the layer attaches its gradient to its own output (`AttachAuxLoss`),
   so no caller adds it to the loss.
+- DeepSeek-V3's complementary sequence-wise balance loss (aux_loss_scope "sequence"; technical report,
+  arXiv 2412.19437, eqs. 17-20): the same E * sum_e f_e * P_e per sequence, f_e and P_e over that
+  sequence's tokens alone, averaged over the sequences. A sequence split over ranks (context
+  parallelism) has its counts summed over them by `reduce_sequence_stats`; P_e stays this rank's
+  mean over its part, so the mean over those ranks' losses is the sequence's, as for the global form.
 - auxiliary-loss-free balancing (DeepSeek-V3), `router_bias_update_rate` > 0: a per-expert bias
   (buffer `expert_bias`, saved in checkpoints) is added to the router probabilities for the
   top-k choice only (the gate weights stay the probabilities); after each optimizer step
@@ -53,6 +58,7 @@ from torch import nn
 from usp.models.layers import FeedForward
 
 ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_score
+AUX_LOSS_SCOPES = ("batch", "sequence")  # model.aux_loss_scope: f_e and P_e over the global batch, or per sequence
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -133,6 +139,12 @@ class MoE(nn.Module):
         self.expert_dispatch = None
         # optional stats (..., E) -> their sum over the ranks that share the global batch (the engine's)
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.aux_loss_scope = str(getattr(args, "aux_loss_scope", "batch"))
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"aux_loss_scope={self.aux_loss_scope!r}: usp implements {', '.join(AUX_LOSS_SCOPES)}")
+        # optional per-sequence stats (B, E) -> their sum over the ranks holding parts of the same sequences
+        # (context parallelism's), for the sequence-wise loss
+        self.reduce_sequence_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.tokens_dropped = 0  # assignments dropped by the capacity limit in the last forward
         # > 0: the aux loss gets this gradient through the output (AttachAuxLoss): aux_loss_coef /
@@ -153,9 +165,10 @@ class MoE(nn.Module):
             return 0
         return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, dim) -> top-k weights (T, k) (renormalised unless norm_topk is off, x's dtype), expert ids (T, k),
-        router probabilities (T, E) fp32. Also sets self.aux_loss."""
+    def route(self, x: torch.Tensor, sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, dim), `sequences` sequences of T / sequences tokens one after the other -> top-k weights (T, k)
+        (renormalised unless norm_topk is off, x's dtype), expert ids (T, k), router probabilities (T, E)
+        fp32. Also sets self.aux_loss."""
         logits = self.router(x).float()
         scores = logits.sigmoid() if self.score == "sigmoid" else F.softmax(logits, dim=-1)
         choice = scores if self.expert_bias is None else scores + self.expert_bias  # the bias only picks
@@ -169,7 +182,7 @@ class MoE(nn.Module):
             top_w = top_w * self.scale
         # the balance loss on probabilities: sigmoid scores normalised per token (DeepSeek-V3's)
         probs = scores if self.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-        self.aux_loss = self.balance_loss(probs, top_e)
+        self.aux_loss = self.balance_loss(probs, top_e, sequences)
         return top_w.to(x.dtype), top_e, probs
 
     def mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
@@ -181,16 +194,33 @@ class MoE(nn.Module):
         keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
 
-    def balance_loss(self, probs: torch.Tensor, top_e: torch.Tensor) -> torch.Tensor:
+    def balance_loss(self, probs: torch.Tensor, top_e: torch.Tensor, sequences: int = 1) -> torch.Tensor:
         """E * sum_e f_e * P_e with f_e over the global batch of this micro-batch step (the counts
-        summed by `reduce_stats`) and P_e this rank's mean probability; records the step's load."""
+        summed by `reduce_stats`) and P_e this rank's mean probability, or per sequence
+        (`sequence_balance_loss`); records the step's load."""
         counts = torch.bincount(top_e.flatten(), minlength=self.n_experts)  # int64: exact when summed
         if self.training and self.reduce_stats is not None:
             counts = self.reduce_stats(counts)
         if self.training and torch._C._current_graph_task_id() == -1:  # -1: not a recompute in backward
             self.step_tokens = counts if self.step_tokens is None else self.step_tokens + counts
+        if self.aux_loss_scope == "sequence":
+            return self.sequence_balance_loss(probs, top_e, sequences)
         f = counts.to(probs.dtype) / counts.sum()
         return self.n_experts * (f * probs.mean(dim=0)).sum()
+
+    def sequence_balance_loss(self, probs: torch.Tensor, top_e: torch.Tensor, sequences: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20 of its report), averaged over the sequences:
+        per sequence, sum_e f_e P_e with f_e = E / (k T) x the assignments to e among the sequence's T tokens
+        (the experts the router picked) and P_e the mean over those tokens of the probabilities (sigmoid
+        scores normalised per token). The counts of a sequence split over ranks are summed over them."""
+        E = self.n_experts
+        picked = top_e.reshape(sequences, -1)
+        counts = torch.zeros(sequences, E, dtype=torch.int64, device=top_e.device)
+        counts.scatter_add_(1, picked, torch.ones_like(picked))
+        if self.training and self.reduce_sequence_stats is not None:
+            counts = self.reduce_sequence_stats(counts)
+        f = counts.to(probs.dtype) / counts.sum(dim=1, keepdim=True)  # E x this = E / (k T) x the count
+        return E * (f * probs.reshape(sequences, -1, E).mean(dim=1)).sum(dim=1).mean()
 
     def take_step_tokens(self) -> torch.Tensor | None:
         """This step's global tokens per expert (int64 (E,); None before any training forward),
@@ -234,7 +264,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        top_w, top_e, _ = self.route(x)
+        top_w, top_e, _ = self.route(x, shape[0] if len(shape) == 3 else 1)  # (b, s, dim): b sequences
         tok, slot, _, counts = self.dispatch_plan(top_e)
         routed = x[tok]
         if self.expert_dispatch is None:

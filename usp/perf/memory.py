@@ -162,6 +162,13 @@ def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_laye
     return counts, tuple(tuple(r) for r in ranks)
 
 
+def dense_layers_held(arch: Arch, counts: tuple, held: tuple) -> int:
+    """How many of a MoE model's dense first blocks (model.n_dense_layers) the virtual stages `held` hold,
+    the stages having `counts` layers each, in order (0 for a dense model)."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return sum(max(0, min(starts[i] + counts[i], arch.dense_layers) - starts[i]) for i in held)
+
+
 def in_flight(layout: Layout, r: int) -> float:
     """Micro batches whose activations pp rank r holds at its peak, in units of its layers."""
     p, m, v = layout.pp, layout.grad_accum, layout.virtual
@@ -324,8 +331,7 @@ def _held_by_shape(arch: Arch, tp: int, ep_degree: int, pp: int, virtual: int, s
     counts, ranks = stage_layer_counts(arch, pp, virtual, schedule, pp_layers, split)
     held = ranks[r]
     layers = sum(counts[i] for i in held)
-    starts = [sum(counts[:i]) for i in range(len(counts))]  # a MoE model's dense first blocks: the stages holding them
-    n_dense = sum(max(0, min(starts[i] + counts[i], arch.dense_layers) - starts[i]) for i in held)
+    n_dense = dense_layers_held(arch, counts, held)  # a MoE model's dense first blocks: the stages holding them
     holds_emb, holds_head = 0 in held, (len(counts) - 1) in held
     vocab_pad = padded_vocab(arch.vocab_size, t)
     # a MoE layer is not TP-sliced (router, experts and shared expert replicated over tp); EP slices the experts

@@ -33,13 +33,13 @@ Model, per optimizer step, on the busiest pipeline rank:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from usp.contract.dims import MESH_DIMS
 from usp.contract.predictions import CommTerm, TimingPlan
 from usp.errors import PlanError
-from usp.perf.memory import ZERO_BUBBLE, compiled_loss, peak_bytes, stage_layer_counts
+from usp.perf.memory import ZERO_BUBBLE, compiled_loss, dense_layers_held, peak_bytes, stage_layer_counts
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.perf.stack_profile import PROFILES, Profile, StackTime
 from usp.perf.time_constants import TimeConstants
@@ -141,6 +141,7 @@ class Comm:
     unhidden: int = 0
     host_us: str = ""  # a StackTime field: host cost per call (pipeline sends)
     per_layer: bool = False  # `calls` per layer of the pp rank (TP, CP, EP): x the busiest rank's layers
+    moe_only: bool = False  # per layer, its MoE layers only (EP: a MoE model's dense first blocks exchange nothing)
 
     @property
     def bytes_per_step(self) -> float:
@@ -150,11 +151,11 @@ class Comm:
 
 def _term(name: str, dims: tuple, kind: str, n: int, layout: Layout, hw: Hardware, calls: int, call_bytes: float,
           window: str = "", overlap: str = "", path: bool = False, stall_ops: int = 0, unhidden: int = 0,
-          host_us: str = "", per_layer: bool = False) -> Comm:
+          host_us: str = "", per_layer: bool = False, moe_only: bool = False) -> Comm:
     crosses, per_node = _locality(layout, hw, dims) if dims != ("tied",) else (
         group_crosses_nodes(layout.degrees, hw.procs_per_node, ("pp",)), 1)
     return Comm(name, " x ".join(dims), kind, n, crosses, per_node, calls if n > 1 else 0, call_bytes, window,
-                overlap, path, stall_ops if n > 1 else 0, min(unhidden, calls), host_us, per_layer)
+                overlap, path, stall_ops if n > 1 else 0, min(unhidden, calls), host_us, per_layer, moe_only)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,8 @@ class TimeShape:
     matmul_flops_mb: float = 0.0  # matmul FLOPs of one micro batch on the busiest rank (the efficiency figure)
     hbm: float = 1.0  # bytes/s
     balanced: bool = False  # the profile times its stages as a split balanced by cost would (Profile.time_split)
+    stage_dense: tuple = ()  # of stage_layers, a MoE model's dense first blocks (model.n_dense_layers) per pp rank
+    dense_layer: LayerWork = LayerWork()  # one of those blocks' work (attention + a dense SwiGLU of ffn_dim)
 
     @property
     def layers_r(self) -> int:
@@ -236,10 +239,12 @@ def rank_params(arch: Arch, layout: Layout, split: str = "params") -> list[float
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
     layer = arch.attn_params_over(t) + arch.dense_mlp_params / (1 if arch.moe else t) + arch.router_params \
         + arch.norm_params + arch.expert_params / ep  # a MoE layer is not TP-sliced
+    dense = arch.attn_params_over(t) + arch.parts["dense_mlp"] / t + arch.norm_params  # a MoE model's dense block
     vocab_pad = -(-arch.vocab_size // t) * t
     out = []
     for held in ranks:
-        n = sum(counts[i] for i in held) * layer
+        n_dense = dense_layers_held(arch, counts, held)
+        n = (sum(counts[i] for i in held) - n_dense) * layer + n_dense * dense
         if 0 in held:
             n += vocab_pad * arch.dim / t
         if len(counts) - 1 in held:  # final norm, + the LM head unless it is the embedding (tied, no pp)
@@ -353,15 +358,19 @@ def _moe_gemms(arch: Arch, layout: Layout, t_tok: float, add) -> None:
             add(t_tok, *shared)
 
 
-def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple, tuple, int]:
-    """(layers per pp rank, the pp ranks holding the LM head, the rank with the most FLOPs)."""
+def _stages(arch: Arch, layout: Layout, seq_len: int, split: str) -> tuple[tuple, tuple, tuple, int]:
+    """(layers per pp rank, of them a MoE model's dense first blocks, the pp ranks holding the LM head, the
+    rank with the most FLOPs)."""
     counts, ranks = stage_layer_counts(arch, layout.pp, layout.virtual, layout.schedule, layout.pp_layers, split)
     layers = tuple(sum(counts[i] for i in held) for held in ranks)
+    dense = tuple(dense_layers_held(arch, counts, held) for held in ranks)
     heads = tuple(r for r, held in enumerate(ranks) if len(counts) - 1 in held)
-    per_layer = arch.active_layer_matmul_params + 2 * arch.score_dim * seq_len
-    busiest = max(range(layout.pp), key=lambda r: layers[r] * per_layer + (
+    scores = 2 * arch.score_dim * seq_len
+    per_layer = arch.active_layer_matmul_params + scores
+    per_dense = arch.parts["attention"] + arch.parts["dense_mlp"] + scores
+    busiest = max(range(layout.pp), key=lambda r: (layers[r] - dense[r]) * per_layer + dense[r] * per_dense + (
         arch.vocab_size * arch.dim if r in heads else 0))
-    return layers, heads, busiest
+    return layers, dense, heads, busiest
 
 
 # --- communication -------------------------------------------------------------------------------------
@@ -440,14 +449,12 @@ def _torch_cp_comms(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec
 def _ep_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, tokens_mb: float) -> Comm:
     """Expert parallel: dispatch + combine all-to-alls, forward and backward, per layer: the routed copies
     (top_k per token); a shared expert runs on each rank's own tokens and sends none. A MoE model's dense
-    first layers (model.n_dense_layers) exchange nothing: the per-layer size is scaled by the share of MoE
-    layers (over the whole model, not per stage)."""
+    first layers (model.n_dense_layers) exchange nothing: calls per MoE layer of the pp rank (moe_only)."""
     passes = 3 if layout.recompute == "full" else 2
     calls = 2 * passes * layout.grad_accum
-    moe_share = (arch.n_layers - arch.dense_layers) / arch.n_layers
-    size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout) * moe_share  # the busiest rank's
+    size = tokens_mb * arch.top_k * arch.dim * prec.act * _imbalance(arch, layout)  # the busiest rank's
     return Comm("EP all-to-all (tokens)", "ep", "all_to_all", layout.ep, _ep_crosses_nodes(layout, hw),
-                min(layout.ep, hw.procs_per_node), calls, size, path=True, per_layer=True)
+                min(layout.ep, hw.procs_per_node), calls, size, path=True, per_layer=True, moe_only=True)
 
 
 def _ep_crosses_nodes(layout: Layout, hw: Hardware) -> bool:
@@ -576,16 +583,17 @@ def shard_degree(layout: Layout, profile: Profile) -> int:
 
 
 def _dp_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, layers_r: int, psi: float,
-             profile: Profile) -> list[Comm]:
-    """The data-parallel communication of the busiest rank's parameters psi (+ the tied embedding's sum)."""
+             profile: Profile, dense_r: int = 0) -> list[Comm]:
+    """The data-parallel communication of the busiest rank's parameters psi (+ the tied embedding's sum);
+    dense_r of its layers_r layers are a MoE model's dense first blocks (no experts)."""
     tied = [_tied_comm(arch, layout, hw, prec, profile)] if arch.tie_embeddings and layout.pp > 1 \
         and layout.pp_schedule != "zbv" else []  # zbv: first and last stage on one rank, summed locally
     kind = dp_kind(layout, profile)
     if kind in ("ddp", "zero1", "replicate") or (kind == "zero1_fsdp" and profile.zero1_once_per_step):
         return _replicated_dp_comm(layout, hw, prec, psi, layers_r, profile) + tied
     if kind in ("fsdp", "hsdp", "zero1_fsdp"):
-        return _sharded_dp_comm(layout, hw, prec, _fsdp_equivalent(arch, layout, psi, layers_r), layers_r,
-                                profile) + tied
+        return _sharded_dp_comm(layout, hw, prec, _fsdp_equivalent(arch, layout, psi, layers_r - dense_r),
+                                layers_r, profile) + tied
     return tied
 
 
@@ -600,14 +608,14 @@ def _tied_comm(arch: Arch, layout: Layout, hw: Hardware, prec: Precision, profil
                  1, size)
 
 
-def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, layers_r: int) -> float:
+def _fsdp_equivalent(arch: Arch, layout: Layout, psi: float, moe_layers_r: int) -> float:
     """Parameters whose traffic over dp_shard x cp (n ranks) equals this rank's: under EP the experts'
-    FSDP unit spans only the n/ep ranks of dp_shard_mod_ep, so they move (n/ep-1)/(n/ep) of their
-    bytes, not (n-1)/n (none when ep = n)."""
+    FSDP unit (of each of its MoE layers) spans only the n/ep ranks of dp_shard_mod_ep, so they move
+    (n/ep-1)/(n/ep) of their bytes, not (n-1)/n (none when ep = n)."""
     n, ep = layout.dp_shard * layout.cp, layout.ep if arch.moe else 1
     if ep <= 1 or n <= 1:
         return psi
-    experts, n_e = layers_r * arch.expert_params / ep, n // ep
+    experts, n_e = moe_layers_r * arch.expert_params / ep, n // ep
     return psi - experts + experts * ((n_e - 1) / n_e) / ((n - 1) / n)
 
 
@@ -627,16 +635,19 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
     (no fitted constant). peak: the predicted peak bytes of the fullest stage (usp.perf.memory.peak_bytes;
     computed if None)."""
     model_fpt, hw_fpt = _flops_per_token(arch, layout, seq_len)
-    layers, heads, busiest = _stages(arch, layout, seq_len, profile.pp_split)
+    layers, dense, heads, busiest = _stages(arch, layout, seq_len, profile.pp_split)
     tokens_mb = layout.micro_batch * seq_len / layout.cp
     psi = max(rank_params(arch, layout, profile.pp_split))
     comms = _path_comm(arch, layout, seq_len, hw, prec, tokens_mb, profile) \
-        + _dp_comm(arch, layout, hw, prec, layers[busiest], psi, profile)
+        + _dp_comm(arch, layout, hw, prec, layers[busiest], psi, profile, dense[busiest])
     vocab_t = -(-arch.vocab_size // layout.tp)
     work = _layer_work(arch, layout, seq_len, prec, profile)
+    # a MoE model's dense first blocks: attention and a TP-sliced SwiGLU of ffn_dim, as a dense model's
+    dense_work = _layer_work(replace(arch, n_experts=0), layout, seq_len, prec, profile) if any(dense) \
+        else LayerWork()
     head_fwd = Gemms().plus(tokens_mb, vocab_t, arch.dim)
     head_bwd = Gemms().plus(tokens_mb, arch.dim, vocab_t).plus(vocab_t, arch.dim, tokens_mb)
-    matmul = layers[busiest] * (work.fwd.flops + work.bwd.flops + work.fwd8.flops + work.bwd8.flops) \
+    matmul = (layers[busiest] - dense[busiest]) * _matmul_flops(work) + dense[busiest] * _matmul_flops(dense_work) \
         + (head_fwd.flops + head_bwd.flops if busiest in heads else 0.0)
     return TimeShape(peak=hw.peak_flops(prec), tokens_mb=tokens_mb, grad_accum=layout.grad_accum,
                      bubble=_bubble(layout), recompute=layout.recompute, selective=profile.selective,
@@ -649,7 +660,12 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
                      compiled=prec.compiled or not profile.follows_compile,
                      compiled_loss=compiled_loss(layout, prec) or not profile.follows_compile,
                      fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0, matmul_flops_mb=matmul,
-                     hbm=1e9 * hw.hbm_gbps, balanced=profile.time_split == "balanced")
+                     hbm=1e9 * hw.hbm_gbps, balanced=profile.time_split == "balanced", stage_dense=dense,
+                     dense_layer=dense_work)
+
+
+def _matmul_flops(w: LayerWork) -> float:
+    return w.fwd.flops + w.bwd.flops + w.fwd8.flops + w.bwd8.flops
 
 
 def _memory_fraction(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, profile: Profile,
@@ -685,6 +701,7 @@ class MicroBatch:
     attention_layers: float = 0.0  # the attention of the rank's layers (CP's window)
     rank: int = 0
     layers: float = 0.0  # the rank's layers (its per-layer TP / CP / EP collectives)
+    dense_layers: float = 0.0  # of them, a MoE model's dense first blocks (no EP all-to-all)
     on_head: bool = False  # it holds the LM head and the loss
 
     @property
@@ -720,12 +737,29 @@ def _gemm_time(g: Gemms, peak: float, eff: float, half_k: float, fixed: float) -
     return (g.flops + half_k * g.flops_per_k) / (peak * eff) + g.calls * fixed if g.calls else 0.0
 
 
-def micro_batches(shape: TimeShape, c: TimeConstants, k: StackTime) -> list[MicroBatch]:
-    """One micro batch on each pp rank that may be the busiest (the one with the most layers, those with
-    the LM head; or, with a cost-balanced split, the stage ideal balancing would give) under the constants."""
-    w, peak = shape.layer, shape.peak * c.clock
-    t0 = 1e-6 * c.gemm_fixed_us
-    eff = c.gemm_efficiency
+@dataclass(frozen=True)
+class _LayerTimes:
+    """One layer's seconds for one micro batch under the constants, by term."""
+
+    gemm: float  # forward + backward
+    gemm_fwd: float
+    attention: float
+    elementwise: float
+    casts: float
+    again: float  # what recomputation runs again
+    host: float
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.casts + self.host + self.again
+
+    @property
+    def fwd(self) -> float:
+        return self.gemm_fwd + self.attention / (1 + FA_BACKWARD) + (self.elementwise + self.casts) / 3 + self.host / 2
+
+
+def _layer_times(shape: TimeShape, w: LayerWork, c: TimeConstants, k: StackTime) -> _LayerTimes:
+    peak, t0, eff = shape.peak * c.clock, 1e-6 * c.gemm_fixed_us, c.gemm_efficiency
     bf = lambda g: _gemm_time(g, peak, eff, c.gemm_half_k, t0)  # noqa: E731
     if shape.fp8_peak:
         p8, e8, k8 = shape.fp8_peak * c.clock, eff * c.fp8_efficiency, c.fp8_half_k or c.gemm_half_k
@@ -739,15 +773,29 @@ def micro_batches(shape: TimeShape, c: TimeConstants, k: StackTime) -> list[Micr
     elem = factor * w.elem_bytes / shape.hbm
     casts = k.fp8_cast_bytes * w.cast_elems / shape.hbm if shape.fp8_peak else 0.0
     again = _recomputed(shape, g_fwd, att, elem, casts, bf(w.op) + f8(w.op8))
-    layer = g_all + att + elem + casts + 1e-6 * k.layer_us + again
-    head, loss = bf(shape.head_fwd) + bf(shape.head_bwd), k.loss_bytes_per_logit * shape.logits_mb / shape.hbm
-    fwd = g_fwd + att / (1 + FA_BACKWARD) + (elem + casts) / 3 + 0.5e-6 * k.layer_us
+    return _LayerTimes(g_all, g_fwd, att, elem, casts, again, 1e-6 * k.layer_us)
+
+
+def micro_batches(shape: TimeShape, c: TimeConstants, k: StackTime) -> list[MicroBatch]:
+    """One micro batch on each pp rank that may be the busiest (the one with the most layers, those with
+    the LM head; or, with a cost-balanced split, the stage ideal balancing would give) under the constants.
+    A MoE model's dense first blocks take their own (dense) layer's time."""
+    moe = _layer_times(shape, shape.layer, c, k)
+    dense = _layer_times(shape, shape.dense_layer, c, k) if any(shape.stage_dense) else moe
+    peak = shape.peak * c.clock
+    head = _gemm_time(shape.head_fwd, peak, c.gemm_efficiency, c.gemm_half_k, 1e-6 * c.gemm_fixed_us) \
+        + _gemm_time(shape.head_bwd, peak, c.gemm_efficiency, c.gemm_half_k, 1e-6 * c.gemm_fixed_us)
+    loss = k.loss_bytes_per_logit * shape.logits_mb / shape.hbm
     out = []
-    for r, n, on_head in _candidates(shape, layer, head + loss):
-        mb = MicroBatch(gemm=n * g_all + (head if on_head else 0.0), attention=n * att, elementwise=n * elem,
-                        casts=n * casts, loss=loss if on_head else 0.0,
-                        host=n * 1e-6 * k.layer_us + 1e-3 * k.micro_batch_ms, recompute=n * again, fwd=n * fwd,
-                        attention_layers=n * att, rank=r, layers=n, on_head=on_head)
+    for r, n, d, on_head in _candidates(shape, moe.total, head + loss):
+
+        def both(term: str, n_moe: float = n - d, n_dense: float = d) -> float:
+            return n_moe * getattr(moe, term) + n_dense * getattr(dense, term)
+
+        mb = MicroBatch(gemm=both("gemm") + (head if on_head else 0.0), attention=both("attention"),
+                        elementwise=both("elementwise"), casts=both("casts"), loss=loss if on_head else 0.0,
+                        host=both("host") + 1e-3 * k.micro_batch_ms, recompute=both("again"), fwd=both("fwd"),
+                        attention_layers=both("attention"), rank=r, layers=n, dense_layers=d, on_head=on_head)
         mb.bwd = mb.total - mb.fwd - 1e-3 * k.micro_batch_ms
         if not shape.compiled and not k.eager_elementwise_factor:
             mb.eager = c.eager_overhead * mb.total
@@ -757,16 +805,18 @@ def micro_batches(shape: TimeShape, c: TimeConstants, k: StackTime) -> list[Micr
     return out
 
 
-def _candidates(shape: TimeShape, layer: float, head: float) -> list[tuple[int, float, bool]]:
-    """(pp rank, layers, holds the head) of the stages that may be the busiest."""
+def _candidates(shape: TimeShape, layer: float, head: float) -> list[tuple[int, float, int, bool]]:
+    """(pp rank, layers, of them dense first blocks, holds the head) of the stages that may be the busiest.
+    A cost-balanced split's stage is counted in MoE layers (its whole layers cost at least the mean)."""
     layers, heads = shape.stage_layers, shape.head_ranks
+    dense = shape.stage_dense or (0,) * len(layers)
     if shape.balanced and len(layers) > 1:  # the stage a split balanced by cost gives, in whole layers
         per = (sum(layers) * layer + head) / len(layers)
         if per <= layer:
-            return [(len(layers) - 1, 1, True)]
-        return [(0, math.ceil(per / layer - 1e-9), False)]
+            return [(len(layers) - 1, 1, 0, True)]
+        return [(0, math.ceil(per / layer - 1e-9), 0, False)]
     most = max(range(len(layers)), key=lambda i: layers[i])
-    return [(r, layers[r], r in heads) for r in sorted({most, *heads})]
+    return [(r, layers[r], dense[r], r in heads) for r in sorted({most, *heads})]
 
 
 def _recomputed(shape: TimeShape, g_fwd: float, att: float, elem: float, casts: float, g_op: float) -> float:
@@ -805,7 +855,7 @@ def evaluate(shape: TimeShape, hw: Hardware, stack: StackTime | None = None) -> 
     for ct, (one, gbps, latency) in zip(shape.comms, costs):
         seconds, exposed, window, hidden = _exposed(ct, (one, gbps, latency), mb, shape, c, k, left)
         slowed = c.interference * hidden
-        calls = ct.calls * (mb.layers if ct.per_layer else 1)
+        calls = _calls(ct, mb)
         stall = ct.stall_ops * stall_one
         comm.append((seconds + stall, window, exposed - slowed + stall, gbps, hidden, calls * latency, calls))
         stall_s += stall
@@ -830,12 +880,19 @@ def _collective(ct: Comm, hw: Hardware, k: StackTime) -> tuple[float, float, flo
     return one, gbps, latency
 
 
+def _calls(ct: Comm, mb: MicroBatch) -> float:
+    """A term's calls per micro batch step on the rank of `mb`: per layer (or per MoE layer) of it, or per step."""
+    if ct.moe_only:
+        return ct.calls * (mb.layers - mb.dense_layers)
+    return ct.calls * (mb.layers if ct.per_layer else 1)
+
+
 def _exposed(ct: Comm, cost: tuple, mb: MicroBatch, shape: TimeShape, c: TimeConstants, k: StackTime,
              left: dict) -> tuple[float, float, float, float]:
     """(seconds, exposed seconds + the interference of the hidden ones, window, hidden) of one term on the
     rank of `mb`; `left`: what remains of each window (shared by the terms hiding behind it)."""
     one = cost[0]
-    calls = ct.calls * (mb.layers if ct.per_layer else 1)
+    calls = _calls(ct, mb)
     seconds, share = calls * one, getattr(k, ct.overlap) if ct.overlap else 0.0
     if ct.window == "self":
         window, hidden = seconds, share * seconds
@@ -994,6 +1051,6 @@ def timing_plan(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw:
 
 def _mb_flops(shape: TimeShape, mb: MicroBatch) -> float:
     """Matmul FLOPs of the micro batch (the kernels' efficiency figure)."""
-    w = shape.layer
-    per_layer = w.fwd.flops + w.bwd.flops + w.fwd8.flops + w.bwd8.flops
-    return mb.layers * per_layer + (shape.head_fwd.flops + shape.head_bwd.flops if mb.on_head else 0.0)
+    blocks = (mb.layers - mb.dense_layers) * _matmul_flops(shape.layer) + mb.dense_layers * _matmul_flops(
+        shape.dense_layer)
+    return blocks + (shape.head_fwd.flops + shape.head_bwd.flops if mb.on_head else 0.0)

@@ -2,8 +2,8 @@
 a `model.init_from` run takes the checkpoint's shape (the model keys no recipe or command line set,
 left MISSING by usp/config/init_from.py, are filled from config.json), and a key that was set and
 disagrees is refused before launch. The field mapping is usp/contract/hf_shape.py's; what usp's
-model can't express (another model type, biases, another activation, a RoPE type other than default and
-llama3, sliding windows, dense layers between MoE layers, a shared expert) is refused by name."""
+model can't express (another model type, biases, another activation, a RoPE type other than default,
+llama3 and yarn, sliding windows, dense layers between MoE layers, a shared expert) is refused by name."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,8 @@ from usp.contract.hf_shape import (
     HF_ROPE,
     MOE_TYPES,
     QK_NORM_TYPES,
+    ROPE_REQUIRED,
+    ROPE_VALUES,
     usp_fields,
 )
 from usp.errors import PlanError
@@ -57,18 +59,23 @@ def checkpoint_value_bytes(config: dict) -> int:
 
 
 def hf_rope(config: dict) -> dict:
-    """RoPE as transformers reads a config.json: {"rope_type", "rope_theta"} and, for llama3, the four
-    scaling values under config.json's names. `rope_scaling` (transformers < 5, Meta's own files) wins
-    over `rope_parameters` (transformers >= 5); rope_theta may sit at the top level (older files); an
-    absent original_max_position_embeddings is the top-level one, else max_position_embeddings."""
+    """RoPE as transformers reads a config.json: {"rope_type", "rope_theta"} and the scaling values its
+    type reads (ROPE_VALUES) under config.json's names, None where absent. `rope_scaling` (transformers
+    < 5, Meta's and DeepSeek's own files, whose `type` is rope_type's older name) wins over
+    `rope_parameters` (transformers >= 5); rope_theta may sit at the top level (older files); an absent
+    original_max_position_embeddings is the top-level one, else max_position_embeddings; YaRN without a
+    factor has max_position_embeddings / original_max_position_embeddings (transformers' rule)."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     default_theta = HF_DEFAULTS.get(str(config.get("model_type")), HF_DEFAULTS["llama"])["rope_theta"]
     out = {"rope_type": params.get("rope_type", params.get("type", "default")),
            "rope_theta": float(params.get("rope_theta", config.get("rope_theta", default_theta)))}
-    if out["rope_type"] == "llama3":
+    if out["rope_type"] in ("llama3", "yarn"):
         params.setdefault("original_max_position_embeddings", config.get("original_max_position_embeddings",
                                                                          config.get("max_position_embeddings")))
-        out.update({hf: params.get(hf) for hf in HF_ROPE.values()})
+    original, longest = params.get("original_max_position_embeddings"), config.get("max_position_embeddings")
+    if out["rope_type"] == "yarn" and params.get("factor") is None and original and longest:
+        params["factor"] = longest / original
+    out.update({HF_ROPE[k]: params.get(HF_ROPE[k]) for k in ROPE_VALUES.get(str(out["rope_type"]), ())})
     return out
 
 
@@ -169,9 +176,9 @@ def _check_supported(config: dict, path: str) -> None:
     if rope["rope_type"] not in ROPE_TYPES:
         raise refuse("rope_parameters.rope_type", rope["rope_type"],
                      f"usp implements the RoPE types {' and '.join(ROPE_TYPES)}")
-    for field in HF_ROPE.values() if rope["rope_type"] == "llama3" else ():
+    for field in (HF_ROPE[k] for k in ROPE_REQUIRED.get(rope["rope_type"], ())):
         if rope[field] is None:
-            raise refuse(f"rope_parameters.{field}", None, "rope_type llama3 needs it")
+            raise refuse(f"rope_parameters.{field}", None, f"rope_type {rope['rope_type']} needs it")
     _check_attention_span(config, refuse)
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         value = config.get(field)

@@ -115,7 +115,8 @@ def hang_summary(plan) -> str:
 def moe_summary(model: ModelConfig) -> str:
     """A MoE model's routing and load balancing (docs/moe.md)."""
     rate, coef = float(model.router_bias_update_rate or 0.0), float(model.aux_loss_coef or 0.0)
-    balance = [f"aux loss x {coef:g} over the global batch"] if coef > 0 else []
+    scope = "per sequence" if str(getattr(model, "aux_loss_scope", "batch")) == "sequence" else "over the global batch"
+    balance = [f"aux loss x {coef:g} {scope}"] if coef > 0 else []
     balance += [f"aux-loss-free bias, rate {rate:g}"] if rate > 0 else []
     width = int(getattr(model, "n_shared_experts", 1) or 1)
     shared = (", 1 shared expert" + (f" ({width} experts wide)" if width > 1 else "")) if model.shared_expert else ""

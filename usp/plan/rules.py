@@ -41,6 +41,7 @@ from typing import Any, cast
 
 from usp.config.schema import default_of, enum_keys, schema_keys
 from usp.contract.decide import ATTENTION_CHOICES, NO_COMPILE_SCHEDULES, compile_choice, uses_compile
+from usp.contract.hf_shape import HF_ROPE, ROPE_VALUES
 from usp.contract.schedule import OptimSettings
 from usp.contract.typed import plain
 from usp.data.corpus import TEXT_SOURCES
@@ -57,20 +58,26 @@ KINDS = ("plan", "engine", "warn")
 ONE_F_ONE_B_FAMILY = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # need grad_accum >= pp
 
 
-ROPE_TYPES = ("default", "llama3")  # what usp/models/layers.py rope_inv_freq implements
-ROPE_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_positions")  # model.rope_<k>
+ROPE_TYPES = tuple(ROPE_VALUES)  # what usp/models/layers.py rope_inv_freq implements
+ROPE_SCALING = tuple(HF_ROPE)  # model.rope_<k>
 
 
 @dataclass(frozen=True)
 class RopeSettings:
     """model.rope_type and its scaling values (model.rope_factor, ...): they change no shape, only the
-    rotation's frequencies."""
+    rotation's frequencies (and, under YaRN, the attention's temperature)."""
 
     type: str = "default"
     factor: float | None = None
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_positions: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
 
     @classmethod
     def from_model(cls, model) -> RopeSettings:
@@ -206,11 +213,11 @@ def _wsd_overlap(o: OptimSettings) -> bool:
     return o.schedule == "wsd" and o.steps >= 1 and o.warmup_steps + o.decay_steps > o.steps
 
 
-def _llama3(key: str, broken: Callable[[Any, RopeSettings], bool], why: str, fix: str) -> Rule:
-    """A rule on one of the values model.rope_type=llama3 needs."""
-    return Rule(f"rope_{key}", "plan", f"model.rope_{key}",
-                lambda s: s.settings.rope.type == "llama3" and broken(getattr(s.settings.rope, key), s.settings.rope),
-                f"model.rope_type=llama3 needs {why}", f"model.rope_{key}={fix}",
+def _scaling(rope_type: str, key: str, broken: Callable[[Any, RopeSettings], bool], why: str, fix: str) -> Rule:
+    """A rule on one of the values model.rope_type=<rope_type> reads (`broken` sees it and the others)."""
+    return Rule(f"rope_{rope_type}_{key}", "plan", f"model.rope_{key}",
+                lambda s: s.settings.rope.type == rope_type and broken(getattr(s.settings.rope, key), s.settings.rope),
+                f"model.rope_type={rope_type} needs {why}", f"model.rope_{key}={fix}",
                 lambda s: getattr(s.settings.rope, key))
 
 
@@ -218,19 +225,49 @@ def _number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _optional(ok: Callable[[Any], bool]) -> Callable[[Any, RopeSettings], bool]:
+    """broken(x, rope) for a value that may be left unset (None: transformers' default)."""
+    return lambda x, r: x is not None and not ok(x)
+
+
 ROPE_RULES = [
     Rule("rope_type_known", "plan", "model.rope_type", lambda s: s.settings.rope.type not in ROPE_TYPES,
-         f"usp implements the RoPE types {' and '.join(ROPE_TYPES)} (transformers' rope_type names); other "
-         "scalings (linear, dynamic, yarn, longrope, ...) are not implemented",
-         "model.rope_type=default, or llama3 with its model.rope_* values", lambda s: s.settings.rope.type),
-    _llama3("factor", lambda x, r: not _number(x) or x < 1, "a factor >= 1 (the long wavelengths are divided by it)",
-            "8.0 (Llama 3.1; 32.0 for Llama 3.2)"),
-    _llama3("low_freq_factor", lambda x, r: not _number(x) or x <= 0, "a low_freq_factor > 0", "1.0 (Llama 3)"),
-    _llama3("high_freq_factor", lambda x, r: not _number(x) or (_number(r.low_freq_factor) and x <= r.low_freq_factor),
-            "a high_freq_factor > model.rope_low_freq_factor", "4.0 (Llama 3)"),
-    _llama3("original_max_positions", lambda x, r: not isinstance(x, int) or isinstance(x, bool) or x < 1,
-            "the context length the model was pre-trained with (original_max_position_embeddings), an integer >= 1",
-            "8192 (Llama 3)"),
+         f"usp implements the RoPE types {', '.join(ROPE_TYPES)} (transformers' rope_type names); other "
+         "scalings (linear, dynamic, longrope, ...) are not implemented",
+         "model.rope_type=default, or llama3 / yarn with their model.rope_* values", lambda s: s.settings.rope.type),
+    _scaling("llama3", "factor", lambda x, r: not _number(x) or x < 1,
+             "a factor >= 1 (the long wavelengths are divided by it)", "8.0 (Llama 3.1; 32.0 for Llama 3.2)"),
+    _scaling("llama3", "low_freq_factor", lambda x, r: not _number(x) or x <= 0, "a low_freq_factor > 0",
+             "1.0 (Llama 3)"),
+    _scaling("llama3", "high_freq_factor",
+             lambda x, r: not _number(x) or (_number(r.low_freq_factor) and x <= r.low_freq_factor),
+             "a high_freq_factor > model.rope_low_freq_factor", "4.0 (Llama 3)"),
+    _scaling("llama3", "original_max_positions", lambda x, r: not _count(x),
+             "the context length the model was pre-trained with (original_max_position_embeddings), an integer >= 1",
+             "8192 (Llama 3)"),
+    _scaling("yarn", "factor", lambda x, r: not _number(x) or x < 1,
+             "a factor >= 1: the context's extension over model.rope_original_max_positions",
+             "40.0 (DeepSeek-V3), 4.0 (Qwen3)"),
+    _scaling("yarn", "original_max_positions", lambda x, r: not _count(x),
+             "the context length the model was pre-trained with (original_max_position_embeddings), an integer >= 1",
+             "4096 (DeepSeek-V3), 32768 (Qwen3)"),
+    _scaling("yarn", "beta_fast", _optional(lambda x: _number(x) and x > 0),
+             "a beta_fast > 0 (channels turning more often over the original context keep their frequency), "
+             "or null for 32", "32"),
+    _scaling("yarn", "beta_slow", lambda x, r: x is not None and not (
+        _number(x) and 0 < x < (r.beta_fast if _number(r.beta_fast) else 32)),
+        "a beta_slow > 0 below model.rope_beta_fast (channels turning less often are interpolated), or null "
+        "for 1", "1"),
+    *(_scaling("yarn", k, _optional(lambda x: _number(x) and x >= 0),
+               f"a {k} >= 0 (YaRN's attention temperature, 0.1 {k} ln(factor) + 1), or null", "1.0 (DeepSeek-V3)")
+      for k in ("mscale", "mscale_all_dim")),
+    _scaling("yarn", "attention_factor", _optional(lambda x: _number(x) and x > 0),
+             "an attention_factor > 0 (cos and sin are multiplied by it), or null to derive it from the factor",
+             "null"),
 ]
 
 
@@ -601,9 +638,14 @@ def _tp_across_nodes(s: Subject) -> str:
 
 
 def _unused_rope_scaling(s: Subject) -> str | None:
-    """The first scaling value (model.rope_<it>) set while model.rope_type=default ignores it."""
+    """The first scaling value (model.rope_<it>) set that model.rope_type doesn't read."""
     rope = s.settings.rope
-    return next((k for k in ROPE_SCALING if getattr(rope, k) is not None), None) if rope.type == "default" else None
+    reads = ROPE_VALUES.get(rope.type, ROPE_SCALING)
+    return next((k for k in ROPE_SCALING if getattr(rope, k) is not None and k not in reads), None)
+
+
+def _rope_types_reading(key: str) -> str:
+    return " or ".join(t for t, keys in ROPE_VALUES.items() if key in keys)
 
 
 # A global batch this many times the fitted optimum (DeepSeek LLM, arXiv 2401.02954, section 3.1: B_opt =
@@ -634,8 +676,9 @@ def _past_critical_batch(s: Subject) -> float | None:
 WARN_RULES = [
     Rule("rope_scaling_unused", "warn", lambda s: f"model.rope_{_unused_rope_scaling(s)}",
          lambda s: _unused_rope_scaling(s) is not None,
-         "model.rope_type=default scales no frequency: the value is ignored",
-         "model.rope_type=llama3 to scale them, or drop the value",
+         lambda s: f"model.rope_type={s.settings.rope.type} doesn't read it: the value is ignored",
+         lambda s: f"model.rope_type={_rope_types_reading(_unused_rope_scaling(s) or 'factor')} to use it, "
+                   "or drop the value",
          lambda s: getattr(s.settings.rope, _unused_rope_scaling(s) or "factor")),
     Rule("fp8_compiled", "warn", "train.compile",
          lambda s: _fp8(s) and compile_choice(s.settings.compile) is not None
@@ -845,6 +888,7 @@ def _lines(key: str, option: bool, why: str, fix: str) -> Rule:
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_score (usp/models/moe.py)
+AUX_LOSS_SCOPES = ("batch", "sequence")  # model.aux_loss_scope (usp/models/moe.py)
 MODEL_FAMILIES = ("llama",)  # the decoder usp builds (usp/models/llama.py; n_experts > 0: MoE blocks, as Mixtral)
 DATA_SOURCES = (*TEXT_SOURCES, "blend", "token_files")
 SLURM_TIME = re.compile(r"^\d+(-\d+)?(:\d+){0,2}$")  # minutes | [D-]H[:M[:S]] | M:S (sbatch --time forms)
@@ -868,6 +912,8 @@ MODEL_FIELD_RULES = [
          lambda v: f"model.top_k<={v['model.n_experts']} (Mixtral: 2)", lambda v: v["model.top_k"]),
     _at_least("model.moe_ffn_dim", 0, " (0 = model.ffn_dim)"),
     _real("model.aux_loss_coef", 0),
+    _one_of("model.aux_loss_scope", AUX_LOSS_SCOPES, "balance loss scope (batch: over the global batch, Qwen3-MoE; "
+            "sequence: per sequence, DeepSeek-V3)"),
     _real("model.capacity_factor", 0, meaning=" (0 = dropless)"),
     _real("model.router_bias_update_rate", 0, meaning=" (0 = off; > 0: aux-loss-free balancing, the bias step)"),
     # DeepSeek-V3's options (docs/models.md)

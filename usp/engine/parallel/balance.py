@@ -10,6 +10,8 @@ same global batch, under every layout.
 The counts need no gradient (f_e is a count), so a plain `all_reduce` in the forward is enough:
 the loss's gradient flows through P_e, this rank's mean router probability, and the
 data-parallel gradient average sums it over the ranks (usp.models.moe.MoE.balance_loss).
+DeepSeek-V3's sequence-wise loss (model.aux_loss_scope=sequence) needs only each sequence's counts:
+summed over the context-parallel ranks, which hold parts of the same sequences.
 """
 from __future__ import annotations
 
@@ -31,14 +33,18 @@ def _sum_over(stats: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def apply_moe_balancing(model: nn.Module, group, aux_loss_coef: float, grad_accum: int) -> None:
+def apply_moe_balancing(model: nn.Module, group, aux_loss_coef: float, grad_accum: int,
+                        sequence_group=None) -> None:
     """Install the global-batch statistics on every MoE layer of `model` (a model or a pipeline
-    stage): counts summed over `group` (the BATCH_DIMS ranks; None = one rank), and the aux
-    loss's gradient scale: coef / micro batches per step, attached to each layer's output
-    (usp.models.moe.AttachAuxLoss), so the trainer and the pipeline schedule never add the aux
-    loss to the loss themselves."""
+    stage): counts summed over `group` (the BATCH_DIMS ranks; None = one rank), a sequence-wise
+    loss's per-sequence counts over `sequence_group` (the context-parallel ranks, which hold parts of
+    the same sequences; None = one rank), and the aux loss's gradient scale: coef / micro batches per
+    step, attached to each layer's output (usp.models.moe.AttachAuxLoss), so the trainer and the
+    pipeline schedule never add the aux loss to the loss themselves."""
     for moe in moe_layers(model):
         moe.reduce_stats = functools.partial(_sum_over, group=group) if group is not None else None
+        moe.reduce_sequence_stats = functools.partial(_sum_over, group=sequence_group) \
+            if sequence_group is not None else None
         moe.aux_loss_scale = aux_loss_coef / grad_accum
 
 

@@ -48,7 +48,7 @@ def parallelize(model: nn.Module, plan: RunPlan, ctx: DistContext) -> nn.Module:
         from usp.engine.parallel.balance import BATCH_DIMS, apply_moe_balancing
 
         apply_moe_balancing(model, ctx.group(*BATCH_DIMS), float(plan.config.model.aux_loss_coef),
-                            int(plan.batch.grad_accum))
+                            int(plan.batch.grad_accum), sequence_group=ctx.group("cp"))
     if int(plan.config.model.mtp_depth or 0):  # the MTP loss's gradient through the logits (Llama.forward)
         model.mtp_loss_scale = float(plan.config.model.mtp_loss_coef) / int(plan.batch.grad_accum)
     apply_recompute(model, choose.recompute)
