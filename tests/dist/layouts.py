@@ -114,6 +114,9 @@ LAYOUTS = {
         "deepseek_v3_mtp_ep_x_fsdp_grad_accum": DSV3 + ["model.mtp_depth=1", "parallelism.dp_replicate=1",
                                                         "parallelism.dp_shard=2", "parallelism.ep=2",
                                                         "train.micro_batch=4"],
+        # ... and under TP + SP: its input (the rolled-in next tokens' embedding beside the last hidden state)
+        # sharded over the sequence, its loss vocab-parallel
+        "deepseek_v3_mtp_tp_sp": DSV3 + ["model.mtp_depth=1", "parallelism.dp_replicate=1", "parallelism.tp=2"],
     },
     4: {
         "dp_x_tp": ["parallelism.dp_replicate=2", "parallelism.tp=2"],

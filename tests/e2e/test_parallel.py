@@ -64,7 +64,8 @@ def test_matrix_covers_the_required_compositions():
                 "qwen3_tp_sp", "qwen3_fsdp_x_tp", "qwen3_cp", "qwen3_pp_1f1b", "qwen3_moe_ep_x_fsdp",
                 "qwen3_moe_ep_x_tp", "qwen3_moe_ep_x_pp", "deepseek_v3_tp_sp", "deepseek_v3_cp", "deepseek_v3_pp_1f1b",
                 "deepseek_v3_ep_x_fsdp_grad_accum", "deepseek_v3_ep_x_tp", "deepseek_v3_ep_x_pp",
-                "deepseek_v3_mtp_ep_x_fsdp_grad_accum", "deepseek_v3_yarn_cp"}
+                "deepseek_v3_mtp_ep_x_fsdp_grad_accum", "deepseek_v3_yarn_cp",
+                "deepseek_v3_mtp_tp_sp"}
     assert required <= names, required - names
 
 

@@ -350,8 +350,9 @@ def test_multi_token_prediction_adds_its_loss_gradient():
     for i in range(3):
         h = model.layers[str(i)](h, cos, sin)
     main = F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), labels.flatten())
-    x = mtp.eh_proj(torch.cat((mtp.enorm(model.tok_embeddings(tokens[:, 1:])), mtp.hnorm(h[:, :-1])), dim=-1))
-    ahead = model.output(mtp.head_norm(TransformerBlock.forward(mtp, x, cos[:-1], sin[:-1])))[:, :-1]
+    following = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)  # t(i+1); the last position's is never scored
+    x = mtp.eh_proj(torch.cat((mtp.enorm(model.tok_embeddings(following)), mtp.hnorm(h)), dim=-1))
+    ahead = model.output(mtp.head_norm(TransformerBlock.forward(mtp, x, cos, sin)))[:, :-2]
     extra = F.cross_entropy(ahead.flatten(0, 1), tokens[:, 2:].flatten())
     torch.testing.assert_close(model.mtp_loss, extra.detach(), rtol=1e-6, atol=0)
     (main + 0.3 * extra).backward()

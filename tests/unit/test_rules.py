@@ -201,16 +201,18 @@ def test_head_dim_is_an_option_with_its_own_rule():
     assert plan.model.params == plan.model.vocab_size * 120 + 2 * (attention + 3 * 120 * 384 + 2 * 120 + 2 * 32) + 120
 
 
-@pytest.mark.parametrize("split", ["tp", "cp", "pp"])
+@pytest.mark.parametrize("split", ["cp", "pp"])
 def test_multi_token_prediction_is_refused_where_the_sequence_or_the_model_is_split(split):
-    """model.mtp_depth=1 needs each rank's whole sequence, the hidden state and the embedding with the head:
-    under tp, cp or pp it is refused naming that degree; over data and expert parallelism it plans."""
+    """model.mtp_depth=1 needs each rank's whole sequence and the embedding with the head: under cp or pp it is
+    refused naming that degree; over data, tensor and expert parallelism it plans."""
     base = ["model=deepseek_v3_tiny", "model.mtp_depth=1", "cluster=local_cpu", "cluster.procs_per_node=2",
             "parallelism.dp_replicate=1"]
     _, errors = _plan(*base, f"parallelism.{split}=2")  # an engine rule: the plan is made, and refused
     assert [e.key for e in errors] == [f"parallelism.{split}"], errors
     assert "model.mtp_depth=0" in str(errors[0])
     plan, errors = _plan(*base, "parallelism.dp_shard=2", "parallelism.ep=2")
+    assert plan is not None and errors == [], errors
+    plan, errors = _plan(*base, "parallelism.tp=2")
     assert plan is not None and errors == [], errors
     _, errors = _plan(*base, "parallelism.dp_shard=2", "model.mtp_depth=2")
     assert [e.key for e in errors] == ["model.mtp_depth"], errors

@@ -211,6 +211,9 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+MTP_IGNORE = -100  # the positions whose token after next lies past the sequence
+
+
 class MTPBlock(TransformerBlock):
     """DeepSeek-V3's multi-token-prediction module of depth 1 (technical report section 2.2), a block of the
     model's kind (the MoE one after the dense layers) after a projection of the token after each position and
@@ -292,12 +295,17 @@ class Llama(nn.Module):
                   sin: torch.Tensor) -> torch.Tensor:
         """Multi-token prediction (depth 1): at each position i < s - 2 the MTP block, given t(i+1)'s embedding
         and the main model's last hidden state at i, predicts t(i+2); the mean cross-entropy over those
-        positions. Every token it needs is in `tokens` (the input), so no label reaches the model."""
+        positions. Every token it needs is in `tokens` (the input), so no label reaches the model. As
+        Megatron does, the next tokens are rolled in and the last two positions left out of the loss, so
+        the MTP block's input is s long and tensor parallelism shards it over the sequence like the main
+        stack's (causal attention: no position sees the rolled-in ones after it)."""
         if self.tok_embeddings is None or self.output is None:
             raise RuntimeError("multi-token prediction needs the whole model (no pipeline stage)")
-        x = torch.cat((self.tok_embeddings(tokens[:, 1:]), last[:, :-1]), dim=-1)
-        logits = self.output(mtp(x, cos[:-1], sin[:-1]))[:, :-1]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 2:].flatten())
+        targets = torch.roll(tokens, -2, dims=1)
+        targets[:, -2:] = MTP_IGNORE
+        x = torch.cat((self.tok_embeddings(torch.roll(tokens, -1, dims=1)), last), dim=-1)
+        logits = self.output(mtp(x, cos, sin))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=MTP_IGNORE)
         self.mtp_loss = loss.detach()
         return loss
 

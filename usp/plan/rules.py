@@ -548,9 +548,11 @@ FT_RULES = [  # fault_tolerance=torchft (docs/fault_tolerance.md)
 
 ENGINE_RULES = [
     Rule("mtp_whole_sequence", "engine", lambda s: f"parallelism.{_mtp_split(s)}", lambda s: bool(_mtp_split(s)),
-         lambda s: f"multi-token prediction (model.mtp_depth=1) reads the next token's embedding and the main model's "
-                   f"last hidden state on one rank, with the whole sequence: not under {_mtp_split(s)} > 1",
-         lambda s: f"parallelism.{_mtp_split(s)}=1 (data and expert parallelism instead), or model.mtp_depth=0",
+         lambda s: f"multi-token prediction (model.mtp_depth=1) reads the next token's embedding beside the main "
+                   f"model's last hidden state, with the embedding and the head on the same rank and each "
+                   f"sequence whole there: not under {_mtp_split(s)} > 1",
+         lambda s: f"parallelism.{_mtp_split(s)}=1 (data, tensor and expert parallelism instead), or "
+                   f"model.mtp_depth=0",
          lambda s: getattr(s.layout, str(_mtp_split(s)))),
     Rule("expert_parallel", "engine", "parallelism.ep", lambda s: bool(_ep_problems(s)),
          lambda s: "; ".join(_ep_problems(s)), _ep_fix, lambda s: s.layout.ep),
@@ -783,11 +785,12 @@ def _moe(v: Values) -> bool:
 
 
 def _mtp_split(s: Subject) -> str | None:
-    """The parallelism that splits what multi-token prediction needs (tp: the hidden state over the sequence and
-    the vocabulary, cp: the sequence, pp: the embedding from the head), or None."""
+    """The parallelism that splits what multi-token prediction needs (cp: the sequence, pp: the embedding from the
+    head), or None. Under tp every rank holds the whole token sequence, and the MTP block's input is sharded
+    over it as the main stack's (usp.models.llama.Llama._mtp_loss)."""
     if not s.arch.mtp_depth:
         return None
-    return next((dim for dim in ("tp", "cp", "pp") if getattr(s.layout, dim) > 1), None)
+    return next((dim for dim in ("cp", "pp") if getattr(s.layout, dim) > 1), None)
 
 
 def _group_problem(v: Values) -> str | None:

@@ -76,6 +76,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, real_vocab: int
             **(_moe_plan() if isinstance(block.feed_forward, MoE) else _mlp_plan()),
         })
 
+    if str(model.args.n_layers) in model.layers:  # the MTP block's input projection and norms act per
+        # position: replicated, on the sequence shards
+        parallelize_module(model.layers[str(model.args.n_layers)], tp_mesh,
+                           {name: SequenceParallel(use_local_output=True)
+                            for name in ("enorm", "hnorm", "eh_proj", "head_norm")})
     model.sequence_shards = tp_mesh.size()  # hidden states between blocks are sequence-sharded
     if model.output is not None and model.output.weight.shape[0] > real_vocab:
         _mask_padded_logits(model.output, tp_mesh, real_vocab)
