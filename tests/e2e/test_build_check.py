@@ -62,6 +62,8 @@ def within(out: str) -> float:
     # the DeepSeek-V3 recipe at its published scale: 512 ranks, EP 32 x FSDP 64 x PP 8; the first pipeline
     # rank (embedding, the 3 dense blocks) and the last (the LM head)
     (["conf=deepseek_v3_671b", "0", "511"], [0, 511]),
+    # the Qwen3-235B-A22B recipe: 256 ranks, EP 16 x FSDP 64 x PP 4; the first and the last pipeline rank
+    (["conf=qwen3_235b_a22b", "0", "255"], [0, 255]),
 ])
 def test_small_layouts_build_as_planned(tmp_path, args, ranks):
     proc, _ = build_check(tmp_path, *args)

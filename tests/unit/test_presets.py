@@ -26,7 +26,7 @@ PRESETS = {
     "dp_tp_pp_zero1": ("llama3_1_70b", 8, {"dp_replicate": 2, "tp": 8, "pp": 4}, "zero1_fsdp"),
 }
 RECIPES = {"llama3_1_8b": 4, "llama3_1_70b": 8, "llama3_1_405b": 64, "mixtral_8x7b": 8, "qwen3_8b": 4,
-           "qwen3_30b_a3b": 8}
+           "qwen3_30b_a3b": 8, "qwen3_235b_a22b": 32}
 
 
 def test_every_preset_is_checked_here():
