@@ -1,9 +1,10 @@
 """Hangs name themselves (docs/hangs.md), on real torchrun ranks over gloo: a SIGSTOPped rank is
 detected within the window, every live rank's stack, the stopped rank's process state and torch's
-flight recorder land in the run directory, `usp train` exits 75 (restartable) and `usp status` names
-the rank. A stall that clears stops the run with a checkpoint; a rank throttled by a cgroup's CPU
-quota is flagged as a straggler. The window, the verdict and the detector without torch:
-tests/unit/test_hangs.py."""
+flight recorder land in the run directory, the live rank saves the state without the stopped one
+(plain DDP) and the resume from it trains exactly as an uninterrupted run, `usp train` exits 75
+(restartable) and `usp status` names the rank. A stall that clears stops the run with a checkpoint; a
+rank throttled by a cgroup's CPU quota is flagged as a straggler. The window, the verdict and the detector
+without torch: tests/unit/test_hangs.py."""
 from __future__ import annotations
 
 import json
@@ -20,12 +21,16 @@ from tests.e2e.test_checkpoint import worker_pids
 from tests.e2e.test_interrupt import assert_gone
 from tests.helpers import REPO, USP, run_usp, usp_env
 from usp.engine.observe.hang_verdict import SILENT
+from usp.run.checksums import verify_checkpoint
 from usp.run.files import EXIT_HUNG, check_manifest, list_checkpoints, read_jsonl
 
 WINDOW = 5.0  # train.hang_timeout_s: its poll is 0.25 s and its grace 5 s
-FAST = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
-        "train.eval_batches=1", "train.eval_interval=0", "train.sample_tokens=0", "train.measure_memory=false",
-        "logging.console=plain", "cluster.procs_per_node=2", f"train.hang_timeout_s={WINDOW:g}", "train.steps=100000"]
+SHAPE = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
+         "train.eval_batches=1", "train.eval_interval=0", "train.sample_tokens=0", "train.measure_memory=false",
+         "logging.console=plain", "cluster.procs_per_node=2", f"train.hang_timeout_s={WINDOW:g}"]
+FAST = [*SHAPE, "train.steps=100000"]
+# a schedule that does not depend on train.steps: a run resumed with fewer steps trains on the same learning rates
+CONSTANT = ["optimizer.schedule=constant", "optimizer.warmup_steps=0"]
 
 
 def start(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
@@ -79,9 +84,10 @@ def assert_nothing_half_written(run_dir: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_a_stopped_rank_is_named_every_live_rank_dumps_its_stacks_and_usp_train_exits_75(tmp_path):
+def test_a_stopped_rank_is_named_the_live_rank_saves_alone_and_the_resume_equals_an_uninterrupted_run(tmp_path):
     name, run_dir = "stopped", tmp_path / "stopped"
-    proc = start(tmp_path, name, "checkpoint.interval=5", "train.log_interval=1")  # train.max_restarts=0
+    # no checkpoint before the hang: the one the live rank writes alone is the only one
+    proc = start(tmp_path, name, "checkpoint.interval=100000", "train.log_interval=1", *CONSTANT)
     pids: dict[int, int] = {}
     try:
         wait_for(logged_step(run_dir, 6), proc)
@@ -102,15 +108,39 @@ def test_a_stopped_rank_is_named_every_live_rank_dumps_its_stacks_and_usp_train_
     host = os.uname().nodename
     assert f"usp: hang: rank 1 (pid {pids[1]} on {host}: T (stopped)" in out, out[-4000:]
     assert "the same command resumes from" in out and "Traceback" not in out and "Unable to shutdown" not in out
-    assert [(e["stuck"], e["cleared"]) for e in events(run_dir, "hung")] == [([1], False)]
-    assert hang["outcome"] == "stuck" and hang["grace_s"] == WINDOW  # written before the event
+    hang = json.loads((run_dir / "logs" / "hang.json").read_text())  # resolved: with the save's outcome
+    saved = hang["checkpoint"]
+    assert f"rank 0 saved the state after step {saved['step']} without the stuck rank" in out, out[-4000:]
+    assert [(e["stuck"], e["cleared"], e["checkpoint_step"]) for e in events(run_dir, "hung")] == \
+        [([1], False, saved["step"])]
+    assert hang["outcome"] == "stuck" and hang["grace_s"] == WINDOW and saved["by"] == 0
+    assert hang["step"] - 1 <= saved["step"] <= hang["step"], (hang["step"], saved)  # the last step applied
+    assert Path(saved["path"]) == run_dir / "checkpoints" / f"step_{saved['step']:08d}"
+    assert verify_checkpoint(Path(saved["path"])) == ("verified", [])  # the manifest and checksums of any save
+    written = sorted(p.name for p in Path(saved["path"]).iterdir())
+    assert [n for n in written if n.endswith(".distcp")] == ["__0_0.distcp"] and "rng_rank1.pt" not in written
     assert_gone(pids.values())
     assert_nothing_half_written(run_dir)
     status = run_usp("status", str(run_dir), cwd=tmp_path)
     text = " ".join(status.stdout.split())
     assert status.returncode == 0 and "state │ hung (rank 1 made no progress" in text, text
     assert f"stuck rank 1 │ node 0, local rank 1, host {host}, pid {pids[1]}" in text, text
-    assert "T (stopped)" in text and "exited with code 75" in text
+    assert "T (stopped)" in text and "exited with code 75; rank 0 saved the state after step" in text, text
+    assert_the_resume_equals_an_uninterrupted_run(tmp_path, name, saved["step"])
+
+
+def assert_the_resume_equals_an_uninterrupted_run(tmp_path: Path, name: str, saved: int) -> None:
+    """The run resumed from the hang's checkpoint and a run that never stopped log the same losses."""
+    losses = {}
+    for run in (name, "uninterrupted"):
+        r = run_usp("train", *SHAPE, *CONSTANT, f"train.steps={saved + 3}", "train.log_interval=1",
+                    f"train.name={run}", f"train.runs_dir={tmp_path}", cwd=tmp_path)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        losses[run] = {rec["step"]: rec["loss"] for rec in read_jsonl(tmp_path / run / "metrics.jsonl")}
+    resumed, reference = losses[name], losses["uninterrupted"]
+    print(f"resumed from step {saved}: {[resumed[s] for s in range(saved + 1, saved + 4)]}")
+    for step in range(1, saved + 4):  # before the hang and after the resume alike
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), (step, resumed, reference)
 
 
 def assert_the_hang_is_named(run_dir: Path, hang: dict, pids: dict[int, int], stopped_at: float) -> None:

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from usp.contract.run_plan import RunPlan
-from usp.run.files import EXIT_HUNG, hang_path, logs_dir, metrics_path, read_jsonl
+from usp.run.files import EXIT_HUNG, hang_path, hang_saved_text, logs_dir, metrics_path, read_jsonl
 
 
 def read_hang(run_dir: Path) -> dict | None:
@@ -49,7 +49,7 @@ def hang_text(run_dir: Path, event: dict, slurm: bool) -> str:
                 "rank stopped at the next step boundary with a checkpoint")
     else:
         what = (f"{_who(stuck)} made no progress{where}{state}; after {event.get('stalled_s')} s the live ranks "
-                f"exited with code {EXIT_HUNG}, keeping the last checkpoint")
+                f"exited with code {EXIT_HUNG}; {hang_saved_text((hang or {}).get('checkpoint'))}")
     how = "its Slurm job requeues and resumes by itself" if slurm else "resume by running the same command"
     return f"{what}; {how}"
 
@@ -78,7 +78,7 @@ def render_hang(run_dir: Path, plan: RunPlan | None, console: Console) -> None:
                                      f"{hang.get('stalled_s', 0):.1f} s without progress (allowance "
                                      f"{hang.get('window_s', 0):.3g} s)"))
     outcome = {"stuck": f"still stuck after {hang.get('grace_s', 0):.3g} s of grace: the live ranks exited with code "
-                        f"{EXIT_HUNG}; checkpoints untouched",
+                        f"{EXIT_HUNG}; {hang_saved_text(hang.get('checkpoint'))}",
                "cleared": "it moved again: every rank stopped at the next step boundary with a checkpoint"}
     table.add_row("outcome", escape(outcome.get(hang.get("outcome", ""), str(hang.get("outcome")))))
     logs = logs_dir(run_dir)
@@ -96,8 +96,9 @@ def hang_line(run_dir: Path, event: dict) -> str:
               if stuck and stuck[0].get("process") else "")
     where = f" {stuck[0]['where']}" if stuck and stuck[0].get("where") else ""
     return (f"usp: hang: {_who(stuck)}{detail} made no progress{where}; after {event.get('stalled_s')} s the live "
-            f"ranks exited (code {EXIT_HUNG}) and torchrun stopped the rest; every rank's stack: "
-            f"{logs_dir(run_dir)}/stacks_rank*.txt; `usp status {run_dir}`")
+            f"ranks exited (code {EXIT_HUNG}) and torchrun stopped the rest; "
+            f"{hang_saved_text((hang or {}).get('checkpoint'))}; "
+            f"every rank's stack: {logs_dir(run_dir)}/stacks_rank*.txt; `usp status {run_dir}`")
 
 
 def straggler_text(run_dir: Path) -> str | None:

@@ -43,7 +43,8 @@ EVENTS = "events.jsonl"
 # "step", "signal" (SIGINT, SIGTERM, SIGUSR1), "checkpoint" (the state after that step is saved)}.
 # "preempted" (no signal) is the same, written by earlier versions for SIGTERM and SIGUSR1.
 STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
-# A hang (docs/hangs.md): {"event": "hung", "time", "step", "stuck": [ranks], "cleared": bool, ...}, and
+# A hang (docs/hangs.md): {"event": "hung", "time", "step", "stuck": [ranks], "cleared": bool,
+# "checkpoint_step" (not cleared: the step a live rank saved alone, or null), ...}, and
 # when the stall cleared, the stop that follows: {"event": "stopped", "signal": "hang", ...}. A straggler:
 # {"event": "straggler", "time", "step", "rank", "ratio", ...} when a rank is first flagged.
 HANG_EVENT, HANG_STOP, STRAGGLER_EVENT = "hung", "hang", "straggler"
@@ -73,6 +74,16 @@ EXIT_INTERRUPTED = 130  # stopped by SIGINT (128 + SIGINT), at a step boundary o
 # restarts a preempted run (Slurm's requeue, a job controller, a sweep run again) restarts a hung one.
 EXIT_HUNG = EXIT_PREEMPTED
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
+
+
+def hang_saved_text(checkpoint: dict | None) -> str:
+    """What the live ranks kept of a hang that did not clear, in words, from hang.json's "checkpoint":
+    {"step", "path", "by"} of a save without the stuck rank, or {"why"} none was written."""
+    checkpoint = checkpoint or {}
+    if checkpoint.get("path"):
+        return (f"rank {checkpoint.get('by')} saved the state after step {checkpoint.get('step')} without the stuck "
+                f"rank, to {checkpoint['path']}")
+    return f"no new checkpoint ({checkpoint.get('why', 'none was written')}): the last one is kept"
 
 
 def stop_again_hint(name: str) -> str:

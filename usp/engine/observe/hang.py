@@ -14,8 +14,10 @@ phase outlasts its allowance, the watchdog thread:
  3. after a settle time, the first live rank to claim this hang writes logs/hang.json (who is stuck,
     usp/engine/observe/hang_verdict.py) and a stack file for each rank that did not respond;
  4. waits grace_s for the stall to clear. If its rank moves again, the run stops at the next step
-    boundary with a checkpoint (signals.HANG); else every live rank exits with EXIT_HUNG, leaving the
-    checkpoints as they are: a checkpoint needs every rank, and one of them is stuck.
+    boundary with a checkpoint (signals.HANG); else every live rank exits with EXIT_HUNG. Before that,
+    where every rank holds the whole state (plain DDP), the verdict's writer saves the last step it
+    applied alone, with no collective (Checkpointer.save_alone), and the other live ranks wait for it;
+    a sharded layout needs every rank for a checkpoint, so the verdict says why none was written.
 
 A rank blocked in a collective holds no Python lock, so the thread runs while the main thread waits."""
 from __future__ import annotations
@@ -43,6 +45,7 @@ from usp.run.files import (
     append_event,
     fr_trace_path,
     hang_path,
+    hang_saved_text,
     heartbeat_path,
     logs_dir,
     stacks_path,
@@ -93,8 +96,10 @@ class Heartbeat:
 
 
 class HangWatch:
-    def __init__(self, plan: RunPlan, rank: int, log):
+    def __init__(self, plan: RunPlan, rank: int, log, checkpointer=None, start_step: int = 0):
         assert plan.decisions.hang is not None
+        self.checkpointer = checkpointer  # saves alone when the stall does not clear (None: nothing to save)
+        self._applied = start_step  # the last step whose update is in the weights (step_applied)
         self.window, self.plan, self.rank, self.log = plan.decisions.hang, plan, rank, log
         self.run_dir, self.launch = Path(plan.run_dir), launch_id()
         self.host = socket.gethostname()
@@ -121,6 +126,12 @@ class HangWatch:
         with self._lock:
             beat = self._beat = Beat(self._beat.seq + 1, phase, step, time.time(), time.monotonic(), allowance)
         self._write_beat(beat)
+
+    def step_applied(self, step: int) -> None:
+        """Step `step`'s optimizer update (and schedule) is in the state: a save from here on is of `step`.
+        A stall in the step's own collectives (gradients, loss) comes before it, one in the logging,
+        evaluation or checkpoint that follow comes after."""
+        self._applied = step
 
     def stop(self) -> None:
         """The loop ended: disarmed, the thread stopped."""
@@ -162,11 +173,44 @@ class HangWatch:
         hang = self._write_verdict(beat, stalled, detected_at) if self._claim(beat) else None
         cleared = self._wait_for_progress(beat.seq, detected_at + self.window.grace_s)
         if hang is not None:
+            if not cleared:
+                hang["checkpoint"] = self._save_alone(hang)
             self._resolve(hang, cleared)
         if cleared:
             signals.request_stop(signals.HANG)  # every rank stops at the next step boundary, with a checkpoint
             return
+        if hang is None:
+            self._wait_for_resolution()
         self._exit()
+
+    def _save_alone(self, hang: dict) -> dict:
+        """hang.json's "checkpoint": {"step", "path", "saved_s", "by"} of the state this rank saved
+        without its peers, or {"why"} no new checkpoint was written."""
+        ckpt, step = self.checkpointer, self._applied
+        why = "no checkpoint to write" if ckpt is None else ckpt.alone_why_not()
+        if why is None and step <= int(ckpt.last_saved or 0):
+            why = f"the state after step {step} is in the last checkpoint already"
+        if why is not None:
+            return {"why": why}
+        started = time.perf_counter()
+        self._say(f"usp: hang: rank {self.rank} saves the state after step {step} alone (every rank holds all of it: "
+                  "plain DDP)")
+        try:
+            path = ckpt.save_alone(step)
+        except BaseException as exc:  # DCP's CheckpointException too; the run restarts from the last checkpoint
+            self.log.error("hang: the save without the stuck rank failed: %s", "".join(traceback.format_exception(exc)))
+            return {"why": f"the save without the stuck rank failed: {type(exc).__name__}: {exc}"}
+        return {"step": step, "path": str(path), "saved_s": round(time.perf_counter() - started, 2), "by": self.rank}
+
+    def _wait_for_resolution(self) -> None:
+        """A live rank that did not write the verdict exits only once its writer has resolved it (saved
+        alone, or said why not): an exit now would have torchrun stop the writer in mid-save."""
+        deadline = time.monotonic() + self.window.checkpoint_s + self.window.grace_s
+        while time.monotonic() < deadline:
+            hang = read_heartbeat(hang_path(self.run_dir)) or {}  # a JSON record read whole, or retried
+            if hang.get("launch") == self.launch and hang.get("outcome") not in (None, "pending"):
+                return
+            time.sleep(self.window.poll_s)
 
     def _dump_stacks(self, beat: Beat, stalled: float) -> list[str]:
         """Every thread's Python stack into logs/stacks_rank<R>.txt (atomic); the main thread's
@@ -260,12 +304,13 @@ class HangWatch:
         append_event(self.run_dir, HANG_EVENT, step=hang["step"], phase=hang["phase"], where=where, stuck=hang["stuck"],
                      hosts=sorted({str(e.get("host")) for e in stuck}), stalled_s=round(now - hang["detected_at"]
                                                                                      + hang["stalled_s"], 1),
-                     window_s=round(hang["window_s"], 3), cleared=cleared, detected_by=hang["detected_by"])
+                     window_s=round(hang["window_s"], 3), cleared=cleared, detected_by=hang["detected_by"],
+                     **({} if cleared else {"checkpoint_step": hang.get("checkpoint", {}).get("step")}))
         if cleared:
             self._say(f"usp: hang: {_who(hang)} moved again: every rank stops after this step with a checkpoint")
         elif os.environ.get(SUMMARY_BY_LAUNCHER_ENV) != "1":  # else `usp train` says it after the ranks end
             self._say(f"usp: hang: {_who(hang)} still stuck after {self.window.grace_s:.3g} s more: the live ranks "
-                      f"exit with code {EXIT_HUNG} to be restarted, keeping the last checkpoint; "
+                      f"exit with code {EXIT_HUNG} to be restarted; {hang_saved_text(hang.get('checkpoint'))}; "
                       f"usp status {self.run_dir}")
 
     def _say(self, text: str) -> None:
