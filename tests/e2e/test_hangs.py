@@ -143,6 +143,37 @@ def assert_the_resume_equals_an_uninterrupted_run(tmp_path: Path, name: str, sav
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), (step, resumed, reference)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_of_a_sharded_layout_leaves_the_checkpoints_and_says_why(tmp_path):
+    """FSDP: each rank holds a part of the state, so no live rank can save it alone."""
+    name, run_dir = "sharded", tmp_path / "sharded"
+    proc = start(tmp_path, name, "checkpoint.interval=5", "train.log_interval=1", "parallelism.dp_replicate=1",
+                 "parallelism.dp_shard=2")
+    pids: dict[int, int] = {}
+    try:
+        wait_for(logged_step(run_dir, 6), proc)
+        before = [c.step for c in list_checkpoints(run_dir / "checkpoints") if c.complete]
+        pids = worker_pids(run_dir / "plan.yaml")
+        stop(pids[1])
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        release(pids.values())
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_HUNG, out[-4000:]
+    why = "the state is sharded (fsdp: each rank holds a part of it), so a checkpoint needs every rank"
+    hang = json.loads((run_dir / "logs" / "hang.json").read_text())
+    assert hang["outcome"] == "stuck" and hang["checkpoint"] == {"why": why}, hang
+    assert f"no new checkpoint ({why}): the last one is kept" in out, out[-4000:]
+    assert [(e["stuck"], e["checkpoint_step"]) for e in events(run_dir, "hung")] == [([1], None)]
+    after = [c.step for c in list_checkpoints(run_dir / "checkpoints") if c.complete]
+    assert after[-1] >= before[-1] and after[-1] % 5 == 0, (before, after)  # only the interval's saves
+    assert_gone(pids.values())
+    text = " ".join(run_usp("status", str(run_dir), cwd=tmp_path).stdout.split())
+    assert "no new checkpoint (the state is sharded" in text, text
+
+
 def assert_the_hang_is_named(run_dir: Path, hang: dict, pids: dict[int, int], stopped_at: float) -> None:
     """Detected within the window; rank 1 named with its process state; rank 0's stacks and flight
     recorder written, from this checkout's code."""
