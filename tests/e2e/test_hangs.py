@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_checkpoint import worker_pids
+from tests.e2e.test_fault_tolerance import _group_ranks, no_orphans  # noqa: F401 (a fixture)
 from tests.e2e.test_interrupt import assert_gone
 from tests.helpers import REPO, USP, run_usp, usp_env
 from usp.engine.observe.hang_verdict import SILENT
@@ -33,9 +34,10 @@ FAST = [*SHAPE, "train.steps=100000"]
 CONSTANT = ["optimizer.schedule=constant", "optimizer.warmup_steps=0"]
 
 
-def start(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
+def start(tmp_path: Path, name: str, *extra: str, out=subprocess.PIPE) -> subprocess.Popen:
+    """`usp train` in the background; `out`: a file for a run that prints more than a pipe holds unread."""
     return subprocess.Popen([USP, "train", *FAST, f"train.name={name}", f"train.runs_dir={tmp_path}", *extra],
-                            env=usp_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=usp_env(), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
@@ -275,3 +277,67 @@ def test_a_throttled_rank_is_flagged_and_a_stall_that_clears_stops_with_a_checkp
     assert_nothing_half_written(run_dir)
     text = " ".join(run_usp("status", str(run_dir), cwd=tmp_path).stdout.split())
     assert "hung (rank 1 stalled in step" in text and "then moved again" in text and "straggler at " in text, text
+
+
+# torchft: 2 replica groups of 2 FSDP ranks (the window outlasts a lost group's wait, timeout 5 + join 1 +
+# heartbeat 2 s). A group with a stopped rank still heartbeats, so the other group waits for it until its live
+# ranks exit: that group is "waited", not hung. No checkpoint on the way: `usp status` lists the last events.
+FT_HANG = ["cluster.procs_per_node=4", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
+           "fault_tolerance=torchft", "fault_tolerance.timeout_s=5", "fault_tolerance.join_timeout_s=1",
+           "train.global_batch=8", "train.log_interval=1", "checkpoint.interval=100000"]
+FT_WINDOW = 20
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("no_orphans")
+def test_under_torchft_the_stuck_group_is_named_and_restarted_while_the_other_trains_on(tmp_path):
+    name, run_dir, console = "ft_stopped", tmp_path / "ft_stopped", tmp_path / "console.txt"
+    with open(console, "w") as sink:
+        proc = start(tmp_path, name, *FT_HANG, f"train.hang_timeout_s={FT_WINDOW}", out=sink)
+    pids: dict[tuple[int, int], int] = {}
+    try:
+        wait_for(logged_step(run_dir, 4), proc)
+        pids = _group_ranks(run_dir / "plan.yaml")
+        assert sorted(pids) == [(0, 0), (0, 1), (1, 0), (1, 1)], pids
+        stopped_at, stopped_step = stop(pids[(1, 1)]), max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
+        restart = wait_for(lambda: events(run_dir, "replica_group_restart"), proc, timeout=300)[0]
+        later = _group_ranks(run_dir / "plan.yaml")
+        wait_for(lambda: [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > stopped_step
+                          and r["participants"] == 2 and r["time"] > restart["time"]], proc, timeout=300)
+    finally:
+        release(pids.values())
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # the run would train on for ever: stopped as Ctrl-C does
+        proc.wait(timeout=180)
+    out = console.read_text()
+    hang = json.loads((run_dir / "logs" / "hang_group1.json").read_text())
+    print(f"stop -> detected {hang['detected_at'] - stopped_at:.1f} s, -> group 1 restarted "
+          f"{restart['time'] - stopped_at:.1f} s")
+    assert hang["replica_group"] == 1 and hang["stuck"] == [1] and hang["reason"] == SILENT, hang
+    assert hang["outcome"] == "stuck" and hang["checkpoint"] == {"why": "under torchft a live replica group saves "
+                                                                        "the checkpoints"}
+    assert FT_WINDOW - 1.0 <= hang["detected_at"] - stopped_at <= 2 * FT_WINDOW + 5, hang["detected_at"] - stopped_at
+    assert [(e["stuck"], e["replica_group"]) for e in events(run_dir, "hung")] == [([1], 1)]
+    assert restart["group"] == 1 and restart["time"] > hang["resolved_at"]
+    logs = run_dir / "logs"
+    assert not (logs / "hang.json").exists()
+    waited = json.loads((logs / "hang_group0.json").read_text())  # group 0 stalled too, waiting for group 1
+    assert waited["stuck"] == [] and waited["outcome"] == "waited" and waited["waited_for_group"] == 1, waited
+    assert "usp: hang: replica group 0 waits for replica group 1's stuck rank; it is not hung itself" in out
+    assert {p.name for p in logs.glob("heartbeat_*")} >= {f"heartbeat_group{g}_rank{r}.json" for g in (0, 1)
+                                                          for r in (0, 1)}
+    assert "rank 1 of replica group 1 did not respond" not in (logs / "stacks_group1_rank0.txt").read_text()
+    assert "rank 1 did not respond" in (logs / "stacks_group1_rank1.txt").read_text()
+    assert f"usp: hang: rank 1 of replica group 1 (pid {pids[(1, 1)]} on " in out, out[-4000:]
+    # group 0 was never restarted and kept committing steps alone while group 1 was stuck
+    assert later[(0, 0)] == pids[(0, 0)] and later[(0, 1)] == pids[(0, 1)], (pids, later)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    alone = [r for r in records if r["step"] > stopped_step and r["participants"] == 1]
+    assert alone and alone[-1]["time"] > hang["detected_at"], "group 0 did not train on alone"
+    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:]) if b["step"] > stopped_step]
+    print(f"group 0's longest step gap after the stop: {max(gaps):.1f} s")
+    assert max(gaps) <= restart["time"] - stopped_at + 5, gaps  # it trained on once group 1's torchrun ended
+    text = " ".join(run_usp("status", str(run_dir), cwd=tmp_path).stdout.split())
+    assert "hung at " in text and "rank(s) 1 of replica group 1 in step" in text, text

@@ -21,7 +21,7 @@ from usp.engine.observe.hang_verdict import SILENT, classify, entries, process_s
 from usp.engine.observe.stragglers import INTERVALS, StragglerDetector
 from usp.launch.hang_status import hang_line
 from usp.launch.slurm_outcome import outcome
-from usp.run.files import append_event, hang_path
+from usp.run.files import append_event, hang_path, heartbeat_path, stacks_path
 from usp.run.lock import pid_start
 from usp.run.state import HUNG, STOPPED, analyse_failures, run_state
 
@@ -70,15 +70,26 @@ def test_off_on_one_process_or_when_asked_and_the_plan_says_so(tmp_path):
     assert "off (train.hang_timeout_s=0)" in shown
 
 
-def test_off_under_torchft_replica_groups_and_the_plan_says_why(tmp_path):
+def test_under_torchft_the_window_outlasts_a_live_groups_wait_for_a_stopped_one(tmp_path):
     ft = ("fault_tolerance=torchft", "cluster.procs_per_node=4", "parallelism.dp_replicate=2",
           "parallelism.dp_shard=2", "train.global_batch=8")
-    plan = plan_for(*ft, "train.hang_timeout_s=5", training=False)
-    assert plan.fault_tolerance is not None and plan.decisions.hang is None and plan.decisions.straggler_measure == ""
-    same = plan_for(*ft[1:], "train.hang_timeout_s=5", training=False)  # the same layout without torchft: on
-    assert same.decisions.hang is not None and same.decisions.straggler_measure == "runnable"
-    shown = " ".join(usp_cli("plan", *ft, cwd=tmp_path, columns=250).stdout.split())
-    assert "hangs │ off under fault_tolerance=torchft" in shown, shown
+    plan = plan_for(*ft, "train.hang_timeout_s=20", "fault_tolerance.timeout_s=5", training=False)
+    assert plan.fault_tolerance is not None and plan.decisions.hang.step_s == 20
+    assert plan.decisions.straggler_measure == ""  # no straggler detector across groups
+    # derived: at least twice the wait (timeout 100 + join 5 + heartbeat 2), above the 120 s floor
+    derived = plan_for(*ft, "fault_tolerance.timeout_s=100", training=False).decisions.hang
+    assert derived.step_s == 214 and "raised to the 214 s floor" in derived.source
+    r = usp_cli("plan", *ft, "train.hang_timeout_s=10", cwd=tmp_path, columns=250)
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "a live replica group may wait for a stopped one before it trains on without it " \
+        "(37 s" in text and "fix: train.hang_timeout_s=74 (or more), or lower fault_tolerance.timeout_s" in text, text
+
+
+def test_under_torchft_a_ranks_files_are_named_by_its_replica_group(tmp_path):
+    assert heartbeat_path(tmp_path, 1).name == "heartbeat_rank1.json"
+    assert heartbeat_path(tmp_path, 1, 0).name == "heartbeat_group0_rank1.json"
+    assert stacks_path(tmp_path, 1, 2).name == "stacks_group2_rank1.txt"
+    assert hang_path(tmp_path).name == "hang.json" and hang_path(tmp_path, 1).name == "hang_group1.json"
 
 
 def test_the_hang_rules_name_the_fix(tmp_path):

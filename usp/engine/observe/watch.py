@@ -23,7 +23,8 @@ class RankWatch:
         if plan.decisions.hang is not None:
             from usp.engine.observe.hang import HangWatch
 
-            hang = HangWatch(plan, ctx.rank, trainer.log, trainer.checkpointer, trainer.start_step)
+            hang = HangWatch(plan, ctx.rank, trainer.log, trainer.checkpointer, trainer.start_step,
+                             getattr(ctx, "replica_group", None))  # torchft: ranks are numbered per group
             trainer.log.info("hang watchdog: %.3g s without progress in a step (%s); first step %.3g s, evaluation "
                              "%.3g s, checkpoint %.3g s, then %.3g s of grace", plan.decisions.hang.step_s,
                              plan.decisions.hang.source, plan.decisions.hang.first_step_s, plan.decisions.hang.eval_s,
