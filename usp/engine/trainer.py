@@ -337,6 +337,7 @@ class Trainer:
         flag = torch.tensor([float(signals.requested())], device=self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signals.reached_a_boundary()  # a stop from here on waits for a step boundary, however long
         signum = int(flag.item())
         if not signum:
             return
