@@ -102,7 +102,7 @@ class HangWatch:
         assert plan.decisions.hang is not None
         self.group = group  # torchft: this rank's replica group (`plan` is the group's, its ranks numbered in it)
         self.checkpointer = checkpointer  # saves alone when the stall does not clear (None: nothing to save)
-        self._applied = start_step  # the last step whose update is in the weights (step_applied)
+        self._start, self._applied = start_step, start_step  # _applied: the last step in the weights (step_applied)
         self.window, self.plan, self.rank, self.log = plan.decisions.hang, plan, rank, log
         self.run_dir, self.launch = Path(plan.run_dir), launch_id()
         self.host = socket.gethostname()
@@ -223,8 +223,8 @@ class HangWatch:
         without its peers, or {"why"} no new checkpoint was written."""
         ckpt, step = self.checkpointer, self._applied
         why = "no checkpoint to write" if ckpt is None else ckpt.alone_why_not()
-        if why is None and step <= int(ckpt.last_saved or 0):
-            why = f"the state after step {step} is in the last checkpoint already"
+        if why is None and step <= self._start:  # a save of a later step still in flight can't finish: not this
+            why = f"no step was trained in this launch: the state is that of step {step}, where it started"
         if why is not None:
             return {"why": why}
         started = time.perf_counter()
