@@ -1,9 +1,10 @@
 """Hangs name themselves (docs/hangs.md), on real torchrun ranks over gloo: a SIGSTOPped rank is
 detected within the window, every live rank's stack, the stopped rank's process state and torch's
-flight recorder land in the run directory, `usp train` exits 75 (restartable) and `usp status` names
-the rank. A stall that clears stops the run with a checkpoint; a rank throttled by a cgroup's CPU
-quota is flagged as a straggler. The window, the verdict and the detector without torch:
-tests/unit/test_hangs.py."""
+flight recorder land in the run directory, the live rank saves the state without the stopped one
+(plain DDP) and the resume from it trains exactly as an uninterrupted run, `usp train` exits 75
+(restartable) and `usp status` names the rank. A stall that clears stops the run with a checkpoint; a
+rank throttled by a cgroup's CPU quota is flagged as a straggler. The window, the verdict and the detector
+without torch: tests/unit/test_hangs.py."""
 from __future__ import annotations
 
 import json
@@ -17,20 +18,26 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_checkpoint import worker_pids
+from tests.e2e.test_fault_tolerance import _group_ranks, no_orphans  # noqa: F401 (a fixture)
 from tests.e2e.test_interrupt import assert_gone
 from tests.helpers import REPO, USP, run_usp, usp_env
 from usp.engine.observe.hang_verdict import SILENT
+from usp.run.checksums import verify_checkpoint
 from usp.run.files import EXIT_HUNG, check_manifest, list_checkpoints, read_jsonl
 
 WINDOW = 5.0  # train.hang_timeout_s: its poll is 0.25 s and its grace 5 s
-FAST = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
-        "train.eval_batches=1", "train.eval_interval=0", "train.sample_tokens=0", "train.measure_memory=false",
-        "logging.console=plain", "cluster.procs_per_node=2", f"train.hang_timeout_s={WINDOW:g}", "train.steps=100000"]
+SHAPE = ["data.tokenizer=bytes", "model.dim=32", "model.ffn_dim=64", "train.seq_len=32", "train.global_batch=4",
+         "train.eval_batches=1", "train.eval_interval=0", "train.sample_tokens=0", "train.measure_memory=false",
+         "logging.console=plain", "cluster.procs_per_node=2", f"train.hang_timeout_s={WINDOW:g}"]
+FAST = [*SHAPE, "train.steps=100000"]
+# a schedule that does not depend on train.steps: a run resumed with fewer steps trains on the same learning rates
+CONSTANT = ["optimizer.schedule=constant", "optimizer.warmup_steps=0"]
 
 
-def start(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
+def start(tmp_path: Path, name: str, *extra: str, out=subprocess.PIPE) -> subprocess.Popen:
+    """`usp train` in the background; `out`: a file for a run that prints more than a pipe holds unread."""
     return subprocess.Popen([USP, "train", *FAST, f"train.name={name}", f"train.runs_dir={tmp_path}", *extra],
-                            env=usp_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=usp_env(), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
@@ -79,9 +86,10 @@ def assert_nothing_half_written(run_dir: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_a_stopped_rank_is_named_every_live_rank_dumps_its_stacks_and_usp_train_exits_75(tmp_path):
+def test_a_stopped_rank_is_named_the_live_rank_saves_alone_and_the_resume_equals_an_uninterrupted_run(tmp_path):
     name, run_dir = "stopped", tmp_path / "stopped"
-    proc = start(tmp_path, name, "checkpoint.interval=5", "train.log_interval=1")  # train.max_restarts=0
+    # no checkpoint before the hang: the one the live rank writes alone is the only one
+    proc = start(tmp_path, name, "checkpoint.interval=100000", "train.log_interval=1", *CONSTANT)
     pids: dict[int, int] = {}
     try:
         wait_for(logged_step(run_dir, 6), proc)
@@ -102,15 +110,70 @@ def test_a_stopped_rank_is_named_every_live_rank_dumps_its_stacks_and_usp_train_
     host = os.uname().nodename
     assert f"usp: hang: rank 1 (pid {pids[1]} on {host}: T (stopped)" in out, out[-4000:]
     assert "the same command resumes from" in out and "Traceback" not in out and "Unable to shutdown" not in out
-    assert [(e["stuck"], e["cleared"]) for e in events(run_dir, "hung")] == [([1], False)]
-    assert hang["outcome"] == "stuck" and hang["grace_s"] == WINDOW  # written before the event
+    hang = json.loads((run_dir / "logs" / "hang.json").read_text())  # resolved: with the save's outcome
+    saved = hang["checkpoint"]
+    assert f"rank 0 saved the state after step {saved['step']} without the stuck rank" in out, out[-4000:]
+    assert [(e["stuck"], e["cleared"], e["checkpoint_step"]) for e in events(run_dir, "hung")] == \
+        [([1], False, saved["step"])]
+    assert hang["outcome"] == "stuck" and hang["grace_s"] == WINDOW and saved["by"] == 0
+    assert hang["step"] - 1 <= saved["step"] <= hang["step"], (hang["step"], saved)  # the last step applied
+    assert Path(saved["path"]) == run_dir / "checkpoints" / f"step_{saved['step']:08d}"
+    assert verify_checkpoint(Path(saved["path"])) == ("verified", [])  # the manifest and checksums of any save
+    written = sorted(p.name for p in Path(saved["path"]).iterdir())
+    assert [n for n in written if n.endswith(".distcp")] == ["__0_0.distcp"] and "rng_rank1.pt" not in written
     assert_gone(pids.values())
     assert_nothing_half_written(run_dir)
     status = run_usp("status", str(run_dir), cwd=tmp_path)
     text = " ".join(status.stdout.split())
     assert status.returncode == 0 and "state │ hung (rank 1 made no progress" in text, text
     assert f"stuck rank 1 │ node 0, local rank 1, host {host}, pid {pids[1]}" in text, text
-    assert "T (stopped)" in text and "exited with code 75" in text
+    assert "T (stopped)" in text and "exited with code 75; rank 0 saved the state after step" in text, text
+    assert_the_resume_equals_an_uninterrupted_run(tmp_path, name, saved["step"])
+
+
+def assert_the_resume_equals_an_uninterrupted_run(tmp_path: Path, name: str, saved: int) -> None:
+    """The run resumed from the hang's checkpoint and a run that never stopped log the same losses."""
+    losses = {}
+    for run in (name, "uninterrupted"):
+        r = run_usp("train", *SHAPE, *CONSTANT, f"train.steps={saved + 3}", "train.log_interval=1",
+                    f"train.name={run}", f"train.runs_dir={tmp_path}", cwd=tmp_path)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        losses[run] = {rec["step"]: rec["loss"] for rec in read_jsonl(tmp_path / run / "metrics.jsonl")}
+    resumed, reference = losses[name], losses["uninterrupted"]
+    print(f"resumed from step {saved}: {[resumed[s] for s in range(saved + 1, saved + 4)]}")
+    for step in range(1, saved + 4):  # before the hang and after the resume alike
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), (step, resumed, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_of_a_sharded_layout_leaves_the_checkpoints_and_says_why(tmp_path):
+    """FSDP: each rank holds a part of the state, so no live rank can save it alone."""
+    name, run_dir = "sharded", tmp_path / "sharded"
+    proc = start(tmp_path, name, "checkpoint.interval=5", "train.log_interval=1", "parallelism.dp_replicate=1",
+                 "parallelism.dp_shard=2")
+    pids: dict[int, int] = {}
+    try:
+        wait_for(logged_step(run_dir, 6), proc)
+        before = [c.step for c in list_checkpoints(run_dir / "checkpoints") if c.complete]
+        pids = worker_pids(run_dir / "plan.yaml")
+        stop(pids[1])
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        release(pids.values())
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_HUNG, out[-4000:]
+    why = "the state is sharded (fsdp: each rank holds a part of it), so a checkpoint needs every rank"
+    hang = json.loads((run_dir / "logs" / "hang.json").read_text())
+    assert hang["outcome"] == "stuck" and hang["checkpoint"] == {"why": why}, hang
+    assert f"no new checkpoint ({why}): the last one is kept" in out, out[-4000:]
+    assert [(e["stuck"], e["checkpoint_step"]) for e in events(run_dir, "hung")] == [([1], None)]
+    after = [c.step for c in list_checkpoints(run_dir / "checkpoints") if c.complete]
+    assert after[-1] >= before[-1] and after[-1] % 5 == 0, (before, after)  # only the interval's saves
+    assert_gone(pids.values())
+    text = " ".join(run_usp("status", str(run_dir), cwd=tmp_path).stdout.split())
+    assert "no new checkpoint (the state is sharded" in text, text
 
 
 def assert_the_hang_is_named(run_dir: Path, hang: dict, pids: dict[int, int], stopped_at: float) -> None:
@@ -214,3 +277,67 @@ def test_a_throttled_rank_is_flagged_and_a_stall_that_clears_stops_with_a_checkp
     assert_nothing_half_written(run_dir)
     text = " ".join(run_usp("status", str(run_dir), cwd=tmp_path).stdout.split())
     assert "hung (rank 1 stalled in step" in text and "then moved again" in text and "straggler at " in text, text
+
+
+# torchft: 2 replica groups of 2 FSDP ranks (the window outlasts a lost group's wait, timeout 5 + join 1 +
+# heartbeat 2 s). A group with a stopped rank still heartbeats, so the other group waits for it until its live
+# ranks exit: that group is "waited", not hung. No checkpoint on the way: `usp status` lists the last events.
+FT_HANG = ["cluster.procs_per_node=4", "parallelism.dp_replicate=2", "parallelism.dp_shard=2",
+           "fault_tolerance=torchft", "fault_tolerance.timeout_s=5", "fault_tolerance.join_timeout_s=1",
+           "train.global_batch=8", "train.log_interval=1", "checkpoint.interval=100000"]
+FT_WINDOW = 20
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("no_orphans")
+def test_under_torchft_the_stuck_group_is_named_and_restarted_while_the_other_trains_on(tmp_path):
+    name, run_dir, console = "ft_stopped", tmp_path / "ft_stopped", tmp_path / "console.txt"
+    with open(console, "w") as sink:
+        proc = start(tmp_path, name, *FT_HANG, f"train.hang_timeout_s={FT_WINDOW}", out=sink)
+    pids: dict[tuple[int, int], int] = {}
+    try:
+        wait_for(logged_step(run_dir, 4), proc)
+        pids = _group_ranks(run_dir / "plan.yaml")
+        assert sorted(pids) == [(0, 0), (0, 1), (1, 0), (1, 1)], pids
+        stopped_at, stopped_step = stop(pids[(1, 1)]), max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
+        restart = wait_for(lambda: events(run_dir, "replica_group_restart"), proc, timeout=300)[0]
+        later = _group_ranks(run_dir / "plan.yaml")
+        wait_for(lambda: [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > stopped_step
+                          and r["participants"] == 2 and r["time"] > restart["time"]], proc, timeout=300)
+    finally:
+        release(pids.values())
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # the run would train on for ever: stopped as Ctrl-C does
+        proc.wait(timeout=180)
+    out = console.read_text()
+    hang = json.loads((run_dir / "logs" / "hang_group1.json").read_text())
+    print(f"stop -> detected {hang['detected_at'] - stopped_at:.1f} s, -> group 1 restarted "
+          f"{restart['time'] - stopped_at:.1f} s")
+    assert hang["replica_group"] == 1 and hang["stuck"] == [1] and hang["reason"] == SILENT, hang
+    assert hang["outcome"] == "stuck" and hang["checkpoint"] == {"why": "under torchft a live replica group saves "
+                                                                        "the checkpoints"}
+    assert FT_WINDOW - 1.0 <= hang["detected_at"] - stopped_at <= 2 * FT_WINDOW + 5, hang["detected_at"] - stopped_at
+    assert [(e["stuck"], e["replica_group"]) for e in events(run_dir, "hung")] == [([1], 1)]
+    assert restart["group"] == 1 and restart["time"] > hang["resolved_at"]
+    logs = run_dir / "logs"
+    assert not (logs / "hang.json").exists()
+    waited = json.loads((logs / "hang_group0.json").read_text())  # group 0 stalled too, waiting for group 1
+    assert waited["stuck"] == [] and waited["outcome"] == "waited" and waited["waited_for_group"] == 1, waited
+    assert "usp: hang: replica group 0 waits for replica group 1's stuck rank; it is not hung itself" in out
+    assert {p.name for p in logs.glob("heartbeat_*")} >= {f"heartbeat_group{g}_rank{r}.json" for g in (0, 1)
+                                                          for r in (0, 1)}
+    assert "rank 1 of replica group 1 did not respond" not in (logs / "stacks_group1_rank0.txt").read_text()
+    assert "rank 1 did not respond" in (logs / "stacks_group1_rank1.txt").read_text()
+    assert f"usp: hang: rank 1 of replica group 1 (pid {pids[(1, 1)]} on " in out, out[-4000:]
+    # group 0 was never restarted and kept committing steps alone while group 1 was stuck
+    assert later[(0, 0)] == pids[(0, 0)] and later[(0, 1)] == pids[(0, 1)], (pids, later)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    alone = [r for r in records if r["step"] > stopped_step and r["participants"] == 1]
+    assert alone and alone[-1]["time"] > hang["detected_at"], "group 0 did not train on alone"
+    gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:]) if b["step"] > stopped_step]
+    print(f"group 0's longest step gap after the stop: {max(gaps):.1f} s")
+    assert max(gaps) <= restart["time"] - stopped_at + 5, gaps  # it trained on once group 1's torchrun ended
+    text = " ".join(run_usp("status", str(run_dir), cwd=tmp_path).stdout.split())
+    assert "hung at " in text and "rank(s) 1 of replica group 1 in step" in text, text

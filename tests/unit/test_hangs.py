@@ -19,8 +19,9 @@ from usp.contract.plan_file import write_plan
 from usp.engine.observe.hang import Heartbeat
 from usp.engine.observe.hang_verdict import SILENT, classify, entries, process_state, read_heartbeat, verdict
 from usp.engine.observe.stragglers import INTERVALS, StragglerDetector
+from usp.launch.hang_status import hang_line
 from usp.launch.slurm_outcome import outcome
-from usp.run.files import append_event, hang_path
+from usp.run.files import append_event, hang_path, heartbeat_path, stacks_path
 from usp.run.lock import pid_start
 from usp.run.state import HUNG, STOPPED, analyse_failures, run_state
 
@@ -69,15 +70,26 @@ def test_off_on_one_process_or_when_asked_and_the_plan_says_so(tmp_path):
     assert "off (train.hang_timeout_s=0)" in shown
 
 
-def test_off_under_torchft_replica_groups_and_the_plan_says_why(tmp_path):
+def test_under_torchft_the_window_outlasts_a_live_groups_wait_for_a_stopped_one(tmp_path):
     ft = ("fault_tolerance=torchft", "cluster.procs_per_node=4", "parallelism.dp_replicate=2",
           "parallelism.dp_shard=2", "train.global_batch=8")
-    plan = plan_for(*ft, "train.hang_timeout_s=5", training=False)
-    assert plan.fault_tolerance is not None and plan.decisions.hang is None and plan.decisions.straggler_measure == ""
-    same = plan_for(*ft[1:], "train.hang_timeout_s=5", training=False)  # the same layout without torchft: on
-    assert same.decisions.hang is not None and same.decisions.straggler_measure == "runnable"
-    shown = " ".join(usp_cli("plan", *ft, cwd=tmp_path, columns=250).stdout.split())
-    assert "hangs │ off under fault_tolerance=torchft" in shown, shown
+    plan = plan_for(*ft, "train.hang_timeout_s=20", "fault_tolerance.timeout_s=5", training=False)
+    assert plan.fault_tolerance is not None and plan.decisions.hang.step_s == 20
+    assert plan.decisions.straggler_measure == ""  # no straggler detector across groups
+    # derived: at least twice the wait (timeout 100 + join 5 + heartbeat 2), above the 120 s floor
+    derived = plan_for(*ft, "fault_tolerance.timeout_s=100", training=False).decisions.hang
+    assert derived.step_s == 214 and "raised to the 214 s floor" in derived.source
+    r = usp_cli("plan", *ft, "train.hang_timeout_s=10", cwd=tmp_path, columns=250)
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "a live replica group may wait for a stopped one before it trains on without it " \
+        "(37 s" in text and "fix: train.hang_timeout_s=74 (or more), or lower fault_tolerance.timeout_s" in text, text
+
+
+def test_under_torchft_a_ranks_files_are_named_by_its_replica_group(tmp_path):
+    assert heartbeat_path(tmp_path, 1).name == "heartbeat_rank1.json"
+    assert heartbeat_path(tmp_path, 1, 0).name == "heartbeat_group0_rank1.json"
+    assert stacks_path(tmp_path, 1, 2).name == "stacks_group2_rank1.txt"
+    assert hang_path(tmp_path).name == "hang.json" and hang_path(tmp_path, 1).name == "hang_group1.json"
 
 
 def test_the_hang_rules_name_the_fix(tmp_path):
@@ -191,7 +203,10 @@ def test_noise_a_broken_streak_other_stages_and_missing_times_flag_nobody():
 
 
 # -- a hung run as status, usp train and Slurm read it -------------------------------------------
-def hung_run(tmp_path: Path, cleared: bool = False) -> Path:
+SHARDED = {"why": "the state is sharded (fsdp: each rank holds a part of it), so a checkpoint needs every rank"}
+
+
+def hung_run(tmp_path: Path, cleared: bool = False, checkpoint: dict | None = None) -> Path:
     plan = plan_for(*TWO, "train.name=hung", runs_dir=tmp_path, training=False)
     run = Path(plan.run_dir)
     run.mkdir(parents=True)
@@ -200,7 +215,8 @@ def hung_run(tmp_path: Path, cleared: bool = False) -> Path:
                             peers={"1": "T (stopped), wchan do_signal_stop, 17 threads"}), 1: beat(1)},
                    LAUNCH, SINCE, {"rank": 0, "time": time.time(), "step": 6, "phase": "step", "stalled_s": 5.1,
                                    "window_s": 5.0})
-    hang.update(outcome="cleared" if cleared else "stuck", grace_s=5.0)
+    hang.update(outcome="cleared" if cleared else "stuck", grace_s=5.0, **({} if cleared else
+                                                                          {"checkpoint": checkpoint or SHARDED}))
     hang_path(run).parent.mkdir()
     hang_path(run).write_text(json.dumps(hang))
     append_event(run, "hung", step=6, phase="step", where="in step 6", stuck=[1], stalled_s=10.1, window_s=5.0,
@@ -214,8 +230,11 @@ def test_usp_status_names_the_stuck_rank_where_it_was_and_what_the_others_waited
     text = " ".join(r.stdout.split())
     assert r.returncode == 0, r.stderr  # restartable, like a stop
     assert ("state │ hung (rank 1 made no progress in step 6 (T (stopped), wchan do_signal_stop, 17 threads); after "
-            "10.1 s the live ranks exited with code 75, keeping the last checkpoint; resume by running the same "
-            "command)") in text, text
+            "10.1 s the live ranks exited with code 75; no new checkpoint (the state is sharded (fsdp: each rank "
+            "holds a part of it), so a") in text, text  # the table wraps the rest
+    assert "the last one is kept; resume by running the same command)" in text, text
+    assert "outcome │ still stuck after 5 s of grace: the live ranks exited with code 75; no new checkpoint (the " \
+           "state is sharded" in text, text
     for says in ("stuck rank 1 │ node 0, local rank 1, host node7, pid 101", "why this rank │ did not respond",
                  "1 of 2 responded, waiting in gloo:all_reduce #42 of process group 0 (default_pg) (1 rank)",
                  "hung at ", "rank(s) 1 in step 6, stuck after 10.1 s"):
@@ -245,3 +264,14 @@ def test_the_stragglers_row_reads_the_last_logged_step(tmp_path):
                                                    "work_s_slowest_ratio": 3.0, "stragglers": [1]}) + "\n")
     text = " ".join(usp_cli("status", str(run), cwd=tmp_path, columns=250).stdout.split())
     assert "stragglers │ rank 1 (1.50x the median), at step 10" in text, text
+
+
+def test_a_save_without_the_stuck_rank_is_what_status_and_usp_train_say_was_kept(tmp_path):
+    saved = {"step": 6, "path": str(tmp_path / "ck" / "step_00000006"), "saved_s": 0.2, "by": 0}
+    run = hung_run(tmp_path, checkpoint=saved)
+    text = " ".join(usp_cli("status", str(run), cwd=tmp_path, columns=250).stdout.split())
+    assert "exited with code 75; rank 0 saved the state after step 6 without the stuck rank, to" in text, text
+    assert (f"outcome │ still stuck after 5 s of grace: the live ranks exited with code 75; rank 0 saved the state "
+            f"after step 6 without the stuck rank, to {saved['path']}") in text, text
+    assert f"rank 0 saved the state after step 6 without the stuck rank, to {saved['path']}" in \
+        hang_line(run, {"stuck": [1], "stalled_s": 10.1})

@@ -103,12 +103,19 @@ def engine_choices(config: UspConfig, degrees: dict[str, int], device: str, voca
 
 
 def replica_groups(config: UspConfig) -> bool:
-    """fault_tolerance=torchft: the hang watchdog and the straggler detector are off. Each replica group
-    runs its own loop (usp/engine/fault_tolerance.py) with ranks numbered inside the group, so their
-    heartbeats would collide across groups, and torchft already handles a group that stops: the others'
-    quorum and all-reduce time out (fault_tolerance.timeout_s) and train on without it
-    (docs/hangs.md#what-is-not-covered)."""
+    """fault_tolerance=torchft: the straggler detector is off (each replica group runs its own loop,
+    usp/engine/fault_tolerance.py, and compares no work with the others); the hang watchdog watches each
+    group's ranks on their own, its files named by replica group (docs/hangs.md#under-torchft)."""
     return str(config.fault_tolerance.kind) == "torchft"
+
+
+def torchft_wait_s(timeout_s: float, join_timeout_s: float, heartbeat_timeout_s: float) -> float:
+    """fault_tolerance=torchft: how long a live replica group's step may wait for a group that stopped,
+    before it trains on without it: a collective between the groups times out (fault_tolerance.timeout_s),
+    then the quorum leaves out a group that heartbeats but does not join (join_timeout_s) or that went
+    silent (heartbeat_timeout_s), all fault_tolerance.*. A hang window at most this long would call the
+    live groups hung too."""
+    return float(timeout_s) + float(join_timeout_s) + float(heartbeat_timeout_s)
 
 
 def straggler_measure(dp_kind: str, world: int, device: str) -> str:
@@ -138,12 +145,12 @@ def hang_window(config: UspConfig, world: int, predicted_step_s: float | None,
                 checkpoint_bytes: float) -> tuple[HangWindow | None, str | None]:
     """When a rank counts as hung (RunPlan.decisions.hang), and a plan warning when the derived window
     had to be shortened below the collective timeout. None: one process (no collective to hang in),
-    train.hang_timeout_s=0 or fault_tolerance=torchft (replica_groups). The window is
-    train.hang_timeout_s, else train.hang_factor x the predicted step time x the calibration's worst
-    measured/predicted ratio (cluster.timing.calibrated ratio_p90), at least HANG_FLOOR_S and at most
-    HANG_TIMEOUT_SHARE x cluster.timeout_s."""
+    train.hang_timeout_s=0. The window is train.hang_timeout_s, else train.hang_factor x the predicted
+    step time x the calibration's worst measured/predicted ratio (cluster.timing.calibrated ratio_p90), at
+    least HANG_FLOOR_S (under torchft also twice torchft_wait_s) and at most HANG_TIMEOUT_SHARE x
+    cluster.timeout_s. `world`: the ranks of one replica group under torchft."""
     train = config.train
-    if world < 2 or train.hang_timeout_s == 0 or replica_groups(config):
+    if world < 2 or train.hang_timeout_s == 0:
         return None, None
     if train.hang_timeout_s is not None:
         step_s, source, warning = float(train.hang_timeout_s), "train.hang_timeout_s", None
@@ -165,10 +172,13 @@ def _derived_window(config: UspConfig, predicted: float) -> tuple[float, str, st
     calibrated = cluster.timing.calibrated
     slack = max(1.0, float(calibrated.ratio_p90)) if calibrated.source else 1.0
     derived = float(train.hang_factor) * predicted * slack
-    step_s = max(HANG_FLOOR_S, derived)
+    ft = config.fault_tolerance
+    floor = max(HANG_FLOOR_S, 2 * torchft_wait_s(ft.timeout_s, ft.join_timeout_s, ft.heartbeat_timeout_s)) \
+        if replica_groups(config) else HANG_FLOOR_S
+    step_s = max(floor, derived)
     source = (f"train.hang_factor={train.hang_factor:g} x predicted step {predicted:.3g} s"
               + (f" x calibration slack {slack:.2f}" if slack > 1 else "") + f" = {derived:.3g} s"
-              + (f", raised to the {HANG_FLOOR_S:g} s floor" if derived < HANG_FLOOR_S else ""))
+              + (f", raised to the {floor:g} s floor" if derived < floor else ""))
     cap = HANG_TIMEOUT_SHARE * float(cluster.timeout_s)
     if step_s <= cap:
         return step_s, source, None

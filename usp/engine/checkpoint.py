@@ -43,6 +43,7 @@ from usp.run.files import (
     PLAN,
     TRAINER_STATE,
     append_event,
+    check_manifest,
     list_checkpoints,
     plan_path,
     step_dir_name,
@@ -197,6 +198,47 @@ class Checkpointer:
             self.log.info("checkpoint step %d saved to %s in %.2f s (checksums %.2f s)", step, final,
                           self._published[1], hashed)
         self._barrier()
+
+    def alone_why_not(self) -> str | None:
+        """Why no live rank can save without its peers (None: it can). Under plain DDP every rank holds
+        the whole model and optimizer state, so one rank's copy is the checkpoint; a sharded layout
+        (FSDP, ZeRO-1, TP, PP, experts) needs every rank's part (docs/hangs.md)."""
+        if not self.enabled:
+            return "checkpoint.enabled=false"
+        if self.plan.fault_tolerance is not None:
+            return "under torchft a live replica group saves the checkpoints"
+        kind = self.plan.decisions.dp_kind
+        if kind != "ddp":
+            return f"the state is sharded ({kind}: each rank holds a part of it), so a checkpoint needs every rank"
+        return None
+
+    def save_alone(self, step: int) -> Path:
+        """Save the state after `step` from this rank alone, with no collective (a peer is stuck: the
+        hang watchdog's thread calls this while the training loop waits in a collective). Only where
+        alone_why_not() is None. The same files, manifest and checksums as save() writes, but one DCP
+        shard (`__0_0.distcp`, no_dist) and this rank's RNG only; a resume reads it as any other."""
+        final = self.dir / step_dir_name(step)
+        if final.is_dir() and check_manifest(final) is None:
+            return final  # published before the stall (the loop stalled in the save's last barrier)
+        tmp = self.dir / f".tmp-{step_dir_name(step)}.alone"  # not the save in flight's directory
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(torch.get_rng_state(), tmp / f"rng_rank{self.ctx.rank}.pt")
+        self._write_trainer_state(tmp, step)
+        if plan_path(self.plan.run_dir).exists():
+            shutil.copyfile(plan_path(self.plan.run_dir), tmp / PLAN)
+        with single_process_is_intended():
+            dcp.save(self._saved_state(self._state()), checkpoint_id=str(tmp), no_dist=True)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        write_text_atomic(tmp / MANIFEST, json.dumps(checksums.manifest(step, files, checksums.digests(tmp, files)),
+                                                     indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        if self.retain:
+            self._retain()
+        self.log.info("checkpoint step %d saved by rank %d alone to %s", step, self.ctx.rank, final)
+        return final
 
     def _record(self, step: int) -> None:
         """Rank 0: the published save in logs/events.jsonl (the goodput model's save cost)."""

@@ -285,6 +285,7 @@ class ReplicaGroupTrainer(Trainer):
     def fit(self) -> dict | None:
         if self._run_completed():
             self.log.info("the run completed while this group restarted: nothing to do")
+            self.watch.close()
             self.sync.shutdown()
             return None
         self._wait_for_every_group()
@@ -293,6 +294,7 @@ class ReplicaGroupTrainer(Trainer):
         try:
             step = self.sync.start_step()
             while step < self.steps:
+                self.watch.step(step)  # the hang watchdog, its files named by replica group (docs/hangs.md)
                 self._stop_if_signalled(step)
                 result = self._fit_step(step, started)
                 if result is not None:
@@ -302,6 +304,7 @@ class ReplicaGroupTrainer(Trainer):
             self.checkpointer.save(self.steps, blocking=True)
             writer = self.sync.is_writer
         finally:
+            self.watch.close()
             self._close_outputs()
             self.sync.shutdown()
         summary = self._summary(time.perf_counter() - started, first_loss, loss, val_loss)

@@ -17,13 +17,15 @@ instead of a traceback. A rank blocked in a collective may then see its peer lea
 "connection closed") before it sees the signal: that error, too, is the interruption, not a failure."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
 import threading
+import time
 
-from usp.run.files import EXIT_INTERRUPTED, HANG_STOP, stop_again_hint
+from usp.run.files import EXIT_INTERRUPTED, EXIT_PREEMPTED, HANG_STOP, stop_again_hint
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 # Not a signal: the hang watchdog's stop after a stall that cleared (usp/engine/observe/hang.py). Above
@@ -31,6 +33,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 HANG = 1000
 _requested = {"signal": 0}  # the first stop signal this process got (0: none)
 _interrupted = threading.Event()  # stopped at once (a second signal), not at a step boundary
+_at_a_boundary = threading.Event()  # the training loop reached a step boundary: a stop has its place to happen
+_rendezvous = {"since": 0.0}  # monotonic time this rank entered the process group's rendezvous (0: not in it)
+# torchrun stops the ranks with SIGTERM when one of them dies; a rank still in the rendezvous waits there for
+# the dead one (the agent's store: no connection of the dead rank to break) until torchrun's fixed 30 s SIGKILL
+# (measured: a rank killed 1 s after the ranks started delayed the restart by 30.1 s). A rank stopped while
+# it starts ends at once once it has waited in the rendezvous this long after the signal: live peers meet
+# in far less, and before the first step there is nothing to save.
+RENDEZVOUS_STOP_S = 10.0
 
 
 def requested() -> int:
@@ -58,6 +68,39 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def reached_a_boundary() -> None:
+    """The training loop's stop check ran on every rank (Trainer._stop_if_signalled): from here on a stop
+    signal is acted on at the step boundary only (start-up's RENDEZVOUS_STOP_S is off)."""
+    _at_a_boundary.set()
+
+
+@contextlib.contextmanager
+def rendezvous():
+    """Around the process group's and the mesh's set-up (usp/engine/parallel/mesh.py: setup), where the
+    ranks wait for each other through the agent's store."""
+    _rendezvous["since"] = time.monotonic()
+    try:
+        yield
+    finally:
+        _rendezvous["since"] = 0.0
+
+
+def _end_start_up_after(name: str, code: int) -> None:
+    """A stop signal during start-up under torchrun: the rank goes on to the first step boundary and
+    stops there (nothing to save), unless it waits in the rendezvous RENDEZVOUS_STOP_S after the signal:
+    then a peer is gone, and it ends here instead of at torchrun's SIGKILL."""
+    signalled = time.monotonic()
+
+    def expire() -> None:
+        while not _at_a_boundary.wait(0.2):
+            since = _rendezvous["since"]
+            if since and time.monotonic() - max(since, signalled) > RENDEZVOUS_STOP_S:
+                _say(f"usp: rank {os.environ.get('RANK', '?')}: {name} while waiting for the other ranks to start "
+                     f"(still waiting {RENDEZVOUS_STOP_S:g} s later: one is gone): stopped at once, nothing to save")
+                os._exit(code)
+    threading.Thread(target=expire, name="usp-start-up-stop", daemon=True).start()
+
+
 def _say(text: str) -> None:
     """Write to stderr from a signal handler: os.write, as print could re-enter a write in progress."""
     try:
@@ -75,6 +118,8 @@ def _on_stop_signal(signum, frame) -> None:
         if not under_torchrun():  # the launcher says it for several ranks
             _say(f"usp: {name}: stopping after the current step with a checkpoint "
                  f"({stop_again_hint(name)})")
+        elif not _at_a_boundary.is_set():
+            _end_start_up_after(name, EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED)
         return
     if not under_torchrun() and signum in (signal.SIGINT, signal.SIGTERM) and not _interrupted.is_set():
         _interrupted.set()

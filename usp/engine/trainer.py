@@ -265,6 +265,7 @@ class Trainer:
         with self.probe.step(step) if self.probe else contextlib.nullcontext(), \
                 self.profiler.step(step) if self.profiler else contextlib.nullcontext():
             loss, grad_norm = self.train_step(step)
+        self.watch.step_applied(step + 1)
         dt, data_wait = time.perf_counter() - t0, self.data_wait_s
         self.watch.step_done(data_wait)
         done, train = step + 1, self.cfg.train
@@ -336,6 +337,7 @@ class Trainer:
         flag = torch.tensor([float(signals.requested())], device=self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signals.reached_a_boundary()  # a stop from here on waits for a step boundary, however long
         signum = int(flag.item())
         if not signum:
             return

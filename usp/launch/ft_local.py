@@ -29,6 +29,7 @@ from usp.run.files import (
     FT_LAUNCH_ENV,
     FT_LIGHTHOUSE_ENV,
     FT_REPLICA_GROUP_ENV,
+    GROUP_RESTART_EVENT,
     STOP_CODES,
     events_path,
     stop_again_hint,
@@ -141,7 +142,7 @@ def _supervise(groups: list[ReplicaGroup], plan, plan_path: Path, env: dict, sto
             print(f"usp: replica group {group.index} lost (exit code {code}); the other groups train on. "
                   f"Restarting it ({group.attempt} of at most {ft.max_group_restarts}): it rejoins and heals "
                   "from a live group", file=sys.stderr, flush=True)
-            _event(run_dir, "replica_group_restart", group=group.index, attempt=group.attempt, exit_code=code)
+            _event(run_dir, GROUP_RESTART_EVENT, group=group.index, attempt=group.attempt, exit_code=code)
             _start(group, plan, plan_path, env)
 
 

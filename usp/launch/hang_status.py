@@ -12,16 +12,32 @@ from rich.markup import escape
 from rich.table import Table
 
 from usp.contract.run_plan import RunPlan
-from usp.run.files import EXIT_HUNG, hang_path, logs_dir, metrics_path, read_jsonl
+from usp.run.files import (
+    EXIT_HUNG,
+    HANG_GLOB,
+    STACKS_GLOB,
+    hang_path,
+    hang_saved_text,
+    logs_dir,
+    metrics_path,
+    read_jsonl,
+)
 
 
-def read_hang(run_dir: Path) -> dict | None:
-    """logs/hang.json, or None (none, or unreadable)."""
-    try:
-        hang = json.loads(hang_path(run_dir).read_text())
-    except (OSError, ValueError):
-        return None
-    return hang if isinstance(hang, dict) else None
+def read_hang(run_dir: Path, group: int | None = None) -> dict | None:
+    """The verdict of a hang: logs/hang.json, or under torchft logs/hang_group<G>.json of `group`, else the
+    newest one of a group that was hung (not one that only waited for another group); None (none, or
+    unreadable)."""
+    paths = [hang_path(run_dir, group)] if group is not None else \
+        sorted(logs_dir(run_dir).glob(HANG_GLOB), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in paths:
+        try:
+            hang = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(hang, dict) and hang.get("outcome") != "waited":
+            return hang
+    return None
 
 
 def _stuck(hang: dict | None, event: dict) -> list[dict]:
@@ -31,25 +47,28 @@ def _stuck(hang: dict | None, event: dict) -> list[dict]:
     return [{"rank": r} for r in event.get("stuck", [])]
 
 
-def _who(stuck: list[dict]) -> str:
+def _who(stuck: list[dict], hang: dict | None = None) -> str:
+    """"rank 1", "ranks 1, 3", under torchft "rank 1 of replica group 2" (ranks are numbered per group)."""
+    group = (hang or {}).get("replica_group")
+    of = f" of replica group {group}" if group is not None else ""
     if not stuck:
-        return "no single rank (every rank responded: compare their stacks)"
+        return f"no single rank{of} (every rank responded: compare their stacks)"
     names = ", ".join(str(e["rank"]) for e in stuck[:8]) + (f" and {len(stuck) - 8} more" if len(stuck) > 8 else "")
-    return f"rank{'s' if len(stuck) > 1 else ''} {names}"
+    return f"rank{'s' if len(stuck) > 1 else ''} {names}{of}"
 
 
 def hang_text(run_dir: Path, event: dict, slurm: bool) -> str:
     """The state line of a hung run: who, where, what became of it, how it resumes."""
-    hang = read_hang(run_dir)
+    hang = read_hang(run_dir, event.get("replica_group"))
     stuck = _stuck(hang, event)
     where = f" {stuck[0]['where']}" if stuck and stuck[0].get("where") else f" in step {event.get('step')}"
     state = f" ({stuck[0]['process']})" if stuck and stuck[0].get("process") else ""
     if event.get("cleared"):
-        what = (f"{_who(stuck)} stalled{where}{state} for {event.get('stalled_s')} s, then moved again: every "
+        what = (f"{_who(stuck, hang)} stalled{where}{state} for {event.get('stalled_s')} s, then moved again: every "
                 "rank stopped at the next step boundary with a checkpoint")
     else:
-        what = (f"{_who(stuck)} made no progress{where}{state}; after {event.get('stalled_s')} s the live ranks "
-                f"exited with code {EXIT_HUNG}, keeping the last checkpoint")
+        what = (f"{_who(stuck, hang)} made no progress{where}{state}; after {event.get('stalled_s')} s the live ranks "
+                f"exited with code {EXIT_HUNG}; {hang_saved_text((hang or {}).get('checkpoint'))}")
     how = "its Slurm job requeues and resumes by itself" if slurm else "resume by running the same command"
     return f"{what}; {how}"
 
@@ -62,10 +81,12 @@ def render_hang(run_dir: Path, plan: RunPlan | None, console: Console) -> None:
     table = Table(title="hang", show_header=False, title_justify="left", title_style="bold red")
     table.add_column(style="bold cyan")
     table.add_column(overflow="fold")
+    group = hang.get("replica_group")
     for e in _stuck(hang, {})[:4]:
-        info = plan.ranks[e["rank"]] if plan is not None and e["rank"] < len(plan.ranks) else None
+        info = plan.ranks[e["rank"]] if plan is not None and e["rank"] < len(plan.ranks) and group is None else None
         node = f"node {info.node}, local rank {info.local_rank}, " if info is not None else ""
-        table.add_row(f"stuck rank {e['rank']}", escape(f"{node}host {e.get('host', '?')}, pid {e.get('pid', '?')}"))
+        name = f"stuck rank {e['rank']}" + ("" if group is None else f" of replica group {group}")
+        table.add_row(name, escape(f"{node}host {e.get('host', '?')}, pid {e.get('pid', '?')}"))
         table.add_row("  where", escape(f"{e.get('where', 'no heartbeat in this launch')} (its last heartbeat, "
                                         f"{_when(e.get('since'))})"))
         if e.get("process"):
@@ -78,26 +99,27 @@ def render_hang(run_dir: Path, plan: RunPlan | None, console: Console) -> None:
                                      f"{hang.get('stalled_s', 0):.1f} s without progress (allowance "
                                      f"{hang.get('window_s', 0):.3g} s)"))
     outcome = {"stuck": f"still stuck after {hang.get('grace_s', 0):.3g} s of grace: the live ranks exited with code "
-                        f"{EXIT_HUNG}; checkpoints untouched",
+                        f"{EXIT_HUNG}; {hang_saved_text(hang.get('checkpoint'))}",
                "cleared": "it moved again: every rank stopped at the next step boundary with a checkpoint"}
     table.add_row("outcome", escape(outcome.get(hang.get("outcome", ""), str(hang.get("outcome")))))
     logs = logs_dir(run_dir)
-    table.add_row("stacks", escape(f"{logs}/stacks_rank*.txt (every live rank's threads; a rank that did not respond: "
-                                   f"its process state), {logs}/fr_trace_rank*.json (torch's flight recorder), "
-                                   f"{hang_path(run_dir)}"))
+    table.add_row("stacks", escape(f"{logs}/stacks_*rank*.txt (every live rank's threads; a rank that did not respond: "
+                                   f"its process state), {logs}/fr_trace_*rank*.json (torch's flight recorder), "
+                                   f"{hang_path(run_dir, group)}"))
     console.print(table)
 
 
 def hang_line(run_dir: Path, event: dict) -> str:
     """`usp train`'s line after the ranks ended on a hang that did not clear."""
-    hang = read_hang(run_dir)
+    hang = read_hang(run_dir, event.get("replica_group"))
     stuck = _stuck(hang, event)
     detail = (f" (pid {stuck[0].get('pid')} on {stuck[0].get('host')}: {stuck[0].get('process')})"
               if stuck and stuck[0].get("process") else "")
     where = f" {stuck[0]['where']}" if stuck and stuck[0].get("where") else ""
-    return (f"usp: hang: {_who(stuck)}{detail} made no progress{where}; after {event.get('stalled_s')} s the live "
-            f"ranks exited (code {EXIT_HUNG}) and torchrun stopped the rest; every rank's stack: "
-            f"{logs_dir(run_dir)}/stacks_rank*.txt; `usp status {run_dir}`")
+    return (f"usp: hang: {_who(stuck, hang)}{detail} made no progress{where}; after {event.get('stalled_s')} s the "
+            f"live ranks exited (code {EXIT_HUNG}) and torchrun stopped the rest; "
+            f"{hang_saved_text((hang or {}).get('checkpoint'))}; "
+            f"every rank's stack: {logs_dir(run_dir)}/{STACKS_GLOB}; `usp status {run_dir}`")
 
 
 def straggler_text(run_dir: Path) -> str | None:

@@ -268,7 +268,8 @@ def _event_text(e: dict) -> str:
     if e["event"] == HANG_EVENT:
         ranks = ", ".join(str(r) for r in e.get("stuck") or []) or "none named"
         where = e.get("where") or f"in step {e.get('step')}"
-        return (f"hung at {when}: rank(s) {ranks} {where}, "
+        group = f" of replica group {e['replica_group']}" if e.get("replica_group") is not None else ""
+        return (f"hung at {when}: rank(s) {ranks}{group} {where}, "
                 f"{'cleared' if e.get('cleared') else 'stuck'} after {e.get('stalled_s')} s")
     if e["event"] == STRAGGLER_EVENT:
         return f"straggler at {when}: rank {e.get('rank')}, {e.get('ratio')}x its peers at step {e.get('step')}"

@@ -104,8 +104,6 @@ def hang_summary(plan) -> str:
     if hang is None:
         if plan.world_size < 2:
             return "off: one process, no collective to hang in"
-        if plan.fault_tolerance is not None:
-            return "off under fault_tolerance=torchft: a replica group that stops is dropped by the others' quorum"
         return "off (train.hang_timeout_s=0)"
     return (f"{hang.step_s:.3g} s without a step dumps every rank's stack and stops the run ({hang.source}); "
             f"first step {hang.first_step_s:.3g} s, evaluation {hang.eval_s:.3g} s, checkpoint "

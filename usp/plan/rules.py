@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from usp.config.schema import default_of, enum_keys, schema_keys
-from usp.contract.decide import ATTENTION_CHOICES, NO_COMPILE_SCHEDULES, compile_choice, uses_compile
+from usp.contract.decide import ATTENTION_CHOICES, NO_COMPILE_SCHEDULES, compile_choice, torchft_wait_s, uses_compile
 from usp.contract.hf_shape import HF_ROPE, ROPE_VALUES
 from usp.contract.schedule import OptimSettings
 from usp.contract.typed import plain
@@ -1078,6 +1078,11 @@ def _torchft(v: Values) -> bool:
     return str(v["fault_tolerance.kind"]) == "torchft"
 
 
+def _ft_wait(v: Values) -> float:
+    return torchft_wait_s(*(float(v[f"fault_tolerance.{k}"] or 0) for k in ("timeout_s", "join_timeout_s",
+                                                                             "heartbeat_timeout_s")))
+
+
 FT_FIELD_RULES = [
     _at_least("fault_tolerance.min_replicas", 1, fix="fault_tolerance.min_replicas=1", when=_torchft),
     *(_at_least(f"fault_tolerance.{k}", 1, " (seconds)", when=_torchft)
@@ -1085,6 +1090,14 @@ FT_FIELD_RULES = [
     _real("fault_tolerance.heartbeat_timeout_s", 0, lo_open=True, when=_torchft),
     _real("fault_tolerance.join_timeout_s", 0, when=_torchft),
     _at_least("fault_tolerance.max_group_restarts", 0, when=_torchft),
+    Rule("train.hang_timeout_s>torchft_wait", "plan", "train.hang_timeout_s",
+         lambda v: _torchft(v) and _set(v, "train.hang_timeout_s")
+         and 0 < float(v["train.hang_timeout_s"]) <= _ft_wait(v),
+         lambda v: f"is no longer than a live replica group may wait for a stopped one before it trains on without "
+                   f"it ({_ft_wait(v):g} s: fault_tolerance.timeout_s + join_timeout_s + heartbeat_timeout_s): the "
+                   "watchdog would call the live groups hung too (docs/hangs.md#under-torchft)",
+         lambda v: f"train.hang_timeout_s={2 * _ft_wait(v):g} (or more), or lower fault_tolerance.timeout_s",
+         lambda v: v["train.hang_timeout_s"]),
     _field("fault_tolerance.lighthouse_port", _ints(0, 65535), "not a TCP port (0 = a free one)",
            "fault_tolerance.lighthouse_port=0", when=_torchft),
 ]

@@ -43,17 +43,19 @@ EVENTS = "events.jsonl"
 # "step", "signal" (SIGINT, SIGTERM, SIGUSR1), "checkpoint" (the state after that step is saved)}.
 # "preempted" (no signal) is the same, written by earlier versions for SIGTERM and SIGUSR1.
 STOP_EVENT, OLD_STOP_EVENT = "stopped", "preempted"
-# A hang (docs/hangs.md): {"event": "hung", "time", "step", "stuck": [ranks], "cleared": bool, ...}, and
+# A hang (docs/hangs.md): {"event": "hung", "time", "step", "stuck": [ranks], "cleared": bool,
+# "checkpoint_step" (not cleared: the step a live rank saved alone, or null), ...}, and
 # when the stall cleared, the stop that follows: {"event": "stopped", "signal": "hang", ...}. A straggler:
 # {"event": "straggler", "time", "step", "rank", "ratio", ...} when a rank is first flagged.
 HANG_EVENT, HANG_STOP, STRAGGLER_EVENT = "hung", "hang", "straggler"
 HANG = "hang.json"  # the watchdog's verdict: which rank(s) stalled, where, what each live rank was waiting in
-HEARTBEAT_GLOB, STACKS_GLOB = "heartbeat_rank*.json", "stacks_rank*.txt"
+HEARTBEAT_GLOB, STACKS_GLOB, HANG_GLOB = "heartbeat_*rank*.json", "stacks_*rank*.txt", "hang*.json"
 # logs/events.jsonl's other events: "restart" (a torchrun restart: its count, the step resumed);
 # "attempt" (rank 0 after each launch's first step: how long its start-up phases took, what it loaded);
 # "checkpoint" (each published save: step, bytes, seconds blocked and in all). The goodput model's
 # costs are fitted from them (usp/perf/calibration/restarts.py, docs/faults.md).
 RESTART_EVENT, ATTEMPT_EVENT, CHECKPOINT_EVENT = "restart", "attempt", "checkpoint"
+GROUP_RESTART_EVENT = "replica_group_restart"  # torchft: usp's launcher restarted one replica group
 PROFILE = "profile"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -73,6 +75,16 @@ EXIT_INTERRUPTED = 130  # stopped by SIGINT (128 + SIGINT), at a step boundary o
 # restarts a preempted run (Slurm's requeue, a job controller, a sweep run again) restarts a hung one.
 EXIT_HUNG = EXIT_PREEMPTED
 STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a sweep stops on these; running it again resumes
+
+
+def hang_saved_text(checkpoint: dict | None) -> str:
+    """What the live ranks kept of a hang that did not clear, in words, from hang.json's "checkpoint":
+    {"step", "path", "by"} of a save without the stuck rank, or {"why"} none was written."""
+    checkpoint = checkpoint or {}
+    if checkpoint.get("path"):
+        return (f"rank {checkpoint.get('by')} saved the state after step {checkpoint.get('step')} without the stuck "
+                f"rank, to {checkpoint['path']}")
+    return f"no new checkpoint ({checkpoint.get('why', 'none was written')}): the last one is kept"
 
 
 def stop_again_hint(name: str) -> str:
@@ -159,21 +171,28 @@ def failure_path(run_dir, rank: int) -> Path:
     return logs_dir(run_dir) / f"failure_rank{rank}.json"
 
 
-def heartbeat_path(run_dir, rank: int) -> Path:
-    return logs_dir(run_dir) / f"heartbeat_rank{rank}.json"
+def rank_name(rank: int, group: int | None = None) -> str:
+    """A rank in the hang watchdog's file names: rank<R>; under fault_tolerance=torchft, where every replica
+    group numbers its ranks from 0, group<G>_rank<R> (docs/hangs.md)."""
+    return f"rank{rank}" if group is None else f"group{group}_rank{rank}"
 
 
-def stacks_path(run_dir, rank: int) -> Path:
-    return logs_dir(run_dir) / f"stacks_rank{rank}.txt"
+def heartbeat_path(run_dir, rank: int, group: int | None = None) -> Path:
+    return logs_dir(run_dir) / f"heartbeat_{rank_name(rank, group)}.json"
 
 
-def fr_trace_path(run_dir, rank: int) -> Path:
+def stacks_path(run_dir, rank: int, group: int | None = None) -> Path:
+    return logs_dir(run_dir) / f"stacks_{rank_name(rank, group)}.txt"
+
+
+def fr_trace_path(run_dir, rank: int, group: int | None = None) -> Path:
     """torch's flight recorder of a rank's collectives, dumped after a hang (docs/hangs.md)."""
-    return logs_dir(run_dir) / f"fr_trace_rank{rank}.json"
+    return logs_dir(run_dir) / f"fr_trace_{rank_name(rank, group)}.json"
 
 
-def hang_path(run_dir) -> Path:
-    return logs_dir(run_dir) / HANG
+def hang_path(run_dir, group: int | None = None) -> Path:
+    """logs/hang.json; under torchft one per replica group, logs/hang_group<G>.json."""
+    return logs_dir(run_dir) / (HANG if group is None else f"hang_group{group}.json")
 
 
 def profile_dir(run_dir) -> Path:

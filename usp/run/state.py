@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from usp.errors import LaunchError
 from usp.run.files import (
     FAILURE_GLOB,
+    GROUP_RESTART_EVENT,
     HANG_EVENT,
     HANG_STOP,
     LOST_PEER,
@@ -141,11 +142,13 @@ def run_state(run_dir: Path, report: FailureReport, lock: LockInfo | None, event
 
 
 def hang_event(events: list[dict], since: float = 0.0) -> dict | None:
-    """The hang watchdog's latest "hung" event at or after `since` (unix time), unless a restart or a
-    stop of its own followed it (the stop after a stall that cleared is the hang's)."""
+    """The hang watchdog's latest "hung" event at or after `since` (unix time), unless a restart (of the
+    run, or under torchft of a replica group) or a stop of its own followed it (the stop after a stall
+    that cleared is the hang's)."""
     for event in reversed(events):
         kind = event.get("event")
-        if kind == "restart" or (kind in (STOP_EVENT, OLD_STOP_EVENT) and event.get("signal") != HANG_STOP):
+        if kind in ("restart", GROUP_RESTART_EVENT) or (kind in (STOP_EVENT, OLD_STOP_EVENT)
+                                                        and event.get("signal") != HANG_STOP):
             return None
         if kind == HANG_EVENT:
             return event if float(event.get("time", 0)) >= since else None

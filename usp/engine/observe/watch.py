@@ -23,7 +23,8 @@ class RankWatch:
         if plan.decisions.hang is not None:
             from usp.engine.observe.hang import HangWatch
 
-            hang = HangWatch(plan, ctx.rank, trainer.log)
+            hang = HangWatch(plan, ctx.rank, trainer.log, trainer.checkpointer, trainer.start_step,
+                             getattr(ctx, "replica_group", None))  # torchft: ranks are numbered per group
             trainer.log.info("hang watchdog: %.3g s without progress in a step (%s); first step %.3g s, evaluation "
                              "%.3g s, checkpoint %.3g s, then %.3g s of grace", plan.decisions.hang.step_s,
                              plan.decisions.hang.source, plan.decisions.hang.first_step_s, plan.decisions.hang.eval_s,
@@ -42,6 +43,11 @@ class RankWatch:
             self.hang.beat("step", self.step_number)
         if self.stragglers is not None:
             self.stragglers.step_begins()
+
+    def step_applied(self, step: int) -> None:
+        """Step `step`'s update is in the weights (what a save without a stuck peer would hold)."""
+        if self.hang is not None:
+            self.hang.step_applied(step)
 
     def allow(self, phase: str, fn):
         """`fn` (an evaluation, a checkpoint save) under its own allowance; the step's clock restarts after."""

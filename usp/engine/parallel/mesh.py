@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from usp.contract.run_plan import RunPlan
+from usp.engine import signals
 
 EXPERT_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 EXPERT_CHECKPOINT_DIMS = ("pp", "dp_replicate", "ep", "dp_shard_mod_ep", "tp")
@@ -135,8 +136,9 @@ def make_context(plan: RunPlan) -> DistContext:
 
 
 def setup(plan: RunPlan) -> DistContext:
-    init_process_group(plan)
-    return make_context(plan)
+    with signals.rendezvous():  # a stop signal here while a peer is gone ends the rank (usp/engine/signals.py)
+        init_process_group(plan)
+        return make_context(plan)
 
 
 def _device(kind: str, local_rank: int) -> torch.device:
