@@ -20,6 +20,8 @@ CPU, a metrics line, a rank-log line and a plain console line per step).
     python scripts/bench/overhead.py            # single process, then DDP on 2 ranks (gloo)
     python scripts/bench/overhead.py --quick    # CI smoke: single process, a few seconds
     python scripts/bench/overhead.py --json
+    python scripts/bench/overhead.py --usp-allocator glibc   # usp's loop under glibc's defaults too: the
+                                                             # cost of usp's mmap thresholds (usp/run/allocator.py)
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def overrides(world: int, warmup: int, steps: int) -> list[str]:
     return out + ([f"parallelism.dp_replicate={world}"] if world > 1 else [])
 
 
-def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
+def measure(world: int, rounds: int, warmup: int, steps: int, usp_allocator: str = "usp") -> dict:
     """Both loops, `rounds` times each, every run a fresh process (or torchrun's ranks); tokens/s
     of each timed step, rank 0's clock."""
     from usp.launch.local import plan_accelerator_env
@@ -62,7 +64,8 @@ def measure(world: int, rounds: int, warmup: int, steps: int) -> dict:
         plan = _common.plan_for(overrides(world, warmup, steps), world, runs)
         plan_path = Path(runs) / "plan.json"
         plan_path.write_text(json.dumps(plan.to_dict()))
-        envs = {"usp": {**os.environ, **plan_accelerator_env(plan, os.environ)}, "hand": dict(os.environ)}
+        usp_env = plan_accelerator_env(plan, os.environ) if usp_allocator == "usp" else {}
+        envs = {"usp": {**os.environ, **usp_env}, "hand": dict(os.environ)}
         out: dict[str, list] = {"usp": [], "hand": []}
         for r in range(rounds):
             for loop in (("usp", "hand") if r % 2 == 0 else ("hand", "usp")):
@@ -223,6 +226,8 @@ def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--quick", action="store_true", help="CI smoke: single process, 2 short rounds")
     p.add_argument("--single-only", action="store_true", help="skip the 2-rank DDP measurement")
+    p.add_argument("--usp-allocator", choices=("usp", "glibc"), default="usp",
+                   help="usp's loop under the mmap thresholds usp's launcher sets (default) or glibc's defaults")
     p.add_argument("--child", choices=("usp", "hand"), help=argparse_hidden())  # one loop's process
     p.add_argument("--plan", help=argparse_hidden())
     p.add_argument("--warmup", type=int, help=argparse_hidden())
@@ -232,9 +237,9 @@ def main() -> None:
         child(args.child, args.plan, args.warmup, args.steps)
         return
     s = _settings(args.quick)
-    results = {"single": summarise(measure(1, **s))}
+    results = {"single": summarise(measure(1, **s, usp_allocator=args.usp_allocator))}
     if not (args.quick or args.single_only):
-        results["ddp_2_ranks_gloo"] = summarise(measure(2, **s))
+        results["ddp_2_ranks_gloo"] = summarise(measure(2, **s, usp_allocator=args.usp_allocator))
     results["settings"] = s
     lines = [f"usp trainer vs hand-written loop (tiny Llama, {results['single']['tokens_per_step']} tokens/step, "
              f"{s['rounds']} interleaved rounds of {s['steps']} steps after {s['warmup']} warm-up, "
