@@ -9,7 +9,8 @@ units, gradients) stay in the heap, measured 1.6-1.9x the plan per rank (docs/be
 parameter-sized block is still mapped and unmapped, while the activations below it are reused from
 the heap step after step instead of being faulted in again, which made a small model's CPU step
 ~1.5x slower (issue 42; docs/benchmarks.md, "The allocator while training"). A
-MALLOC_MMAP_THRESHOLD_ of the user's own is left alone, for the whole run. No torch here."""
+MALLOC_MMAP_THRESHOLD_ of the user's own is left alone, for the whole run. The memory probe's measured
+step runs under the build threshold again (`build_threshold`). No torch here."""
 from __future__ import annotations
 
 import contextlib
