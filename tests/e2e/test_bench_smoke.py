@@ -29,6 +29,10 @@ def test_overhead_quick_no_gross_regression(shakespeare):
     single = json.loads(proc.stdout)["single"]
     assert len(single["ratio_per_round"]) == 2
     assert max(single["ratio_per_round"]) >= 0.5, single  # > 2x slower than the hand-written loop
+    # CPU seconds of every timed step of both loops (whole iterations: usp's from its loop's own tick)
+    assert [len(r) for r in single["usp_cpu_s"] + single["hand_cpu_s"]] == [4] * 4, single
+    assert all(s > 0 for r in single["usp_cpu_s"] + single["hand_cpu_s"] for s in r), single
+    assert max(single["cpu_ratio_per_round"]) >= 0.5, single
 
 
 def test_startup_times_the_three_commands():

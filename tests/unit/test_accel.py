@@ -3,6 +3,8 @@ plan's flash-attention checks, the workers' environment (CUDA allocator, cuBLAS 
 store) and the note about visible GPUs (the engine's choices: tests/engine/test_accel.py)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from types import SimpleNamespace
 
 import pytest
@@ -115,6 +117,44 @@ def test_the_training_threshold_is_set_through_glibc(monkeypatch):
     monkeypatch.setenv(allocator.TRAIN_ENV, str(allocator.MAX_MMAP_THRESHOLD))
     assert allocator.enter_training() is True
     assert allocator.set_mmap_threshold("not a number") is False
+
+
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33)
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _is_mapped(libc, nbytes: int) -> bool:
+    """Whether glibc serves a malloc of `nbytes` with its own mmap (the bytes it holds mapped grow)."""
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(nbytes)
+    mapped = libc.mallinfo2().hblkhd > before
+    libc.free(block)
+    return mapped
+
+
+def test_the_memory_probe_step_runs_under_the_build_threshold(monkeypatch):
+    """allocator.build_threshold() (around the probe's measured step): a block between the build and
+    the training thresholds is mapped inside it, served from the heap before and after it; nothing
+    changes where no launcher of usp's set a training threshold."""
+    from usp.run import allocator
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("no glibc >= 2.33 here")
+    libc.mallinfo2.restype, libc.malloc.restype = _MallInfo2, ctypes.c_void_p
+    libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+    between = 4 * allocator.CPU_MMAP_THRESHOLD
+    monkeypatch.setenv(allocator.GLIBC_ENV, str(allocator.CPU_MMAP_THRESHOLD))
+    monkeypatch.setenv(allocator.TRAIN_ENV, str(allocator.MAX_MMAP_THRESHOLD))
+    assert allocator.enter_training()
+    assert not _is_mapped(libc, between)
+    with allocator.build_threshold():
+        assert _is_mapped(libc, between)
+    assert not _is_mapped(libc, between)
+    monkeypatch.delenv(allocator.TRAIN_ENV)
+    with allocator.build_threshold():
+        assert not _is_mapped(libc, between)
 
 
 def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):

@@ -9,9 +9,11 @@ units, gradients) stay in the heap, measured 1.6-1.9x the plan per rank (docs/be
 parameter-sized block is still mapped and unmapped, while the activations below it are reused from
 the heap step after step instead of being faulted in again, which made a small model's CPU step
 ~1.5x slower (issue 42; docs/benchmarks.md, "The allocator while training"). A
-MALLOC_MMAP_THRESHOLD_ of the user's own is left alone, for the whole run. No torch here."""
+MALLOC_MMAP_THRESHOLD_ of the user's own is left alone, for the whole run. The memory probe's measured
+step runs under the build threshold again (`build_threshold`). No torch here."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -56,3 +58,19 @@ def set_mmap_threshold(value: str | int | None) -> bool:
 def enter_training() -> bool:
     """A rank whose model is built and loaded: the training threshold, where a launcher of usp's set one."""
     return set_mmap_threshold(os.environ.get(TRAIN_ENV))
+
+
+@contextlib.contextmanager
+def build_threshold():
+    """The build threshold for a while: the memory probe's measured step, whose tracker's many small
+    Python objects would otherwise land in the freed activations the training threshold keeps in the
+    heap, splitting them so that the step's next activations grow the heap (+0.1 GiB per rank measured
+    on tp2 x dp_shard2: docs/benchmarks.md, "The plan's figure, gross"). Nothing where no launcher of
+    usp's set a training threshold."""
+    if TRAIN_ENV not in os.environ or not set_mmap_threshold(os.environ.get(GLIBC_ENV)):
+        yield
+        return
+    try:
+        yield
+    finally:
+        enter_training()

@@ -19,6 +19,10 @@ AdamW states already exist) runs under a probe:
   split backward breaks MemTracker's module hooks: there it runs without them (same total,
   coarser categories).
 
+On a CPU rank the measured step runs under the build's glibc mmap threshold (usp/run/allocator.py
+`build_threshold`): under the training threshold the tracker's own Python objects split the freed
+activations kept in the heap, and the step's peak resident set rose by ~0.1 GiB per rank.
+
 Both count tensor bytes only: no allocator fragmentation, no CUDA context / NCCL workspaces, no
 Python or gloo memory. So the prediction they are compared with is the planner's tensor
 memory, its per-rank total WITHOUT the `overhead` term (the fixed framework allowance + the
@@ -41,6 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook  # not an att
 
 from usp.contract.predictions import StageMemory
 from usp.contract.run_plan import RunPlan
+from usp.run import allocator
 
 GIB = 1024 ** 3
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
@@ -263,7 +268,7 @@ class MemoryProbe:
             yield
             return
         backend = self._backend()
-        with backend.measure():
+        with allocator.build_threshold(), backend.measure():
             yield
         peak = float(backend.result["peak"])
         world_max = peak
