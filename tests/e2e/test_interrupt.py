@@ -270,9 +270,12 @@ def test_a_rank_lost_during_start_up_delays_the_restart_by_the_rendezvous_limit_
     out = proc.communicate(timeout=240)[0]
     print(f"the restart's ranks started {restarted_s:.1f} s after the kill")
     assert proc.returncode == 0, out[-3000:]
-    assert "usp: rank 0: SIGTERM while waiting for the other ranks to start (still waiting 10 s later: one is " \
-           "gone): stopped at once, nothing to save" in out, out[-3000:]
     assert restarted_s < 25, restarted_s  # torchrun's SIGKILL would come 30 s after its SIGTERM
+    # rank 0 either waited in the rendezvous and says so, or the SIGTERM came before it got there (it ends at
+    # once, before the rendezvous limit: measured 0.7 s once in CI)
+    waited = "usp: rank 0: SIGTERM while waiting for the other ranks to start (still waiting 10 s later: one is " \
+             "gone): stopped at once, nothing to save" in out
+    assert waited or restarted_s < 10, (restarted_s, out[-3000:])
 
 
 def _pids(run_dir: Path) -> dict[int, int]:
