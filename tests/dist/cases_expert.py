@@ -267,12 +267,7 @@ def balance_loss_collectives() -> dict:
             p_sum = _AllReduceSum.apply(probs.sum(0))
             aux = E * (counts.float() / counts.sum() * p_sum / (tokens * WORLD)).sum()
         aux.backward()
-        grad, value = m.router.weight.grad.clone(), aux.detach().clone()
-        dist.all_reduce(grad)
-        dist.all_reduce(value)
-        grad_err, value_err = _max_over((grad / WORLD - ref.router.weight.grad).abs().max().item(),
-                                        abs(value.item() / WORLD - ref.aux_loss.item()))
-        out[name] = {"grad_err": grad_err, "value_err": value_err}
+        out[name] = _errors_against(ref, m, aux)
     return {**out, "grad_size": ref.router.weight.grad.abs().max().item()}
 
 
@@ -299,13 +294,19 @@ def sequence_loss_over_cp() -> dict:
             m.reduce_sequence_stats = functools.partial(_all_reduce_sum, group=EP)
         m.route(mine, sequences=B)
         m.aux_loss.backward()
-        grad, value = m.router.weight.grad.clone(), m.aux_loss.detach().clone()
-        dist.all_reduce(grad)
-        dist.all_reduce(value)
-        grad_err, value_err = _max_over((grad / WORLD - ref.router.weight.grad).abs().max().item(),
-                                        abs(value.item() / WORLD - ref.aux_loss.item()))
-        out[name] = {"grad_err": grad_err, "value_err": value_err}
+        out[name] = _errors_against(ref, m, m.aux_loss)
     return {**out, "grad_size": ref.router.weight.grad.abs().max().item()}
+
+
+def _errors_against(ref, m, aux: torch.Tensor) -> dict:
+    """The router gradient and the loss averaged over the ranks against one process's (`ref`), the largest
+    error on any rank."""
+    grad, value = m.router.weight.grad.clone(), aux.detach().clone()
+    dist.all_reduce(grad)
+    dist.all_reduce(value)
+    grad_err, value_err = _max_over((grad / WORLD - ref.router.weight.grad).abs().max().item(),
+                                    abs(value.item() / WORLD - ref.aux_loss.item()))
+    return {"grad_err": grad_err, "value_err": value_err}
 
 
 class _AllReduceSum(torch.autograd.Function):
