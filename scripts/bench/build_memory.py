@@ -72,6 +72,12 @@ GROSS = {  # name -> (world, overrides): --gross
     "fsdp4": (4, M130 + ["parallelism.dp_shard=4"]),
     "tp2_fsdp2": (4, M130 + ["parallelism.tp=2", "parallelism.dp_shard=2"]),
     "moe_ep4": (4, MOE + ["parallelism.dp_shard=4", "parallelism.ep=4"]),
+    # no parameter gathered: the training threshold at glibc's ceiling (usp/launch/local.py gathers_parameters)
+    "single": (1, M130),
+    "ddp2": (2, M130 + ["parallelism.dp_replicate=2"]),
+    "zero1_2": (2, M130 + ["parallelism.dp_replicate=2", "parallelism.zero1=true"]),
+    "tp2": (2, M130 + ["parallelism.tp=2"]),
+    "pp2": (2, M130 + ["parallelism.pp=2"]),
 }
 BASELINE = ["model=tiny"]
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank(\d+) (placement|build): ?(?:(\S+) s)?")
@@ -127,7 +133,8 @@ def train_and_sample(usp: str, overrides: list[str], runs_dir: Path, name: str, 
         env["MALLOC_MMAP_THRESHOLD_"] = str(opts.malloc_mmap_threshold)
     with open(runs_dir / f"{name}.out", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        ranks, stopped = _sample(proc, time.monotonic() + opts.timeout, opts.min_available_gib)
+        ranks, stopped = _sample(proc, time.monotonic() + opts.timeout, opts.min_available_gib,
+                                 in_process=world == 1)
     if stopped:
         return {"stopped": stopped, "ranks": ranks}
     if proc.returncode != 0:
@@ -139,17 +146,17 @@ def train_and_sample(usp: str, overrides: list[str], runs_dir: Path, name: str, 
 
 
 def _sample(proc: subprocess.Popen, deadline: float, min_available_gib: float,
-            each=None, interval: float = 0.1) -> tuple[dict, str | None]:
+            each=None, interval: float = 0.1, in_process: bool = False) -> tuple[dict, str | None]:
     """Every `interval` s until the run ends: each rank process's VmHWM (monotone: the last reading is
     its peak so far), and each(rank, pid, info) when given. Stops the run (its processes, killed) past
-    the deadline or when memory runs low."""
+    the deadline or when memory runs low. in_process: one rank, run by `usp train`'s own process."""
     ranks: dict[int, dict] = {}
     pid_rank: dict[int, int] = {}
     while proc.poll() is None:
-        pids = descendants(proc.pid)  # parents first: reversed, the workers before torchrun
+        pids = [proc.pid] if in_process else descendants(proc.pid)  # parents first: reversed, workers first
         for pid in pids:
             if pid not in pid_rank:  # asked again until it is a worker: a fork shows torchrun's until exec
-                rank = _rank_of(pid)
+                rank = 0 if in_process and pid == proc.pid else _rank_of(pid)
                 start = _start_time(pid) if rank is not None else None
                 if rank is None or start is None:
                     continue

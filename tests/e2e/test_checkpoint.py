@@ -161,6 +161,23 @@ def test_resharding_across_layouts(tmp_path, shakespeare):
     assert_same(losses(tmp_path / "fsdp2"), losses(tmp_path / "fsdp2_to_tp2"), range(4, 7), 1e-5)
 
 
+@pytest.mark.distributed
+def test_zero1_saves_its_partitions_and_resumes_under_zero1_and_one_process(tmp_path, shakespeare):
+    """Plain-DDP ZeRO-1 (ZeroRedundancyOptimizer) saves each rank's partition of the optimizer states
+    (its state_dict() alone raised "not been consolidated" at the run's final save), and the checkpoint
+    continues under ZeRO-1 again (a partition without a no-decay parameter: an empty param group,
+    pytorch/pytorch#143828) and on one process, with the saved run's losses."""
+    base = [*UNTIED, "train.steps=4", "checkpoint.interval=2", "train.global_batch=8"]
+    zero1 = ["cluster.procs_per_node=2", "parallelism.dp_replicate=2", "parallelism.zero1=true"]
+    train(tmp_path, *base, *zero1, "train.name=z1")
+    step2 = tmp_path / "z1" / "checkpoints" / "step_00000002"
+    assert [c[0] for c in list_checkpoints(tmp_path / "z1" / "checkpoints") if c[2]] == [2, 4]
+    train(tmp_path, *base, *zero1, "train.name=z1_again", f"checkpoint.resume={step2}")
+    train_here(tmp_path, *base, "train.name=z1_to_single", f"checkpoint.resume={step2}")
+    for name in ("z1_again", "z1_to_single"):
+        assert_same(losses(tmp_path / "z1"), losses(tmp_path / name), range(3, 5), 1e-5)
+
+
 def _halves_to_interleaved(w, n_heads: int):
     """usp's former RoPE row order of q/k (interleaved pairs), from today's (usp/models/rope_layout.py)."""
     rows = w.shape[0]

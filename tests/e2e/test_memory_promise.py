@@ -87,7 +87,13 @@ def test_cpu_fixed_allowance_is_a_bare_rank(tmp_path, shakespeare):
 FRESH_INSTALL_TP = 1.10
 
 
-@pytest.mark.parametrize("layout, promise", [(PP_CP, PROMISE), (TP, FRESH_INSTALL_TP)], ids=["pp2_cp2", "tp2_fsdp2"])
+# One process gathers no parameter: it trains under glibc's 32 MiB threshold, its heap top kept (the plan counts
+# it: usp.perf.memory.heap_top_kept); 1.017-1.050 of the plan before it was counted, 1.025 after (2026-12-05).
+SINGLE = [o for o in GROSS["single"][1] if not o.startswith("logging.")]
+
+
+@pytest.mark.parametrize("layout, promise", [(PP_CP, PROMISE), (TP, FRESH_INSTALL_TP), (SINGLE, PROMISE)],
+                         ids=["pp2_cp2", "tp2_fsdp2", "single"])
 def test_rank_peaks_hold_the_printed_plan(layout, promise, tmp_path, shakespeare):
     plan = _plan(layout, tmp_path / "plan")
     printed = {s.stage: s.total / GIB for s in plan.memory.stages}
@@ -95,9 +101,10 @@ def test_rank_peaks_hold_the_printed_plan(layout, promise, tmp_path, shakespeare
     cmd = [USP, "train", *layout, f"train.runs_dir={tmp_path}", "train.name=promise", "logging.console=plain"]
     with open(tmp_path / "out.txt", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=usp_env())
-        ranks, stopped = _sample(proc, time.monotonic() + 840, min_available_gib=1.0)
+        ranks, stopped = _sample(proc, time.monotonic() + 840, min_available_gib=1.0,
+                                 in_process=int(plan.world_size) == 1)
     assert stopped is None and proc.returncode == 0, (stopped, (tmp_path / "out.txt").read_text()[-3000:])
-    assert sorted(ranks) == [0, 1, 2, 3], ranks
+    assert sorted(ranks) == list(range(int(plan.world_size))), ranks
     ratios = {r: ranks[r]["hwm"] / GIB / printed[stage_of[r]] for r in ranks}
     table = json.dumps({r: f"{ranks[r]['hwm'] / GIB:.3f} GiB / {printed[stage_of[r]]:.3f} = {x:.3f}"
                         for r, x in ratios.items()})

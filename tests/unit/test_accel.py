@@ -43,7 +43,8 @@ def test_backend_follows_the_device():
     assert plan_of().backend == "gloo"
 
 
-def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None, max_restarts: int = 0):
+def _env_plan(device: str, env: dict | None = None, deterministic: bool | None = None, max_restarts: int = 0,
+              dp_kind: str = "fsdp"):
     """The parts of a RunPlan the launcher's environment reads (the decision as the planner makes it)."""
     from usp.contract.config_schema import UspConfig
     from usp.contract.decide import uses_deterministic
@@ -52,9 +53,9 @@ def _env_plan(device: str, env: dict | None = None, deterministic: bool | None =
     config.cluster.env, config.train.deterministic, config.train.max_restarts = dict(env or {}), deterministic, \
         max_restarts
     return SimpleNamespace(device=device, threads_per_proc=1, run_dir="/nonexistent/run", nodes=1, config=config,
-                           model=SimpleNamespace(vocab_size=4096), degrees={"tp": 1},
+                           model=SimpleNamespace(vocab_size=4096), degrees={"tp": 1}, fault_tolerance=None,
                            decisions=SimpleNamespace(deterministic=uses_deterministic(deterministic, device),
-                                                     hang=None, bf16=False))
+                                                     hang=None, bf16=False, dp_kind=dp_kind))
 
 
 def test_ranks_share_the_agents_store_with_or_without_restarts(monkeypatch):
@@ -92,6 +93,27 @@ def test_cpu_ranks_build_under_one_malloc_threshold_and_train_under_another(monk
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     env = worker_env(_env_plan("cpu"))
     assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and "USP_TRAIN_MMAP_THRESHOLD" not in env
+
+
+@pytest.mark.parametrize(("overrides", "gathers"), [
+    ((), False), (("parallelism.dp_replicate=2",), False), (("parallelism.dp_replicate=2", "parallelism.zero1=true"),
+                                                           False),
+    (("parallelism.tp=2",), False), (("parallelism.pp=2",), False), (("parallelism.dp_shard=2",), True),
+    (("parallelism.tp=2", "parallelism.dp_replicate=2"), True),  # FSDP2 replication of the DTensor model
+    (("model=moe_tiny", "parallelism.dp_shard=2", "parallelism.ep=2"), True)])
+def test_only_ranks_that_gather_parameters_keep_them_mapped_while_training(overrides, gathers):
+    """FSDP2 (and the experts' FSDP2 units) allocate and free parameter-sized blocks every step: the training
+    threshold stays below the smallest weight matrix. DDP, ZeRO-1, TP, PP and one process keep parameters
+    and gradient buckets all run long: glibc's 32 MiB ceiling, so that activations and logits are reused
+    from the heap (issue 42: usp's DDP step took ~15 % more CPU than a hand-written loop's)."""
+    from usp.launch.local import gathers_parameters, plan_accelerator_env
+
+    world = 4 if len(overrides) == 2 and "parallelism.tp=2" in overrides else 2 if overrides else 1
+    plan = plan_for(f"cluster.procs_per_node={world}", "model.dim=1024", *overrides, training=False)
+    assert gathers_parameters(plan) is gathers
+    expected = train_threshold(weight_matrix_bytes(plan)) if gathers else 32 * 2 ** 20
+    assert (expected < 32 * 2 ** 20) is gathers  # dim 1024: 2-4 MiB matrices, also split over tp
+    assert plan_accelerator_env(plan, {})["USP_TRAIN_MMAP_THRESHOLD"] == str(expected)
 
 
 def test_the_training_threshold_keeps_every_parameter_sized_block_mapped():
@@ -155,6 +177,31 @@ def test_the_memory_probe_step_runs_under_the_build_threshold(monkeypatch):
     monkeypatch.delenv(allocator.TRAIN_ENV)
     with allocator.build_threshold():
         assert not _is_mapped(libc, between)
+
+
+def test_training_keeps_the_heap_top_that_glibc_would_keep(monkeypatch):
+    """enter_training() also sets the trim threshold to twice the training threshold, as glibc pairs them
+    when it raises its own: a freed block at the heap's top stays (mallinfo2's keepcost) instead of being
+    handed back and faulted in again by the next step (128 KiB, glibc's trim threshold once a threshold
+    is set by mallopt); a user's MALLOC_TRIM_THRESHOLD_ is left alone."""
+    from usp.run import allocator
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("no glibc >= 2.33 here")
+    libc.mallinfo2.restype, libc.malloc.restype = _MallInfo2, ctypes.c_void_p
+    libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+    monkeypatch.delenv(allocator.TRIM_ENV, raising=False)
+    monkeypatch.setenv(allocator.TRAIN_ENV, str(allocator.MAX_MMAP_THRESHOLD))
+    block_bytes = 8 * 2 ** 20
+    assert allocator._mallopt(allocator.M_TRIM_THRESHOLD, 128 * 1024)  # glibc's default
+    block = libc.malloc(block_bytes)
+    libc.free(block)
+    assert libc.mallinfo2().keepcost < block_bytes  # handed back
+    assert allocator.enter_training()
+    block = libc.malloc(block_bytes)
+    libc.free(block)
+    assert libc.mallinfo2().keepcost >= block_bytes  # kept for the next step
 
 
 def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):

@@ -38,7 +38,7 @@ ALLOWED = {
     "usp.config": {"usp.errors", "usp.run", "usp.run.files", "usp.run.writable", "usp.contract"},
     "usp.data": {"usp.errors", "usp.run", "usp.run.files"},
     "usp.models": set(),
-    "usp.perf": {"usp.errors", "usp.contract"},
+    "usp.perf": {"usp.errors", "usp.contract", "usp.run.allocator"},
     "usp.perf.calibration": {"usp.errors", "usp.run.files", "usp.config", "usp.contract", "usp.perf"},
     "usp.plan": BASE | {"usp.config", "usp.contract", "usp.data", "usp.perf"},
     "usp.report": BASE | {"usp.run.state", "usp.run.sweep_record", "usp.config", "usp.contract", "usp.plan"},

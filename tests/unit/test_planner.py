@@ -14,7 +14,7 @@ from tests.helpers import plan_for, usp_cli
 from usp.config.compose import compose_config
 from usp.contract.dims import rank_table
 from usp.errors import PlanError
-from usp.perf.memory import FIXED_OVERHEAD_GIB, in_flight, memory_plan, stage_memory
+from usp.perf.memory import FIXED_OVERHEAD_GIB, heap_top_kept, in_flight, memory_plan, stage_memory
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, group_crosses_nodes
 from usp.perf.stack_profile import PROFILES
 from usp.perf.timing import timing_plan
@@ -281,7 +281,11 @@ def test_memory_fp32_on_cpu():
     # fp32: 4 bytes per value; 1B: h 2048, kv 512 (8 KV heads x 64), f 8192: 8h + 2kv + 4f values per token
     assert st.activation_per_layer == 4 * 512 * (8 * 2048 + 2 * 512 + 4 * 8192)
     subtotal = 20 * psi + st.activations + st.logits
-    assert st.total == pytest.approx(subtotal + overhead(subtotal, FIXED_OVERHEAD_GIB["cpu"]))
+    heap_top = 2 * 32 * 2 ** 20  # DDP gathers no parameter: glibc's heap top kept (usp.perf.memory.heap_top_kept)
+    assert st.total == pytest.approx(subtotal + overhead(subtotal, FIXED_OVERHEAD_GIB["cpu"]) + heap_top)
+    fsdp = stage_memory(a, Layout(dp_shard=2, micro_batch=1, grad_accum=1), 512, hw, FP32, 0, USP)
+    assert heap_top_kept(Layout(dp_shard=2)) == 0 and heap_top_kept(lay) == heap_top
+    assert fsdp.total < st.total
     assert Precision.resolve("auto", "cpu") == FP32 and Precision.resolve("auto", "cuda") == BF16
 
 

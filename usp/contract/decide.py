@@ -74,6 +74,14 @@ def bf16_by_fsdp_policy(dp_kind: str, pp: int, ep: int) -> bool:
     return dp_kind in FSDP_KINDS and pp == 1 and ep == 1
 
 
+def gathers_parameters(dp_kind: str, ep: int, group_dp_kind: str | None = None) -> bool:
+    """Does a rank allocate and free parameter-sized blocks every step? FSDP2 does (its gathered units,
+    also inside a torchft replica group: group_dp_kind), and so do expert-parallel experts (their own
+    FSDP2 units). DDP, ZeRO-1, TP and PP keep their parameters and gradient buckets all run long. A CPU
+    rank's glibc thresholds follow it (usp/run/allocator.py; usp.perf.memory counts what they keep)."""
+    return dp_kind in FSDP_KINDS or group_dp_kind in FSDP_KINDS or ep > 1
+
+
 def padded_vocab(vocab: int, tp: int) -> int:
     """The embedding's (and LM head's) rows: the vocabulary rounded up to a multiple of tp, so TP's
     vocabulary shards are even; the padded rows are masked out of the loss."""

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from usp.contract.dims import describe
 from usp.contract.run_plan import RunPlan
@@ -51,6 +52,34 @@ from usp.run.files import (
 )
 
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def own_partition(optimizer):
+    """The optimizer whose state this rank saves and loads: plain-DDP ZeRO-1's ZeroRedundancyOptimizer
+    holds its states in a local optimizer over this rank's partition of the parameters, and its own
+    state_dict() needs them consolidated on one rank first (a whole copy there). Saved by FQN (the
+    flattened optimizer state dict), the ranks' partitions are disjoint keys of one checkpoint, which
+    loads under any partition (another dp degree, another layout)."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+@contextlib.contextmanager
+def groups_with_parameters(optimizer):
+    """`optimizer` with only its param groups that hold parameters, while a state dict is loaded into
+    it: torch's set_state_dict reads each group's first parameter (pytorch/pytorch#143828), and a
+    ZeRO-1 partition can hold none of a group's (the no-decay group's few small norm weights, all on
+    another rank). The empty groups come back in place afterwards: ZeroRedundancyOptimizer pairs its
+    groups with its local optimizer's by position."""
+    groups = optimizer.param_groups
+    if all(g["params"] for g in groups):
+        yield optimizer
+        return
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield optimizer
+    finally:
+        loaded = iter(optimizer.param_groups)  # load_state_dict replaced them with the loaded groups
+        optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
 
 
 @contextlib.contextmanager
@@ -97,7 +126,7 @@ class Checkpointer:
         tok_embeddings.weight: parallel/tied.py), so every layout saves and loads the same keys."""
         model, optim = {}, {}
         for module, optimizer in zip(self.parts.modules, self.optimizers):
-            m, o = canonical_state(*get_state_dict(module, optimizer, options=OPTIONS), self.tie)
+            m, o = canonical_state(*get_state_dict(module, own_partition(optimizer), options=OPTIONS), self.tie)
             model.update(m)
             optim.update(o)
         return {"model": model, "optim": optim}
@@ -359,8 +388,9 @@ class Checkpointer:
             model_sd, optim_sd = state["model"], state["optim"]
             if is_head_copy(module, self.tie):  # a last stage's copy of the tied embedding
                 model_sd, optim_sd = head_copy_state(model_sd, optim_sd)
-            set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                           options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
+            with groups_with_parameters(own_partition(optimizer)) as local:
+                set_state_dict(module, local, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                               options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False))
         trainer_state = json.loads((path / TRAINER_STATE).read_text())
         for scheduler in self.schedulers:  # one per model part, all on the same schedule
             scheduler.load_state_dict(trainer_state["scheduler"])

@@ -99,10 +99,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from usp.contract.decide import autocast_weight_cache, bf16_by_fsdp_policy, compiles_loss, padded_vocab
+from usp.contract.decide import (
+    autocast_weight_cache,
+    bf16_by_fsdp_policy,
+    compiles_loss,
+    gathers_parameters,
+    padded_vocab,
+)
 from usp.contract.predictions import TERMS, BuildMemory, LocalBytes, MemoryPlan, StageMemory
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, optimizer_state_label
 from usp.perf.stack_profile import PROFILES, Profile
+from usp.run.allocator import MAX_MMAP_THRESHOLD
 
 # The fixed allowance per device kind, the one place it is set. cpu: a bare rank (the worker's imports, plan,
 # gloo process group and device mesh; tests/dist/bare_rank.py), peak resident set measured from outside 0.27 GiB
@@ -762,9 +769,23 @@ def grads_freed_per_micro_batch(layout: Layout, profile: Profile) -> bool:
 
 
 def _overhead(layout: Layout, prec: Precision, h: _Held, hw: Hardware, profile: Profile, subtotal: float) -> float:
-    """Not tensor memory the probe sees: the fixed allowance, fragmentation, and (usp's engine on CPU) gloo's copy."""
-    gloo = gloo_copy(layout, prec, h, hw) if profile.name == "usp" else 0.0
-    return fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal + gloo
+    """Not tensor memory the probe sees: the fixed allowance, fragmentation, and (usp's engine on CPU) gloo's
+    copy and the heap top glibc keeps."""
+    usp_cpu = profile.name == "usp" and hw.device == "cpu"
+    gloo = gloo_copy(layout, prec, h, hw) if usp_cpu else 0.0
+    kept = heap_top_kept(layout) if usp_cpu else 0.0
+    return fixed_overhead_gib(hw, profile) * GIB + profile.fragmentation * subtotal + gloo + kept
+
+
+def heap_top_kept(layout: Layout) -> float:
+    """A CPU rank that gathers no parameter trains under glibc's ceiling mmap threshold (32 MiB) and twice it
+    as the trim threshold (usp/run/allocator.py: a step's activations reused from the heap, not faulted in
+    again): the heap may keep that much free at its top, resident, beyond the tensors. Measured on the gross
+    bench's 130 M layouts (docs/benchmarks.md, "The plan's figure, gross"): one process and pp 2 peaked
+    0.06-0.14 GiB above the figure printed without it."""
+    if gathers_parameters(layout.dp_kind, layout.ep):
+        return 0.0
+    return 2.0 * MAX_MMAP_THRESHOLD
 
 
 def gloo_copy(layout: Layout, prec: Precision, h: _Held, hw: Hardware) -> float:

@@ -5,12 +5,16 @@ mmap, handed back to the kernel when freed: glibc's default threshold grows to t
 freed so far (up to 32 MiB), after which freed parameter-sized blocks (whole values, gathered FSDP
 units, gradients) stay in the heap, measured 1.6-1.9x the plan per rank (docs/benchmarks.md,
 "Building the model"). Once the trainer is ready the rank switches to the training threshold
-(`train_threshold`): just below the smallest weight matrix above 1 MiB, so that every
-parameter-sized block is still mapped and unmapped, while the activations below it are reused from
-the heap step after step instead of being faulted in again, which made a small model's CPU step
-~1.5x slower (issue 42; docs/benchmarks.md, "The allocator while training"). A
-MALLOC_MMAP_THRESHOLD_ of the user's own is left alone, for the whole run. The memory probe's measured
-step runs under the build threshold again (`build_threshold`). No torch here."""
+(`train_threshold`), with twice it as the trim threshold (glibc's own pair). A rank that gathers
+parameters every step (FSDP2, experts: usp.contract.decide.gathers_parameters) takes just below the
+smallest weight matrix above 1 MiB, so that every parameter-sized block is still mapped and
+unmapped; one that gathers none (DDP, ZeRO-1, TP, PP, one process) takes glibc's 32 MiB ceiling,
+where its parameters and buckets stay allocated and its activations are reused from the heap step
+after step instead of being faulted in again, which made a small model's CPU step ~1.5x slower
+(issue 42; docs/benchmarks.md, "The allocator while training"); the plan counts the heap top that
+keeps (usp.perf.memory.heap_top_kept). A MALLOC_MMAP_THRESHOLD_ (or MALLOC_TRIM_THRESHOLD_) of the
+user's own is left alone, for the whole run. The memory probe's measured step runs under the build
+thresholds again (`build_threshold`). No torch here."""
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +24,11 @@ import os
 
 CPU_MMAP_THRESHOLD = 2 ** 20  # while building and loading
 MAX_MMAP_THRESHOLD = 32 * 2 ** 20  # glibc's own ceiling for its threshold (64-bit)
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's own
+M_MMAP_THRESHOLD = -3
 GLIBC_ENV = "MALLOC_MMAP_THRESHOLD_"  # read by glibc when a process starts
+TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRAIN_ENV = "USP_TRAIN_MMAP_THRESHOLD"  # set by usp's launchers: the threshold a rank takes once built
 
 
@@ -43,21 +50,43 @@ def cpu_allocator_env(user_env, weight_bytes=()) -> dict[str, str]:
     return {GLIBC_ENV: str(CPU_MMAP_THRESHOLD), TRAIN_ENV: str(train_threshold(weight_bytes))}
 
 
-def set_mmap_threshold(value: str | int | None) -> bool:
-    """This process's glibc mmap threshold (a process reads MALLOC_MMAP_THRESHOLD_ only when it starts);
-    False without glibc (macOS, musl: their allocator's defaults) or a value."""
-    if value is None or not str(value).isdigit():
-        return False
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt; False without glibc (macOS, musl: their allocator's defaults)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(value)))
+        return bool(libc.mallopt(param, value))
     except (OSError, AttributeError):
         return False
 
 
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): the free memory at the heap's top (and whole free pages inside it) handed back."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def set_mmap_threshold(value: str | int | None) -> bool:
+    """This process's glibc mmap threshold (a process reads MALLOC_MMAP_THRESHOLD_ only when it starts);
+    False without glibc or a value."""
+    if value is None or not str(value).isdigit():
+        return False
+    return _mallopt(M_MMAP_THRESHOLD, int(value))
+
+
 def enter_training() -> bool:
-    """A rank whose model is built and loaded: the training threshold, where a launcher of usp's set one."""
-    return set_mmap_threshold(os.environ.get(TRAIN_ENV))
+    """A rank whose model is built and loaded: the training threshold, where a launcher of usp's set one,
+    and twice it as the trim threshold, the pair glibc sets itself when it raises its own threshold
+    (malloc.c, free of a mapped chunk). A threshold set by mallopt leaves the trim threshold at
+    128 KiB, so the heap's top was handed back and faulted in again every step: about 8 % more CPU on
+    a small model's DDP step (docs/benchmarks.md, "The allocator while training")."""
+    value = os.environ.get(TRAIN_ENV)
+    if not set_mmap_threshold(value):
+        return False
+    if TRIM_ENV not in os.environ:  # a user's own trim threshold stays
+        _mallopt(M_TRIM_THRESHOLD, 2 * int(str(value)))
+    return True
 
 
 @contextlib.contextmanager
@@ -65,11 +94,15 @@ def build_threshold():
     """The build threshold for a while: the memory probe's measured step, whose tracker's many small
     Python objects would otherwise land in the freed activations the training threshold keeps in the
     heap, splitting them so that the step's next activations grow the heap (+0.1 GiB per rank measured
-    on tp2 x dp_shard2: docs/benchmarks.md, "The plan's figure, gross"). Nothing where no launcher of
-    usp's set a training threshold."""
+    on tp2 x dp_shard2: docs/benchmarks.md, "The plan's figure, gross"). The heap's free top that the
+    training trim threshold kept is handed back first: malloc serves a block from it before it maps
+    one, whatever the threshold. Nothing where no launcher of usp's set a training threshold."""
     if TRAIN_ENV not in os.environ or not set_mmap_threshold(os.environ.get(GLIBC_ENV)):
         yield
         return
+    if TRIM_ENV not in os.environ:
+        _mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        _malloc_trim()
     try:
         yield
     finally:
