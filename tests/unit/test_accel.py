@@ -202,6 +202,12 @@ def test_training_keeps_the_heap_top_that_glibc_would_keep(monkeypatch):
     block = libc.malloc(block_bytes)
     libc.free(block)
     assert libc.mallinfo2().keepcost >= block_bytes  # kept for the next step
+    assert allocator._mallopt(allocator.M_TRIM_THRESHOLD, 128 * 1024)
+    monkeypatch.setenv(allocator.TRAIN_ENV, str(2 * 2 ** 20))  # a rank that gathers: glibc's trim stays
+    assert allocator.enter_training()
+    block = libc.malloc(2 ** 20 + 2 ** 19)
+    libc.free(block)
+    assert libc.mallinfo2().keepcost < 2 ** 20 + 2 ** 19
 
 
 def test_deterministic_cuda_gets_the_cublas_workspace_it_needs(monkeypatch):

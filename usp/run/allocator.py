@@ -5,11 +5,11 @@ mmap, handed back to the kernel when freed: glibc's default threshold grows to t
 freed so far (up to 32 MiB), after which freed parameter-sized blocks (whole values, gathered FSDP
 units, gradients) stay in the heap, measured 1.6-1.9x the plan per rank (docs/benchmarks.md,
 "Building the model"). Once the trainer is ready the rank switches to the training threshold
-(`train_threshold`), with twice it as the trim threshold (glibc's own pair). A rank that gathers
-parameters every step (FSDP2, experts: usp.contract.decide.gathers_parameters) takes just below the
-smallest weight matrix above 1 MiB, so that every parameter-sized block is still mapped and
-unmapped; one that gathers none (DDP, ZeRO-1, TP, PP, one process) takes glibc's 32 MiB ceiling,
-where its parameters and buckets stay allocated and its activations are reused from the heap step
+(`train_threshold`). A rank that gathers parameters every step (FSDP2, experts:
+usp.contract.decide.gathers_parameters) takes just below the smallest weight matrix above 1 MiB, so
+that every parameter-sized block is still mapped and unmapped; one that gathers none (DDP, ZeRO-1,
+TP, PP, one process) takes glibc's 32 MiB ceiling, with twice it as its trim threshold (glibc's own
+pair): its parameters and buckets stay allocated, and its activations are reused from the heap step
 after step instead of being faulted in again, which made a small model's CPU step ~1.5x slower
 (issue 42; docs/benchmarks.md, "The allocator while training"); the plan counts the heap top that
 keeps (usp.perf.memory.heap_top_kept). A MALLOC_MMAP_THRESHOLD_ (or MALLOC_TRIM_THRESHOLD_) of the
@@ -77,16 +77,24 @@ def set_mmap_threshold(value: str | int | None) -> bool:
 
 def enter_training() -> bool:
     """A rank whose model is built and loaded: the training threshold, where a launcher of usp's set one,
-    and twice it as the trim threshold, the pair glibc sets itself when it raises its own threshold
-    (malloc.c, free of a mapped chunk). A threshold set by mallopt leaves the trim threshold at
-    128 KiB, so the heap's top was handed back and faulted in again every step: about 8 % more CPU on
-    a small model's DDP step (docs/benchmarks.md, "The allocator while training")."""
+    and at glibc's ceiling twice it as the trim threshold (`_pairs_trim`), the pair glibc sets itself
+    when it raises its own threshold (malloc.c, free of a mapped chunk). A threshold set by mallopt
+    leaves the trim threshold at 128 KiB, so the heap's top was handed back and faulted in again every
+    step: about 8 % more CPU on a small model's DDP step (docs/benchmarks.md, "The allocator while training")."""
     value = os.environ.get(TRAIN_ENV)
     if not set_mmap_threshold(value):
         return False
-    if TRIM_ENV not in os.environ:  # a user's own trim threshold stays
+    if _pairs_trim(value):
         _mallopt(M_TRIM_THRESHOLD, 2 * int(str(value)))
     return True
+
+
+def _pairs_trim(value) -> bool:
+    """Does the rank raise its trim threshold with its training threshold? Only at glibc's ceiling (a rank
+    that gathers no parameter), and not over a user's own: the FSDP ranks' gross peaks grew to 1.13-1.73 of
+    the plan under a 4 MiB trim threshold in CI's parallel run (tp2 x dp_shard2, pp2 x cp2; 2026-12-05),
+    against 1.01 alone: not understood, so they keep glibc's 128 KiB."""
+    return TRIM_ENV not in os.environ and int(str(value)) >= MAX_MMAP_THRESHOLD
 
 
 @contextlib.contextmanager
@@ -100,7 +108,7 @@ def build_threshold():
     if TRAIN_ENV not in os.environ or not set_mmap_threshold(os.environ.get(GLIBC_ENV)):
         yield
         return
-    if TRIM_ENV not in os.environ:
+    if _pairs_trim(os.environ[TRAIN_ENV]):
         _mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
         _malloc_trim()
     try:
