@@ -36,6 +36,9 @@ def test_two_nodes_over_loopback_match_one_process(tmp_path, shakespeare):
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     one = usp_cli("train", *common, "train.name=one", cwd=tmp_path, env={"USP_CACHE_DIR": os.environ["USP_CACHE_DIR"]})
+    # the in-process run took its allocator settings back: later launches from this process (the FSDP memory-promise
+    # runs) inherited its 32 MiB training threshold as their user's own, and peaked at 1.5x their plan
+    assert "USP_TRAIN_MMAP_THRESHOLD" not in os.environ and "MALLOC_MMAP_THRESHOLD_" not in os.environ
     assert one.returncode == 0, one.stderr
 
     two_dir = tmp_path / "runs" / "two"

@@ -153,8 +153,10 @@ def launch_local(plan, plan_path: Path) -> int:
 
     survive_a_lost_terminal()  # a terminal that goes away stops the run (SIGHUP) instead of failing it
     if plan.world_size == 1:
-        for key, value in plan_accelerator_env(plan).items():  # before torch initialises CUDA
-            os.environ.setdefault(key, value)
+        # before torch initialises CUDA; taken back afterwards, so that a later launch from this process (a
+        # test's, a sweep's) does not inherit them as the user's own (a 32 MiB training threshold on FSDP ranks)
+        added = {k: v for k, v in plan_accelerator_env(plan).items() if k not in os.environ}
+        os.environ.update(added)
         set_mmap_threshold(os.environ.get(GLIBC_ENV))  # glibc read its variable when this process started
         token = held_token(plan.run_dir)
         if token:
@@ -167,7 +169,8 @@ def launch_local(plan, plan_path: Path) -> int:
         try:
             return run_worker(str(plan_path))
         finally:
-            os.environ.pop(TOKEN_ENV, None)
+            for key in (TOKEN_ENV, *added):
+                os.environ.pop(key, None)
     if is_multinode_local(plan):
         rdzv = rendezvous(plan)
         print(f"usp: node {rdzv.node_rank} of {rdzv.nodes}, rendezvous {rdzv.endpoint} (run id {rdzv.run_id}); "
