@@ -91,9 +91,9 @@ def enter_training() -> bool:
 
 def _pairs_trim(value) -> bool:
     """Does the rank raise its trim threshold with its training threshold? Only at glibc's ceiling (a rank
-    that gathers no parameter), and not over a user's own: the FSDP ranks' gross peaks grew to 1.13-1.73 of
-    the plan under a 4 MiB trim threshold in CI's parallel run (tp2 x dp_shard2, pp2 x cp2; 2026-12-05),
-    against 1.01 alone: not understood, so they keep glibc's 128 KiB."""
+    that gathers no parameter, where it was measured: docs/benchmarks.md), and not over a user's own. FSDP
+    ranks keep glibc's 128 KiB: their 4 MiB pair measured 1.006-1.019 of the plan alone, but was never run
+    through CI (its first run's 1.13-1.73 was an inherited 32 MiB threshold: usp.launch.local)."""
     return TRIM_ENV not in os.environ and int(str(value)) >= MAX_MMAP_THRESHOLD
 
 
