@@ -109,7 +109,7 @@ from usp.contract.decide import (
 from usp.contract.predictions import TERMS, BuildMemory, LocalBytes, MemoryPlan, StageMemory
 from usp.perf.specs import GIB, Arch, Hardware, Layout, Precision, optimizer_state_label
 from usp.perf.stack_profile import PROFILES, Profile
-from usp.run.allocator import MAX_MMAP_THRESHOLD
+from usp.run.allocator import MAX_MMAP_THRESHOLD, paired_trim
 
 # The fixed allowance per device kind, the one place it is set. cpu: a bare rank (the worker's imports, plan,
 # gloo process group and device mesh; tests/dist/bare_rank.py), peak resident set measured from outside 0.27 GiB
@@ -785,7 +785,7 @@ def heap_top_kept(layout: Layout) -> float:
     0.06-0.14 GiB above the figure printed without it."""
     if gathers_parameters(layout.dp_kind, layout.ep):
         return 0.0
-    return 2.0 * MAX_MMAP_THRESHOLD
+    return float(paired_trim(MAX_MMAP_THRESHOLD))
 
 
 def gloo_copy(layout: Layout, prec: Precision, h: _Held, hw: Hardware) -> float:

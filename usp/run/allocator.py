@@ -50,21 +50,22 @@ def cpu_allocator_env(user_env, weight_bytes=()) -> dict[str, str]:
     return {GLIBC_ENV: str(CPU_MMAP_THRESHOLD), TRAIN_ENV: str(train_threshold(weight_bytes))}
 
 
-def _mallopt(param: int, value: int) -> bool:
-    """glibc's mallopt; False without glibc (macOS, musl: their allocator's defaults)."""
+def _glibc(name: str, *args: int) -> bool:
+    """Call glibc's `name` (mallopt, malloc_trim); False without glibc (macOS, musl: their allocator's
+    defaults) or when it refuses."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(param, value))
+        return bool(getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)(*args))
     except (OSError, AttributeError):
         return False
 
 
-def _malloc_trim() -> None:
-    """glibc's malloc_trim(0): the free memory at the heap's top (and whole free pages inside it) handed back."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+def _mallopt(param: int, value: int) -> bool:
+    return _glibc("mallopt", param, value)
+
+
+def paired_trim(threshold: int) -> int:
+    """The trim threshold glibc pairs with an mmap threshold when it raises its own (malloc.c)."""
+    return 2 * threshold
 
 
 def set_mmap_threshold(value: str | int | None) -> bool:
@@ -85,7 +86,7 @@ def enter_training() -> bool:
     if not set_mmap_threshold(value):
         return False
     if _pairs_trim(value):
-        _mallopt(M_TRIM_THRESHOLD, 2 * int(str(value)))
+        _mallopt(M_TRIM_THRESHOLD, paired_trim(int(str(value))))
     return True
 
 
@@ -110,7 +111,7 @@ def build_threshold():
         return
     if _pairs_trim(os.environ[TRAIN_ENV]):
         _mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
-        _malloc_trim()
+        _glibc("malloc_trim", 0)  # the heap's free top (and whole free pages inside it) handed back
     try:
         yield
     finally:
