@@ -19,7 +19,10 @@ and, when the engine logs it (logs/rank_<R>.log "build:"), the time to build its
 --gross: the plan promises its printed per-rank peak whole, Python, torch and gloo included (the fixed
 allowance, usp/perf/memory.py FIXED_OVERHEAD_GIB): each rank's VmHWM itself, no baseline run, against
 the printed figure (target <= 1.05), on the layouts of issue 42's probe (GROSS): a 130 M Llama (dim 1024,
-8 layers, AdamW, seq_len 256, global batch 8, 2 steps) over 4 or 8 processes, and a MoE.
+8 layers, AdamW, seq_len 256, global batch 8, 2 steps) over 1 to 8 processes, and a MoE. Each rank's
+resident set is also split at its largest reading: private (RssAnon) and file-backed (RssFile, torch's
+libraries). Before each run the libraries are put in the page cache as a fresh install leaves them, the
+larger of the two ways a rank maps them (libraries_as_installed; --page-cache-as-is leaves them).
 
 It refuses to start a run when the machine's available memory (MemAvailable) is below --need-gib
 (default: 1.15 x the planned per-rank peak x 8 ranks, what the target allows), and stops a run
@@ -111,6 +114,15 @@ def _status_kib(pid: int, field: str) -> int | None:
     return None
 
 
+def _status_kib_all(pid: int) -> dict[str, int]:
+    """Every kB field of /proc/<pid>/status ({} once the process is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if v.strip().endswith("kB")}
+
+
 def _start_time(pid: int) -> float | None:
     """The process's start, seconds since the epoch (/proc/<pid>/stat starttime + boot time)."""
     try:
@@ -120,6 +132,28 @@ def _start_time(pid: int) -> float | None:
     boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                 if line.startswith("btime"))
     return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def libraries_as_installed(usp: str) -> None:
+    """Put the measured environment's shared libraries (torch's, above all) in the page cache as a fresh
+    install leaves them: written (or read) whole, in large folios, a fault on one of which maps all of it.
+    Loaded by faults instead (a long-used environment) they map a fraction: measured, a rank's file-backed
+    resident set at its peak was 0.10 GiB one way and 0.20 GiB the other (docs/benchmarks.md, "The plan's
+    figure, gross"). The plan promises the larger; dropping the cached pages then reading each file once
+    gives it. Pages another process maps stay as they are."""
+    site = Path(subprocess.run([str(Path(usp).with_name("python")), "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    for lib in sorted(site.rglob("*.so*")):
+        if not lib.is_file():
+            continue
+        fd = os.open(lib, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            while os.read(fd, 1 << 20):
+                pass
+        finally:
+            os.close(fd)
 
 
 def train_and_sample(usp: str, overrides: list[str], runs_dir: Path, name: str, opts, world: int = WORLD) -> dict:
@@ -162,9 +196,13 @@ def _sample(proc: subprocess.Popen, deadline: float, min_available_gib: float,
                     continue
                 pid_rank[pid] = rank
                 ranks.setdefault(rank, {})["start"] = start
-            hwm = _status_kib(pid, "VmHWM")
-            if hwm is not None:
-                ranks[pid_rank[pid]]["hwm"] = hwm * 1024
+            status = _status_kib_all(pid)
+            info = ranks[pid_rank[pid]]
+            if "VmHWM" in status:
+                info["hwm"] = status["VmHWM"] * 1024
+            if status.get("VmRSS", 0) * 1024 > info.get("rss", 0):  # the split of the largest resident set seen
+                info.update(rss=status["VmRSS"] * 1024, anon=status.get("RssAnon", 0) * 1024,
+                            file=status.get("RssFile", 0) * 1024)
             if each is not None:
                 each(pid_rank[pid], pid, ranks[pid_rank[pid]])
         why = "timeout" if time.monotonic() > deadline else \
@@ -232,9 +270,12 @@ def measure_gross(name: str, opts) -> dict:
         skip = _skip(max(planned.values()), opts.need_gib, world)
         if skip:
             return {"layout": name, "skipped": skip}
+        if not opts.page_cache_as_is:
+            libraries_as_installed(opts.usp)
         run = train_and_sample(opts.usp, overrides, Path(tmp), name, opts, world)
     rows = [{"rank": rank, "peak_gib": info["hwm"] / GIB, "planned_gib": planned[rank],
-             "ratio": info["hwm"] / GIB / planned[rank]} for rank, info in sorted(run["ranks"].items())]
+             "ratio": info["hwm"] / GIB / planned[rank], "anon_gib": info.get("anon", 0) / GIB,
+             "file_gib": info.get("file", 0) / GIB} for rank, info in sorted(run["ranks"].items())]
     return {"layout": name, "overrides": overrides, "ranks": rows, "stopped": run.get("stopped"),
             "max_ratio": max(r["ratio"] for r in rows), "min_ratio": min(r["ratio"] for r in rows)}
 
@@ -243,9 +284,10 @@ def gross_lines(result: dict) -> list[str]:
     if "skipped" in result:
         return [f"{result['layout']}: skipped: {result['skipped']}", ""]
     out = [f"{result['layout']}: {' '.join(result['overrides'])}",
-           "| rank | peak VmHWM (GiB) | planned (GiB) | peak / planned |", "|---:|---:|---:|---:|"]
-    out += [f"| {r['rank']} | {r['peak_gib']:.3f} | {r['planned_gib']:.3f} | {r['ratio']:.3f} |"
-            for r in result["ranks"]]
+           "| rank | peak VmHWM (GiB) | anon / file at the peak | planned (GiB) | peak / planned |",
+           "|---:|---:|---:|---:|---:|"]
+    out += [f"| {r['rank']} | {r['peak_gib']:.3f} | {r['anon_gib']:.3f} / {r['file_gib']:.3f} | "
+            f"{r['planned_gib']:.3f} | {r['ratio']:.3f} |" for r in result["ranks"]]
     if result["stopped"]:
         out.append(f"STOPPED ({result['stopped']}): the peaks above are lower bounds")
     out.append(f"peak / planned {result['min_ratio']:.3f}-{result['max_ratio']:.3f} (target <= {GROSS_TARGET})")
@@ -307,6 +349,9 @@ def main() -> None:
     p.add_argument("--malloc-mmap-threshold", type=int, default=0,
                    help="run the ranks with glibc's MALLOC_MMAP_THRESHOLD_=N (bytes): see docs/benchmarks.md")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per `usp train`")
+    p.add_argument("--page-cache-as-is", action="store_true",
+                   help="--gross: leave the libraries' cached pages as they are (default: as a fresh install "
+                        "leaves them, the larger resident set)")
     opts = p.parse_args()
     names = opts.layouts or list(GROSS if opts.gross else DEFAULT)
     results = [(measure_gross if opts.gross else measure)(name, opts) for name in names]

@@ -25,14 +25,14 @@ import pytest
 from tests.helpers import REPO, USP, usp_env
 
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
-from build_memory import GROSS, _sample  # noqa: E402 - the bench's per-rank VmHWM sampler and its layouts
+from build_memory import GROSS, _sample, libraries_as_installed  # noqa: E402 - the bench's sampler, layouts
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 GIB = 2 ** 30
 PROMISE = 1.05  # a rank's peak / the plan's printed per-rank figure, at most
 FLOOR = 0.9  # ... and at least: a plan far above every rank wastes the memory it refuses
-ALLOWANCE_ABOVE_BARE = 1.5  # the fixed allowance may not be far above the bare rank it stands for (0.27-0.34 GiB)
+ALLOWANCE_ABOVE_BARE = 1.5  # the fixed allowance may not be far above the bare rank it stands for (0.27-0.36 GiB)
 BARE = REPO / "tests" / "dist" / "bare_rank.py"
 # The children's peak: torchrun's agent and its ranks; the agent imports less than a rank (0.22 GiB).
 _OUTER = """
@@ -65,6 +65,7 @@ def test_cpu_fixed_allowance_is_a_bare_rank(tmp_path, shakespeare):
     from usp.run.allocator import cpu_allocator_env
 
     plan = _plan(["cluster.procs_per_node=2"], tmp_path)
+    libraries_as_installed(USP)  # the larger of the two ways torch's pages can sit in the page cache
     path = write_plan(plan, tmp_path / "plan.yaml")
     env = worker_env(plan)
     env.update(cpu_allocator_env(env))  # as `usp train` starts a CPU rank
@@ -80,25 +81,27 @@ def test_cpu_fixed_allowance_is_a_bare_rank(tmp_path, shakespeare):
                                                               f"planner allows {allowance} GiB")
 
 
-# tp2 x dp_shard2's bound: 0.998-1.006 of the plan in a long-used environment, 1.060-1.072 in CI's freshly
-# installed one (2026-12-04): with every page of libtorch in the page cache, a rank maps more of them around
-# each fault (the bare rank: 0.27 against 0.34 GiB), and TP's ranks touch more of torch's code. Issue #42's
-# 1.05 holds there only in a long-used environment (docs/benchmarks.md, "The plan's figure, gross").
-FRESH_INSTALL_TP = 1.10
+# tp2 x dp_shard2's bound: 1.06-1.10 of the plan with torch's libraries in the page cache as a fresh install
+# leaves them (CI, and every run here: libraries_as_installed), 1.00-1.02 in a long-used environment, which maps
+# 0.1 GiB fewer of their pages (2026-12-05). Its private memory, not those pages, is what stays above issue #42's
+# 1.05: 0.1-0.14 GiB besides its tensors beyond the allowance's and the fragmentation margin's.
+TP_FSDP_BOUND = 1.10
 
 
 # One process gathers no parameter: it trains under glibc's 32 MiB threshold, its heap top kept (the plan counts
-# it: usp.perf.memory.heap_top_kept); 1.017-1.050 of the plan before it was counted, 1.025 after (2026-12-05).
+# it: usp.perf.memory.heap_top_kept); 1.017-1.050 of the plan before it was counted, 1.025 after, 1.035-1.055 with
+# the libraries' pages as installed (CI's 1.054 failed), 1.02-1.04 since the allowance counts them (2026-12-05).
 SINGLE = [o for o in GROSS["single"][1] if not o.startswith("logging.")]
 
 
-@pytest.mark.parametrize("layout, promise", [(PP_CP, PROMISE), (TP, FRESH_INSTALL_TP), (SINGLE, PROMISE)],
+@pytest.mark.parametrize("layout, promise", [(PP_CP, PROMISE), (TP, TP_FSDP_BOUND), (SINGLE, PROMISE)],
                          ids=["pp2_cp2", "tp2_fsdp2", "single"])
 def test_rank_peaks_hold_the_printed_plan(layout, promise, tmp_path, shakespeare):
     plan = _plan(layout, tmp_path / "plan")
     printed = {s.stage: s.total / GIB for s in plan.memory.stages}
     stage_of = {r.rank: r.coords["pp"] for r in plan.ranks}
     cmd = [USP, "train", *layout, f"train.runs_dir={tmp_path}", "train.name=promise", "logging.console=plain"]
+    libraries_as_installed(USP)  # as CI's fresh install has them: a long-used environment maps 0.1 GiB less
     with open(tmp_path / "out.txt", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=usp_env())
         ranks, stopped = _sample(proc, time.monotonic() + 840, min_available_gib=1.0,
