@@ -33,10 +33,11 @@ demo: setup
 # not tell a unit test that imports it. The others run on two pytest-xdist workers that each take
 # whole files (module fixtures such as the parity matrix's torchrun launches are built once), the
 # longest files first (tests/conftest.py LONGEST_FIRST). pytest exits 5 when it collected no tests:
-# a failure here when neither session collected any, not a pass.
+# a failure here when neither session collected any, not a pass. The second session lists its 30 slowest
+# tests: where the suite's time goes (docs/benchmarks.md, "The test suite").
 define run_tests
 u=0; $(PY) -m pytest -n 2 tests/unit $(PYTEST_ARGS) || u=$$?; \
-r=0; $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(1) $(PYTEST_ARGS) || r=$$?; \
+r=0; $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 $(1) $(PYTEST_ARGS) || r=$$?; \
 if [ $$u -eq 5 ] && [ $$r -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 for rc in $$u $$r; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
 endef
