@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -152,12 +153,16 @@ def test_kill9_of_one_rank_the_others_train_on_and_the_group_heals(tmp_path, sha
     records = read_jsonl(run_dir / "metrics.jsonl")
     last = records[-1]["step"]
     assert healed_at + STEPS_AFTER_HEAL <= last < KILL_STEPS
-    assert [r["step"] for r in records] == list(range(1, last + 1))  # every step, once
+    log = (run_dir / "logs" / "rank_0.log").read_text()
+    # every step once, but one the writing group (0) dropped when the kill broke its collective and then took
+    # from a live group (healed at that step): the restarted group can be back in that step's quorum (CI's load)
+    healed = r"replica0 rank0 replica group 0 healed from a live group at step (\d+)"
+    writer_healed = {int(m) for m in re.findall(healed, log)}
+    assert [r["step"] for r in records] == [s for s in range(1, last + 1) if s not in writer_healed]
     after = [r for r in records if r["step"] > KILL_AT]
-    assert any(r["participants"] == 2 for r in after), "no step without the lost group"
     back = [r["step"] for r in after if r["participants"] == 3]
     assert back and back[-1] == last, "the lost group never rejoined"
-    healed_from = min(back)
+    healed_from = healed_at
     assert all(r["participants"] == 3 for r in records if r["step"] >= healed_from)
     assert all(r["step_sequences"] == 8 for r in after if r["participants"] == 2)
     # from the heal on, every group holds the same parameters
@@ -172,7 +177,6 @@ def test_kill9_of_one_rank_the_others_train_on_and_the_group_heals(tmp_path, sha
     restart_s = restarts[0]["time"] - killed_at
     by_step = {r["step"]: r for r in records}
     rejoin_s = by_step[healed_from]["elapsed_s"] - by_step[KILL_AT]["elapsed_s"]
-    log = (run_dir / "logs" / "rank_0.log").read_text()
     assert "replica2 rank0" in log and "healed from a live group" in log
     print(f"survivor step gaps after the kill: max {max(gaps):.2f} s (median before {normal[len(normal) // 2]:.2f} "
           f"s); group restarted {restart_s:.1f} s after the kill, rejoined and healed at step {healed_from}, "
@@ -180,13 +184,24 @@ def test_kill9_of_one_rank_the_others_train_on_and_the_group_heals(tmp_path, sha
     assert max(gaps) <= 10.0, gaps
 
 
+def _restarted_at(run_dir: Path) -> float | None:
+    """When usp's launcher restarted the lost group (logs/events.jsonl), if it has."""
+    events = run_dir / "logs" / "events.jsonl"
+    starts = [e["time"] for e in read_jsonl(events) if e["event"] == "replica_group_restart"] if events.exists() else []
+    return starts[0] if starts else None
+
+
 def _wait_for_rejoin(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -> int:
-    """Until a step after the kill has all 3 groups again, after one without the lost group; that step."""
+    """Until a step committed after the lost group's restart has all 3 groups again (the old group's ranks are
+    gone by then); that step. The survivors may have stepped without it meanwhile, or (the restart back within
+    the lighthouse's join timeout, as under CI's load) not at all."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        restarted = _restarted_at(run_dir)
         records = read_jsonl(run_dir / "metrics.jsonl")
-        back = [r["step"] for r in records if r["step"] > KILL_AT and r["participants"] == 3]
-        if back and any(r["step"] > KILL_AT and r["participants"] == 2 for r in records):
+        back = [r["step"] for r in records if restarted is not None and r["time"] > restarted
+                and r["participants"] == 3]
+        if back:
             return back[0]
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.1)
