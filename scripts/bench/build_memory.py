@@ -75,7 +75,7 @@ GROSS = {  # name -> (world, overrides): --gross
     "fsdp4": (4, M130 + ["parallelism.dp_shard=4"]),
     "tp2_fsdp2": (4, M130 + ["parallelism.tp=2", "parallelism.dp_shard=2"]),
     "moe_ep4": (4, MOE + ["parallelism.dp_shard=4", "parallelism.ep=4"]),
-    # no parameter gathered: the training threshold at glibc's ceiling (usp/launch/local.py gathers_parameters)
+    # no parameter gathered (pp aside): the training threshold at glibc's ceiling (usp.contract.decide.cpu_memory_first)
     "single": (1, M130),
     "ddp2": (2, M130 + ["parallelism.dp_replicate=2"]),
     "zero1_2": (2, M130 + ["parallelism.dp_replicate=2", "parallelism.zero1=true"]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -98,19 +99,20 @@ def test_cpu_ranks_build_under_one_malloc_threshold_and_train_under_another(monk
 @pytest.mark.parametrize(("overrides", "gathers"), [
     ((), False), (("parallelism.dp_replicate=2",), False), (("parallelism.dp_replicate=2", "parallelism.zero1=true"),
                                                            False),
-    (("parallelism.tp=2",), False), (("parallelism.pp=2",), False), (("parallelism.dp_shard=2",), True),
+    (("parallelism.tp=2",), False), (("parallelism.pp=2",), True), (("parallelism.dp_shard=2",), True),
     (("parallelism.tp=2", "parallelism.dp_replicate=2"), True),  # FSDP2 replication of the DTensor model
     (("model=moe_tiny", "parallelism.dp_shard=2", "parallelism.ep=2"), True)])
-def test_only_ranks_that_gather_parameters_keep_them_mapped_while_training(overrides, gathers):
-    """FSDP2 (and the experts' FSDP2 units) allocate and free parameter-sized blocks every step: the training
-    threshold stays below the smallest weight matrix. DDP, ZeRO-1, TP, PP and one process keep parameters
-    and gradient buckets all run long: glibc's 32 MiB ceiling, so that activations and logits are reused
-    from the heap (issue 42: usp's DDP step took ~15 % more CPU than a hand-written loop's)."""
-    from usp.launch.local import gathers_parameters, plan_accelerator_env
+def test_only_memory_first_ranks_keep_their_blocks_mapped_while_training(overrides, gathers):
+    """FSDP2 (and the experts' FSDP2 units) allocate and free parameter-sized blocks every step, and a pipeline
+    frees its micro batches' activations out of order (its heap kept their holes: docs/benchmarks.md "Heap
+    holes"): the training threshold stays below the smallest weight matrix. DDP, ZeRO-1, TP and one process
+    keep parameters and gradient buckets all run long: glibc's 32 MiB ceiling, so that activations and logits
+    are reused from the heap (issue 42: usp's DDP step took ~15 % more CPU than a hand-written loop's)."""
+    from usp.launch.local import cpu_memory_first, plan_accelerator_env
 
     world = 4 if len(overrides) == 2 and "parallelism.tp=2" in overrides else 2 if overrides else 1
     plan = plan_for(f"cluster.procs_per_node={world}", "model.dim=1024", *overrides, training=False)
-    assert gathers_parameters(plan) is gathers
+    assert cpu_memory_first(plan) is gathers
     expected = train_threshold(weight_matrix_bytes(plan)) if gathers else 32 * 2 ** 20
     assert (expected < 32 * 2 ** 20) is gathers  # dim 1024: 2-4 MiB matrices, also split over tp
     assert plan_accelerator_env(plan, {})["USP_TRAIN_MMAP_THRESHOLD"] == str(expected)
@@ -139,6 +141,53 @@ def test_the_training_threshold_is_set_through_glibc(monkeypatch):
     monkeypatch.setenv(allocator.TRAIN_ENV, str(allocator.MAX_MMAP_THRESHOLD))
     assert allocator.enter_training() is True
     assert allocator.set_mmap_threshold("not a number") is False
+
+
+def _rss_anon_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:"))) * 1024
+
+
+def _heap_holes(libc, count: int, nbytes: int) -> list[int]:
+    """`count` freed blocks of `nbytes` inside the heap, each kept from its neighbours by a small block still
+    alive (as a micro batch's activations are by the small objects around them); returns the small blocks."""
+    pins, holes = [], []
+    for _ in range(count):
+        block = libc.malloc(nbytes)
+        ctypes.memset(block, 1, nbytes)  # resident, as a tensor's values are
+        holes.append(block)
+        pins.append(libc.malloc(64))
+    for block in holes:
+        libc.free(block)
+    return pins
+
+
+@pytest.mark.parametrize("gathers", [True, False])
+def test_a_rank_that_gathers_parameters_hands_its_heap_holes_back(monkeypatch, gathers):
+    """release_free_pages() (after each micro batch) hands the whole free pages inside the heap back on a rank
+    whose training threshold is below glibc's ceiling (it gathers parameters): freed blocks kept apart by live
+    ones stay resident otherwise (tp2 x dp_shard2 peaked 1.07x its plan so, docs/benchmarks.md "Heap holes").
+    A rank at the ceiling keeps them, to reuse without page faults."""
+    from usp.run import allocator
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    threshold = 2 * allocator.CPU_MMAP_THRESHOLD if gathers else allocator.MAX_MMAP_THRESHOLD
+    monkeypatch.delenv(allocator.TRIM_ENV, raising=False)
+    monkeypatch.setenv(allocator.TRAIN_ENV, str(threshold))
+    assert allocator.enter_training()
+    holes = 64 * 256 * 1024  # 16 MiB in blocks of 256 KiB: served from the heap under either threshold
+    pins = _heap_holes(libc, 64, 256 * 1024)
+    before = _rss_anon_bytes()
+    allocator.release_free_pages()
+    released = before - _rss_anon_bytes()
+    for pin in pins:
+        libc.free(pin)
+    if gathers:
+        assert released >= holes // 2, released
+    else:
+        assert released < holes // 4, released
 
 
 class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33)

@@ -285,6 +285,7 @@ def test_memory_fp32_on_cpu():
     assert st.total == pytest.approx(subtotal + overhead(subtotal, FIXED_OVERHEAD_GIB["cpu"]) + heap_top)
     fsdp = stage_memory(a, Layout(dp_shard=2, micro_batch=1, grad_accum=1), 512, hw, FP32, 0, USP)
     assert heap_top_kept(Layout(dp_shard=2)) == 0 and heap_top_kept(lay) == heap_top
+    assert heap_top_kept(Layout(pp=2)) == 0  # a pipeline trains memory first (usp.contract.decide.cpu_memory_first)
     assert fsdp.total < st.total
     assert Precision.resolve("auto", "cpu") == FP32 and Precision.resolve("auto", "cuda") == BF16
 

@@ -82,6 +82,16 @@ def gathers_parameters(dp_kind: str, ep: int, group_dp_kind: str | None = None) 
     return dp_kind in FSDP_KINDS or group_dp_kind in FSDP_KINDS or ep > 1
 
 
+def cpu_memory_first(dp_kind: str, ep: int, pp: int, group_dp_kind: str | None = None) -> bool:
+    """Does a CPU rank train under a low glibc mmap threshold, its large blocks mapped and unmapped each step
+    (memory first), rather than glibc's ceiling, its activations reused from the heap (speed first)? Where
+    it gathers parameters, and where it pipelines: the schedule frees micro batches' activations out of the
+    order it allocated them, and a heap that kept them kept their holes too (pp 2: stage 1 at 1.09 of its
+    plan under the ceiling, 0.99-1.00 under the low threshold; docs/benchmarks.md "Heap holes").
+    usp/run/allocator.py sets the thresholds, usp.perf.memory counts what they keep."""
+    return gathers_parameters(dp_kind, ep, group_dp_kind) or pp > 1
+
+
 def padded_vocab(vocab: int, tp: int) -> int:
     """The embedding's (and LM head's) rows: the vocabulary rounded up to a multiple of tp, so TP's
     vocabulary shards are even; the padded rows are masked out of the loss."""

@@ -203,6 +203,7 @@ class Trainer:
                 with self._region(SPAN_BACKWARD):  # a MoE layer's aux loss joins through its output
                     (loss / self.accum).backward()
             total = total + loss.detach().to(torch.float64)
+            allocator.release_free_pages()
         return total / len(micro_batches)
 
     def _pipeline_step(self, step: int) -> float:

@@ -107,19 +107,19 @@ def weight_matrix_bytes(plan) -> list[int]:
     return [v * per_value // tp for v in values]
 
 
-def gathers_parameters(plan) -> bool:
-    """usp.contract.decide.gathers_parameters of the plan's layout."""
+def cpu_memory_first(plan) -> bool:
+    """usp.contract.decide.cpu_memory_first of the plan's layout."""
     ft = plan.fault_tolerance
-    return decide.gathers_parameters(plan.decisions.dp_kind, int(plan.config.parallelism.ep),
-                                     ft.group_dp_kind if ft is not None else None)
+    return decide.cpu_memory_first(plan.decisions.dp_kind, int(plan.config.parallelism.ep),
+                                   int(plan.config.parallelism.pp), ft.group_dp_kind if ft is not None else None)
 
 
 def plan_accelerator_env(plan, user_env=None) -> dict[str, str]:
     """The ranks' environment from the plan: accelerator_env, and torch's flight recorder where the
     hang watchdog is on. `user_env`: what the ranks inherit (default: this process's environment).
     A CPU rank's training threshold stays below its weight matrices only where it gathers them each
-    step (usp/run/allocator.py); elsewhere glibc's ceiling lets activations and logits be reused."""
-    weights = weight_matrix_bytes(plan) if plan.device == "cpu" and gathers_parameters(plan) else ()
+    step or pipelines (usp/run/allocator.py); elsewhere glibc's ceiling lets activations and logits be reused."""
+    weights = weight_matrix_bytes(plan) if plan.device == "cpu" and cpu_memory_first(plan) else ()
     env = accelerator_env(plan.device, plan.decisions.deterministic, user_env, weights)
     if plan.decisions.hang is not None:
         env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)

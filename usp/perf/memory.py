@@ -103,7 +103,7 @@ from usp.contract.decide import (
     autocast_weight_cache,
     bf16_by_fsdp_policy,
     compiles_loss,
-    gathers_parameters,
+    cpu_memory_first,
     padded_vocab,
 )
 from usp.contract.predictions import TERMS, BuildMemory, LocalBytes, MemoryPlan, StageMemory
@@ -780,12 +780,12 @@ def _overhead(layout: Layout, prec: Precision, h: _Held, hw: Hardware, profile: 
 
 
 def heap_top_kept(layout: Layout) -> float:
-    """A CPU rank that gathers no parameter trains under glibc's ceiling mmap threshold (32 MiB) and twice it
-    as the trim threshold (usp/run/allocator.py: a step's activations reused from the heap, not faulted in
-    again): the heap may keep that much free at its top, resident, beyond the tensors. Measured on the gross
-    bench's 130 M layouts (docs/benchmarks.md, "The plan's figure, gross"): one process and pp 2 peaked
-    0.06-0.14 GiB above the figure printed without it."""
-    if gathers_parameters(layout.dp_kind, layout.ep):
+    """A CPU rank that neither gathers parameters nor pipelines (usp.contract.decide.cpu_memory_first) trains
+    under glibc's ceiling mmap threshold (32 MiB) and twice it as the trim threshold (usp/run/allocator.py: a
+    step's activations reused from the heap, not faulted in again): the heap may keep that much free at its
+    top, resident, beyond the tensors. Measured on the gross bench's 130 M layouts (docs/benchmarks.md, "The
+    plan's figure, gross"): one process peaked 0.06-0.14 GiB above the figure printed without it."""
+    if cpu_memory_first(layout.dp_kind, layout.ep, layout.pp):
         return 0.0
     return float(paired_trim(MAX_MMAP_THRESHOLD))
 

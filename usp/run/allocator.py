@@ -5,10 +5,11 @@ mmap, handed back to the kernel when freed: glibc's default threshold grows to t
 freed so far (up to 32 MiB), after which freed parameter-sized blocks (whole values, gathered FSDP
 units, gradients) stay in the heap, measured 1.6-1.9x the plan per rank (docs/benchmarks.md,
 "Building the model"). Once the trainer is ready the rank switches to the training threshold
-(`train_threshold`). A rank that gathers parameters every step (FSDP2, experts:
-usp.contract.decide.gathers_parameters) takes just below the smallest weight matrix above 1 MiB, so
-that every parameter-sized block is still mapped and unmapped; one that gathers none (DDP, ZeRO-1,
-TP, PP, one process) takes glibc's 32 MiB ceiling, with twice it as its trim threshold (glibc's own
+(`train_threshold`). A rank that gathers parameters every step (FSDP2, experts) or pipelines
+(usp.contract.decide.cpu_memory_first) takes just below the smallest weight matrix above 1 MiB, so
+that every parameter-sized block is still mapped and unmapped, and hands the holes a micro batch left
+in its heap back after it (`release_free_pages`); any other (DDP, ZeRO-1, TP, one process) takes
+glibc's 32 MiB ceiling, with twice it as its trim threshold (glibc's own
 pair): its parameters and buckets stay allocated, and its activations are reused from the heap step
 after step instead of being faulted in again, which made a small model's CPU step ~1.5x slower
 (issue 42; docs/benchmarks.md, "The allocator while training"); the plan counts the heap top that
@@ -30,6 +31,7 @@ M_MMAP_THRESHOLD = -3
 GLIBC_ENV = "MALLOC_MMAP_THRESHOLD_"  # read by glibc when a process starts
 TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRAIN_ENV = "USP_TRAIN_MMAP_THRESHOLD"  # set by usp's launchers: the threshold a rank takes once built
+_released_each_micro_batch = False  # set by enter_training: a rank that gathers parameters
 
 
 def train_threshold(weight_bytes) -> int:
@@ -82,17 +84,33 @@ def enter_training() -> bool:
     when it raises its own threshold (malloc.c, free of a mapped chunk). A threshold set by mallopt
     leaves the trim threshold at 128 KiB, so the heap's top was handed back and faulted in again every
     step: about 8 % more CPU on a small model's DDP step (docs/benchmarks.md, "The allocator while training")."""
+    global _released_each_micro_batch
     value = os.environ.get(TRAIN_ENV)
     if not set_mmap_threshold(value):
         return False
     if _pairs_trim(value):
         _mallopt(M_TRIM_THRESHOLD, paired_trim(int(str(value))))
+    _released_each_micro_batch = int(str(value)) < MAX_MMAP_THRESHOLD
     return True
 
 
+def release_free_pages() -> None:
+    """After a micro batch, on a memory-first rank (its training threshold below glibc's ceiling: it gathers
+    parameters; a pipeline's micro batches run inside its schedule, out of reach): hand the whole free pages
+    inside the heap back (`malloc_trim(0)`).
+    A micro batch's small activations (below the threshold, from the heap) are freed around small
+    objects still alive, and the holes they leave grew the heap micro batch after micro batch: on
+    tp 2 x dp_shard 2, free chunks of 0.12-0.13 GiB inside the heap at the peak (glibc's mallinfo2),
+    peak / plan 1.067-1.072; with this 1.003-1.007, each step's time unchanged (docs/benchmarks.md,
+    "Heap holes"). Such a rank already maps and unmaps every parameter-sized block each step (memory
+    before speed); any other keeps its heap for speed and is left alone."""
+    if _released_each_micro_batch:
+        _glibc("malloc_trim", 0)
+
+
 def _pairs_trim(value) -> bool:
-    """Does the rank raise its trim threshold with its training threshold? Only at glibc's ceiling (a rank
-    that gathers no parameter, where it was measured: docs/benchmarks.md), and not over a user's own. FSDP
+    """Does the rank raise its trim threshold with its training threshold? Only at glibc's ceiling (a
+    speed-first rank, where it was measured: docs/benchmarks.md), and not over a user's own. FSDP
     ranks keep glibc's 128 KiB: their 4 MiB pair measured 1.006-1.019 of the plan alone, but was never run
     through CI (its first run's 1.13-1.73 was an inherited 32 MiB threshold: usp.launch.local)."""
     return TRIM_ENV not in os.environ and int(str(value)) >= MAX_MMAP_THRESHOLD
