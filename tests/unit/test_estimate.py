@@ -130,6 +130,10 @@ def test_usp_estimate_cli(tmp_path):
     assert "memory per device" in out and "optimizer states" in out  # the breakdown table
     assert "node(s) x 8" in out and "H100-hours" in out and "layout" in out and "node counts searched" in out
     assert "plan it: usp plan conf=llama3_1_70b train.tokens=2e12 cluster.nodes=" in out
+    r = usp_cli("estimate", "conf=llama3_1_70b", "train.tokens=2e12", "train.global_batch_tokens=16777216", "--hours",
+                "720", cwd=tmp_path)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("plan it: "))  # one line (soft wrap)
+    assert r.returncode == 0 and line.count("train.global_batch_tokens=") == 1, line  # each key once
     r = usp_cli("estimate", "train.tokens=1e9", "--gpus", "1", "--mfu", "0.3", cwd=tmp_path)
     assert r.returncode == 0 and "30.0% (given (--mfu))" in r.stdout
     r = usp_cli("estimate", "--hours", "5", cwd=tmp_path)

@@ -25,12 +25,20 @@ def render_estimate(est: Estimate, plan, console: Console | None = None, command
     if len(est.tried) > 1:
         console.print(_tried_table(est))
     if est.overrides:
-        console.print("plan it: usp plan " + " ".join([*(command or ["<the same config>"]), *est.overrides]),
+        console.print("plan it: usp plan " + " ".join(plan_command(command, est.overrides)),
                       highlight=False, markup=False, soft_wrap=True)
     for note in est.notes:
         console.print(f"[dim]note:[/] {note}")
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
+
+
+def plan_command(command: list[str] | None, overrides: list[str]) -> list[str]:
+    """The user's overrides, less those the estimate's own set again (each key once: `train.global_batch_tokens`
+    given by the user and reset by the estimate appeared twice), then the estimate's."""
+    ours = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    kept = [c for c in (command or ["<the same config>"]) if c.split("=", 1)[0].lstrip("+~") not in ours]
+    return [*kept, *overrides]
 
 
 def _rows(est: Estimate) -> list[tuple[str, str]]:
