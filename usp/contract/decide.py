@@ -87,7 +87,8 @@ def cpu_memory_first(dp_kind: str, ep: int, pp: int, group_dp_kind: str | None =
     (memory first), rather than glibc's ceiling, its activations reused from the heap (speed first)? Where
     it gathers parameters, and where it pipelines: the schedule frees micro batches' activations out of the
     order it allocated them, and a heap that kept them kept their holes too (pp 2: stage 1 at 1.09 of its
-    plan under the ceiling, 0.99-1.00 under the low threshold; docs/benchmarks.md "Heap holes").
+    plan under the ceiling, 1.03-1.04 under the low threshold, whose plan counts no heap top; docs/benchmarks.md
+    "Heap holes").
     usp/run/allocator.py sets the thresholds, usp.perf.memory counts what they keep."""
     return gathers_parameters(dp_kind, ep, group_dp_kind) or pp > 1
 

@@ -31,7 +31,7 @@ M_MMAP_THRESHOLD = -3
 GLIBC_ENV = "MALLOC_MMAP_THRESHOLD_"  # read by glibc when a process starts
 TRIM_ENV = "MALLOC_TRIM_THRESHOLD_"
 TRAIN_ENV = "USP_TRAIN_MMAP_THRESHOLD"  # set by usp's launchers: the threshold a rank takes once built
-_released_each_micro_batch = False  # set by enter_training: a rank that gathers parameters
+_released_each_micro_batch = False  # set by enter_training: a rank below glibc's ceiling (memory first)
 
 
 def train_threshold(weight_bytes) -> int:
