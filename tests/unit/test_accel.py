@@ -96,13 +96,13 @@ def test_cpu_ranks_build_under_one_malloc_threshold_and_train_under_another(monk
     assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and "USP_TRAIN_MMAP_THRESHOLD" not in env
 
 
-@pytest.mark.parametrize(("overrides", "gathers"), [
+@pytest.mark.parametrize(("overrides", "memory_first"), [
     ((), False), (("parallelism.dp_replicate=2",), False), (("parallelism.dp_replicate=2", "parallelism.zero1=true"),
                                                            False),
     (("parallelism.tp=2",), False), (("parallelism.pp=2",), True), (("parallelism.dp_shard=2",), True),
     (("parallelism.tp=2", "parallelism.dp_replicate=2"), True),  # FSDP2 replication of the DTensor model
     (("model=moe_tiny", "parallelism.dp_shard=2", "parallelism.ep=2"), True)])
-def test_only_memory_first_ranks_keep_their_blocks_mapped_while_training(overrides, gathers):
+def test_only_memory_first_ranks_keep_their_blocks_mapped_while_training(overrides, memory_first):
     """FSDP2 (and the experts' FSDP2 units) allocate and free parameter-sized blocks every step, and a pipeline
     frees its micro batches' activations out of order (its heap kept their holes: docs/benchmarks.md "Heap
     holes"): the training threshold stays below the smallest weight matrix. DDP, ZeRO-1, TP and one process
@@ -112,9 +112,9 @@ def test_only_memory_first_ranks_keep_their_blocks_mapped_while_training(overrid
 
     world = 4 if len(overrides) == 2 and "parallelism.tp=2" in overrides else 2 if overrides else 1
     plan = plan_for(f"cluster.procs_per_node={world}", "model.dim=1024", *overrides, training=False)
-    assert cpu_memory_first(plan) is gathers
-    expected = train_threshold(weight_matrix_bytes(plan)) if gathers else 32 * 2 ** 20
-    assert (expected < 32 * 2 ** 20) is gathers  # dim 1024: 2-4 MiB matrices, also split over tp
+    assert cpu_memory_first(plan) is memory_first
+    expected = train_threshold(weight_matrix_bytes(plan)) if memory_first else 32 * 2 ** 20
+    assert (expected < 32 * 2 ** 20) is memory_first  # dim 1024: 2-4 MiB matrices, also split over tp
     assert plan_accelerator_env(plan, {})["USP_TRAIN_MMAP_THRESHOLD"] == str(expected)
 
 

@@ -36,9 +36,11 @@ def render_estimate(est: Estimate, plan, console: Console | None = None, command
 def plan_command(command: list[str] | None, overrides: list[str]) -> list[str]:
     """The user's overrides, less those the estimate's own set again (each key once: `train.global_batch_tokens`
     given by the user and reset by the estimate appeared twice), then the estimate's."""
-    ours = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    kept = [c for c in (command or ["<the same config>"]) if c.split("=", 1)[0].lstrip("+~") not in ours]
-    return [*kept, *overrides]
+    def key(override: str) -> str:  # without Hydra's +/++/~ prefix
+        return override.partition("=")[0].lstrip("+~")
+
+    ours = {key(o) for o in overrides}
+    return [*(c for c in command or ["<the same config>"] if key(c) not in ours), *overrides]
 
 
 def _rows(est: Estimate) -> list[tuple[str, str]]:
