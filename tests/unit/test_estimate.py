@@ -157,3 +157,19 @@ def test_a_batch_far_past_the_optimum_for_the_budget_is_warned():
     assert warned and plan.batch.global_batch_tokens > CRITICAL_BATCH_FACTOR * 0.292 * flops ** 0.3271
     plan, _ = plan_with_failures(*compose_config("llama3_1_8b", ["train.tokens=15e12"]))
     assert not [w for w in plan.warnings if "B_opt" in w]
+
+
+def test_the_configured_layouts_warnings_are_said_under_its_tables_not_under_the_quote():
+    """The 70B recipe's own plan shortens its hang window; quoted at 1,024 GPUs, that warning is said under the
+    configured layout's tables and named so, before the estimate (it read as the quoted layout's, said last)."""
+    from rich.console import Console
+
+    from usp.plan.estimate_view import render_estimate
+
+    result, plan = est("train.tokens=15e12", conf="llama3_1_70b", gpus=1024)
+    assert result.overrides and any("hang window" in w for w in plan.warnings)
+    console = Console(record=True, width=400)
+    render_estimate(result, plan, console, ["conf=llama3_1_70b", "train.tokens=15e12"])
+    out = console.export_text()
+    said = out.index("warning (the configured layout): the hang window")
+    assert said < out.index("estimate: llama3_1_70b") and "\nwarning: " not in out

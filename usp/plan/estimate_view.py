@@ -15,6 +15,11 @@ def render_estimate(est: Estimate, plan, console: Console | None = None, command
     console = console or Console()
     console.print(memory_table(plan.memory))
     console.print(timing_table(plan.timing))
+    # the configured layout's own warnings, under its tables: printed after the estimate they read as the quoted
+    # layout's (a recipe's hang window shortened at its size, said under a quote at another size)
+    of = " (the configured layout)" if est.overrides else ""
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning{of}:[/] {warning}")
     table = Table(title=f"estimate: {est.model} ({human(est.params)} parameters)", show_header=False,
                   title_justify="left")
     table.add_column(style="bold cyan")
@@ -29,8 +34,6 @@ def render_estimate(est: Estimate, plan, console: Console | None = None, command
                       highlight=False, markup=False, soft_wrap=True)
     for note in est.notes:
         console.print(f"[dim]note:[/] {note}")
-    for warning in plan.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
 
 
 def plan_command(command: list[str] | None, overrides: list[str]) -> list[str]:
