@@ -36,8 +36,9 @@ _interrupted = threading.Event()  # stopped at once (a second signal), not at a 
 _at_a_boundary = threading.Event()  # the training loop reached a step boundary: a stop has its place to happen
 _rendezvous = {"since": 0.0}  # monotonic time this rank entered the process group's rendezvous (0: not in it)
 # torchrun stops the ranks with SIGTERM when one of them dies; a rank still in the rendezvous waits there for
-# the dead one (the agent's store: no connection of the dead rank to break) until torchrun's fixed 30 s SIGKILL
-# (measured: a rank killed 1 s after the ranks started delayed the restart by 30.1 s). A rank stopped while
+# the dead one (the agent's store: no connection of the dead rank to break) until the SIGKILL that follows
+# (torchrun's fixed 30 s, usp's agent's FAILED_GROUP_STOP_S; measured: a rank killed 1 s after the ranks
+# started delayed the restart by 30.1 s under torchrun's). A rank stopped while
 # it starts ends at once once it has waited in the rendezvous this long after the signal: live peers meet
 # in far less, and before the first step there is nothing to save.
 RENDEZVOUS_STOP_S = 10.0
