@@ -16,7 +16,7 @@ pause()  # the imports below run without collections; run_cases freezes what the
 import torch.distributed as dist  # noqa: E402
 
 from tests.dist.harness import run_cases  # noqa: E402
-from tests.dist.layouts import LAYOUTS  # noqa: E402
+from tests.dist.layouts import FP8_NARROW, LAYOUTS  # noqa: E402
 from tests.dist.parity import plan_dict, verify_case  # noqa: E402
 from usp.engine.parallel.mesh import make_context  # noqa: E402
 from usp.engine.trainer import Trainer  # noqa: E402
@@ -32,12 +32,7 @@ STEPS = ["train.steps=3", "train.seq_len=64", "optimizer.warmup_steps=2", "train
 # 2 steps on sequences of 32 (the 2.4e-3 half-batch error their tolerance must catch shows at step 1).
 BF16_STEPS = ["train.steps=2", "train.seq_len=32", "optimizer.warmup_steps=2", "train.measure_memory=false",
               "train.eval_batches=1"]
-
-# torch's CPU _scaled_mm is a plain loop (~0.2 s for one 1024 x 128 x 128 matmul, measured; fp32's takes 0.2 ms):
-# the FP8 case trains a narrower tiny model (dim 64, FFN 128: still multiples of 16, so every block linear
-# converts) on sequences of 32, 201 s -> ~15 s of the 2-rank launch.
-FP8_STEPS = [o for o in STEPS if not o.startswith("train.seq_len=")] + ["train.seq_len=32", "model.dim=64",
-                                                                      "model.ffn_dim=128"]
+FP8_STEPS = [o for o in STEPS if not o.startswith("train.seq_len=")] + FP8_NARROW  # (tests/dist/layouts.py)
 
 
 def steps_for(layout: str) -> list[str]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.dist.layouts import FP8_NARROW
 from tests.dist.parity import plan_dict
 from usp.engine.parallel import mesh as udist
 from usp.engine.parallel.fp8 import apply_fp8, convertible
@@ -23,11 +24,8 @@ from usp.models.llama import Llama, LlamaArgs
 from usp.plan.plan import decisions
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
-# A narrower tiny model (dim 64, FFN 128: multiples of 16, so every block linear converts) on sequences of 32:
-# torch's CPU _scaled_mm is a plain loop (~0.2 s for one 1024 x 128 x 128 matmul), 85 s a test at dim 128 and
-# sequences of 64, 5-10 s now.
-RUN = ["model=tiny", "model.dim=64", "model.ffn_dim=128", "train.seq_len=32", "train.global_batch=8", "train.steps=4",
-       "optimizer.warmup_steps=2", "train.log_interval=1", "train.measure_memory=false", "train.eval_batches=1"]
+RUN = ["model=tiny", *FP8_NARROW, "train.global_batch=8", "train.steps=4", "optimizer.warmup_steps=2",
+       "train.log_interval=1", "train.measure_memory=false", "train.eval_batches=1"]  # FP8_NARROW: why narrow
 
 
 def float8_names(model: nn.Module) -> list[str]:
