@@ -98,6 +98,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import accumulate
 
 from usp.contract.decide import (
     autocast_weight_cache,
@@ -174,7 +175,9 @@ def stage_layer_counts(arch: Arch, pp: int, virtual: int, schedule: str, pp_laye
 def dense_layers_held(arch: Arch, counts: tuple, held: tuple) -> int:
     """How many of a MoE model's dense first blocks (model.n_dense_layers) the virtual stages `held` hold,
     the stages having `counts` layers each, in order (0 for a dense model)."""
-    starts = [sum(counts[:i]) for i in range(len(counts))]
+    if not arch.dense_layers:  # the search asks once per rank and layout: skip the prefix sums
+        return 0
+    starts = (0, *accumulate(counts))
     return sum(max(0, min(starts[i] + counts[i], arch.dense_layers) - starts[i]) for i in held)
 
 
