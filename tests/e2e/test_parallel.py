@@ -96,8 +96,8 @@ def test_fp8_under_fsdp_tracks_one_process(results):
     """train.fp8=tensorwise (torchao, on torch's CPU _scaled_mm) under FSDP2 ZeRO-3 on 2 ranks against the
     same FP8 run in one process. Not exact: each rank scales its half of the batch's activations by their
     own amax (one process: the whole batch's), so the FP8 roundings differ; 1e-3 relative bounds that
-    (FP8 vs fp32 itself: 1.6e-4 over 20 steps; this case, a narrower tiny model on sequences of 32: 9.9e-5) while
-    a lost gradient or unsynced shard shows at step 2."""
+    (FP8 vs fp32 itself: 1.6e-4 over 20 steps; this case, a narrower one-block tiny model on sequences of 32:
+    4.0e-5) while a lost gradient or unsynced shard shows at step 2."""
     result = results(2).get("fp8_fsdp")
     assert result is not None and result["ok"], result.get("trace") or result
     assert result["steps"] == result["steps_expected"] == 3 and not result["missing_params"]

@@ -54,8 +54,8 @@ def _train(fp8: str, *overrides: str) -> tuple[list[float], Trainer]:
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_trains_next_to_fp32_with_unchanged_parameters_and_keys(recipe, shakespeare):
-    """4 AdamW steps of the narrow tiny model: FP8 losses within 1e-3 of fp32's (measured 2.3e-4 tensorwise,
-    8.7e-5 rowwise; the tiny model over 20 steps 1.6e-4 and 1.7e-4, docs/benchmarks.md); the parameters stay
+    """4 AdamW steps of the narrow tiny model: FP8 losses within 1e-3 of fp32's (measured 3.6e-5 tensorwise,
+    8.6e-5 rowwise; the tiny model over 20 steps 1.6e-4 and 1.7e-4, docs/benchmarks.md); the parameters stay
     fp32 under the same names (checkpoints, exports)."""
     ref, plain = _train("off")
     losses, trainer = _train(recipe)
@@ -63,7 +63,7 @@ def test_fp8_trains_next_to_fp32_with_unchanged_parameters_and_keys(recipe, shak
     assert max(abs(a - b) / b for a, b in zip(losses, ref)) < 1e-3, (losses, ref)
     assert losses != ref  # the matmuls did run in FP8
     model = trainer.parts.modules[0]
-    assert len(float8_names(model)) == 14
+    assert len(float8_names(model)) == 7 * len(model.layers)  # every block linear
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert list(model.state_dict()) == list(plain.parts.modules[0].state_dict())
 
