@@ -24,8 +24,9 @@ from usp.models.llama import Llama, LlamaArgs
 from usp.plan.plan import decisions
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+# FP8_NARROW (tests/dist/layouts.py) says why these train a narrow model
 RUN = ["model=tiny", *FP8_NARROW, "train.global_batch=8", "train.steps=4", "optimizer.warmup_steps=2",
-       "train.log_interval=1", "train.measure_memory=false", "train.eval_batches=1"]  # FP8_NARROW: why narrow
+       "train.log_interval=1", "train.measure_memory=false", "train.eval_batches=1"]
 
 
 def float8_names(model: nn.Module) -> list[str]:
