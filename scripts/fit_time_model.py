@@ -14,6 +14,7 @@ script's output (copied by hand, with their sources in comments).
   U  usp's eager and FP8 constants from its single-GPU sessions (with the committed GPU constants)
 
     python scripts/fit_time_model.py [--stages A,C,M]   # then --stages U
+    python scripts/fit_time_model.py --cross-validate   # stage A on each playbook half, scored on the other
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from usp.perf.calibration import published as P  # noqa: E402
-from usp.perf.calibration.calibrate import Param, Problem, fit, score  # noqa: E402
+from usp.perf.calibration.calibrate import Param, Problem, cell_ranks, fit, score  # noqa: E402
 from usp.perf.stack_profile import PROFILES  # noqa: E402
 
 HOPPER = ("slurm_h100", "h100_playbook", "h100_500w", "h200", "local_gpu")
@@ -85,6 +86,34 @@ def stage(name: str, runs, params, problem_kw) -> dict:
     for k, v in result.values.items():
         print(f"  {k:36s} {v:.4g}")
     return {"values": result.values, "hardware": result.hardware, "stacks": result.stacks}
+
+
+def _foundry_bf16() -> list:
+    return [r for r in P.llmfoundry() if r.precision == "bf16"]
+
+
+def cross_validate() -> None:
+    """Stage A fitted on each half of the playbook sweep (with llm-foundry's bf16 rows), scored on the other
+    half: how far the held-out figures move between two equal splits of the same sweep, and each cell's rank
+    of its measured-best layout. The committed constants are the even-rows fit (the first fold)."""
+    hits = cells = 0
+    for fit_half, held in (("even", "odd"), ("odd", "even")):
+        out = stage(f"A on the {fit_half} rows", [*P.playbook(fit_half), *_foundry_bf16()], STAGE_A, {})
+        profiles = dict(PROFILES)
+        for name in ("nanotron", "llmfoundry"):
+            profiles[name] = replace(profiles[name], time=out["stacks"][name])
+        for half in (held, fit_half):
+            problem = Problem(list(P.playbook(half)), hardware=out["hardware"], profiles=profiles)
+            predicted = problem.predict()
+            s, ranks = score(problem.runs, predicted), cell_ranks(problem.runs, predicted)
+            if half == held:
+                hits, cells = hits + sum(r <= 3 for r in ranks.values()), cells + len(ranks)
+            print(f"fit {fit_half}, scored on {half} ({'held out' if half == held else 'fitted'}): "
+                  f"{s.abs_err_p50:.2f} points, predicted/measured by nodes "
+                  f"{ {n: round(v, 2) for n, v in s.ratio_by_nodes.items()} }, top 3 {s.top3_share:.0%} of {s.cells}")
+            print("  measured best at rank: " + " ".join(f"{k[4]}@{k[5]}:{r}" for k, r in sorted(
+                ranks.items(), key=lambda kr: (kr[0][4], kr[0][5]))))
+    print(f"held-out top 3 over both folds: {hits} of {cells} ({hits / cells:.0%})")
 
 
 def _keep(done: list, out: dict) -> dict:
@@ -147,14 +176,19 @@ def main() -> None:
     ap.add_argument("--stages", default="A,C,M")  # M: both Megatron stages
     ap.add_argument("--rows", action="store_true", help="every published run's prediction")
     ap.add_argument("--json", help="write the fitted values here")
+    ap.add_argument("--cross-validate", action="store_true",
+                    help="stage A on each half of the playbook sweep, scored on the other (nothing else)")
     args = ap.parse_args()
+    if args.cross_validate:
+        cross_validate()
+        return
     stages = args.stages.split(",")
     if "U" in stages:
         usp_gpu_constants()
         return
     hardware, profiles, done = {}, dict(PROFILES), []
     if "A" in stages:
-        runs = [*P.playbook("even"), *(r for r in P.llmfoundry() if r.precision == "bf16")]
+        runs = [*P.playbook("even"), *_foundry_bf16()]
         out = _keep(done, stage("A", runs, STAGE_A, {}))
         hardware.update(out["hardware"])
         for name in ("nanotron", "llmfoundry"):
@@ -192,7 +226,8 @@ def main() -> None:
                        "megatron_legacy", "meta_llama3", "usp") for f in HOST})
         Path(args.json).write_text(json.dumps(values, indent=1, sort_keys=True))
     for name, runs in (("playbook odd (held out)", P.playbook("odd")),
-                       ("llm-foundry bf16", [r for r in P.llmfoundry() if r.precision == "bf16"]),
+                       ("playbook 3.57B and 80B (never fitted)", P.playbook_other_sizes()),
+                       ("llm-foundry bf16", _foundry_bf16()),
                        ("torchtitan 2024-12", P.torchtitan()),
                        ("published eval", [r for r in P.published() if r.use == "eval"])):
         problem = Problem(list(runs), hardware=hardware, profiles=profiles)

@@ -129,6 +129,21 @@ def rank_cell(r: MeasuredRun) -> tuple:
     return r.cluster, r.profile, r.precision, r.seq_len, r.model, r.nodes
 
 
+def cell_ranks(runs: list[MeasuredRun], predicted: list[float]) -> dict[tuple, int]:
+    """Per cell of >= 3 runs (rank_cell), the planner's rank (1 = predicted fastest) of the measured-best
+    layout: the best-ranked of those tied at the best measured MFU (the sweep rounds it to 0.1 %)."""
+    cells = defaultdict(list)
+    for r, p in zip(runs, predicted):
+        cells[rank_cell(r)].append((p, r.mfu or 0.0))
+    out = {}
+    for key, pairs in cells.items():
+        if len(pairs) >= 3:
+            best = max(m for _, m in pairs)
+            order = sorted(pairs, key=lambda pm: -pm[0])
+            out[key] = 1 + min(i for i, (_, m) in enumerate(order) if m == best)
+    return out
+
+
 def score(runs: list[MeasuredRun], predicted: list[float]) -> Scored:
     measured = [r.mfu or 0.0 for r in runs]
     err = [100 * abs(p - m) for p, m in zip(predicted, measured)]
@@ -138,14 +153,8 @@ def score(runs: list[MeasuredRun], predicted: list[float]) -> Scored:
     for r, p, m, q in zip(runs, predicted, measured, ratios):
         by_nodes[r.nodes].append(q)
         cells[rank_cell(r)].append((p, m))
-    rho, top = [], 0
-    for pairs in cells.values():
-        if len(pairs) < 3:
-            continue
-        rho.append(spearman([p for p, _ in pairs], [m for _, m in pairs]))
-        # the measured-best layout: any of those tied at the best measured MFU (the sweep rounds it to 0.1 %)
-        best = max(m for _, m in pairs)
-        top += any(pairs[i][1] == best for i in sorted(range(len(pairs)), key=lambda i: -pairs[i][0])[:3])
+    rho = [spearman([p for p, _ in pairs], [m for _, m in pairs]) for pairs in cells.values() if len(pairs) >= 3]
+    top = sum(rank <= 3 for rank in cell_ranks(runs, predicted).values())
     return Scored(predicted, measured, _pct(err, 0.5), _pct(err, 0.9),
                   {n: _pct(v, 0.5) for n, v in sorted(by_nodes.items())}, _pct(ratios, 0.1), _pct(ratios, 0.9),
                   _pct(rho, 0.5), top / len(rho) if rho else 0.0, len(rho), _pct(rel, 0.5),
