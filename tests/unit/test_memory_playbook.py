@@ -13,10 +13,12 @@ import pytest
 from tests.helpers import usp_cli
 from usp.perf.calibration.measured_runs import BF16, SEQ_LEN, h100_nodes, read_sweep_csv
 from usp.perf.calibration.memory_check import accuracy, check_memory, fit_constants
+from usp.perf.calibration.published import PLAYBOOK_OTHER_SIZES
 from usp.perf.memory import activation_values, memory_plan, stage_memory, zero_sharding
 from usp.perf.pipeline_split import matmul_threshold_split
 from usp.perf.specs import Layout
 from usp.perf.stack_profile import PROFILES
+from usp.perf.timing import time_shape
 
 NANOTRON = PROFILES["nanotron"]
 
@@ -123,6 +125,27 @@ def test_usp_plan_predicts_as_the_profile_says(tmp_path):
     assert usp.returncode == nano.returncode == 0, usp.stderr + nano.stderr
     assert "profile nanotron" in nano.stdout and "fp32 gradient-accumulation buffer" in nano.stdout
     assert "profile usp" in usp.stdout and "fp32 gradient-accumulation" not in usp.stdout
+
+
+def test_train_compile_moves_usp_memory_only():
+    """train.compile's memory terms (what a compiled block saves, the compiled loss, a cast per in-flight micro
+    batch) are usp's blocks under torch.compile. nanotron runs its own fused kernels whatever the flag
+    (Profile.follows_compile False): the playbook's rows say compile=true by default, and its 80B at pp 16 tp 4
+    (63.1 GiB measured) was predicted at 78 GiB through usp's compiled terms, which fired the pipeline stall."""
+    run = next(r for r in read_sweep_csv(PLAYBOOK_OTHER_SIZES) if r.model == "80B" and r.ok and r.mem_gib
+               and (r.layout.pp, r.layout.tp, r.nodes) == (16, 4, 8))
+    compiled = replace(BF16, compiled=True)
+    hw = h100_nodes(run.nodes)
+
+    def gib(profile, prec):
+        return memory_plan(run.arch, run.layout, run.seq_len, hw, prec, profile).peak_gib
+
+    assert gib(NANOTRON, compiled) == gib(NANOTRON, BF16)
+    assert gib(NANOTRON, compiled) == pytest.approx(run.mem_gib, rel=0.15)  # 72.2 GiB for 63.1 measured
+    assert gib(PROFILES["usp"], compiled) != gib(PROFILES["usp"], BF16)
+    # the time model's memory input (the stall's trigger) reads the same peak
+    shape = time_shape(run.arch, run.layout, run.seq_len, run.global_batch, hw, compiled, NANOTRON)
+    assert shape.memory_fraction == pytest.approx(gib(NANOTRON, BF16) / hw.memory_gib, rel=0.02)
 
 
 def test_zero1_pipeline_runs_fit_because_bf16_gradients_live_one_micro_batch(runs):

@@ -554,11 +554,19 @@ def _autocast_copies(arch: Arch, layout: Layout, prec: Precision, h: _Held,
     return every, every, (every if layout.pp > 1 else 0.0)
 
 
+def recipe_precision(prec: Precision, profile: Profile) -> Precision:
+    """The precision as the profile's recipe holds its tensors: train.compile's memory terms (the compiled
+    block's saved tensors, the compiled loss, autocast's casts per in-flight micro batch) are usp's blocks
+    under torch.compile; a recipe that does not follow train.compile (Profile.follows_compile: nanotron's
+    own fused kernels) keeps an eager block's tensors whatever the flag says."""
+    return prec if profile.follows_compile or not prec.compiled else replace(prec, compiled=False)
+
+
 def stage_memory(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision, r: int,
                  profile: Profile) -> StageMemory:
     """One rank of pp rank r: the terms of the module docstring, at the peak, as the profile's recipe
     holds them."""
-    h = _held(arch, layout, r, profile)
+    prec, h = recipe_precision(prec, profile), _held(arch, layout, r, profile)
     st = StageMemory(stage=r, first_rank=r * (layout.world // layout.pp), n_ranks=layout.world // layout.pp,
                      virtual_stages=list(h.held), layers=h.layers, holds_embedding=h.holds_emb,
                      holds_head=h.holds_head, params=int(h.params), in_flight=in_flight(layout, r),
@@ -846,6 +854,7 @@ def peak_bytes(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Pre
 def memory_plan(arch: Arch, layout: Layout, seq_len: int, hw: Hardware, prec: Precision,
                 profile: Profile, load_bytes: int = 0) -> MemoryPlan:
     """Every pp rank's training peak and build (load_bytes: model.init_from's bytes per value, 0 = none)."""
+    prec = recipe_precision(prec, profile)
     stages = [stage_memory(arch, layout, seq_len, hw, prec, r, profile) for r in range(layout.pp)]
     for st in stages:  # the build and the build check's figures: the plan's, not each search candidate's
         st.build = build_memory(arch, layout, hw, st.stage, load_bytes)
