@@ -45,7 +45,8 @@ STAGE_A = [
         ("elementwise_factor", 0.5, 4.0), ("layer_us", 0.1, 300.0), ("micro_batch_ms", 0.01, 100.0),
         ("step_ms", 0.1, 500.0), ("loss_bytes_per_logit", 10.0, 200.0), ("attention_efficiency", 0.3, 1.0),
         ("tp_overlap", 0.001, 0.95), ("pp_p2p_us", 1.0, 3000.0), ("p2p_stall_ms", 1.0, 2000.0),
-        ("p2p_stall_nodes", 4.0, 128.0), ("p2p_stall_headroom", 0.01, 0.6))),
+        ("p2p_stall_nodes", 4.0, 128.0), ("p2p_stall_headroom", 0.01, 0.6), ("p2p_tp_ms", 0.1, 500.0),
+        ("p2p_tp_exp", 0.5, 4.0))),
     *(Param(f"llmfoundry.{f}", f, lo, hi, profile="llmfoundry") for f, lo, hi in (
         ("elementwise_factor", 0.5, 4.0), ("layer_us", 0.1, 300.0), ("micro_batch_ms", 0.01, 100.0),
         ("step_ms", 0.1, 500.0), ("attention_efficiency", 0.3, 1.0))),
@@ -68,11 +69,12 @@ START = {
     "nanotron.elementwise_factor": 0.5, "nanotron.layer_us": 25.3, "nanotron.micro_batch_ms": 5.96,
     "nanotron.step_ms": 0.68, "nanotron.loss_bytes_per_logit": 165.7, "nanotron.attention_efficiency": 1.0,
     "nanotron.tp_overlap": 0.001, "nanotron.pp_p2p_us": 826.0, "nanotron.p2p_stall_ms": 316.7,
-    "nanotron.p2p_stall_nodes": 32.66, "nanotron.p2p_stall_headroom": 0.1439, "llmfoundry.elementwise_factor": 3.45,
+    "nanotron.p2p_stall_nodes": 32.66, "nanotron.p2p_stall_headroom": 0.1439, "nanotron.p2p_tp_ms": 15.0,
+    "nanotron.p2p_tp_exp": 2.2, "llmfoundry.elementwise_factor": 3.45,
     "llmfoundry.layer_us": 300.0, "llmfoundry.micro_batch_ms": 0.01, "llmfoundry.step_ms": 0.1,
     "llmfoundry.attention_efficiency": 0.54, "h100_500w.clock": 0.727, "torchtitan.eager_elementwise_factor": 3.45,
     "torchtitan.attention_efficiency": 0.53, "torchtitan.async_tp_overlap": 0.63,
-    "megatron.elementwise_factor": 1.0, "megatron_legacy.elementwise_factor": 1.0, "megatron_legacy.step_ms": 1.0,
+    "megatron.elementwise_factor": 1.0, "megatron_legacy.elementwise_factor": 5.0, "megatron_legacy.step_ms": 1000.0,
 }
 
 

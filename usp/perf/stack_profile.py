@@ -56,6 +56,10 @@ class StackTime:
     p2p_stall_nodes: float = 32.0
     p2p_stall_headroom: float = 0.1
     p2p_stall_exp: float = 8.0
+    # and a wait per blocking pipeline send/recv that grows with the tensor-parallel degree:
+    # p2p_tp_ms x (tp / 8) ** p2p_tp_exp (pipeline_stall_s; nanotron's residuals, docs/planner.md); 0 = none
+    p2p_tp_ms: float = 0.0
+    p2p_tp_exp: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -126,14 +130,15 @@ class Profile:
 # fitting the GPU's; scripts/fit_time_model.py stage A, docs/planner.md). Its host costs stand in for every eager
 # PyTorch launch path whose own runs cannot separate them (borrowed: _BORROWED_HOST).
 _NANOTRON_TIME = StackTime(
-    elementwise_factor=0.5, attention_efficiency=1.0, loss_bytes_per_logit=169.0, layer_us=50.55,
-    micro_batch_ms=6.105, step_ms=8.865, accum_bytes_per_param=10.0, tp_overlap=0.001006, pp_p2p_us=849.1,
-    dp_overlap=1.0, p2p_stall_ms=317.1, p2p_stall_nodes=32.61, p2p_stall_headroom=0.1439, p2p_stall_exp=8.0)
+    elementwise_factor=0.5, attention_efficiency=1.0, loss_bytes_per_logit=166.6, layer_us=23.31,
+    micro_batch_ms=5.603, step_ms=5.296, accum_bytes_per_param=10.0, tp_overlap=0.05199, pp_p2p_us=684.2,
+    dp_overlap=1.0, p2p_stall_ms=313.7, p2p_stall_nodes=32.78, p2p_stall_headroom=0.1438, p2p_stall_exp=8.0,
+    p2p_tp_ms=14.96, p2p_tp_exp=2.207)
 _BORROWED_HOST = dict(layer_us=_NANOTRON_TIME.layer_us, micro_batch_ms=_NANOTRON_TIME.micro_batch_ms,
                       step_ms=_NANOTRON_TIME.step_ms, pp_p2p_us=_NANOTRON_TIME.pp_p2p_us)
 # Megatron-Core's element-wise factor, fitted on five of its published H100 runs (calibration/published_runs.csv,
 # use=fit: stage M); Llama 3's stack borrows it
-_MEGATRON_ELEMENTWISE = 3.086
+_MEGATRON_ELEMENTWISE = 3.513
 
 _BF16_STORING: dict[str, Any] = dict(
     fp32_params=False, fp32_grad_accum=True, data_parallel="nanotron", follows_compile=False, reduce_bytes=4,
@@ -143,7 +148,7 @@ PROFILES = {
     "usp": Profile(
         "usp", "usp's own engine (this repository), as it trains",
         time=StackTime(attention_efficiency=0.95, loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0,
-                       optimizer_hbm_share=0.372, fp8_cast_bytes=11.68, **_BORROWED_HOST),
+                       optimizer_hbm_share=0.372, fp8_cast_bytes=11.73, **_BORROWED_HOST),
         fitted_on="not fitted: usp's engine has no multi-GPU run measured yet (attention, the loss and the optimizer "
                   "measured on one H200; host costs nanotron's, borrowed; docs/planner.md)",
         missing_overlaps=("TP collectives (no async TP, no communication-overlapped linears)",
@@ -180,9 +185,9 @@ PROFILES = {
         "baseline): TP, PP and data-parallel communication all exposed",
         **_BF16_STORING, pp_split="even", fused_projections=True, selective="attention", cp_ring="kv",
         zero1="distributed", recompute_replays_layer=True,
-        time=StackTime(elementwise_factor=6.869, attention_efficiency=0.95,
+        time=StackTime(elementwise_factor=8.0, attention_efficiency=0.95,
                        loss_bytes_per_logit=_NANOTRON_TIME.loss_bytes_per_logit, dp_overlap=0.0,
-                       **{**_BORROWED_HOST, "step_ms": 1516.0}),
+                       **{**_BORROWED_HOST, "step_ms": 1695.0}),
         fitted_on="elementwise_factor and step_ms on 4 of MegaScale's 8 baseline runs (calibration/published_runs.csv, "
                   "use=fit); the rest nanotron's",
         missing_overlaps=("TP collectives", "pipeline sends/receives", "data-parallel reduction and gather")),
@@ -200,8 +205,8 @@ PROFILES = {
         "torchtitan", "torchtitan (PyTorch's reference stack): FSDP2 (bf16 gathers, fp32 reduce-scatters), "
         "optional async TP, op-level selective recompute, torch.compile, torch.distributed.pipelining",
         pp_split="even", selective="op", cp_ring="torch", fsdp_reduce_per_micro_batch=True, reduce_bytes=4,
-        time=StackTime(elementwise_factor=1.0, eager_elementwise_factor=3.404, attention_efficiency=0.5526,
-                       loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0, async_tp_overlap=0.7412,
+        time=StackTime(elementwise_factor=1.0, eager_elementwise_factor=3.407, attention_efficiency=0.5513,
+                       loss_bytes_per_logit=67.0, accum_bytes_per_param=12.0, async_tp_overlap=0.7956,
                        **_BORROWED_HOST),
         fitted_on="eager_elementwise_factor, attention_efficiency, async_tp_overlap on torchtitan's 2024-12 tables "
                   "(10 runs) + one published run; host costs nanotron's (borrowed)",
@@ -210,7 +215,7 @@ PROFILES = {
         "llmfoundry", "MosaicML llm-foundry (Composer, FSDP FULL_SHARD, flash attention)",
         **{**_BF16_STORING, "data_parallel": "usp", "fp32_params": True}, fused_projections=True,
         selective="attention",
-        time=StackTime(elementwise_factor=3.458, attention_efficiency=0.5393, loss_bytes_per_logit=67.0, layer_us=300.0,
+        time=StackTime(elementwise_factor=3.458, attention_efficiency=0.5394, loss_bytes_per_logit=67.0, layer_us=300.0,
                        micro_batch_ms=0.01061, step_ms=0.1031),
         fitted_on="llm-foundry's bf16 tables (H100, A100 40/80 GB: 209 runs), with the playbook's even rows"),
 }

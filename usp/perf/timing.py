@@ -215,6 +215,7 @@ class TimeShape:
     hw_fpt: float
     world: int
     nodes: int = 1
+    tp: int = 1  # tensor-parallel degree (the p2p stall's TP wait)
     memory_fraction: float = 0.0  # predicted peak of the fullest stage / device memory (the p2p stall)
     logits_mb: float = 0.0  # logits the head's stage handles per micro batch (tokens x vocabulary/tp)
     compiled: bool = False  # train.compile (or the stack's own fused kernels): no eager cost
@@ -656,7 +657,7 @@ def time_shape(arch: Arch, layout: Layout, seq_len: int, global_batch: int, hw: 
                      optimizer_params=psi / shard_degree(layout, profile), accum_params=psi,
                      tokens_per_step=global_batch * seq_len, model_fpt=model_fpt, hw_fpt=hw_fpt, world=layout.world,
                      nodes=hw.nodes, memory_fraction=_memory_fraction(arch, layout, seq_len, hw, prec, profile, peak),
-                     logits_mb=tokens_mb * vocab_t,
+                     tp=layout.tp, logits_mb=tokens_mb * vocab_t,
                      compiled=prec.compiled or not profile.follows_compile,
                      compiled_loss=compiled_loss(layout, prec) or not profile.follows_compile,
                      fp8_peak=1e12 * hw.peak_tflops_fp8 if prec.fp8 != "off" else 0.0, matmul_flops_mb=matmul,
@@ -850,7 +851,7 @@ def evaluate(shape: TimeShape, hw: Hardware, stack: StackTime | None = None) -> 
             best = (total, mb)
     mb = best[1]  # type: ignore[index]
     comm, path_s, dp_s, stall_s, interference = [], 0.0, 0.0, 0.0, 0.0
-    stall_one = pipeline_stall_s(k, shape.nodes, shape.memory_fraction)
+    stall_one = pipeline_stall_s(k, shape.nodes, shape.memory_fraction, shape.tp)
     left: dict = {}
     for ct, (one, gbps, latency) in zip(shape.comms, costs):
         seconds, exposed, window, hidden = _exposed(ct, (one, gbps, latency), mb, shape, c, k, left)
@@ -905,20 +906,22 @@ def _exposed(ct: Comm, cost: tuple, mb: MicroBatch, shape: TimeShape, c: TimeCon
     return seconds, seconds - hidden + c.interference * hidden, window, hidden
 
 
-def pipeline_stall_s(stack: StackTime, nodes: int, memory_fraction: float) -> float:
+def pipeline_stall_s(stack: StackTime, nodes: int, memory_fraction: float, tp: int = 1) -> float:
     """Seconds one blocking pipeline send/recv stalls: p2p_stall_ms x the chance that either cause
     strikes, 1 - (1 - by_nodes)(1 - by_memory), each a steep step sat = 1 / (1 + (x_half / x) ** exp):
     by_nodes in the job's node count (half at p2p_stall_nodes), by_memory in the fullest stage's
     predicted use (half at p2p_stall_headroom of the device left free: allocator retries synchronise
-    the device while a peer waits). Fitted to nanotron's blocking 1F1B sends (docs/planner.md "Time on
-    real runs"); 0 for a stack without it."""
+    the device while a peer waits); + p2p_tp_ms x (tp / 8) ** p2p_tp_exp, a wait growing with the
+    tensor-parallel degree. Fitted to nanotron's blocking 1F1B sends (docs/planner.md "Time on real
+    runs"); 0 for a stack without them."""
     k = stack
+    tp_wait = 1e-3 * k.p2p_tp_ms * (tp / 8) ** k.p2p_tp_exp if k.p2p_tp_ms > 0 else 0.0
     if k.p2p_stall_ms <= 0:
-        return 0.0
+        return tp_wait
     by_nodes = 1 / (1 + (k.p2p_stall_nodes / max(1, nodes)) ** k.p2p_stall_exp)
     free = max(1e-3, 1 - memory_fraction)
     by_memory = 1 / (1 + (free / k.p2p_stall_headroom) ** k.p2p_stall_exp) if memory_fraction > 0 else 0.0
-    return 1e-3 * k.p2p_stall_ms * (1 - (1 - by_nodes) * (1 - by_memory))
+    return 1e-3 * k.p2p_stall_ms * (1 - (1 - by_nodes) * (1 - by_memory)) + tp_wait
 
 
 def mfu(shape: TimeShape, step_s: float) -> float:
@@ -957,10 +960,11 @@ def _assumptions(layout: Layout, hw: Hardware, prec: Precision, shape: TimeShape
         out.append(f"train.fp8={prec.fp8}: the blocks' linears at {shape.fp8_peak / 1e12:.0f} TFLOP/s FP8 peak x "
                    f"{c.gemm_efficiency:.3g} x fp8_efficiency {c.fp8_efficiency:.3g}, + {k.fp8_cast_bytes:g} B per "
                    "cast element; attention scores and the LM head in bf16; MFU against the bf16 peak")
-    if layout.pp > 1 and k.p2p_stall_ms > 0:
-        stall = pipeline_stall_s(k, shape.nodes, shape.memory_fraction)
+    if layout.pp > 1 and (k.p2p_stall_ms > 0 or k.p2p_tp_ms > 0):
+        stall = pipeline_stall_s(k, shape.nodes, shape.memory_fraction, shape.tp)
         out.append(f"pipeline p2p stall {1e3 * stall:.3g} ms per blocking send/recv (up to {k.p2p_stall_ms:.3g} ms: "
-                   f"{shape.nodes} node(s), fullest stage at {shape.memory_fraction:.0%} of device memory)")
+                   f"{shape.nodes} node(s), fullest stage at {shape.memory_fraction:.0%} of device memory; "
+                   f"+ {k.p2p_tp_ms:.3g} ms x (tp/8)^{k.p2p_tp_exp:.3g} at tp {shape.tp})")
     if layout.pp > 1:
         out.append(f"bubble {layout.pp_schedule}: " + (
             "≈ 0 (zero-bubble schedule, idealised)" if layout.pp_schedule in ZERO_BUBBLE else
