@@ -90,13 +90,13 @@ def test_fewer_layouts_than_constants_are_refused_and_nothing_is_written(folder)
 
 @pytest.mark.parametrize("out", ["fitted/mine.yaml", "mine"])
 def test_few_runs_warn_and_the_printed_command_runs(folder, out):
-    """30 layouts for 12 constants: fitted, with a warning; the advice is a command (the cluster group and the
+    """30 layouts for 14 constants: fitted, with a warning; the advice is a command (the cluster group and the
     profile file the fit wrote), run here as printed."""
     runs = folder / "runs.csv"
     runs.write_text(HEADER + "\n" + "\n".join(OK_ROWS[::34][:30]) + "\n")
     (folder / "fitted").mkdir()
     k = _constants(runs)
-    assert k == 12 and 30 < 3 * k  # network 2 + stack 6 + pipeline 4: below 3 layouts per constant
+    assert k == 14 and 30 < 3 * k  # network 2 + stack 6 + pipeline 4 + its TP wait 2: below 3 layouts per constant
     proc = usp_cli("calibrate", str(runs), "--cluster", "slurm_h100", "--out", out, cwd=folder, columns=400)
     assert proc.returncode == 0, proc.stderr
     assert f"warning: only 30 measured run(s), 30 distinct (model, nodes, layout) for {k} fitted constants" \

@@ -37,6 +37,7 @@ STACK = (("elementwise_factor", 0.1, 20.0), ("layer_us", 0.1, 1e4), ("micro_batc
          ("step_ms", 0.01, 1e4), ("loss_bytes_per_logit", 1.0, 1e3), ("attention_efficiency", 0.1, 1.0))
 PIPELINE = (("pp_p2p_us", 1.0, 1e5), ("p2p_stall_ms", 0.01, 1e4), ("p2p_stall_nodes", 1.0, 1e4),
             ("p2p_stall_headroom", 0.001, 1.0))
+PIPELINE_TP = (("p2p_tp_ms", 0.01, 1e4), ("p2p_tp_exp", 0.5, 4.0))  # where pipelined runs also use TP
 GROUPS = ("network", "gpu", "stack")
 SOFT_L1_SCALE = 0.1  # residuals (log ratios) beyond ~10 % count linearly, not quadratically
 RANK_WEIGHT = 5.0  # a cell's log shortfall of its measured best from the predicted top 3, as a residual
@@ -343,6 +344,8 @@ def params_for(groups: tuple, cluster: str, profile: str, runs: list[MeasuredRun
         out += [Param.stack(s, profile) for s in STACK]
         if any(r.layout.pp > 1 for r in runs):
             out += [Param.stack(s, profile) for s in PIPELINE]
+        if any(r.layout.pp > 1 and r.layout.tp > 1 for r in runs):
+            out += [Param.stack(s, profile) for s in PIPELINE_TP]
     return out
 
 
