@@ -94,6 +94,13 @@ def _foundry_bf16() -> list:
     return [r for r in P.llmfoundry() if r.precision == "bf16"]
 
 
+def _with_stage_a(profiles: dict, out: dict) -> dict:
+    """The profiles with stage A's fitted stack constants (nanotron's and llm-foundry's)."""
+    for name in ("nanotron", "llmfoundry"):
+        profiles[name] = replace(profiles[name], time=out["stacks"][name])
+    return profiles
+
+
 def cross_validate() -> None:
     """Stage A fitted on each half of the playbook sweep (with llm-foundry's bf16 rows), scored on the other
     half: how far the held-out figures move between two equal splits of the same sweep, and each cell's rank
@@ -101,9 +108,7 @@ def cross_validate() -> None:
     hits = cells = 0
     for fit_half, held in (("even", "odd"), ("odd", "even")):
         out = stage(f"A on the {fit_half} rows", [*P.playbook(fit_half), *_foundry_bf16()], STAGE_A, {})
-        profiles = dict(PROFILES)
-        for name in ("nanotron", "llmfoundry"):
-            profiles[name] = replace(profiles[name], time=out["stacks"][name])
+        profiles = _with_stage_a(dict(PROFILES), out)
         for half in (held, fit_half):
             problem = Problem(list(P.playbook(half)), hardware=out["hardware"], profiles=profiles)
             predicted = problem.predict()
@@ -193,8 +198,7 @@ def main() -> None:
         runs = [*P.playbook("even"), *_foundry_bf16()]
         out = _keep(done, stage("A", runs, STAGE_A, {}))
         hardware.update(out["hardware"])
-        for name in ("nanotron", "llmfoundry"):
-            profiles[name] = replace(profiles[name], time=out["stacks"][name])
+        profiles = _with_stage_a(profiles, out)
         borrowed = {f: getattr(profiles["nanotron"].time, f) for f in HOST}
         for name in ("torchtitan", "megatron", "megatron_legacy", "meta_llama3", "usp"):
             profiles[name] = profiles[name].with_time(**borrowed)
